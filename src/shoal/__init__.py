@@ -1,0 +1,7 @@
+"""shoal: an inference engine and cluster for small models (embedders, rerankers, extractors).
+
+Importing this package is cheap: it does not import torch. Build a server with
+`shoal.api.create_app(settings, engine)` or run `shoal serve`.
+"""
+
+__version__ = "0.1.0"

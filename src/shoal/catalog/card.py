@@ -1,0 +1,114 @@
+"""Model cards: one YAML file per model, validated on load.
+
+A card says where the weights come from, how to tokenize, how to pool and normalise, which prompts
+exist, what the model can output and how it was verified. Errors name the file and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import yaml
+
+from ..errors import CardError
+
+Pooling = Literal["cls", "mean", "last"]
+Output = Literal["dense"]
+# real_weights: compared with its reference on the real weights, in shoal's tests.
+# random_weights: only its architecture's parity test (random-initialised) covers it.
+# unverified: a user's card that no shoal test exercises.
+Verified = Literal["real_weights", "random_weights", "unverified"]
+
+
+class Source(msgspec.Struct, forbid_unknown_fields=True):
+    # Hugging Face Hub repo id and optional revision, downloaded through huggingface_hub.
+    hub: str | None = None
+    revision: str | None = None
+    # A local directory with config.json, tokenizer.json and *.safetensors; relative to the card.
+    path: str | None = None
+    # "module/subdir": an installed Python package that ships the same files (offline use).
+    package: str | None = None
+    # The pip name of that package, for the error message when it is missing.
+    package_pip: str | None = None
+
+
+class Batching(msgspec.Struct, forbid_unknown_fields=True):
+    max_batch_tokens: int | None = None
+    max_batch_items: int | None = None
+
+
+class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    id: str
+    source: Source
+    max_length: int
+    pooling: Pooling
+    dimensions: int
+    architecture: str | None = None
+    normalize: bool = True
+    outputs: tuple[Output, ...] = ("dense",)
+    matryoshka_dims: tuple[int, ...] = ()
+    prompts: dict[str, str] = {}
+    # The prompt names used for `is_query: true` / `false`, when the model has them.
+    query_prompt: str | None = None
+    document_prompt: str | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    batching: Batching = Batching()
+    verified: Verified = "unverified"
+    description: str = ""
+    # The file this card was read from (filled in by the loader).
+    card_path: str | None = None
+
+    def prompt_for(self, prompt_name: str | None, is_query: bool | None) -> str:
+        """The text prefix for a request; raises CardError's sibling InvalidRequest upstream."""
+        if prompt_name is not None:
+            return self.prompts[prompt_name]
+        if is_query is True and self.query_prompt:
+            return self.prompts[self.query_prompt]
+        if is_query is False and self.document_prompt:
+            return self.prompts[self.document_prompt]
+        return ""
+
+
+def parse_card(data: object, origin: str) -> ModelCard:
+    """Validate a decoded YAML document as a card; `origin` names it in errors."""
+    if not isinstance(data, dict):
+        raise CardError(f"{origin}: a model card must be a mapping, got {type(data).__name__}")
+    try:
+        card = msgspec.convert(data, ModelCard)
+    except msgspec.ValidationError as exc:
+        raise CardError(f"{origin}: {exc}", details={"file": origin}) from None
+    _check(card, origin)
+    return msgspec.structs.replace(card, card_path=origin)
+
+
+def load_card(path: Path) -> ModelCard:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CardError(f"{path}: cannot read model card: {exc}", details={"file": str(path)}) from None
+    return parse_card(data, str(path))
+
+
+def _check(card: ModelCard, origin: str) -> None:
+    def fail(field: str, message: str) -> None:
+        raise CardError(f"{origin}: `{field}` {message}", details={"file": origin, "field": field})
+
+    if not (card.source.hub or card.source.path or card.source.package):
+        fail("source", "needs at least one of hub, path or package")
+    if card.max_length < 1:
+        fail("max_length", "must be >= 1")
+    if card.dimensions < 1:
+        fail("dimensions", "must be >= 1")
+    for dim in card.matryoshka_dims:
+        if not 1 <= dim <= card.dimensions:
+            fail("matryoshka_dims", f"has {dim}, outside 1..{card.dimensions}")
+    for name in ("query_prompt", "document_prompt"):
+        value = getattr(card, name)
+        if value is not None and value not in card.prompts:
+            fail(name, f"names prompt {value!r}, which `prompts` does not define")
+    for name in ("max_batch_tokens", "max_batch_items"):
+        value = getattr(card.batching, name)
+        if value is not None and value < 1:
+            fail(f"batching.{name}", "must be >= 1")

@@ -1,0 +1,100 @@
+"""Variable-length attention over packed sequences: the one seam where kernels are chosen.
+
+Inputs are packed: q `[T, H, D]`, k and v `[T, Hkv, D]` (Hkv divides H: grouped-query attention),
+sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Two kernels:
+
+- flash-attn's `flash_attn_varlen_func` on CUDA in fp16/bf16 when the package is installed: it
+  reads the packed layout directly, no padding anywhere.
+- elsewhere, `scaled_dot_product_attention` over a padded `[n, H, L, D]` view that exists only
+  inside this function: tokens are scattered into it and gathered back, so the layers around
+  attention never see a pad token. Masked keys never contribute.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    """Boundaries of the packed batch, built once per forward and passed to every layer."""
+
+    cu_seqlens: torch.Tensor  # [n+1] int32, on the model's device
+    max_seqlen: int
+    # For the padded path: token t lives at (seq_index[t], pos_in_seq[t]) of [n, L].
+    seq_index: torch.Tensor  # [T] int64
+    pos_in_seq: torch.Tensor  # [T] int64
+    key_mask: torch.Tensor  # [n, L] bool, True where a real token is
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> "AttentionMeta":
+        device = cu_seqlens.device
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [n]
+        n = lengths.numel()
+        seq_index = torch.repeat_interleave(torch.arange(n, device=device), lengths)  # [T]
+        starts = cu_seqlens[:-1].long()[seq_index]  # [T]
+        pos_in_seq = torch.arange(seq_index.numel(), device=device) - starts
+        key_mask = torch.arange(max_seqlen, device=device)[None, :] < lengths[:, None]  # [n, L]
+        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMeta,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within each packed sequence. Returns `[T, H, D]`."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
+        return _flash(q, k, v, meta, causal, scale)
+    return _padded_sdpa(q, k, v, meta, causal, scale)
+
+
+@functools.cache
+def _flash_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None) -> torch.Tensor:
+    return _flash_varlen()(
+        q, k, v,
+        cu_seqlens_q=meta.cu_seqlens, cu_seqlens_k=meta.cu_seqlens,
+        max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen,
+        softmax_scale=scale, causal=causal,
+    )
+
+
+def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None) -> torch.Tensor:
+    n, L = meta.num_seqs, meta.max_seqlen
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [n, h, L, D]
+        out = x.new_zeros(n, L, x.shape[1], D)
+        out[meta.seq_index, meta.pos_in_seq] = x
+        return out.transpose(1, 2)
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    if Hkv != H:  # grouped-query attention: each kv head serves H // Hkv query heads
+        kp = kp.repeat_interleave(H // Hkv, dim=1)
+        vp = vp.repeat_interleave(H // Hkv, dim=1)
+    mask = meta.key_mask[:, None, None, :]  # [n, 1, 1, L]
+    if causal:
+        mask = mask & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None]
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)  # [n, H, L, D]
+    return out.transpose(1, 2)[meta.seq_index, meta.pos_in_seq]  # [T, H, D]

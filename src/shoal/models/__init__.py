@@ -1,0 +1,25 @@
+"""Architectures, keyed by the `model_type` of a checkpoint's config.json.
+
+Importing this package does not import torch: entries name their module, loaded on first use.
+Each model class offers `config_class.from_dict(config)`, a `weight_map` (checkpoint name
+pattern -> parameter name, shard) and `forward(input_ids, position_ids, meta, ...) -> [T, hidden]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+ARCHITECTURES: dict[str, str] = {
+    "bert": "shoal.models.bert:BertModel",
+}
+
+
+def model_class(architecture: str) -> Any:
+    try:
+        target = ARCHITECTURES[architecture]
+    except KeyError:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise ValueError(f"architecture {architecture!r} is not implemented; shoal has: {known}") from None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,135 @@
+"""Checkpoints (config.json + safetensors) -> a model on a device, via the model's weight map.
+
+The model class declares, as data, how checkpoint names become its parameter names
+(`weight_map`: pattern, replacement, shard) and which checkpoint tensors it ignores. Fused
+projections (q, k, v into one `FusedLinear`) are filled shard by shard. Every parameter must be
+filled exactly; anything else is a ModelLoadError that names the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .errors import ModelLoadError
+from .models import model_class
+
+# Prefixes that task heads and wrappers put in front of the encoder's tensor names.
+_PREFIXES = ("bert.", "roberta.", "model.", "encoder_model.")
+_LEGACY = ((".gamma", ".weight"), (".beta", ".bias"))
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    try:
+        return json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{directory}/config.json: {exc}") from None
+
+
+def build_model(directory: Path, architecture: str | None, device: str, dtype: str = "float32") -> nn.Module:
+    """Instantiate the architecture from config.json and load its weights, ready for inference."""
+    config = read_config(directory)
+    arch = architecture or config.get("model_type")
+    try:
+        cls = model_class(str(arch))
+        cfg = cls.config_class.from_dict(config)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{directory}: {exc}") from None
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device)
+    load_weights(model, directory)
+    return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory}: no *.safetensors files (shoal loads safetensors only)")
+    return files
+
+
+def _canonical(name: str) -> str:
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    for old, new in _LEGACY:
+        if name.endswith(old):
+            name = name[: -len(old)] + new
+    return name
+
+
+def load_weights(model: nn.Module, directory: Path) -> None:
+    rules = [(re.compile(p), repl, shard) for p, repl, shard in model.weight_map]
+    ignored = [re.compile(p) for p in model.ignored_weights]
+    params = dict(model.named_parameters())
+    filled: Counter[str] = Counter()
+    unknown: list[str] = []
+
+    for path in _safetensors_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = _canonical(key)
+                target = _route(rules, name)
+                if target is None:
+                    if not any(p.fullmatch(name) for p in ignored):
+                        unknown.append(key)
+                    continue
+                param_name, shard = target
+                if param_name not in params:
+                    raise ModelLoadError(f"{path.name}: {key} maps to {param_name}, which the model does not have")
+                _copy(model, params[param_name], param_name, shard, f.get_tensor(key), key)
+                filled[param_name] += 1
+
+    missing = []
+    for name in params:
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        expected = len(getattr(module, "shard_sizes", (0,)))
+        if filled[name] != expected:
+            missing.append(name)
+    if missing:
+        raise ModelLoadError(f"{directory}: checkpoint lacks tensors for {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""),
+                             details={"missing": missing, "unused": unknown})
+
+
+def _route(rules, name: str) -> tuple[str, int | None] | None:
+    for pattern, repl, shard in rules:
+        match = pattern.fullmatch(name)
+        if match:
+            return match.expand(repl), shard
+    return None
+
+
+def _copy(model: nn.Module, param: torch.Tensor, param_name: str, shard: int | None, tensor: torch.Tensor, key: str) -> None:
+    dest = param.data
+    if shard is not None:
+        sizes = model.get_submodule(param_name.rsplit(".", 1)[0]).shard_sizes
+        dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"{key}: shape {tuple(tensor.shape)} does not fit {param_name} {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+def estimate_bytes(directory: Path, dtype: str = "float32") -> int:
+    """Bytes the weights take once loaded in `dtype`, read from safetensors headers only."""
+    itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+    total = 0
+    for path in _safetensors_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                numel = 1
+                for dim in f.get_slice(key).get_shape():
+                    numel *= dim
+                total += numel * itemsize
+    return total
