@@ -22,7 +22,7 @@ Output = Literal["dense"]
 Verified = Literal["real_weights", "random_weights", "unverified"]
 
 
-class Source(msgspec.Struct, forbid_unknown_fields=True):
+class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Hugging Face Hub repo id and optional revision, downloaded through huggingface_hub.
     hub: str | None = None
     revision: str | None = None
@@ -34,7 +34,7 @@ class Source(msgspec.Struct, forbid_unknown_fields=True):
     package_pip: str | None = None
 
 
-class Batching(msgspec.Struct, forbid_unknown_fields=True):
+class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_batch_tokens: int | None = None
     max_batch_items: int | None = None
 

@@ -1,0 +1,40 @@
+"""Prometheus metrics: one `Metrics` object per process, built by a factory and passed down.
+
+Every metric lives in the object's own registry (no global state, so tests can build many).
+Names are the ones docs/metrics.md lists and dashboards may query.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("shoal_requests", "HTTP requests by route, model and status", ["route", "model", "status"], registry=r)
+        self.request_seconds = Histogram(
+            "shoal_request_duration_seconds", "HTTP request latency", ["route", "model"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tokens = Counter("shoal_tokens", "Tokens run through a model (real tokens, no padding)", ["model"], registry=r)
+        self.items = Counter("shoal_items", "Items (texts) run through a model", ["model"], registry=r)
+        self.batch_tokens = Histogram("shoal_batch_tokens", "Real tokens per batch", ["model"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.batch_items = Histogram("shoal_batch_items", "Items per batch", ["model"], buckets=_ITEM_BUCKETS, registry=r)
+        self.phase_seconds = Histogram(
+            "shoal_phase_duration_seconds", "Time per request phase (tokenize, queue, inference)", ["phase", "model"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge("shoal_queue_depth", "Items admitted and not yet answered", registry=r)
+        self.rejected = Counter("shoal_rejected", "Requests refused because the queue was full", ["model"], registry=r)
+        self.loaded_models = Gauge("shoal_loaded_models", "Models loaded on this process", registry=r)
+        self.loaded_bytes = Gauge("shoal_loaded_model_bytes", "Bytes of weights loaded", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
