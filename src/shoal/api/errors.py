@@ -1,0 +1,48 @@
+"""The one map from shoal errors to HTTP status, and the one error body shape.
+
+    {"error": {"code": "...", "message": "...", "details": {...}}}
+"""
+
+from __future__ import annotations
+
+from starlette.responses import Response
+
+from .. import wire
+from ..errors import (
+    InputTooLong,
+    InvalidRequest,
+    Overloaded,
+    PayloadTooLarge,
+    ShoalError,
+    UnknownModel,
+    UnsupportedMediaType,
+)
+
+# Most specific first: the first class the error is an instance of decides.
+_STATUS: tuple[tuple[type[ShoalError], int], ...] = (
+    (UnknownModel, 404),
+    (UnsupportedMediaType, 415),
+    (PayloadTooLarge, 413),
+    (InputTooLong, 422),
+    (InvalidRequest, 400),
+    (Overloaded, 503),
+    (ShoalError, 500),
+)
+
+
+def status_of(error: ShoalError) -> int:
+    return next(status for cls, status in _STATUS if isinstance(error, cls))
+
+
+def error_response(error: ShoalError, fmt: wire.Format = wire.Format.JSON) -> Response:
+    body = wire.ErrorResponse(wire.ErrorBody(code=error.code, message=error.message, details=error.details))
+    headers = {}
+    if isinstance(error, Overloaded):
+        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    return Response(wire.encode(body, fmt), status_code=status_of(error), media_type=fmt.value, headers=headers)
+
+
+def http_error(code: str, message: str, status: int) -> Response:
+    """For errors the router raises itself (unknown path, wrong method)."""
+    body = wire.ErrorResponse(wire.ErrorBody(code=code, message=message))
+    return Response(wire.encode(body, wire.Format.JSON), status_code=status, media_type=wire.JSON)

@@ -1,0 +1,103 @@
+"""Route handlers: thin module-level functions from a decoded wire request to an engine call.
+
+Each handler takes the request context and returns `(response_object, model_id)`; `endpoint` in
+`shoal.api.app` reads the body, picks the formats, maps errors and records metrics once for all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from .. import wire
+from ..engine import EncodeCall, Engine
+from ..errors import InvalidRequest
+
+
+@dataclass
+class Context:
+    request: Request
+    engine: Engine
+    body: bytes
+    fmt_in: wire.Format
+    max_items: int
+    model: str | None = None  # set once known, for metric labels
+
+    def decode(self, typ: type):
+        return wire.decode(self.body, self.fmt_in, typ)
+
+    def check_count(self, num_items: int) -> None:
+        if num_items > self.max_items:
+            raise InvalidRequest(
+                f"{num_items} items in one request; the limit is {self.max_items}: split the request",
+                details={"items": num_items, "max_items": self.max_items},
+            )
+
+
+async def encode(ctx: Context) -> wire.EncodeResponse:
+    req: wire.EncodeRequest = ctx.decode(wire.EncodeRequest)
+    ctx.model = req.model
+    ctx.check_count(len(req.items))
+    opts = req.options
+    result = await ctx.engine.encode(
+        EncodeCall(
+            model=req.model,
+            texts=[item.text for item in req.items],
+            normalize=opts.normalize,
+            dimensions=opts.dimensions,
+            output_dtype=opts.output_dtype,
+            is_query=opts.is_query,
+            prompt_name=opts.prompt_name,
+            truncate=opts.truncate,
+        )
+    )
+    items = [wire.EncodedItem(id=item.id, dense=vector) for item, vector in zip(req.items, result.vectors)]
+    return wire.EncodeResponse(
+        model=req.model,
+        items=items,
+        usage=wire.Usage(tokens=result.num_tokens),
+        timings=_timings(result),
+    )
+
+
+async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
+    """OpenAI-compatible: the official client sends `encoding_format: base64` by default."""
+    req: wire.EmbeddingsRequest = ctx.decode(wire.EmbeddingsRequest)
+    ctx.model = req.model
+    texts = req.texts()
+    ctx.check_count(len(texts))
+    result = await ctx.engine.encode(EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions))
+    data = [wire.openai_embedding(i, v, req.encoding_format) for i, v in enumerate(result.vectors)]
+    usage = wire.EmbeddingsUsage(prompt_tokens=result.num_tokens, total_tokens=result.num_tokens)
+    return wire.EmbeddingsResponse(data=data, model=req.model, usage=usage)
+
+
+async def models(ctx: Context) -> dict:
+    data = []
+    for card in ctx.engine.catalog:
+        data.append({
+            "id": card.id,
+            "object": "model",
+            "owned_by": "shoal",
+            "architecture": card.architecture,
+            "outputs": list(card.outputs),
+            "dimensions": card.dimensions,
+            "max_length": card.max_length,
+            "pooling": card.pooling,
+            "prompts": sorted(card.prompts),
+            "verified": card.verified,
+            "loaded": ctx.engine.cache.is_loaded(card.id),
+            "description": card.description,
+        })
+    return {"object": "list", "data": data}
+
+
+def _timings(result) -> wire.Timings:
+    ms = 1000.0
+    return wire.Timings(
+        tokenize_ms=round(result.tokenize_s * ms, 3),
+        queue_ms=round(result.queue_s * ms, 3),
+        inference_ms=round(result.inference_s * ms, 3),
+        total_ms=0.0,  # filled in by the endpoint, which sees the whole request
+    )

@@ -1,0 +1,127 @@
+"""`shoal` command line. Heavy imports (torch, the web stack) happen inside each subcommand, so
+`shoal --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+
+def _settings(args: argparse.Namespace):
+    from .config import Settings
+
+    settings = Settings.from_env()
+    server, engine = settings.server, settings.engine
+    if getattr(args, "host", None):
+        server = replace(server, host=args.host)
+    if getattr(args, "port", None):
+        server = replace(server, port=args.port)
+    if getattr(args, "device", None):
+        engine = replace(engine, device=args.device)
+    if getattr(args, "memory_budget_bytes", None):
+        engine = replace(engine, memory_budget_bytes=args.memory_budget_bytes)
+    if getattr(args, "pin", None):
+        engine = replace(engine, pinned_models=tuple(args.pin))
+    dirs = settings.models_dirs + tuple(Path(d) for d in (args.models_dir or []))
+    return replace(settings, server=server, engine=engine, models_dirs=dirs)
+
+
+def _engine(settings):
+    from .catalog import Catalog
+    from .engine import Engine
+
+    return Engine(settings.engine, Catalog.load(settings.models_dirs), allow_download=settings.allow_download)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .api import create_app
+
+    settings = _settings(args)
+    engine = _engine(settings)
+    for model_id in args.preload or []:
+        engine.catalog.get(model_id)  # fail fast on a typo, before binding the port
+    app = create_app(settings, engine, preload=tuple(args.preload or ()))
+    uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .catalog import Catalog
+
+    settings = _settings(args)
+    for card in Catalog.load(settings.models_dirs):
+        print(f"{card.id:48} {card.architecture or '-':10} {card.dimensions:5}d  {card.pooling:5} {card.verified}")
+    return 0
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    from .engine import EncodeCall
+
+    settings = _settings(args)
+
+    async def run():
+        engine = _engine(settings)
+        await engine.start()
+        try:
+            return await engine.encode(EncodeCall(model=args.model, texts=args.text, dimensions=args.dimensions))
+        finally:
+            await engine.stop()
+
+    result = asyncio.run(run())
+    for text, vector in zip(args.text, result.vectors):
+        print(json.dumps({"text": text, "dense": [round(float(x), 6) for x in vector]}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="Serve small models: encode, score, extract.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--models-dir", action="append", metavar="DIR", help="add the model cards (*.yaml) in DIR")
+
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    common(serve)
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8080)")
+    serve.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    serve.add_argument("--memory-budget-bytes", type=int, help="bytes of weights to keep loaded before evicting")
+    serve.add_argument("--pin", action="append", metavar="MODEL", help="never evict MODEL")
+    serve.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before accepting requests")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+    models = sub.add_parser("models", help="list the model cards")
+    common(models)
+    models.set_defaults(func=cmd_models)
+
+    encode = sub.add_parser("encode", help="embed texts in-process and print JSON lines")
+    common(encode)
+    encode.add_argument("model")
+    encode.add_argument("text", nargs="+")
+    encode.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    encode.add_argument("--dimensions", type=int)
+    encode.set_defaults(func=cmd_encode)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import ShoalError
+
+    try:
+        return args.func(args)
+    except ShoalError as exc:
+        print(f"shoal: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
