@@ -11,6 +11,7 @@ from .. import wire
 from ..errors import (
     InputTooLong,
     InvalidRequest,
+    ModelLoadError,
     Overloaded,
     PayloadTooLarge,
     ShoalError,
@@ -26,6 +27,9 @@ _STATUS: tuple[tuple[type[ShoalError], int], ...] = (
     (InputTooLong, 422),
     (InvalidRequest, 400),
     (Overloaded, 503),
+    # The model exists in the catalog but its weights cannot be had here: not the caller's fault,
+    # and not a crash either. No Retry-After: retrying will not help until an operator acts.
+    (ModelLoadError, 503),
     (ShoalError, 500),
 )
 

@@ -54,11 +54,16 @@ def varlen_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Attention within each packed sequence. Returns `[T, H, D]`."""
+    """Attention within each packed sequence. Returns `[T, H, D]`.
+
+    `causal`: a token sees only earlier tokens of its sequence. `window` = (left, right): a token at
+    position i sees positions i-left..i+right only (local attention, as ModernBERT's local layers).
+    """
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
-        return _flash(q, k, v, meta, causal, scale)
-    return _padded_sdpa(q, k, v, meta, causal, scale)
+        return _flash(q, k, v, meta, causal, scale, window)
+    return _padded_sdpa(q, k, v, meta, causal, scale, window)
 
 
 @functools.cache
@@ -70,16 +75,16 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
-def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None) -> torch.Tensor:
+def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, window) -> torch.Tensor:
     return _flash_varlen()(
         q, k, v,
         cu_seqlens_q=meta.cu_seqlens, cu_seqlens_k=meta.cu_seqlens,
         max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen,
-        softmax_scale=scale, causal=causal,
+        softmax_scale=scale, causal=causal, window_size=window or (-1, -1),
     )
 
 
-def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None) -> torch.Tensor:
+def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, window) -> torch.Tensor:
     n, L = meta.num_seqs, meta.max_seqlen
     T, H, D = q.shape
     Hkv = k.shape[1]
@@ -94,7 +99,13 @@ def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None
         kp = kp.repeat_interleave(H // Hkv, dim=1)
         vp = vp.repeat_interleave(H // Hkv, dim=1)
     mask = meta.key_mask[:, None, None, :]  # [n, 1, 1, L]
-    if causal:
-        mask = mask & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None]
+    if causal or window is not None:
+        offset = torch.arange(L, device=q.device)[None, :] - torch.arange(L, device=q.device)[:, None]  # j - i
+        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device)
+        if causal:
+            allowed &= offset <= 0
+        if window is not None:
+            allowed &= (offset >= -window[0]) & (offset <= window[1])
+        mask = mask & allowed[None, None]  # [n, 1, L, L]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)  # [n, H, L, D]
     return out.transpose(1, 2)[meta.seq_index, meta.pos_in_seq]  # [T, H, D]

@@ -1,0 +1,85 @@
+"""The shared layers against straightforward per-sequence references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.models.llama.configuration_llama import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, varlen_attention
+
+LENGTHS = [5, 1, 17, 9, 32]
+
+
+def naive_attention(q, k, v, causal, window):
+    """One sequence: q [L, H, D], k/v [L, Hkv, D], explicit softmax over allowed keys."""
+    L, H, D = q.shape
+    groups = H // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q, k) / math.sqrt(D)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    allowed = torch.ones(L, L, dtype=torch.bool)
+    if causal:
+        allowed &= j <= i
+    if window is not None:
+        allowed &= (j >= i - window[0]) & (j <= i + window[1])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("window", [None, (3, 3), (4, 0)], ids=["global", "window-3-3", "window-4-0"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_varlen_attention_equals_per_sequence_attention(causal, window, heads):
+    torch.manual_seed(0)
+    H, Hkv = heads
+    T, D = sum(LENGTHS), 16
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    cu = torch.tensor([0] + LENGTHS).cumsum(0).to(torch.int32)
+    out = varlen_attention(q, k, v, AttentionMeta.build(cu, max(LENGTHS)), causal=causal, window=window)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        expected = naive_attention(q[start:end], k[start:end], v[start:end], causal, window)
+        assert (out[start:end] - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["full-rotary", "partial-rotary"])
+def test_rotary_matches_transformers_llama(partial):
+    torch.manual_seed(0)
+    head_dim, base = 32, 10000.0
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, rope_theta=base, max_position_embeddings=256)
+    rope = LlamaRotaryEmbedding(config)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])  # packed: restarts per sequence
+    x = torch.randn(positions.numel(), 4, head_dim)
+
+    rotary_dim = head_dim // 2 if partial else head_dim
+    cos, sin = Rotary(head_dim, base, rotary_dim).cos_sin(positions, x.dtype)
+    ours = apply_rotary(x, cos, sin)
+
+    if partial:  # transformers' partial rotary: rotate the first rotary_dim channels, keep the rest
+        ref_cos, ref_sin = _reference_cos_sin(positions, rotary_dim, base)
+        rot, _ = apply_rotary_pos_emb(x[None, ..., :rotary_dim].transpose(1, 2), x[None, ..., :rotary_dim].transpose(1, 2), ref_cos, ref_sin)
+        expected = torch.cat((rot[0].transpose(0, 1), x[..., rotary_dim:]), dim=-1)
+    else:
+        ref_cos, ref_sin = rope(x[None], positions[None])
+        rot, _ = apply_rotary_pos_emb(x[None].transpose(1, 2), x[None].transpose(1, 2), ref_cos, ref_sin)
+        expected = rot[0].transpose(0, 1)
+    assert (ours - expected).abs().max().item() <= 1e-5
+
+
+def _reference_cos_sin(positions, dim, base):
+    config = LlamaConfig(hidden_size=dim * 4, num_attention_heads=4, rope_theta=base, max_position_embeddings=256)
+    return LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])
+
+
+def test_rmsnorm_matches_transformers_llama():
+    torch.manual_seed(0)
+    ref = LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.normal_(1.0, 0.2)
+    ours = RMSNorm(64, eps=1e-6)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(10, 64) * 3
+    assert (ours(x) - ref(x)).abs().max().item() <= 1e-6
