@@ -14,12 +14,14 @@ from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, varlen_at
 LENGTHS = [5, 1, 17, 9, 32]
 
 
-def naive_attention(q, k, v, causal, window):
+def naive_attention(q, k, v, causal, window, bias=None):
     """One sequence: q [L, H, D], k/v [L, Hkv, D], explicit softmax over allowed keys."""
     L, H, D = q.shape
     groups = H // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("ihd,jhd->hij", q, k) / math.sqrt(D)
+    if bias is not None:
+        scores = scores + bias[:, :L, :L]
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     allowed = torch.ones(L, L, dtype=torch.bool)
     if causal:
@@ -42,6 +44,19 @@ def test_varlen_attention_equals_per_sequence_attention(causal, window, heads):
     out = varlen_attention(q, k, v, AttentionMeta.build(cu, max(LENGTHS)), causal=causal, window=window)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         expected = naive_attention(q[start:end], k[start:end], v[start:end], causal, window)
+        assert (out[start:end] - expected).abs().max().item() <= 1e-5
+
+
+def test_varlen_attention_adds_a_relative_position_bias_per_sequence():
+    torch.manual_seed(0)
+    H, T, D, L = 4, sum(LENGTHS), 8, max(LENGTHS)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, H, D), torch.randn(T, H, D)
+    relative = torch.arange(L)[None, :] - torch.arange(L)[:, None]  # j - i
+    bias = torch.randn(H, 2 * L - 1)[:, relative + L - 1]  # [H, L, L], a function of j - i only
+    cu = torch.tensor([0] + LENGTHS).cumsum(0).to(torch.int32)
+    out = varlen_attention(q, k, v, AttentionMeta.build(cu, L), bias=bias)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        expected = naive_attention(q[start:end], k[start:end], v[start:end], False, None, bias)
         assert (out[start:end] - expected).abs().max().item() <= 1e-5
 
 

@@ -21,8 +21,9 @@ from torch import nn
 from .errors import ModelLoadError
 from .models import model_class
 
-# Prefixes that task heads and wrappers put in front of the encoder's tensor names.
-_PREFIXES = ("bert.", "roberta.", "model.", "encoder_model.")
+# Prefixes that task heads and wrappers put in front of the encoder's tensor names; a model class
+# may declare its own as `checkpoint_prefixes`.
+_PREFIXES = ("bert.", "model.")
 _LEGACY = ((".gamma", ".weight"), (".beta", ".bias"))
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,8 +59,8 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _canonical(name: str) -> str:
-    for prefix in _PREFIXES:
+def _canonical(name: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
@@ -72,6 +73,7 @@ def _canonical(name: str) -> str:
 def load_weights(model: nn.Module, directory: Path) -> None:
     rules = [(re.compile(p), repl, shard) for p, repl, shard in model.weight_map]
     ignored = [re.compile(p) for p in model.ignored_weights]
+    prefixes = tuple(getattr(model, "checkpoint_prefixes", _PREFIXES))
     params = dict(model.named_parameters())
     filled: Counter[str] = Counter()
     unknown: list[str] = []
@@ -79,15 +81,16 @@ def load_weights(model: nn.Module, directory: Path) -> None:
     for path in _safetensors_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                name = _canonical(key)
+                name = _canonical(key, prefixes)
                 target = _route(rules, name)
                 if target is None:
                     if not any(p.fullmatch(name) for p in ignored):
                         unknown.append(key)
                     continue
                 param_name, shard = target
-                if param_name not in params:
-                    raise ModelLoadError(f"{path.name}: {key} maps to {param_name}, which the model does not have")
+                if param_name not in params:  # e.g. an MLM head the model was built without
+                    unknown.append(key)
+                    continue
                 _copy(model, params[param_name], param_name, shard, f.get_tensor(key), key)
                 filled[param_name] += 1
 

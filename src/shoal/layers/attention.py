@@ -30,6 +30,16 @@ class AttentionMeta:
     pos_in_seq: torch.Tensor  # [T] int64
     key_mask: torch.Tensor  # [n, L] bool, True where a real token is
 
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed `[T, ...]` -> padded `[n, L, ...]` (zeros where no token is)."""
+        out = x.new_zeros(self.num_seqs, self.max_seqlen, *x.shape[1:])
+        out[self.seq_index, self.pos_in_seq] = x
+        return out
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded `[n, L, ...]` -> packed `[T, ...]`."""
+        return x[self.seq_index, self.pos_in_seq]
+
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
@@ -55,15 +65,18 @@ def varlen_attention(
     causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each packed sequence. Returns `[T, H, D]`.
 
     `causal`: a token sees only earlier tokens of its sequence. `window` = (left, right): a token at
     position i sees positions i-left..i+right only (local attention, as ModernBERT's local layers).
+    `bias`: an additive score bias `[H, L, L]` over positions 0..L-1 (L = meta.max_seqlen), the
+    same for every sequence (relative-position biases, as MPNet's). It forces the padded path.
     """
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
+    if bias is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
         return _flash(q, k, v, meta, causal, scale, window)
-    return _padded_sdpa(q, k, v, meta, causal, scale, window)
+    return _padded_sdpa(q, k, v, meta, causal, scale, window, bias)
 
 
 @functools.cache
@@ -84,17 +97,10 @@ def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, wind
     )
 
 
-def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, window) -> torch.Tensor:
-    n, L = meta.num_seqs, meta.max_seqlen
-    T, H, D = q.shape
-    Hkv = k.shape[1]
-
-    def pad(x: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [n, h, L, D]
-        out = x.new_zeros(n, L, x.shape[1], D)
-        out[meta.seq_index, meta.pos_in_seq] = x
-        return out.transpose(1, 2)
-
-    qp, kp, vp = pad(q), pad(k), pad(v)
+def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, window, bias=None) -> torch.Tensor:
+    L = meta.max_seqlen
+    H, Hkv = q.shape[1], k.shape[1]
+    qp, kp, vp = (meta.pad(x).transpose(1, 2) for x in (q, k, v))  # [n, h, L, D]
     if Hkv != H:  # grouped-query attention: each kv head serves H // Hkv query heads
         kp = kp.repeat_interleave(H // Hkv, dim=1)
         vp = vp.repeat_interleave(H // Hkv, dim=1)
@@ -107,5 +113,7 @@ def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None
         if window is not None:
             allowed &= (offset >= -window[0]) & (offset <= window[1])
         mask = mask & allowed[None, None]  # [n, 1, L, L]
+    if bias is not None:  # additive float mask: -inf where masked, the bias elsewhere
+        mask = torch.where(mask, bias[None].to(q.dtype), float("-inf"))  # [n, H, L, L]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)  # [n, H, L, D]
-    return out.transpose(1, 2)[meta.seq_index, meta.pos_in_seq]  # [T, H, D]
+    return meta.unpad(out.transpose(1, 2))  # [T, H, D]

@@ -12,6 +12,15 @@ from typing import Any
 
 ARCHITECTURES: dict[str, str] = {
     "bert": "shoal.models.bert:BertModel",
+    "roberta": "shoal.models.roberta:RobertaModel",
+    "xlm-roberta": "shoal.models.roberta:RobertaModel",
+    "mpnet": "shoal.models.mpnet:MPNetModel",
+    "modernbert": "shoal.models.modernbert:ModernBertModel",
+    "nomic_bert": "shoal.models.nomic_bert:NomicBertModel",
+    "llama": "shoal.models.llama:LlamaModel",
+    "qwen2": "shoal.models.llama:LlamaModel",
+    "qwen3": "shoal.models.llama:LlamaModel",
+    "deberta-v2": "shoal.models.deberta_v2:DebertaV2Model",
 }
 
 
