@@ -56,6 +56,7 @@ class Settings:
             host=env.get("SHOAL_HOST", ServerSettings.host),
             port=int(env.get("SHOAL_PORT", ServerSettings.port)),
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", ServerSettings.max_body_bytes)),
+            max_items_per_request=int(env.get("SHOAL_MAX_ITEMS_PER_REQUEST", ServerSettings.max_items_per_request)),
         )
         budget = env.get("SHOAL_MEMORY_BUDGET_BYTES")
         engine = EngineSettings(

@@ -87,7 +87,7 @@ def create_app(settings: Settings, engine: Engine, *, preload: tuple[str, ...] =
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return http_error(code, message, exc.status_code)
+        return http_error(code, message, exc.status_code, headers=exc.headers)
 
     app = Starlette(
         routes=[

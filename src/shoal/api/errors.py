@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from starlette.responses import Response
 
 from .. import wire
@@ -46,7 +48,7 @@ def error_response(error: ShoalError, fmt: wire.Format = wire.Format.JSON) -> Re
     return Response(wire.encode(body, fmt), status_code=status_of(error), media_type=fmt.value, headers=headers)
 
 
-def http_error(code: str, message: str, status: int) -> Response:
-    """For errors the router raises itself (unknown path, wrong method)."""
+def http_error(code: str, message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:
+    """For errors the router raises itself (unknown path, wrong method: keeps its `Allow`)."""
     body = wire.ErrorResponse(wire.ErrorBody(code=code, message=message))
-    return Response(wire.encode(body, wire.Format.JSON), status_code=status, media_type=wire.JSON)
+    return Response(wire.encode(body, wire.Format.JSON), status_code=status, media_type=wire.JSON, headers=dict(headers or {}))

@@ -118,6 +118,11 @@ class Engine:
 
     def _admit(self, model_id: str, num_items: int) -> None:
         limit = self.settings.max_queue_items
+        if num_items > limit:  # could never be admitted: a retry would not help
+            raise InvalidRequest(
+                f"{num_items} items in one request is more than the queue holds ({limit}); split the request",
+                details={"items": num_items, "max_queue_items": limit},
+            )
         if self._admitted_items + num_items > limit:
             self.metrics.rejected.labels(model_id).inc()
             raise Overloaded(

@@ -1,0 +1,157 @@
+"""Shared fixtures: the MiniLM card and its installed weights, sentence-transformers as the reference,
+and real uvicorn servers on free ports of 127.0.0.1.
+
+Every fixture here is lazy: a test module that asks for none of them starts no server and loads no
+model. Servers are built from typed settings, as `shoal serve` builds them, and run in a background
+thread of the test process until the session ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+# Tests never reach the Hugging Face Hub; the weights come from an installed package.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+READY_TIMEOUT_S = 120.0
+
+
+# --- the model and its reference ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def card():
+    from shoal.catalog import Catalog
+
+    return Catalog.load().get(MODEL_ID)
+
+
+@pytest.fixture(scope="session")
+def model_dir(card) -> Path:
+    from shoal.catalog import resolve_weights
+
+    return resolve_weights(card, allow_download=False)
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_dir):
+    """sentence-transformers' own pipeline (BERT, mean pooling, normalise) over the same files."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def embed_reference(reference_model) -> Callable[[list[str]], np.ndarray]:
+    """texts -> `[n, 384]` float32 unit vectors, as sentence-transformers computes them."""
+
+    def embed(texts: list[str]) -> np.ndarray:
+        return reference_model.encode(list(texts), convert_to_numpy=True, batch_size=64)
+
+    return embed
+
+
+@pytest.fixture(scope="session")
+def count_tokens(reference_model) -> Callable[[str], int]:
+    """Tokens the reference feeds its model for one text: special tokens in, truncated to 256."""
+
+    def count(text: str) -> int:
+        ids = reference_model.tokenizer(text, truncation=True, max_length=reference_model.max_seq_length)["input_ids"]
+        return len(ids)
+
+    return count
+
+
+# --- servers ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def running_server(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free port; yields the base URL once /readyz answers 200."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken between choosing and serving
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        _wait_ready(url, thread)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def _wait_ready(url: str, thread: threading.Thread) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server thread for {url} exited during startup")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}/readyz did not answer 200 within {READY_TIMEOUT_S} s")
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """`serve(server=..., engine=...)` -> base URL of a new server with the MiniLM model preloaded.
+
+    Each call builds its own Settings, Engine and app; all of them stop when the session ends.
+    """
+    from shoal.api import create_app
+    from shoal.catalog import Catalog
+    from shoal.config import EngineSettings, ServerSettings, Settings
+    from shoal.engine import Engine
+
+    with contextlib.ExitStack() as servers:
+
+        def start(server: ServerSettings | None = None, engine: EngineSettings | None = None) -> str:
+            settings = Settings(server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False)
+            eng = Engine(settings.engine, Catalog.load(), allow_download=False)
+            app = create_app(settings, eng, preload=(MODEL_ID,))
+            return servers.enter_context(running_server(app))
+
+        yield start
+
+
+@pytest.fixture(scope="session")
+def server_settings():
+    """The main test server's limits: small, so the limit tests are cheap."""
+    from shoal.config import ServerSettings
+
+    return ServerSettings(max_body_bytes=256 * 1024, max_items_per_request=64)
+
+
+@pytest.fixture(scope="session")
+def base_url(serve, server_settings) -> str:
+    return serve(server=server_settings)
+
+
+@pytest.fixture(scope="session")
+def client(base_url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=60.0) as http:
+        yield http
+
+
+@pytest.fixture(scope="session")
+def openai_client(base_url):
+    import openai
+
+    # No retries: a test that provokes an error must see the first answer.
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60.0)
