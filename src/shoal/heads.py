@@ -47,3 +47,61 @@ def finish(vector: np.ndarray, *, dimensions: int | None, normalize: bool, outpu
     if output_dtype == "binary":
         return np.packbits(v > 0)
     raise ValueError(f"unknown output dtype {output_dtype!r}")
+
+
+# --- sparse and multi-vector heads --------------------------------------------------------------
+
+
+class MaskedLMHead(torch.nn.Module):
+    """An encoder's masked-LM head: dense -> activation -> LayerNorm -> vocabulary logits.
+
+    The decoder weight is the word-embedding matrix when the checkpoint ties them.
+    """
+
+    def __init__(self, dense_weight, dense_bias, norm_weight, norm_bias, decoder_weight, decoder_bias, act, eps: float):
+        super().__init__()
+        self.dense_weight, self.dense_bias = dense_weight, dense_bias  # [h, h], [h]
+        self.norm_weight, self.norm_bias = norm_weight, norm_bias  # [h], [h]
+        self.decoder_weight, self.decoder_bias = decoder_weight, decoder_bias  # [V, h], [V]
+        self.act, self.eps = act, eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [t, h] -> [t, V]
+        x = self.act(torch.nn.functional.linear(hidden, self.dense_weight, self.dense_bias))
+        x = torch.nn.functional.layer_norm(x, x.shape[-1:], self.norm_weight, self.norm_bias, self.eps)
+        return torch.nn.functional.linear(x, self.decoder_weight, self.decoder_bias)
+
+
+def splade(hidden: torch.Tensor, meta: AttentionMeta, mlm: MaskedLMHead, chunk_tokens: int = 2048) -> torch.Tensor:
+    """SPLADE term weights: max over each sequence of log(1 + relu(logits)). `[T, h]` -> `[n, V]`.
+
+    Logits are computed `chunk_tokens` rows at a time so a large batch never holds `[T, V]`.
+    """
+    out: torch.Tensor | None = None
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        weights = torch.log1p(torch.relu(mlm(hidden[start : start + chunk_tokens])))  # [t, V]
+        if out is None:
+            out = weights.new_zeros(meta.num_seqs, weights.shape[1])
+        index = meta.seq_index[start : start + chunk_tokens, None].expand_as(weights)
+        out.scatter_reduce_(0, index, weights, reduce="amax")  # weights >= 0, so zeros are neutral
+    return out
+
+
+def token_weights(hidden: torch.Tensor, input_ids: torch.Tensor, meta: AttentionMeta, weight, bias, vocab_size: int,
+                  skip_ids: torch.Tensor) -> torch.Tensor:
+    """BGE-M3-style sparse weights: relu(linear(h)) per token, max per token id. `[T, h]` -> `[n, V]`."""
+    w = torch.relu(torch.nn.functional.linear(hidden, weight, bias)).squeeze(-1)  # [T]
+    w = w.masked_fill(torch.isin(input_ids, skip_ids), 0.0)
+    out = w.new_zeros(meta.num_seqs, vocab_size)
+    flat = meta.seq_index * vocab_size + input_ids  # [T] index into [n * V]
+    out.view(-1).scatter_reduce_(0, flat, w, reduce="amax")
+    return out
+
+
+def sparse_entries(weights: np.ndarray, top_k: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Non-zero entries of one `[V]` row, heaviest first, at most `top_k`: (indices int32, values float32)."""
+    indices = np.flatnonzero(weights > 0)
+    values = weights[indices]
+    order = np.argsort(-values, kind="stable")
+    if top_k is not None:
+        order = order[:top_k]
+    return indices[order].astype(np.int32), values[order].astype(np.float32)

@@ -136,3 +136,31 @@ def estimate_bytes(directory: Path, dtype: str = "float32") -> int:
                     numel *= dim
                 total += numel * itemsize
     return total
+
+
+def load_tensors(directory: Path, names: list[str], file: str | None = None,
+                 prefixes: tuple[str, ...] = _PREFIXES) -> dict[str, torch.Tensor]:
+    """Tensors by name for a head (MLM head, projections), from the model's safetensors or `file`.
+
+    Names match after prefix stripping, as for the encoder. A `.pt`/`.bin` file is read with
+    `torch.load(weights_only=True)` (BGE-M3 ships its sparse and ColBERT heads that way).
+    """
+    wanted = set(names)
+    found: dict[str, torch.Tensor] = {}
+    paths = [directory / file] if file else _safetensors_files(directory)
+    for path in paths:
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: head weights file not found")
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _canonical(key, prefixes)
+                    if name in wanted:
+                        found[name] = f.get_tensor(key)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            found.update({_canonical(k, prefixes): v for k, v in state.items() if _canonical(k, prefixes) in wanted})
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise ModelLoadError(f"{directory}: no tensors named {', '.join(missing)}" + (f" in {file}" if file else ""))
+    return found

@@ -22,6 +22,7 @@ MSGPACK = "application/msgpack"
 _MSGPACK_ALIASES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 OutputDtype = Literal["float32", "float16", "int8", "binary"]
+OutputKind = Literal["dense", "sparse", "multivector"]
 
 
 class Format(enum.Enum):
@@ -69,6 +70,10 @@ class EncodeOptions(msgspec.Struct, forbid_unknown_fields=True):
     is_query: bool | None = None
     prompt_name: str | None = None
     truncate: bool = True
+    # Which outputs to compute in the one forward pass; default: the card's first.
+    outputs: Annotated[list[OutputKind], msgspec.Meta(min_length=1)] | None = None
+    sparse_top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    return_tokens: bool = False  # sparse: the vocabulary token of each index
 
 
 class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -77,9 +82,17 @@ class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     options: EncodeOptions = msgspec.field(default_factory=EncodeOptions)
 
 
+class SparseOut(msgspec.Struct, omit_defaults=True):
+    indices: Any  # int32 array
+    values: Any  # float32 array
+    tokens: list[str] | None = None
+
+
 class EncodedItem(msgspec.Struct, omit_defaults=True):
     id: str | int | None
-    dense: Any = None
+    dense: Any = None  # [dims] array
+    sparse: SparseOut | None = None
+    multivector: Any = None  # [tokens, dim] array
 
 
 class Usage(msgspec.Struct):

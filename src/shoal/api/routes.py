@@ -50,9 +50,12 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
             is_query=opts.is_query,
             prompt_name=opts.prompt_name,
             truncate=opts.truncate,
+            outputs=tuple(opts.outputs) if opts.outputs else None,
+            sparse_top_k=opts.sparse_top_k,
+            return_tokens=opts.return_tokens,
         )
     )
-    items = [wire.EncodedItem(id=item.id, dense=vector) for item, vector in zip(req.items, result.vectors)]
+    items = [_item(item.id, out) for item, out in zip(req.items, result.items)]
     return wire.EncodeResponse(
         model=req.model,
         items=items,
@@ -67,7 +70,7 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     ctx.model = req.model
     texts = req.texts()
     ctx.check_count(len(texts))
-    result = await ctx.engine.encode(EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions))
+    result = await ctx.engine.encode(EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",)))
     data = [wire.openai_embedding(i, v, req.encoding_format) for i, v in enumerate(result.vectors)]
     usage = wire.EmbeddingsUsage(prompt_tokens=result.num_tokens, total_tokens=result.num_tokens)
     return wire.EmbeddingsResponse(data=data, model=req.model, usage=usage)
@@ -91,6 +94,13 @@ async def models(ctx: Context) -> dict:
             "description": card.description,
         })
     return {"object": "list", "data": data}
+
+
+def _item(item_id, out) -> wire.EncodedItem:
+    sparse = None
+    if out.sparse is not None:
+        sparse = wire.SparseOut(indices=out.sparse.indices, values=out.sparse.values, tokens=out.sparse.tokens)
+    return wire.EncodedItem(id=item_id, dense=out.dense, sparse=sparse, multivector=out.multivector)
 
 
 def _timings(result) -> wire.Timings:

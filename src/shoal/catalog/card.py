@@ -15,7 +15,7 @@ import yaml
 from ..errors import CardError
 
 Pooling = Literal["cls", "mean", "last"]
-Output = Literal["dense"]
+Output = Literal["dense", "sparse", "multivector"]
 # real_weights: compared with its reference on the real weights, in shoal's tests.
 # random_weights: only its architecture's parity test (random-initialised) covers it.
 # unverified: a user's card that no shoal test exercises.
@@ -39,6 +39,44 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_batch_items: int | None = None
 
 
+class Sparse(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How the model makes sparse (lexical) vectors over its vocabulary.
+
+    splade: the architecture's masked-LM head, log(1 + relu(logits)), max over the sequence.
+    token_weights: relu(linear(hidden)) per token, max per token id (BGE-M3); `weight`/`bias`
+    name the linear's tensors in `file` (a .safetensors or .pt file in the model folder).
+    """
+
+    kind: Literal["splade", "token_weights"] = "splade"
+    file: str | None = None
+    weight: str | None = None
+    bias: str | None = None
+    top_k: int | None = None  # default pruning: keep the heaviest k terms
+    skip_special_tokens: bool = True
+
+
+class Multivector(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Late-interaction (ColBERT) token vectors: linear projection of each token's state.
+
+    The projection's tensors are `weight`/`bias` in `file` (default: the model's safetensors).
+    Queries get `query_marker` after [CLS] and are padded with `mask_token` to `query_length`
+    tokens (query augmentation); documents get `document_marker` and drop punctuation tokens when
+    `skip_punctuation`. `skip_first` drops the first ([CLS]) position (BGE-M3).
+    """
+
+    dim: int
+    file: str | None = None
+    weight: str = "linear.weight"
+    bias: str | None = None
+    normalize: bool = True
+    query_marker: str | None = None
+    document_marker: str | None = None
+    query_length: int | None = None
+    mask_token: str = "[MASK]"
+    skip_punctuation: bool = False
+    skip_first: bool = False
+
+
 class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     id: str
     source: Source
@@ -47,7 +85,10 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dimensions: int
     architecture: str | None = None
     normalize: bool = True
+    # What the model can produce; the first is what a request gets when it names none.
     outputs: tuple[Output, ...] = ("dense",)
+    sparse: Sparse | None = None
+    multivector: Multivector | None = None
     matryoshka_dims: tuple[int, ...] = ()
     prompts: dict[str, str] = {}
     # The prompt names used for `is_query: true` / `false`, when the model has them.
@@ -59,6 +100,10 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     description: str = ""
     # The file this card was read from (filled in by the loader).
     card_path: str | None = None
+
+    @property
+    def sparse_spec(self) -> Sparse:
+        return self.sparse or Sparse()
 
     def prompt_for(self, prompt_name: str | None, is_query: bool | None) -> str:
         """The text prefix for a request; raises CardError's sibling InvalidRequest upstream."""
@@ -101,6 +146,12 @@ def _check(card: ModelCard, origin: str) -> None:
         fail("max_length", "must be >= 1")
     if card.dimensions < 1:
         fail("dimensions", "must be >= 1")
+    if not card.outputs:
+        fail("outputs", "must list at least one of dense, sparse, multivector")
+    if "multivector" in card.outputs and card.multivector is None:
+        fail("multivector", "is required when outputs has multivector (at least `dim`)")
+    if card.sparse is not None and card.sparse.kind == "token_weights" and not card.sparse.weight:
+        fail("sparse.weight", "is required for kind token_weights")
     for dim in card.matryoshka_dims:
         if not 1 <= dim <= card.dimensions:
             fail("matryoshka_dims", f"has {dim}, outside 1..{card.dimensions}")

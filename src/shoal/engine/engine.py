@@ -99,7 +99,8 @@ class Engine:
             self._record_cache()
             try:
                 started = time.perf_counter()
-                token_ids = await self._tokenizers.encode(runner.tokenizer, texts, call.truncate)
+                tokenizer = runner.query_tokenizer if spec.is_query else runner.document_tokenizer
+                token_ids = await self._tokenizers.encode(tokenizer, texts, call.truncate)
                 tokenize_s = time.perf_counter() - started
                 outputs = await self._submit(card.id, runner, token_ids, spec)
             finally:
@@ -114,7 +115,7 @@ class Engine:
         m.phase_seconds.labels("tokenize", card.id).observe(tokenize_s)
         m.phase_seconds.labels("queue", card.id).observe(queue_s)
         m.phase_seconds.labels("inference", card.id).observe(inference_s)
-        return EncodeResult([o.vector for o in outputs], num_tokens, tokenize_s, queue_s, inference_s)
+        return EncodeResult([o.result for o in outputs], num_tokens, tokenize_s, queue_s, inference_s)
 
     def _admit(self, model_id: str, num_items: int) -> None:
         limit = self.settings.max_queue_items
@@ -173,13 +174,13 @@ class Engine:
         started = time.perf_counter()
         runner = items[0].runner
         try:
-            vectors = runner.forward(Batch.pack([i.token_ids for i in items]), [i.spec for i in items])
+            results = runner.forward(Batch.pack([i.token_ids for i in items]), [i.spec for i in items])
         except Exception as exc:  # a failed batch fails its own requests only
             error = exc if isinstance(exc, ShoalError) else ShoalError(f"inference failed: {type(exc).__name__}: {exc}")
             self._loop.call_soon_threadsafe(_fail, items, error)
             return
         inference_s = time.perf_counter() - started
-        outputs = [ItemOutput(v, started - i.enqueued_at, inference_s) for v, i in zip(vectors, items)]
+        outputs = [ItemOutput(r, started - i.enqueued_at, inference_s) for r, i in zip(results, items)]
         self._loop.call_soon_threadsafe(_deliver, items, outputs)
         model_id = items[0].model_id
         num_tokens = sum(i.num_tokens for i in items)
@@ -208,8 +209,18 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
             f"model {card.id}: dimensions {call.dimensions} is larger than the model's {card.dimensions}",
             details={"model": card.id, "option": "dimensions", "max": card.dimensions},
         )
+    outputs = tuple(dict.fromkeys(call.outputs)) if call.outputs else card.outputs[:1]
+    unsupported = [o for o in outputs if o not in card.outputs]
+    if unsupported:
+        raise InvalidRequest(
+            f"model {card.id} cannot produce {', '.join(unsupported)} output; its card allows: {', '.join(card.outputs)}",
+            details={"model": card.id, "option": "outputs", "allowed": list(card.outputs)},
+        )
     normalize = card.normalize if call.normalize is None else call.normalize
-    return EncodeSpec(normalize=normalize, dimensions=call.dimensions, output_dtype=call.output_dtype)
+    return EncodeSpec(
+        normalize=normalize, dimensions=call.dimensions, output_dtype=call.output_dtype, outputs=outputs,
+        is_query=bool(call.is_query), sparse_top_k=call.sparse_top_k, return_tokens=call.return_tokens,
+    )
 
 
 def _prompt(card: ModelCard, call: EncodeCall) -> str:

@@ -15,11 +15,15 @@ import numpy as np
 
 @dataclass(frozen=True)
 class EncodeSpec:
-    """What one item's output should look like, resolved against the card."""
+    """What one item's outputs should look like, resolved against the card."""
 
     normalize: bool
     dimensions: int | None
     output_dtype: str
+    outputs: tuple[str, ...] = ("dense",)
+    is_query: bool = False
+    sparse_top_k: int | None = None
+    return_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,15 +38,39 @@ class EncodeCall:
     is_query: bool | None = None
     prompt_name: str | None = None
     truncate: bool = True
+    outputs: tuple[str, ...] | None = None  # None: the card's first output
+    sparse_top_k: int | None = None
+    return_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class SparseVector:
+    indices: np.ndarray  # [k] int32 vocabulary ids, heaviest first
+    values: np.ndarray  # [k] float32
+    tokens: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """One item's outputs; those not asked for are None."""
+
+    dense: np.ndarray | None = None  # [dims]
+    sparse: SparseVector | None = None
+    multivector: np.ndarray | None = None  # [tokens kept, dim]
 
 
 @dataclass(frozen=True)
 class EncodeResult:
-    vectors: list[np.ndarray]
+    items: list[ItemResult]
     num_tokens: int
     tokenize_s: float
     queue_s: float
     inference_s: float
+
+    @property
+    def vectors(self) -> list[np.ndarray]:
+        """The dense vectors, in item order."""
+        return [item.dense for item in self.items]
 
 
 _sequence_numbers = itertools.count()
@@ -71,7 +99,7 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class ItemOutput:
-    vector: np.ndarray
+    result: ItemResult
     queue_s: float
     inference_s: float
 

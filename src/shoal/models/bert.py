@@ -80,6 +80,15 @@ class BertModel(nn.Module):
     ]
     # Checkpoint tensors a serve-only encoder does not use.
     ignored_weights = [r"pooler\..*", r"cls\..*", r".*position_ids"]
+    # The masked-LM head, read only when a card asks for SPLADE output: checkpoint module names;
+    # the decoder falls back to the tied word embeddings when the checkpoint omits it.
+    mlm_head = {
+        "dense": "cls.predictions.transform.dense",
+        "norm": "cls.predictions.transform.LayerNorm",
+        "decoder": "cls.predictions.decoder",
+        "bias": "cls.predictions.bias",
+        "tied": "word_embeddings.weight",
+    }
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
