@@ -106,3 +106,14 @@ def test_a_checkpoint_missing_a_tensor_is_refused_with_its_name(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match="layers.1.qkv.weight"):
         build_model(tmp_path, None, "cpu")
+
+
+def test_a_pytorch_bin_checkpoint_loads_the_same_as_safetensors(tmp_path):
+    reference = save_random_bert(tmp_path / "st", **SHAPES["tiny-2l-2h"])
+    (tmp_path / "bin").mkdir()
+    torch.save(reference.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
+    from_safetensors = build_model(tmp_path / "st", None, "cpu")
+    from_bin = build_model(tmp_path / "bin", None, "cpu")
+    for (name, a), (_, b) in zip(from_safetensors.named_parameters(), from_bin.named_parameters()):
+        assert torch.equal(a, b), name

@@ -1,6 +1,7 @@
 """Checkpoints (config.json + safetensors) -> a model on a device, via the model's weight map.
 
-The model class declares, as data, how checkpoint names become its parameter names
+Checkpoints are safetensors (read lazily) or, failing that, `pytorch_model*.bin` read with
+`torch.load(weights_only=True)`. The model class declares, as data, how checkpoint names become its parameter names
 (`weight_map`: pattern, replacement, shard) and which checkpoint tensors it ignores. Fused
 projections (q, k, v into one `FusedLinear`) are filled shard by shard. Every parameter must be
 filled exactly; anything else is a ModelLoadError that names the tensors.
@@ -12,7 +13,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -52,11 +53,30 @@ def build_model(directory: Path, architecture: str | None, device: str, dtype: s
     return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
 
 
-def _safetensors_files(directory: Path) -> list[Path]:
-    files = sorted(directory.glob("*.safetensors"))
+def _checkpoint_files(directory: Path) -> list[Path]:
+    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin"))
     if not files:
-        raise ModelLoadError(f"{directory}: no *.safetensors files (shoal loads safetensors only)")
+        raise ModelLoadError(f"{directory}: no *.safetensors (or pytorch_model*.bin) weights")
     return files
+
+
+def _tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor], tuple[int, ...]]]:
+    """(name, load, shape) for each tensor of one file, loading lazily where the format allows.
+
+    safetensors is read lazily; a torch pickle (.bin/.pt) only with `weights_only=True`, which
+    refuses arbitrary code.
+    """
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, (lambda key=key: f.get_tensor(key)), tuple(f.get_slice(key).get_shape())
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        for key, tensor in state.items():
+            yield key, (lambda tensor=tensor: tensor), tuple(tensor.shape)
 
 
 def _canonical(name: str, prefixes: tuple[str, ...]) -> str:
@@ -78,21 +98,20 @@ def load_weights(model: nn.Module, directory: Path) -> None:
     filled: Counter[str] = Counter()
     unknown: list[str] = []
 
-    for path in _safetensors_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = _canonical(key, prefixes)
-                target = _route(rules, name)
-                if target is None:
-                    if not any(p.fullmatch(name) for p in ignored):
-                        unknown.append(key)
-                    continue
-                param_name, shard = target
-                if param_name not in params:  # e.g. an MLM head the model was built without
+    for path in _checkpoint_files(directory):
+        for key, load, _ in _tensors(path):
+            name = _canonical(key, prefixes)
+            target = _route(rules, name)
+            if target is None:
+                if not any(p.fullmatch(name) for p in ignored):
                     unknown.append(key)
-                    continue
-                _copy(model, params[param_name], param_name, shard, f.get_tensor(key), key)
-                filled[param_name] += 1
+                continue
+            param_name, shard = target
+            if param_name not in params:  # e.g. an MLM head the model was built without
+                unknown.append(key)
+                continue
+            _copy(model, params[param_name], param_name, shard, load(), key)
+            filled[param_name] += 1
 
     missing = []
     for name in params:
@@ -128,13 +147,12 @@ def estimate_bytes(directory: Path, dtype: str = "float32") -> int:
     """Bytes the weights take once loaded in `dtype`, read from safetensors headers only."""
     itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
     total = 0
-    for path in _safetensors_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                numel = 1
-                for dim in f.get_slice(key).get_shape():
-                    numel *= dim
-                total += numel * itemsize
+    for path in _checkpoint_files(directory):
+        for _, _, shape in _tensors(path):
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            total += numel * itemsize
     return total
 
 
@@ -147,19 +165,14 @@ def load_tensors(directory: Path, names: list[str], file: str | None = None,
     """
     wanted = set(names)
     found: dict[str, torch.Tensor] = {}
-    paths = [directory / file] if file else _safetensors_files(directory)
+    paths = [directory / file] if file else _checkpoint_files(directory)
     for path in paths:
         if not path.is_file():
             raise ModelLoadError(f"{path}: head weights file not found")
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    name = _canonical(key, prefixes)
-                    if name in wanted:
-                        found[name] = f.get_tensor(key)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            found.update({_canonical(k, prefixes): v for k, v in state.items() if _canonical(k, prefixes) in wanted})
+        for key, load, _ in _tensors(path):
+            name = _canonical(key, prefixes)
+            if name in wanted:
+                found[name] = load()
     missing = sorted(wanted - set(found))
     if missing:
         raise ModelLoadError(f"{directory}: no tensors named {', '.join(missing)}" + (f" in {file}" if file else ""))

@@ -1,0 +1,277 @@
+"""DeBERTa-v2 and DeBERTa-v3 (the backbone GLiNER uses), serve-only and padding-free.
+
+Post-LayerNorm encoder with disentangled attention: besides content-to-content scores, each query
+reads the embedding of its relative distance to each key (content-to-position, "c2p") and each
+key reads the embedding of the distance the other way (position-to-content, "p2c"). Distances are
+log-bucketed beyond `position_buckets // 2` (DeBERTa-v3). DeBERTa-v3 adds no absolute positions
+(`position_biased_input: false`).
+
+Every tensor outside attention is packed `[T, hidden]`. The relative-position terms depend on q, k
+and the position embeddings jointly, so attention builds its scores on the padded `[n, H, L, L]`
+view that exists only inside `disentangled_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers import AttentionMeta, FusedLinear, activation, varlen_attention
+
+
+@dataclass(frozen=True)
+class DebertaV2Config:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 512
+    hidden_act: str = "gelu"
+    type_vocab_size: int = 0
+    layer_norm_eps: float = 1e-7
+    embedding_size: int | None = None  # None: same as hidden_size (no embed_proj)
+    attention_head_size: int | None = None  # None: hidden_size // num_attention_heads
+    position_biased_input: bool = True  # absolute position embeddings added to the input
+    relative_attention: bool = False
+    pos_att_type: tuple[str, ...] = ()  # subset of ("c2p", "p2c")
+    share_att_key: bool = False  # position projections reuse query_proj / key_proj
+    max_relative_positions: int = 512  # already resolved: -1 in config.json means max_position_embeddings
+    position_buckets: int | None = None  # None: no log-bucketing
+    norm_rel_ebd: tuple[str, ...] = ()  # ("layer_norm",) in DeBERTa-v3
+    conv_kernel_size: int = 0  # > 0: a convolution branch after the first layer (DeBERTa-v2 xlarge)
+    conv_groups: int = 1
+    conv_act: str = "tanh"
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "DebertaV2Config":
+        names = cls.__dataclass_fields__
+        kw = {k: v for k, v in cfg.items() if k in names}
+        pos_att_type = cfg.get("pos_att_type") or ()
+        if isinstance(pos_att_type, str):  # legacy "c2p|p2c"
+            pos_att_type = pos_att_type.split("|")
+        kw["pos_att_type"] = tuple(t.strip().lower() for t in pos_att_type)
+        unknown = set(kw["pos_att_type"]) - {"c2p", "p2c"}
+        if unknown:
+            raise ValueError(f"DeBERTa-v2 pos_att_type {sorted(unknown)} is not supported (known: c2p, p2c)")
+        kw["norm_rel_ebd"] = tuple(t.strip() for t in str(cfg.get("norm_rel_ebd", "none")).lower().split("|"))
+        if (cfg.get("max_relative_positions") or -1) < 1:
+            kw["max_relative_positions"] = cfg.get("max_position_embeddings", 512)
+        if (cfg.get("position_buckets") or -1) < 1:
+            kw["position_buckets"] = None
+        if kw.get("embedding_size") == cfg["hidden_size"]:
+            kw["embedding_size"] = None
+        kernel = kw.get("conv_kernel_size") or 0
+        if kernel > 0 and kernel % 2 == 0:
+            raise ValueError(f"DeBERTa-v2 conv_kernel_size={kernel}: only odd kernels keep the sequence length")
+        return cls(**kw)
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention_head_size or self.hidden_size // self.num_attention_heads
+
+    @property
+    def position_span(self) -> int:
+        """S: relative-position embeddings cover distances -S..S-1 (2S rows)."""
+        return self.position_buckets or self.max_relative_positions
+
+
+def relative_positions(L: int, cfg: DebertaV2Config, device: torch.device) -> torch.Tensor:
+    """`[L, L]` long: the (bucketed) distance i - j from query position i to key position j."""
+    pos = torch.arange(L, device=device)
+    offset = pos[:, None] - pos[None, :]  # [L, L]
+    if cfg.position_buckets is None:
+        return offset
+    # Distances within +-mid keep their own bucket; farther ones share buckets on a log scale that
+    # reaches mid + (mid - 1) at max_relative_positions. Same float32 ops as the reference, so
+    # ceil() lands on the same side at bucket boundaries.
+    mid = cfg.position_buckets // 2
+    far = offset.abs().clamp(min=mid)  # [L, L]; log() is only kept where |offset| > mid
+    log_ratio = torch.log(torch.tensor((cfg.max_relative_positions - 1) / mid))
+    log_bucket = torch.ceil(torch.log(far / mid) / log_ratio * (mid - 1)) + mid  # [L, L] float
+    return torch.where(offset.abs() <= mid, offset, torch.sign(offset) * log_bucket.long())
+
+
+def disentangled_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,  # [T, H, D]
+    pos_key: torch.Tensor | None,  # [2S, H, D], keys of the relative-distance embeddings (c2p)
+    pos_query: torch.Tensor | None,  # [2S, H, D], queries of the relative-distance embeddings (p2c)
+    rel: torch.Tensor,  # [L, L] long, (bucketed) i - j; L = meta.max_seqlen
+    meta: AttentionMeta,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q_i.k_j + q_i.pos_key[d(i-j)] + k_j.pos_query[-d(j-i)]) v within each sequence.
+
+    d() is the (bucketed) distance of `rel`; row r of the position tables holds distance r - S, and
+    distances outside -S..S-1 are clamped. The scale is applied to all three terms. Returns `[T, H, D]`.
+    """
+    n, L = meta.num_seqs, meta.max_seqlen
+    qp, kp, vp = (meta.pad(x).transpose(1, 2) for x in (q, k, v))  # [n, H, L, D]
+    qp, ks = qp * scale, kp * scale
+    scores = qp @ kp.transpose(-1, -2)  # [n, H, L, L] content -> content
+    table = pos_key if pos_key is not None else pos_query
+    span = table.shape[0] // 2 if table is not None else 0  # S
+    if pos_key is not None:  # content -> position: query i against the embedding of distance i - j
+        c2p = qp @ pos_key.permute(1, 2, 0)  # [n, H, L, 2S]
+        index = (rel + span).clamp(0, 2 * span - 1)  # [L(i), L(j)]
+        scores = scores + c2p.gather(-1, index.expand(n, c2p.shape[1], L, L))
+    if pos_query is not None:  # position -> content: key j against the embedding of distance j - i, negated
+        p2c = ks @ pos_query.permute(1, 2, 0)  # [n, H, L(j), 2S]
+        index = (span - rel).clamp(0, 2 * span - 1)  # [L(j), L(i)]: rel[j, i] = j - i
+        scores = scores + p2c.gather(-1, index.expand(n, p2c.shape[1], L, L)).transpose(-1, -2)
+    scores = scores.masked_fill(~meta.key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    out = scores.softmax(-1) @ vp  # [n, H, L, D]
+    return meta.unpad(out.transpose(1, 2))  # [T, H, D]
+
+
+class DebertaV2Layer(nn.Module):
+    def __init__(self, cfg: DebertaV2Config) -> None:
+        super().__init__()
+        h, inner = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.relative = cfg.relative_attention
+        self.c2p, self.p2c = "c2p" in cfg.pos_att_type, "p2c" in cfg.pos_att_type
+        self.share_att_key = cfg.share_att_key
+        # Each relative term adds a score of the same magnitude, so scores shrink by sqrt(D * terms).
+        self.scale = 1.0 / math.sqrt(cfg.head_dim * (1 + self.c2p + self.p2c))
+        self.qkv = FusedLinear(h, (inner, inner, inner))
+        if self.relative and not cfg.share_att_key:
+            self.pos_key_proj = nn.Linear(h, inner) if self.c2p else None
+            self.pos_query_proj = nn.Linear(h, inner) if self.p2c else None
+        self.attn_out = nn.Linear(inner, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(h, cfg.intermediate_size)
+        self.ffn_out = nn.Linear(cfg.intermediate_size, h)
+        self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.act = activation(cfg.hidden_act)
+
+    def position_projections(self, rel_emb: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Relative-distance embeddings `[2S, hidden]` -> (pos_key, pos_query), each `[2S, H, D]` or None."""
+        S2 = rel_emb.shape[0]
+        if self.share_att_key:
+            pos_query, pos_key, _ = self.qkv.split(rel_emb)
+        else:
+            pos_key = self.pos_key_proj(rel_emb) if self.c2p else None
+            pos_query = self.pos_query_proj(rel_emb) if self.p2c else None
+        pos_key = pos_key.view(S2, self.num_heads, self.head_dim) if self.c2p else None
+        pos_query = pos_query.view(S2, self.num_heads, self.head_dim) if self.p2c else None
+        return pos_key, pos_query
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        meta: AttentionMeta,
+        rel: torch.Tensor | None,  # [L, L] bucketed distances; None without relative attention
+        rel_emb: torch.Tensor | None,  # [2S, hidden] normalised distance embeddings
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = (t.view(T, self.num_heads, self.head_dim) for t in self.qkv.split(x))  # [T, H, D] each
+        if self.relative:
+            pos_key, pos_query = self.position_projections(rel_emb)
+            a = disentangled_attention(q, k, v, pos_key, pos_query, rel, meta, self.scale)
+        else:
+            a = varlen_attention(q, k, v, meta, scale=self.scale)
+        x = self.attn_norm(x + self.attn_out(a.reshape(T, -1)))  # [T, hidden]
+        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+
+
+_L = r"encoder\.layer\.(\d+)\."
+
+
+class DebertaV2Model(nn.Module):
+    config_class = DebertaV2Config
+    checkpoint_prefixes = ("deberta.",)
+    # Checkpoint tensor name (after "deberta." is stripped) -> (our parameter name, shard or None).
+    weight_map = [
+        (r"embeddings\.word_embeddings\.weight", "word_embeddings.weight", None),
+        (r"embeddings\.position_embeddings\.weight", "position_embeddings.weight", None),
+        (r"embeddings\.token_type_embeddings\.weight", "token_type_embeddings.weight", None),
+        (r"embeddings\.embed_proj\.weight", "embed_proj.weight", None),
+        (r"embeddings\.LayerNorm\.(weight|bias)", r"embed_norm.\1", None),
+        (r"encoder\.rel_embeddings\.weight", "rel_embeddings.weight", None),
+        (r"encoder\.LayerNorm\.(weight|bias)", r"rel_norm.\1", None),
+        (r"encoder\.conv\.conv\.(weight|bias)", r"conv.\1", None),
+        (r"encoder\.conv\.LayerNorm\.(weight|bias)", r"conv_norm.\1", None),
+        (_L + r"attention\.self\.query_proj\.(weight|bias)", r"layers.\1.qkv.\2", 0),
+        (_L + r"attention\.self\.key_proj\.(weight|bias)", r"layers.\1.qkv.\2", 1),
+        (_L + r"attention\.self\.value_proj\.(weight|bias)", r"layers.\1.qkv.\2", 2),
+        (_L + r"attention\.self\.pos_key_proj\.(weight|bias)", r"layers.\1.pos_key_proj.\2", None),
+        (_L + r"attention\.self\.pos_query_proj\.(weight|bias)", r"layers.\1.pos_query_proj.\2", None),
+        (_L + r"attention\.output\.dense\.(weight|bias)", r"layers.\1.attn_out.\2", None),
+        (_L + r"attention\.output\.LayerNorm\.(weight|bias)", r"layers.\1.attn_norm.\2", None),
+        (_L + r"intermediate\.dense\.(weight|bias)", r"layers.\1.ffn_in.\2", None),
+        (_L + r"output\.dense\.(weight|bias)", r"layers.\1.ffn_out.\2", None),
+        (_L + r"output\.LayerNorm\.(weight|bias)", r"layers.\1.ffn_norm.\2", None),
+    ]
+    # Task heads and the MLM / replaced-token-detection heads a serve-only encoder does not use.
+    ignored_weights = [r"lm_predictions\..*", r"mask_predictions\..*", r"cls\..*", r"pooler\..*",
+                       r"classifier\..*", r"qa_outputs\..*", r".*position_ids"]
+
+    def __init__(self, cfg: DebertaV2Config) -> None:
+        super().__init__()
+        h, e = cfg.hidden_size, cfg.embedding_size or cfg.hidden_size
+        self.config = cfg
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, e)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, e) if cfg.position_biased_input else None
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, e) if cfg.type_vocab_size > 0 else None
+        self.embed_proj = nn.Linear(e, h, bias=False) if cfg.embedding_size else None
+        self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        if cfg.relative_attention:
+            self.rel_embeddings = nn.Embedding(2 * cfg.position_span, h)
+            self.rel_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps) if "layer_norm" in cfg.norm_rel_ebd else None
+        if cfg.conv_kernel_size > 0:
+            k = cfg.conv_kernel_size
+            self.conv = nn.Conv1d(h, h, k, padding=(k - 1) // 2, groups=cfg.conv_groups)
+            self.conv_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+            self.conv_act = torch.tanh if cfg.conv_act == "tanh" else activation(cfg.conv_act)
+        self.layers = nn.ModuleList(DebertaV2Layer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
+        meta: AttentionMeta,
+        token_type_ids: torch.Tensor | None = None,  # [T]
+    ) -> torch.Tensor:
+        cfg = self.config
+        x = self.word_embeddings(input_ids)  # [T, embedding_size]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        if self.token_type_embeddings is not None and token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        elif self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings(token_type_ids)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)  # [T, hidden]
+        # The reference then multiplies by the padding mask: a no-op here, every packed token is real.
+        x = self.embed_norm(x)
+
+        rel = rel_emb = None
+        if cfg.relative_attention:  # shared by all layers: bucketed distances and their embeddings
+            rel = relative_positions(meta.max_seqlen, cfg, input_ids.device)  # [L, L]
+            rel_emb = self.rel_embeddings.weight  # [2S, hidden]
+            if self.rel_norm is not None:
+                rel_emb = self.rel_norm(rel_emb)
+
+        embedded = x
+        for i, layer in enumerate(self.layers):
+            x = layer(x, meta, rel, rel_emb)
+            if i == 0 and cfg.conv_kernel_size > 0:
+                x = self.conv_branch(embedded, x, meta)
+        return x  # [T, hidden]
+
+    def conv_branch(self, embedded: torch.Tensor, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """DeBERTa-v2's ConvLayer: a 1-D convolution over each sequence's embeddings, added after layer 0."""
+        padded = meta.pad(embedded).transpose(1, 2)  # [n, hidden, L], zeros past each sequence's end
+        conv = meta.unpad(self.conv(padded).transpose(1, 2))  # [T, hidden]
+        return self.conv_norm(x + self.conv_act(conv))
