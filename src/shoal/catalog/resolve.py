@@ -68,7 +68,7 @@ def _is_model_dir(path: Path) -> bool:
 def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path | None:
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model"]
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.pt"]  # .pt: BGE-M3 style head files
     try:
         path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=local_files_only)
     except Exception:
