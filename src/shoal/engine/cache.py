@@ -37,6 +37,8 @@ class ModelCache:
         self._loading: dict[str, asyncio.Task] = {}
         self._inflight: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-load")
+        # One load at a time: each load makes room knowing every byte already committed.
+        self._load_lock = asyncio.Lock()
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded
@@ -72,12 +74,13 @@ class ModelCache:
     async def _load(self, card: ModelCard) -> Any:
         loop = asyncio.get_running_loop()
         try:
-            if self._budget is not None:
-                needed = await loop.run_in_executor(self._executor, self._estimate_fn, card)
-                self._make_room(card.id, needed)
-            runner = await loop.run_in_executor(self._executor, self._load_fn, card)
-            self._loaded[card.id] = runner
-            return runner
+            async with self._load_lock:
+                if self._budget is not None:
+                    needed = await loop.run_in_executor(self._executor, self._estimate_fn, card)
+                    self._make_room(card.id, needed)
+                runner = await loop.run_in_executor(self._executor, self._load_fn, card)
+                self._loaded[card.id] = runner
+                return runner
         finally:
             del self._loading[card.id]
 

@@ -89,6 +89,8 @@ class Engine:
     # --- submit ---------------------------------------------------------------------------------
 
     async def encode(self, call: EncodeCall) -> EncodeResult:
+        if not call.texts:
+            raise InvalidRequest("no texts to encode", details={"option": "texts"})
         card = self.catalog.get(call.model)
         spec = _spec(card, call)
         prefix = _prompt(card, call)
@@ -137,6 +139,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         items = [WorkItem(model_id, ids, spec, loop.create_future(), runner) for ids in token_ids]
         with self._wake:
+            if self._stopping:
+                raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
             self._scheduler.add(items)
             self._wake.notify()
         try:
@@ -160,14 +164,15 @@ class Engine:
     # --- the device thread ----------------------------------------------------------------------
 
     def _device_loop(self) -> None:
+        """Run batches until stopped; on stop, finish what was already queued (none is dropped)."""
         while True:
             with self._wake:
                 batch = self._scheduler.next_batch()
                 while not batch and not self._stopping:
                     self._wake.wait()
                     batch = self._scheduler.next_batch()
-                if self._stopping:
-                    return
+            if not batch:  # stopping, and the queue is drained
+                return
             self._run(batch)
 
     def _run(self, items: list[WorkItem]) -> None:
@@ -180,15 +185,15 @@ class Engine:
             self._loop.call_soon_threadsafe(_fail, items, error)
             return
         inference_s = time.perf_counter() - started
-        outputs = [ItemOutput(r, started - i.enqueued_at, inference_s) for r, i in zip(results, items)]
-        self._loop.call_soon_threadsafe(_deliver, items, outputs)
         model_id = items[0].model_id
         num_tokens = sum(i.num_tokens for i in items)
-        m = self.metrics
+        m = self.metrics  # recorded before answering, so a caller's next scrape already counts it
         m.batch_tokens.labels(model_id).observe(num_tokens)
         m.batch_items.labels(model_id).observe(len(items))
         m.tokens.labels(model_id).inc(num_tokens)
         m.items.labels(model_id).inc(len(items))
+        outputs = [ItemOutput(r, started - i.enqueued_at, inference_s) for r, i in zip(results, items)]
+        self._loop.call_soon_threadsafe(_deliver, items, outputs)
 
 
 def _deliver(items: list[WorkItem], outputs: list[ItemOutput]) -> None:

