@@ -123,7 +123,9 @@ def parse_card(data: object, origin: str) -> ModelCard:
     try:
         card = msgspec.convert(data, ModelCard)
     except msgspec.ValidationError as exc:
-        raise CardError(f"{origin}: {exc}", details={"file": origin}) from None
+        path = str(exc).rpartition("- at `$")[2].rstrip("`")  # e.g. ".batching.max_batch_items"
+        details = {"file": origin, "field": path.lstrip(".")} if path != str(exc) else {"file": origin}
+        raise CardError(f"{origin}: {exc}", details=details) from None
     _check(card, origin)
     return msgspec.structs.replace(card, card_path=origin)
 
