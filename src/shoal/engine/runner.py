@@ -17,7 +17,7 @@ from ..catalog import ModelCard, resolve_weights
 from ..errors import ModelLoadError
 from ..heads import MaskedLMHead, finish, pool, sparse_entries, splade, token_weights
 from ..layers import AttentionMeta, activation
-from ..weights import build_model, estimate_bytes, load_tensors, read_config
+from ..weights import build_model, estimate_bytes, load_tensors
 from .tokenizer import TextTokenizer
 from .types import Batch, EncodeSpec, ItemResult, SparseVector
 
@@ -44,10 +44,10 @@ class ModelRunner:
 
     @classmethod
     def from_dir(cls, card: ModelCard, directory: Path, device: str) -> "ModelRunner":
-        config = read_config(directory)
-        max_length = min(card.max_length, int(config.get("max_position_embeddings", card.max_length)))
-        tokenizer = TextTokenizer.from_dir(directory, max_length)
         model = build_model(directory, card.architecture, device, card.dtype)
+        # Models with a learned position table cannot take more tokens than it has rows.
+        max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
+        tokenizer = TextTokenizer.from_dir(directory, max_length)
         return cls(card, model, tokenizer, device, estimate_bytes(directory, card.dtype), directory)
 
     @staticmethod

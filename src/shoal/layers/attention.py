@@ -36,6 +36,13 @@ class AttentionMeta:
         out[self.seq_index, self.pos_in_seq] = x
         return out
 
+    def additive_mask(self, bias: torch.Tensor) -> torch.Tensor:
+        """A per-position score bias `[H, L, L]` -> `[n, H, L, L]` with -inf at padding keys.
+
+        Build it once per forward and pass it as `bias` to every layer's attention.
+        """
+        return torch.where(self.key_mask[:, None, None, :], bias[None], float("-inf"))
+
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Padded `[n, L, ...]` -> packed `[T, ...]`."""
         return x[self.seq_index, self.pos_in_seq]
@@ -72,7 +79,8 @@ def varlen_attention(
     `causal`: a token sees only earlier tokens of its sequence. `window` = (left, right): a token at
     position i sees positions i-left..i+right only (local attention, as ModernBERT's local layers).
     `bias`: an additive score bias `[H, L, L]` over positions 0..L-1 (L = meta.max_seqlen), the
-    same for every sequence (relative-position biases, as MPNet's). It forces the padded path.
+    same for every sequence (relative-position biases, as MPNet's), or that bias already combined
+    with the padding mask by `meta.additive_mask` (`[n, H, L, L]`). It forces the padded path.
     """
     if bias is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
         return _flash(q, k, v, meta, causal, scale, window)
@@ -104,6 +112,9 @@ def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None
     if Hkv != H:  # grouped-query attention: each kv head serves H // Hkv query heads
         kp = kp.repeat_interleave(H // Hkv, dim=1)
         vp = vp.repeat_interleave(H // Hkv, dim=1)
+    if bias is not None and bias.dim() == 4:  # already the full additive mask
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=bias, scale=scale)
+        return meta.unpad(out.transpose(1, 2))
     mask = meta.key_mask[:, None, None, :]  # [n, 1, 1, L]
     if causal or window is not None:
         offset = torch.arange(L, device=q.device)[None, :] - torch.arange(L, device=q.device)[:, None]  # j - i

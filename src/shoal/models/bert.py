@@ -104,6 +104,11 @@ class BertModel(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the position table covers (the runner caps max_length by it)."""
+        return self.config.max_position_embeddings
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

@@ -1,0 +1,45 @@
+"""RoBERTa and XLM-RoBERTa (the multilingual E5, BGE-M3 and DistilRoBERTa embedders built on them).
+
+The encoder is BERT's, tensor for tensor; only two things differ, and only they live here:
+positions are numbered fairseq-style, starting after the padding index (`pad_token_id + 1` for a
+sequence's first token), and checkpoints put the encoder under `roberta.`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers import AttentionMeta
+from .bert import BertConfig, BertModel
+
+
+@dataclass(frozen=True)
+class RobertaConfig(BertConfig):
+    # fairseq reserves position ids 0..pad_token_id; real tokens start at pad_token_id + 1.
+    pad_token_id: int = 1
+
+
+class RobertaModel(BertModel):
+    config_class = RobertaConfig
+    checkpoint_prefixes = ("roberta.", "model.")
+    # Same tensor names as BERT; a masked-LM checkpoint adds `lm_head.*`, which serving does not use.
+    ignored_weights = [*BertModel.ignored_weights, r"lm_head\..*"]
+
+    config: RobertaConfig
+
+    @property
+    def max_positions(self) -> int:  # ids 0..pad are reserved, so 514 positions hold 512 tokens
+        return self.config.max_position_embeddings - self.config.pad_token_id - 1
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
+        meta: AttentionMeta,
+        token_type_ids: torch.Tensor | None = None,  # [T]
+    ) -> torch.Tensor:
+        # transformers' create_position_ids_from_input_ids on an unpadded sequence: pad + 1 + index.
+        offset_positions = position_ids + (self.config.pad_token_id + 1)  # [T]
+        return super().forward(input_ids, offset_positions, meta, token_type_ids)  # [T, hidden]
