@@ -16,11 +16,14 @@ class Rotary:
         self.rotary_dim = rotary_dim or head_dim
         self.base = base
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """`[rotary_dim / 2]` rotation frequencies; subclasses rescale them (long-context variants)."""
+        exponent = torch.arange(self.rotary_dim // 2, device=device, dtype=torch.float32) * 2.0 / self.rotary_dim
+        return 1.0 / (self.base ** exponent)
+
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T]` positions -> cos, sin of shape `[T, 1, rotary_dim]` (broadcast over heads)."""
-        half = self.rotary_dim // 2
-        exponent = torch.arange(half, device=position_ids.device, dtype=torch.float32) * 2.0 / self.rotary_dim
-        inv_freq = 1.0 / (self.base ** exponent)  # [rotary_dim / 2]
+        inv_freq = self.inv_freq(position_ids.device)  # [rotary_dim / 2]
         angles = position_ids.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, rotary_dim]
         return angles.cos().to(dtype), angles.sin().to(dtype)

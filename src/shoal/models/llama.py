@@ -98,18 +98,14 @@ class Llama3Rotary(Rotary):
         self.factor, self.low, self.high = factor, low_freq_factor, high_freq_factor
         self.original = original_max_positions
 
-    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        channels = torch.arange(0, self.rotary_dim, 2, device=position_ids.device, dtype=torch.float32)
-        inv_freq = 1.0 / (self.base ** (channels / self.rotary_dim))  # [D / 2]
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        inv_freq = super().inv_freq(device)  # [D / 2]
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > self.original / self.low, inv_freq / self.factor, inv_freq)
         smooth = (self.original / wavelen - self.low) / (self.high - self.low)
         blended = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = (wavelen >= self.original / self.high) & (wavelen <= self.original / self.low)
-        inv_freq = torch.where(medium, blended, scaled)
-        angles = position_ids.float()[:, None] * inv_freq[None, :]  # [T, D / 2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return torch.where(medium, blended, scaled)
 
 
 class LlamaLayer(nn.Module):
