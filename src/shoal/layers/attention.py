@@ -5,18 +5,36 @@ sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Two kernels:
 
 - flash-attn's `flash_attn_varlen_func` on CUDA in fp16/bf16 when the package is installed: it
   reads the packed layout directly, no padding anywhere.
-- elsewhere, `scaled_dot_product_attention` over a padded `[n, H, L, D]` view that exists only
-  inside this function: tokens are scattered into it and gathered back, so the layers around
-  attention never see a pad token. Masked keys never contribute.
+- elsewhere, `scaled_dot_product_attention` over padded `[n, H, L, D]` views that exist only
+  inside this function: tokens are scattered into them and gathered back, so the layers around
+  attention never see a pad token. Masked keys never contribute. Sequences are grouped by length
+  (`AttentionMeta.groups`) and each group is padded only to its own longest, so a batch mixing
+  short and long texts does not pay L_max² for every sequence.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LengthGroup:
+    """Sequences of similar length, padded together: token `tokens[i]` of the packed batch sits at
+    (seq_index[i], pos_in_seq[i]) of this group's `[num_seqs, max_seqlen]` view."""
+
+    tokens: torch.Tensor  # [Tg] int64 indices into the packed batch
+    seq_index: torch.Tensor  # [Tg]
+    pos_in_seq: torch.Tensor  # [Tg]
+    key_mask: torch.Tensor | None  # [ng, Lg] bool; None when every sequence fills the view
+    num_seqs: int
+    max_seqlen: int
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,34 @@ class AttentionMeta:
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
+
+    @cached_property
+    def groups(self) -> tuple[LengthGroup, ...]:
+        """Sequences sorted by length and cut where the length more than doubles (and grows by
+        more than 32 tokens): each group pads to at most about twice its shortest member."""
+        bounds = self.cu_seqlens.cpu().numpy().astype(np.int64)
+        lengths = np.diff(bounds)
+        order = np.argsort(lengths, kind="stable")
+        cuts, first = [], int(lengths[order[0]])
+        for rank, seq in enumerate(order):
+            if lengths[seq] > max(2 * first, first + 32):
+                cuts.append(rank)
+                first = int(lengths[seq])
+        groups = []
+        for members in np.split(order, cuts):
+            lens = lengths[members]
+            tokens = np.concatenate([np.arange(bounds[m], bounds[m + 1]) for m in members])
+            seq_index = np.repeat(np.arange(len(members)), lens)
+            pos_in_seq = tokens - np.repeat(bounds[members], lens)
+            L = int(lens.max())
+            mask = None if lens.min() == L else torch.from_numpy(np.arange(L)[None, :] < lens[:, None])
+            to = dict(device=self.cu_seqlens.device)
+            groups.append(LengthGroup(
+                torch.from_numpy(tokens).to(**to), torch.from_numpy(seq_index).to(**to),
+                torch.from_numpy(pos_in_seq).to(**to), mask.to(**to) if mask is not None else None,
+                len(members), L,
+            ))
+        return tuple(groups)
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> "AttentionMeta":
@@ -106,16 +152,32 @@ def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, wind
 
 
 def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, window, bias=None) -> torch.Tensor:
-    L = meta.max_seqlen
+    if bias is None and len(meta.groups) > 1:
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            out[g.tokens] = _sdpa_group(q[g.tokens], k[g.tokens], v[g.tokens], g, causal, scale, window)
+        return out
+    return _sdpa_group(q, k, v, meta, causal, scale, window, bias)
+
+
+def _sdpa_group(q, k, v, g, causal: bool, scale: float | None, window, bias=None) -> torch.Tensor:
+    """Attention over one padded view; `g` is the whole batch (AttentionMeta) or a LengthGroup."""
+    L = g.max_seqlen
     H, Hkv = q.shape[1], k.shape[1]
-    qp, kp, vp = (meta.pad(x).transpose(1, 2) for x in (q, k, v))  # [n, h, L, D]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [t, h, D] -> [n, h, L, D]
+        out = x.new_zeros(g.num_seqs, L, *x.shape[1:])
+        out[g.seq_index, g.pos_in_seq] = x
+        return out.transpose(1, 2)
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
     if Hkv != H:  # grouped-query attention: each kv head serves H // Hkv query heads
         kp = kp.repeat_interleave(H // Hkv, dim=1)
         vp = vp.repeat_interleave(H // Hkv, dim=1)
     if bias is not None and bias.dim() == 4:  # already the full additive mask
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=bias, scale=scale)
-        return meta.unpad(out.transpose(1, 2))
-    mask = meta.key_mask[:, None, None, :]  # [n, 1, 1, L]
+        return out.transpose(1, 2)[g.seq_index, g.pos_in_seq]
+    mask = g.key_mask[:, None, None, :] if g.key_mask is not None else None  # [n, 1, 1, L]
     if causal or window is not None:
         offset = torch.arange(L, device=q.device)[None, :] - torch.arange(L, device=q.device)[:, None]  # j - i
         allowed = torch.ones(L, L, dtype=torch.bool, device=q.device)
@@ -123,8 +185,9 @@ def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None
             allowed &= offset <= 0
         if window is not None:
             allowed &= (offset >= -window[0]) & (offset <= window[1])
-        mask = mask & allowed[None, None]  # [n, 1, L, L]
+        mask = allowed[None, None] if mask is None else mask & allowed[None, None]  # [n, 1, L, L]
     if bias is not None:  # additive float mask: -inf where masked, the bias elsewhere
-        mask = torch.where(mask, bias[None].to(q.dtype), float("-inf"))  # [n, H, L, L]
+        keep = mask if mask is not None else torch.ones((), dtype=torch.bool, device=q.device)
+        mask = torch.where(keep, bias[None].to(q.dtype), float("-inf"))  # [n, H, L, L]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)  # [n, H, L, D]
-    return meta.unpad(out.transpose(1, 2))  # [T, H, D]
+    return out.transpose(1, 2)[g.seq_index, g.pos_in_seq]  # [t, H, D]
