@@ -44,6 +44,10 @@ class ModelCache:
         return model_id in self._loaded
 
     @property
+    def num_loaded(self) -> int:
+        return len(self._loaded)
+
+    @property
     def loaded_bytes(self) -> int:
         return sum(r.num_bytes for r in self._loaded.values())
 

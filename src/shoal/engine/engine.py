@@ -158,7 +158,7 @@ class Engine:
         )
 
     def _record_cache(self) -> None:
-        self.metrics.loaded_models.set(len(self.cache._loaded))
+        self.metrics.loaded_models.set(self.cache.num_loaded)
         self.metrics.loaded_bytes.set(self.cache.loaded_bytes)
 
     # --- the device thread ----------------------------------------------------------------------
