@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from shoal.heads import pool
-from shoal.layers import AttentionMeta
+from parity import (assert_packing_invariant, max_abs_diff, min_pooled_cosine, packed_batch, packed_hidden_states,
+                    randomize_norms, reference_hidden_states)
 from shoal.weights import build_model
 
 SHAPES = {
@@ -17,82 +17,40 @@ SHAPES = {
     "gelu-tanh-1l-8h": dict(num_hidden_layers=1, num_attention_heads=8, hidden_size=256, intermediate_size=320,
                             hidden_act="gelu_new"),
 }
+VOCAB = 1000
 MAX_POSITIONS = 128
 
 
 def save_random_bert(directory, **shape) -> transformers.BertModel:
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=1000, max_position_embeddings=MAX_POSITIONS, type_vocab_size=2, **shape)
+    config = transformers.BertConfig(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, type_vocab_size=2,
+                                     **shape)
     reference = transformers.BertModel(config, add_pooling_layer=True).eval()
-    # Non-trivial LayerNorm parameters, so a swapped weight and bias cannot pass.
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.normal_(1.0, 0.1)
-                module.bias.normal_(0.0, 0.1)
+    randomize_norms(reference, 0.1)
     reference.save_pretrained(directory)
     return reference
-
-
-def packed(lengths: list[int], vocab: int = 1000):
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
-    input_ids = torch.cat(seqs)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    return seqs, input_ids, position_ids, AttentionMeta.build(cu, max(lengths))
-
-
-def reference_hidden(reference, seqs) -> list[torch.Tensor]:
-    longest = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    with torch.no_grad():
-        out = reference(input_ids=ids, attention_mask=mask).last_hidden_state
-    return [out[i, : len(s)] for i, s in enumerate(seqs)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 def test_packed_bert_matches_transformers_on_mixed_lengths(tmp_path, shape):
     reference = save_random_bert(tmp_path, **SHAPES[shape])
     ours = build_model(tmp_path, None, "cpu")
-    lengths = [1, MAX_POSITIONS, 7, 2, 63, 128, 30, 5]
-    seqs, input_ids, position_ids, meta = packed(lengths)
+    batch = packed_batch([1, MAX_POSITIONS, 7, 2, 63, 128, 30, 5], VOCAB)
 
-    with torch.inference_mode():
-        hidden = ours(input_ids, position_ids, meta)
-    expected = reference_hidden(reference, seqs)
-
-    got = torch.split(hidden, lengths)
-    max_diff = max((g - e).abs().max().item() for g, e in zip(got, expected))
-    assert max_diff <= 1e-4, f"hidden states differ by {max_diff}"
+    hidden = packed_hidden_states(ours, batch)
+    expected = reference_hidden_states(reference, batch)
+    diff = max_abs_diff(hidden, expected)
+    assert diff <= 1e-4, f"hidden states differ by {diff}"
 
     for method in ("cls", "mean", "last"):
-        pooled = pool(hidden, meta, method)
-        if method == "cls":
-            ref = torch.stack([e[0] for e in expected])
-        elif method == "last":
-            ref = torch.stack([e[-1] for e in expected])
-        else:
-            ref = torch.stack([e.mean(0) for e in expected])
-        cosine = torch.nn.functional.cosine_similarity(pooled, ref, dim=-1)
-        assert cosine.min().item() >= 0.99999, f"{method} pooling cosine {cosine.min().item()}"
+        cosine = min_pooled_cosine(hidden, batch.meta, expected, method)
+        assert cosine >= 0.99999, f"{method} pooling cosine {cosine}"
 
 
 def test_a_sequence_alone_and_inside_a_mixed_batch_gives_the_same_output(tmp_path):
     save_random_bert(tmp_path, **SHAPES["mini-4l-4h"])
     model = build_model(tmp_path, None, "cpu")
-    lengths = [40, 3, 128, 17, 1, 99]
-    seqs, input_ids, position_ids, meta = packed(lengths)
-    with torch.inference_mode():
-        batch = pool(model(input_ids, position_ids, meta), meta, "mean")
-        for i, s in enumerate(seqs):
-            alone_meta = AttentionMeta.build(torch.tensor([0, len(s)], dtype=torch.int32), len(s))
-            alone = pool(model(s, torch.arange(len(s)), alone_meta), alone_meta, "mean")[0]
-            assert (alone - batch[i]).abs().max().item() <= 1e-5
+    assert_packing_invariant(model, packed_batch([40, 3, 128, 17, 1, 99], VOCAB), atol=1e-5, pooling="mean")
 
 
 def test_a_checkpoint_missing_a_tensor_is_refused_with_its_name(tmp_path):

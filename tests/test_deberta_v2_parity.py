@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from shoal.layers import AttentionMeta
+from parity import (assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states, randomize_norms,
+                    reference_hidden_states)
 from shoal.weights import build_model
 
 VOCAB = 500
@@ -41,51 +42,23 @@ LENGTHS = [1, 100, 7, 2, 63, 90, 30, 5]
 def save_random_deberta(directory, **config) -> transformers.DebertaV2Model:
     torch.manual_seed(0)
     reference = transformers.DebertaV2Model(transformers.DebertaV2Config(vocab_size=VOCAB, **config)).eval()
-    # Non-trivial norm parameters and biases, so a swapped weight, bias or q/k shard cannot pass.
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.normal_(1.0, 0.1)
-                module.bias.normal_(0.0, 0.1)
-            elif isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)) and module.bias is not None:
-                module.bias.normal_(0.0, 0.1)
+    # Every bias too (linear and convolution), so a swapped weight, bias or q/k shard cannot pass.
+    randomize_norms(reference, 0.1, all_biases=True)
     reference.save_pretrained(directory)
     return reference
-
-
-def packed(lengths: list[int]):
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-    types = [torch.randint(0, 2, (n,), generator=g) for n in lengths]
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
-    return seqs, types, position_ids, AttentionMeta.build(cu, max(lengths))
-
-
-def reference_hidden(reference, seqs, types) -> list[torch.Tensor]:
-    longest = max(len(s) for s in seqs)
-    ids, type_ids, mask = (torch.zeros(len(seqs), longest, dtype=torch.long) for _ in range(3))
-    for i, (s, t) in enumerate(zip(seqs, types)):
-        ids[i, : len(s)], type_ids[i, : len(s)], mask[i, : len(s)] = s, t, 1
-    kwargs = {"token_type_ids": type_ids} if reference.config.type_vocab_size > 0 else {}
-    with torch.no_grad():
-        out = reference(input_ids=ids, attention_mask=mask, **kwargs).last_hidden_state
-    return [out[i, : len(s)] for i, s in enumerate(seqs)]
 
 
 @pytest.mark.parametrize("name", CONFIGS, ids=list(CONFIGS))
 def test_packed_deberta_v2_matches_transformers_on_mixed_lengths(tmp_path, name):
     reference = save_random_deberta(tmp_path, **CONFIGS[name])
     ours = build_model(tmp_path, None, "cpu")
-    seqs, types, position_ids, meta = packed(LENGTHS)
-    token_type_ids = torch.cat(types) if reference.config.type_vocab_size > 0 else None
+    batch = packed_batch(LENGTHS, VOCAB, token_types=True)
+    with_token_types = reference.config.type_vocab_size > 0
 
-    with torch.inference_mode():
-        hidden = ours(torch.cat(seqs), position_ids, meta, token_type_ids)
-    expected = reference_hidden(reference, seqs, types)
-
-    max_diff = max((g - e).abs().max().item() for g, e in zip(torch.split(hidden, LENGTHS), expected))
-    assert max_diff <= 1e-4, f"{name}: hidden states differ by {max_diff}"
+    hidden = packed_hidden_states(ours, batch, with_token_types=with_token_types)
+    expected = reference_hidden_states(reference, batch, with_token_types=with_token_types)
+    diff = max_abs_diff(hidden, expected)
+    assert diff <= 1e-4, f"{name}: hidden states differ by {diff}"
 
 
 def test_log_buckets_match_transformers_beyond_the_longest_test_sequence():
@@ -106,13 +79,7 @@ def test_log_buckets_match_transformers_beyond_the_longest_test_sequence():
 def test_a_sequence_alone_and_inside_a_mixed_batch_gives_the_same_output(tmp_path):
     save_random_deberta(tmp_path, **CONFIGS["v3-2l-4h-buckets32"])
     model = build_model(tmp_path, None, "cpu")
-    seqs, _, position_ids, meta = packed(LENGTHS)
-    with torch.inference_mode():
-        batch = torch.split(model(torch.cat(seqs), position_ids, meta), LENGTHS)
-        for s, in_batch in zip(seqs, batch):
-            alone_meta = AttentionMeta.build(torch.tensor([0, len(s)], dtype=torch.int32), len(s))
-            alone = model(s, torch.arange(len(s)), alone_meta)
-            assert (alone - in_batch).abs().max().item() <= 1e-5
+    assert_packing_invariant(model, packed_batch(LENGTHS, VOCAB), atol=1e-5)
 
 
 def test_a_checkpoint_missing_the_relative_embeddings_is_refused(tmp_path):
@@ -135,9 +102,6 @@ def test_a_task_model_checkpoint_loads_its_deberta_prefixed_encoder(tmp_path):
     reference = transformers.DebertaV2ForTokenClassification(config).eval()  # "deberta.*" + "classifier.*"
     reference.save_pretrained(tmp_path)
     model = build_model(tmp_path, None, "cpu")
-    lengths = [9, 40, 1]
-    seqs, types, position_ids, meta = packed(lengths)
-    with torch.inference_mode():
-        hidden = model(torch.cat(seqs), position_ids, meta)
-    expected = reference_hidden(reference.deberta, seqs, types)
-    assert max((g - e).abs().max().item() for g, e in zip(torch.split(hidden, lengths), expected)) <= 1e-4
+    batch = packed_batch([9, 40, 1], VOCAB)
+    hidden = packed_hidden_states(model, batch)
+    assert max_abs_diff(hidden, reference_hidden_states(reference.deberta, batch)) <= 1e-4

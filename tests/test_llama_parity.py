@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
+from parity import (assert_packing_invariant, attention_meta, max_abs_diff, min_pooled_cosine, packed_batch,
+                    packed_hidden_states, randomize_norms, reference_hidden_states)
 from shoal.errors import ModelLoadError
-from shoal.heads import pool
-from shoal.layers import AttentionMeta
 from shoal.weights import build_model
 
 VOCAB = 512
@@ -54,36 +54,9 @@ def save_random_decoder(directory, family: str, **shape) -> torch.nn.Module:
     # initializer_range 0.1 (not 0.02): attention scores large enough that positions and causality matter.
     config = config_class(vocab_size=VOCAB, initializer_range=0.1, **shape)
     reference = model_class(config).eval()
-    # Non-trivial norm weights and biases, so a swapped or dropped tensor cannot pass.
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.2)
+    randomize_norms(reference, 0.2, all_biases=True)
     reference.save_pretrained(directory)
     return reference
-
-
-def packed(lengths: list[int]):
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
-    return seqs, torch.cat(seqs), position_ids, AttentionMeta.build(cu, max(lengths))
-
-
-def reference_hidden(reference, seqs) -> list[torch.Tensor]:
-    """Right-padded with an attention mask: under causal attention real tokens never see the pads."""
-    longest = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    with torch.no_grad():
-        out = reference(input_ids=ids, attention_mask=mask).last_hidden_state
-    return [out[i, : len(s)] for i, s in enumerate(seqs)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -91,30 +64,26 @@ def test_packed_decoder_matches_transformers_on_mixed_lengths(tmp_path, case):
     family, shape = CASES[case]
     reference = save_random_decoder(tmp_path, family, **shape)
     ours = build_model(tmp_path, None, "cpu")
-    seqs, input_ids, position_ids, meta = packed(LENGTHS)
+    batch = packed_batch(LENGTHS, VOCAB, first_id=0)
 
-    with torch.inference_mode():
-        hidden = ours(input_ids, position_ids, meta)
-    expected = reference_hidden(reference, seqs)
+    hidden = packed_hidden_states(ours, batch)
+    # Right-padded with an attention mask: under causal attention real tokens never see the pads.
+    expected = reference_hidden_states(reference, batch)
+    diff = max_abs_diff(hidden, expected)
+    assert diff <= 1e-4, f"hidden states differ by {diff}"
 
-    got = torch.split(hidden, LENGTHS)
-    max_diff = max((g - e).abs().max().item() for g, e in zip(got, expected))
-    assert max_diff <= 1e-4, f"hidden states differ by {max_diff}"
-
-    pooled = pool(hidden, meta, "last")
-    cosine = torch.nn.functional.cosine_similarity(pooled, torch.stack([e[-1] for e in expected]), dim=-1)
-    assert cosine.min().item() >= 0.99999, f"last-token pooling cosine {cosine.min().item()}"
+    cosine = min_pooled_cosine(hidden, batch.meta, expected, "last")
+    assert cosine >= 0.99999, f"last-token pooling cosine {cosine}"
 
 
 def test_causal_attention_makes_a_prefix_independent_of_what_follows(tmp_path):
     family, shape = CASES["qwen3-gqa-2l-4h-2kv-hd32"]
     save_random_decoder(tmp_path, family, **shape)
     model = build_model(tmp_path, None, "cpu")
-    seqs, input_ids, position_ids, meta = packed([40])
-    prefix_meta = AttentionMeta.build(torch.tensor([0, 25], dtype=torch.int32), 25)
+    batch = packed_batch([40], VOCAB, first_id=0)
     with torch.inference_mode():
-        full = model(input_ids, position_ids, meta)
-        prefix = model(input_ids[:25], position_ids[:25], prefix_meta)
+        full = model(batch.input_ids, batch.position_ids, batch.meta)
+        prefix = model(batch.input_ids[:25], batch.position_ids[:25], attention_meta([25]))
     assert (full[:25] - prefix).abs().max().item() <= 1e-5
     assert (full[25:] - full[24]).abs().max().item() > 1e-2  # later tokens do differ
 
@@ -123,13 +92,7 @@ def test_a_sequence_alone_and_inside_a_mixed_batch_gives_the_same_output(tmp_pat
     family, shape = CASES["llama-gqa-2l-4h-2kv"]
     save_random_decoder(tmp_path, family, **shape)
     model = build_model(tmp_path, None, "cpu")
-    seqs, input_ids, position_ids, meta = packed(LENGTHS)
-    with torch.inference_mode():
-        batch = pool(model(input_ids, position_ids, meta), meta, "last")
-        for i, s in enumerate(seqs):
-            alone_meta = AttentionMeta.build(torch.tensor([0, len(s)], dtype=torch.int32), len(s))
-            alone = pool(model(s, torch.arange(len(s)), alone_meta), alone_meta, "last")[0]
-            assert (alone - batch[i]).abs().max().item() <= 1e-5
+    assert_packing_invariant(model, packed_batch(LENGTHS, VOCAB, first_id=0), atol=1e-5, pooling="last")
 
 
 @pytest.mark.parametrize(

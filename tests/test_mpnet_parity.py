@@ -7,10 +7,12 @@ import pytest
 import torch
 import transformers
 
-from shoal.layers import AttentionMeta
+from parity import (PackedBatch, assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states,
+                    randomize_norms, reference_hidden_states)
 from shoal.models.mpnet import relative_position_bucket
 from shoal.weights import build_model
 
+VOCAB = 1000
 PAD = 1  # transformers' MPNet hard-codes it
 # Past MAX_DISTANCE (128) all far offsets share a bucket: the longest sequence reaches it.
 MAX_LENGTH = 160
@@ -27,42 +29,21 @@ SHAPES = {
 
 def save_random_mpnet(directory, **shape) -> transformers.MPNetModel:
     torch.manual_seed(0)
-    config = transformers.MPNetConfig(vocab_size=1000, max_position_embeddings=MAX_POSITIONS, **shape)
+    config = transformers.MPNetConfig(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, **shape)
     reference = transformers.MPNetModel(config, add_pooling_layer=True).eval()
+    randomize_norms(reference, 0.1)
     with torch.no_grad():
-        # Non-trivial LayerNorm parameters, so a swapped weight and bias cannot pass; a bias table
-        # large enough that a wrong bucket or a transposed [L, L] changes the output visibly.
-        for module in reference.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.normal_(1.0, 0.1)
-                module.bias.normal_(0.0, 0.1)
+        # A bias table large enough that a wrong bucket or a transposed [L, L] changes the output
+        # visibly; a non-zero padding row, so a position off by one reads a different vector.
         reference.encoder.relative_attention_bias.weight.normal_(0.0, 1.0)
         reference.embeddings.position_embeddings.weight.normal_(0.0, 0.5)
     reference.save_pretrained(directory)
     return reference
 
 
-def packed(lengths: list[int], vocab: int = 1000):
-    g = torch.Generator().manual_seed(1)
+def packed(lengths: list[int]) -> PackedBatch:
     # Ids from PAD + 1 up: the reference numbers positions by skipping pad ids, which real text lacks.
-    seqs = [torch.randint(PAD + 1, vocab, (n,), generator=g) for n in lengths]
-    input_ids = torch.cat(seqs)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    return seqs, input_ids, position_ids, AttentionMeta.build(cu, max(lengths))
-
-
-def reference_hidden(reference, seqs) -> list[torch.Tensor]:
-    """Right-padded with the pad id, as a tokenizer pads; the reference derives positions from it."""
-    longest = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), longest), PAD, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    with torch.no_grad():
-        out = reference(input_ids=ids, attention_mask=mask).last_hidden_state
-    return [out[i, : len(s)] for i, s in enumerate(seqs)]
+    return packed_batch(lengths, VOCAB, first_id=PAD + 1)
 
 
 def test_relative_position_buckets_equal_transformers_for_every_offset_up_to_the_longest():
@@ -80,26 +61,14 @@ def test_relative_position_buckets_equal_transformers_for_every_offset_up_to_the
 def test_packed_mpnet_matches_transformers_on_mixed_lengths(tmp_path, shape):
     reference = save_random_mpnet(tmp_path, **SHAPES[shape])
     ours = build_model(tmp_path, None, "cpu")
-    lengths = [1, MAX_LENGTH, 7, 2, 63, 130, 30, 5]
-    seqs, input_ids, position_ids, meta = packed(lengths)
+    batch = packed([1, MAX_LENGTH, 7, 2, 63, 130, 30, 5])
 
-    with torch.inference_mode():
-        hidden = ours(input_ids, position_ids, meta)
-    expected = reference_hidden(reference, seqs)
-
-    got = torch.split(hidden, lengths)
-    max_diff = max((g - e).abs().max().item() for g, e in zip(got, expected))
-    assert max_diff <= 1e-4, f"hidden states differ by {max_diff}"
+    # The reference is right-padded with the pad id, as a tokenizer pads; it derives positions from it.
+    diff = max_abs_diff(packed_hidden_states(ours, batch), reference_hidden_states(reference, batch, pad_id=PAD))
+    assert diff <= 1e-4, f"hidden states differ by {diff}"
 
 
 def test_an_mpnet_sequence_alone_and_inside_a_mixed_batch_gives_the_same_output(tmp_path):
     save_random_mpnet(tmp_path, **SHAPES["tiny-2l-2h"])
     model = build_model(tmp_path, None, "cpu")
-    lengths = [40, 3, MAX_LENGTH, 17, 1]
-    seqs, input_ids, position_ids, meta = packed(lengths)
-    with torch.inference_mode():
-        batch = torch.split(model(input_ids, position_ids, meta), lengths)
-        for i, s in enumerate(seqs):
-            alone_meta = AttentionMeta.build(torch.tensor([0, len(s)], dtype=torch.int32), len(s))
-            alone = model(s, torch.arange(len(s)), alone_meta)
-            assert (alone - batch[i]).abs().max().item() <= 1e-5
+    assert_packing_invariant(model, packed([40, 3, MAX_LENGTH, 17, 1]), atol=1e-5)

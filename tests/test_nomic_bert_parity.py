@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import transformers
-from transformers.initialization import no_init_weights
 
+from parity import (assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states, random_eager_reference,
+                    reference_hidden_states)
 from shoal.errors import ModelLoadError
-from shoal.layers import AttentionMeta
 from shoal.weights import build_model
 
 VOCAB = 1024
@@ -34,76 +33,23 @@ SHAPES = {
 LENGTHS = [1, 128, 7, 2, 63, 100, 30, 5]
 
 
-def randomise(model: torch.nn.Module) -> None:
-    """Fill every parameter: unit-variance activations, and norm weights and biases away from 1 and
-    0, so a swapped or skipped tensor cannot pass."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=g))
-            elif isinstance(module, torch.nn.Linear):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * module.in_features**-0.5)
-            elif isinstance(module, torch.nn.LayerNorm):
-                module.weight.copy_(1.0 + 0.1 * torch.randn(module.weight.shape, generator=g))
-            if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and module.bias is not None:
-                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
-
-
-def random_reference(model_class=transformers.NomicBertModel, **shape):
-    config = transformers.NomicBertConfig(vocab_size=VOCAB, max_position_embeddings=256, **shape)
-    with no_init_weights():  # randomise overwrites every parameter
-        reference = model_class(config).eval()
-    # Eager attention (explicit softmax over an additive mask): a different kernel from the packed
-    # SDPA path shoal takes on CPU.
-    reference.set_attn_implementation("eager")
-    randomise(reference)
-    return reference
-
-
 def save_random_nomic_bert(directory, **shape) -> transformers.NomicBertModel:
-    reference = random_reference(**shape)
+    reference = random_eager_reference(transformers.NomicBertModel, nomic_bert_config(**shape))
     reference.save_pretrained(directory)
     return reference
 
 
-def packed(lengths: list[int]):
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-    types = [torch.randint(0, 2, (n,), generator=g) for n in lengths]
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
-    return seqs, types, position_ids, AttentionMeta.build(cu, max(lengths))
-
-
-def reference_hidden(reference, seqs, types=None) -> list[torch.Tensor]:
-    longest = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    type_ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-        if types is not None:
-            type_ids[i, : len(s)] = types[i]
-    with torch.no_grad():
-        out = reference(input_ids=ids, attention_mask=mask, token_type_ids=type_ids).last_hidden_state
-    return [out[i, : len(s)] for i, s in enumerate(seqs)]
-
-
-def max_diff(hidden: torch.Tensor, expected: list[torch.Tensor]) -> float:
-    got = torch.split(hidden, [len(e) for e in expected])
-    return max((g - e).abs().max().item() for g, e in zip(got, expected))
+def nomic_bert_config(**shape) -> transformers.NomicBertConfig:
+    return transformers.NomicBertConfig(vocab_size=VOCAB, max_position_embeddings=256, **shape)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 def test_packed_nomic_bert_matches_transformers_on_mixed_lengths_and_token_types(tmp_path, shape):
     reference = save_random_nomic_bert(tmp_path, **SHAPES[shape])
     ours = build_model(tmp_path, None, "cpu")
-    seqs, types, position_ids, meta = packed(LENGTHS)
-    with torch.inference_mode():
-        hidden = ours(torch.cat(seqs), position_ids, meta, token_type_ids=torch.cat(types))
-    diff = max_diff(hidden, reference_hidden(reference, seqs, types))
+    batch = packed_batch(LENGTHS, VOCAB, token_types=True)
+    hidden = packed_hidden_states(ours, batch, with_token_types=True)
+    diff = max_abs_diff(hidden, reference_hidden_states(reference, batch, with_token_types=True))
     assert diff <= 1e-4, f"hidden states differ by {diff}"
 
 
@@ -125,10 +71,9 @@ def test_nomic_config_layout_loads_the_same_model_with_nomics_size_rounding(tmp_
     reference = save_random_nomic_bert(tmp_path, **SHAPES["mini-4l-4h-theta-10000"])
     (tmp_path / "config.json").write_text(json.dumps(nomic_layout_config()))
     ours = build_model(tmp_path, None, "cpu")
-    seqs, _, position_ids, meta = packed(LENGTHS)
-    with torch.inference_mode():
-        hidden = ours(torch.cat(seqs), position_ids, meta)  # no token types: segment 0 for all
-    diff = max_diff(hidden, reference_hidden(reference, seqs))
+    batch = packed_batch(LENGTHS, VOCAB)
+    hidden = packed_hidden_states(ours, batch)  # no token types: segment 0 for all
+    diff = max_abs_diff(hidden, reference_hidden_states(reference, batch))
     assert diff <= 1e-4, f"hidden states differ by {diff}"
 
 
@@ -159,21 +104,13 @@ def test_a_nomic_config_that_omits_the_bias_flags_is_refused_because_nomic_defau
 def test_a_sequence_alone_and_inside_a_mixed_batch_gives_the_same_output(tmp_path):
     save_random_nomic_bert(tmp_path, **SHAPES["tiny-2l-2h"])
     model = build_model(tmp_path, None, "cpu")
-    seqs, _, position_ids, meta = packed(LENGTHS)
-    with torch.inference_mode():
-        batch = torch.split(model(torch.cat(seqs), position_ids, meta), LENGTHS)
-        for i, s in enumerate(seqs):
-            alone_meta = AttentionMeta.build(torch.tensor([0, len(s)], dtype=torch.int32), len(s))
-            alone = model(s, torch.arange(len(s)), alone_meta)
-            assert (alone - batch[i]).abs().max().item() <= 1e-5
+    assert_packing_invariant(model, packed_batch(LENGTHS, VOCAB), atol=1e-5)
 
 
 def test_a_masked_lm_checkpoint_loads_its_encoder_and_ignores_the_head(tmp_path):
-    reference = random_reference(transformers.NomicBertForMaskedLM, **SHAPES["tiny-2l-2h"])
+    reference = random_eager_reference(transformers.NomicBertForMaskedLM, nomic_bert_config(**SHAPES["tiny-2l-2h"]))
     reference.save_pretrained(tmp_path)  # tensors under "nomic_bert.", head under "cls."
     ours = build_model(tmp_path, None, "cpu")
-    seqs, _, position_ids, meta = packed(LENGTHS)
-    with torch.inference_mode():
-        hidden = ours(torch.cat(seqs), position_ids, meta)
-    diff = max_diff(hidden, reference_hidden(reference.nomic_bert, seqs))
+    batch = packed_batch(LENGTHS, VOCAB)
+    diff = max_abs_diff(packed_hidden_states(ours, batch), reference_hidden_states(reference.nomic_bert, batch))
     assert diff <= 1e-4, f"hidden states differ by {diff}"
