@@ -7,7 +7,7 @@ Measured runtime values (loaded models, queue depth) never live here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -44,9 +44,6 @@ class Settings:
     models_dirs: tuple[Path, ...] = ()
     # Whether model weights may be fetched from the Hugging Face Hub when not found locally.
     allow_download: bool = True
-
-    def with_overrides(self, **changes: object) -> "Settings":
-        return replace(self, **changes)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
