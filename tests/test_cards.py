@@ -15,7 +15,7 @@ import torch
 import transformers
 import yaml
 
-from shoal.catalog import Catalog, load_card, resolve_weights
+from shoal.catalog import Catalog, load_card, parse_card, resolve_weights
 from shoal.config import EngineSettings
 from shoal.engine import EncodeCall, Engine
 from shoal.errors import CardError, UnknownModel
@@ -66,14 +66,15 @@ def test_every_builtin_card_is_valid_and_names_its_file():
         ("unknown-field", {"colour": "blue"}, "colour"),
         ("unknown-nested-field", {"source": {"hub": "org/model", "branch": "main"}}, "branch"),
         ("wrong-type", {"max_length": "long"}, "max_length"),
-        ("wrong-nested-type", {"batching": {"max_batch_tokens": "many"}}, "max_batch_tokens"),
+        ("wrong-nested-type", {"batching": {"cpu": {"max_batch_tokens": "many"}}}, "max_batch_tokens"),
         ("bad-enum", {"pooling": "max"}, "pooling"),
         ("missing-required", {"dimensions": None}, "dimensions"),
         ("undefined-query-prompt", {"prompts": {"q": "query: "}, "query_prompt": "query"}, "query_prompt"),
         ("undefined-document-prompt", {"document_prompt": "passage"}, "document_prompt"),
         ("no-source", {"source": {}}, "source"),
         ("matryoshka-too-large", {"matryoshka_dims": [4, 9]}, "matryoshka_dims"),
-        ("zero-batch-items", {"batching": {"max_batch_items": 0}}, "batching.max_batch_items"),
+        ("zero-batch-items", {"batching": {"cpu": {"max_batch_items": 0}}}, "batching.cpu.max_batch_items"),
+        ("unknown-hardware", {"batching": {"tpu": {"max_batch_items": 8}}}, "batching.tpu"),
     ],
 )
 def test_a_bad_card_raises_card_error_naming_the_file_and_the_field(tmp_path, name, change, field):
@@ -233,3 +234,13 @@ def test_every_card_verified_with_real_weights_serves_offline():
         item = result.items[0]
         produced = item.dense if card.outputs[0] == "dense" else item.sparse.values
         assert produced is not None and len(produced) > 0, card.id
+
+
+def test_batching_is_looked_up_by_hardware_then_by_kind():
+    card = parse_card({"id": "x", "source": {"hub": "x/y"}, "max_length": 8, "pooling": "cls", "dimensions": 8,
+                       "batching": {"cpu": {"max_batch_tokens": 1024}, "cuda": {"max_batch_tokens": 8192},
+                                    "cuda:NVIDIA H200": {"max_batch_tokens": 65536}}}, "inline.yaml")
+    assert card.batching_for("cpu").max_batch_tokens == 1024
+    assert card.batching_for("cuda:NVIDIA H200").max_batch_tokens == 65536
+    assert card.batching_for("cuda:NVIDIA A10G").max_batch_tokens == 8192
+    assert card.batching_for("cuda:NVIDIA A10G").max_batch_items is None

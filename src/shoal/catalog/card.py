@@ -6,6 +6,7 @@ exist, what the model can output and how it was verified. Errors name the file a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +14,8 @@ import msgspec
 import yaml
 
 from ..errors import CardError
+
+_HARDWARE_CLASS = re.compile(r"(cpu|cuda)(:[\w .-]+)?")
 
 Pooling = Literal["cls", "mean", "last"]
 Output = Literal["dense", "sparse", "multivector"]
@@ -38,6 +41,8 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Batch limits measured for one hardware class (see `ModelCard.batching`)."""
+
     max_batch_tokens: int | None = None
     max_batch_items: int | None = None
 
@@ -98,11 +103,18 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     query_prompt: str | None = None
     document_prompt: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    batching: Batching = Batching()
+    # Batch limits per hardware class ("cpu", "cuda", or a specific one such as "cuda:H200"),
+    # written by hand or by `shoal tune`; the engine falls back to its own settings.
+    batching: dict[str, Batching] = {}
     verified: Verified = "unverified"
     description: str = ""
     # The file this card was read from (filled in by the loader).
     card_path: str | None = None
+
+    def batching_for(self, hardware: str) -> Batching:
+        """Limits for `hardware` ("cuda:H200"), else for its kind ("cuda"), else none set."""
+        kind = hardware.split(":", 1)[0]
+        return self.batching.get(hardware) or self.batching.get(kind) or Batching()
 
     @property
     def sparse_spec(self) -> Sparse:
@@ -164,7 +176,10 @@ def _check(card: ModelCard, origin: str) -> None:
         value = getattr(card, name)
         if value is not None and value not in card.prompts:
             fail(name, f"names prompt {value!r}, which `prompts` does not define")
-    for name in ("max_batch_tokens", "max_batch_items"):
-        value = getattr(card.batching, name)
-        if value is not None and value < 1:
-            fail(f"batching.{name}", "must be >= 1")
+    for hardware, limits in card.batching.items():
+        if not _HARDWARE_CLASS.fullmatch(hardware):
+            fail(f"batching.{hardware}", "is not a hardware class: use cpu, cuda or cuda:<device name>")
+        for name in ("max_batch_tokens", "max_batch_items"):
+            value = getattr(limits, name)
+            if value is not None and value < 1:
+                fail(f"batching.{hardware}.{name}", "must be >= 1")

@@ -57,6 +57,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._admitted_items = 0
+        self._hardware = hardware_class(settings.device)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -151,7 +152,7 @@ class Engine:
             raise
 
     def _limits_for(self, model_id: str) -> BatchLimits:
-        batching = self.catalog.get(model_id).batching
+        batching = self.catalog.get(model_id).batching_for(self._hardware)
         return BatchLimits(
             batching.max_batch_tokens or self.settings.max_batch_tokens,
             batching.max_batch_items or self.settings.max_batch_items,
@@ -236,3 +237,12 @@ def _prompt(card: ModelCard, call: EncodeCall) -> str:
             details={"model": card.id, "option": "prompt_name", "allowed": sorted(card.prompts)},
         )
     return card.prompt_for(call.prompt_name, call.is_query)
+
+
+def hardware_class(device: str) -> str:
+    """The key a card's `batching` is looked up by: "cpu", or "cuda:<device name>"."""
+    if device.startswith("cuda"):
+        import torch
+
+        return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
+    return "cpu"
