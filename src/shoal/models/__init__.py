@@ -12,6 +12,7 @@ from typing import Any
 
 ARCHITECTURES: dict[str, str] = {
     "bert": "shoal.models.bert:BertModel",
+    "distilbert": "shoal.models.distilbert:DistilBertModel",
     "roberta": "shoal.models.roberta:RobertaModel",
     "xlm-roberta": "shoal.models.roberta:RobertaModel",
     "mpnet": "shoal.models.mpnet:MPNetModel",

@@ -96,7 +96,8 @@ class BertModel(nn.Module):
         self.config = cfg
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h)
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+        # DistilBERT has no segments (type_vocab_size 0).
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h) if cfg.type_vocab_size else None
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
@@ -117,10 +118,11 @@ class BertModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,  # [T]; segment A/B for sentence pairs
     ) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
-        if token_type_ids is None:
-            x = x + self.token_type_embeddings.weight[0]
-        else:
-            x = x + self.token_type_embeddings(token_type_ids)
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                x = x + self.token_type_embeddings.weight[0]
+            else:
+                x = x + self.token_type_embeddings(token_type_ids)
         x = F.layer_norm(x, (self.hidden_size,), self.embed_norm.weight, self.embed_norm.bias, self.embed_norm.eps)
         for layer in self.layers:
             x = layer(x, meta)
