@@ -285,3 +285,16 @@ def test_a_request_in_flight_when_the_engine_stops_gets_an_answer_or_an_error(ca
 def test_an_encode_call_without_texts_is_an_invalid_request(catalog):
     with pytest.raises(InvalidRequest):
         encode(catalog, [])
+
+
+def test_a_device_this_machine_lacks_is_a_config_error_naming_it():
+    import torch
+
+    from shoal.catalog import Catalog
+    from shoal.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'tpu'"):
+        Engine(EngineSettings(device="tpu"), Catalog.load(), allow_download=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            Engine(EngineSettings(device="cuda"), Catalog.load(), allow_download=False)

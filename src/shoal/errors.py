@@ -7,6 +7,7 @@
     │   ├── PayloadTooLarge         the body exceeds the server's limit
     │   └── InputTooLong            an item has more tokens than the model takes (truncate: false)
     ├── Overloaded                  the queue is full or a model is still loading; retry later
+    ├── ConfigError                 the settings ask for something this machine lacks (a GPU)
     ├── CardError                   a model card (YAML) is malformed; names the file and field
     └── ModelLoadError              weights or tokenizer could not be found or loaded
 
@@ -54,6 +55,10 @@ class Overloaded(ShoalError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0, details: dict[str, Any] | None = None) -> None:
         super().__init__(message, details=details)
         self.retry_after_s = retry_after_s
+
+
+class ConfigError(ShoalError):
+    code = "invalid_config"
 
 
 class CardError(ShoalError):

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
-from ..errors import InvalidRequest, Overloaded, ShoalError
+from ..errors import ConfigError, InvalidRequest, Overloaded, ShoalError
 from ..metrics import Metrics
 from .cache import ModelCache
 from .scheduler import BatchLimits, Scheduler
@@ -244,5 +244,9 @@ def hardware_class(device: str) -> str:
     if device.startswith("cuda"):
         import torch
 
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} was asked for, but torch sees no CUDA device here; use --device cpu")
         return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
+    if device != "cpu":
+        raise ConfigError(f"unsupported device {device!r}: use cpu, cuda or cuda:N")
     return "cpu"
