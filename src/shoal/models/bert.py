@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers import AttentionMeta, FusedLinear, activation, varlen_attention
@@ -102,10 +101,6 @@ class BertModel(nn.Module):
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
     @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
     def max_positions(self) -> int:
         """The longest sequence the position table covers (the runner caps max_length by it)."""
         return self.config.max_position_embeddings
@@ -123,7 +118,7 @@ class BertModel(nn.Module):
                 x = x + self.token_type_embeddings.weight[0]
             else:
                 x = x + self.token_type_embeddings(token_type_ids)
-        x = F.layer_norm(x, (self.hidden_size,), self.embed_norm.weight, self.embed_norm.bias, self.embed_norm.eps)
+        x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, meta)
         return x  # [T, hidden]

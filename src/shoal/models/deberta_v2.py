@@ -232,10 +232,6 @@ class DebertaV2Model(nn.Module):
             self.conv_act = torch.tanh if cfg.conv_act == "tanh" else activation(cfg.conv_act)
         self.layers = nn.ModuleList(DebertaV2Layer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

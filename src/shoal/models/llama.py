@@ -170,10 +170,6 @@ class LlamaModel(nn.Module):
         self.rotary = (Llama3Rotary(cfg.head_dim, cfg.rope_theta, *cfg.rope_llama3) if cfg.rope_llama3
                        else Rotary(cfg.head_dim, cfg.rope_theta))
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

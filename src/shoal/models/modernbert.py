@@ -123,10 +123,6 @@ class ModernBertModel(nn.Module):
         self.layers = nn.ModuleList(ModernBertLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.final_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

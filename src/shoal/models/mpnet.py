@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers import AttentionMeta, varlen_attention
@@ -96,10 +95,6 @@ class MPNetModel(nn.Module):
         self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_attention_heads)
         self.layers = nn.ModuleList(MPNetLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
     def position_bias(self, max_seqlen: int, device: torch.device) -> torch.Tensor:
         """Score bias `[H, L, L]` for queries and keys at positions 0..L-1 of any sequence."""
         positions = torch.arange(max_seqlen, device=device)
@@ -118,7 +113,7 @@ class MPNetModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,  # MPNet has no segments; accepted and ignored
     ) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids + (PADDING_IDX + 1))  # [T, hidden]
-        x = F.layer_norm(x, (self.hidden_size,), self.embed_norm.weight, self.embed_norm.bias, self.embed_norm.eps)
+        x = self.embed_norm(x)
         bias = self.position_bias(meta.max_seqlen, input_ids.device)  # [H, L, L], shared by all layers
         bias = meta.additive_mask(bias.to(x.dtype))  # [n, H, L, L]: padding keys folded in once, not per layer
         for layer in self.layers:

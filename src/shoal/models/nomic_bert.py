@@ -146,10 +146,6 @@ class NomicBertModel(nn.Module):
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(NomicBertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
