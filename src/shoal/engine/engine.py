@@ -98,8 +98,10 @@ class Engine:
         texts = [prefix + t for t in call.texts] if prefix else call.texts
         self._admit(card.id, len(texts))
         try:
+            was_loaded = self.cache.is_loaded(card.id)
             runner = await self.cache.acquire(card)
-            self._record_cache()
+            if not was_loaded:  # a load (and maybe evictions) happened: refresh the cache gauges
+                self._record_cache()
             try:
                 started = time.perf_counter()
                 tokenizer = runner.query_tokenizer if spec.is_query else runner.document_tokenizer
