@@ -70,10 +70,9 @@ class ModernBertLayer(nn.Module):
         h, inner = cfg.hidden_size, cfg.intermediate_size
         self.num_heads = cfg.num_attention_heads
         self.head_dim = h // cfg.num_attention_heads
-        is_global = cfg.global_layers[layer_id]
+        self.is_global = cfg.global_layers[layer_id]
         half = cfg.local_attention // 2
-        self.window = None if is_global else (half, half)
-        self.rotary = Rotary(self.head_dim, cfg.global_rope_theta if is_global else cfg.local_rope_theta)
+        self.window = None if self.is_global else (half, half)
         # Layer 0 reads the embedding norm's output directly.
         self.attn_norm = nn.Identity() if layer_id == 0 else nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
         # The checkpoint stores q, k, v already fused (rows q | k | v), so a plain Linear holds them.
@@ -84,10 +83,9 @@ class ModernBertLayer(nn.Module):
         self.mlp_out = nn.Linear(inner, h, bias=cfg.mlp_bias)
         self.act = activation(cfg.hidden_activation)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(self.attn_norm(x)).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
-        cos, sin = self.rotary.cos_sin(position_ids, q.dtype)  # [T, 1, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = varlen_attention(q, k, v, meta, window=self.window).reshape(T, -1)  # [T, hidden]
         x = x + self.attn_out(a)
@@ -122,6 +120,9 @@ class ModernBertModel(nn.Module):
         self.embed_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
         self.layers = nn.ModuleList(ModernBertLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.final_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        head_dim = h // cfg.num_attention_heads
+        self.global_rotary = Rotary(head_dim, cfg.global_rope_theta)
+        self.local_rotary = Rotary(head_dim, cfg.local_rope_theta)
 
     def forward(
         self,
@@ -131,6 +132,9 @@ class ModernBertModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,  # ModernBERT has no segment embeddings: ignored
     ) -> torch.Tensor:
         x = self.embed_norm(self.word_embeddings(input_ids))  # [T, hidden]
+        # Two rotary tables per forward, one per layer kind, shared by all layers of that kind.
+        tables = {True: self.global_rotary.cos_sin(position_ids, x.dtype),  # [T, 1, D] each
+                  False: self.local_rotary.cos_sin(position_ids, x.dtype)}
         for layer in self.layers:
-            x = layer(x, position_ids, meta)
+            x = layer(x, *tables[layer.is_global], meta)
         return self.final_norm(x)  # [T, hidden]
