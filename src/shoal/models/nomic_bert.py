@@ -96,7 +96,6 @@ class NomicBertLayer(nn.Module):
         h, inner = cfg.hidden_size, cfg.intermediate_size
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         width = self.num_heads * self.head_dim
-        self.rotary = Rotary(self.head_dim, cfg.rope_theta)
         # The checkpoint stores q, k, v already fused (rows q | k | v), so a plain Linear holds them.
         self.qkv = nn.Linear(h, 3 * width, bias=False)
         self.attn_out = nn.Linear(width, h, bias=False)
@@ -106,10 +105,9 @@ class NomicBertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
-        cos, sin = self.rotary.cos_sin(position_ids, q.dtype)  # [T, 1, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = varlen_attention(q, k, v, meta).reshape(T, -1)  # [T, H * D]
         x = self.attn_norm(x + self.attn_out(a))
@@ -145,6 +143,7 @@ class NomicBertModel(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(NomicBertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     def forward(
         self,
@@ -159,6 +158,7 @@ class NomicBertModel(nn.Module):
         else:
             x = x + self.token_type_embeddings(token_type_ids)
         x = self.embed_norm(x)
+        cos, sin = self.rotary.cos_sin(position_ids, x.dtype)  # [T, 1, D] each, shared by all layers
         for layer in self.layers:
-            x = layer(x, position_ids, meta)
+            x = layer(x, cos, sin, meta)
         return x  # [T, hidden]
