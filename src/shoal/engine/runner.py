@@ -77,8 +77,7 @@ class ModelRunner:
                                                     expand_to=mv.query_length, expand_token=mv.mask_token)
             if mv.document_marker:
                 self.document_tokenizer = base.variant(base.max_length, marker=mv.document_marker)
-            punctuation = [base._tokenizer.token_to_id(c) for c in string.punctuation]
-            self._punctuation_ids = torch.tensor([i for i in punctuation if i is not None], device=self.device)
+            self._punctuation_ids = torch.tensor(base.token_ids(string.punctuation), device=self.device)
 
     # --- forward --------------------------------------------------------------------------------
 

@@ -48,6 +48,10 @@ class TextTokenizer:
         return TextTokenizer(clone, max_length, marker_id=self.token_id(marker) if marker else None,
                              expand_to=expand_to, expand_id=self.token_id(expand_token) if expand_token else None)
 
+    def token_ids(self, tokens) -> list[int]:
+        """Ids of those `tokens` that are in the vocabulary (others are skipped)."""
+        return [i for i in map(self._tokenizer.token_to_id, tokens) if i is not None]
+
     def token_id(self, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:
