@@ -64,9 +64,20 @@ def test_unknown_model_is_404_naming_the_id(client, card, route):
         {"model": "acme/no-such-model", "input": ["hi"]}
     response = client.post(route, json=body)
 
-    error = assert_error(response, 404, "unknown_model", "'acme/no-such-model'", card.id)
+    error = assert_error(response, 404, "unknown_model", "'acme/no-such-model'", "/v1/models")
     assert error["details"]["model"] == "acme/no-such-model"
+    assert card.id not in error["message"]  # the catalog is not dumped into every 404
     assert_still_serves(client, card)
+
+
+def test_unknown_model_404_suggests_a_close_id_and_echoes_at_most_200_characters_of_it(client, card):
+    typo = client.post("/v1/encode", json={"model": card.id.replace("MiniLM", "MiniLm"), "items": [{"text": "hi"}]})
+    huge = client.post("/v1/encode", json={"model": "m" * 100_000, "items": [{"text": "hi"}]})
+
+    error = assert_error(typo, 404, "unknown_model", "did you mean", card.id)
+    assert error["details"]["suggestions"][0] == card.id
+    error = assert_error(huge, 404, "unknown_model")
+    assert len(error["message"]) < 400 and len(error["details"]["model"]) <= 201
 
 
 def test_unknown_option_is_400_naming_the_field(client, card):

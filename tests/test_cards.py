@@ -178,13 +178,15 @@ def test_a_local_card_serves_its_checkpoint_end_to_end_through_the_engine(models
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_an_unknown_model_error_lists_the_known_ids(models_dir):
+def test_an_unknown_model_error_names_the_id_and_suggests_close_ones_from_every_dir(models_dir):
     catalog = Catalog.load(extra_dirs=(models_dir,))
     with pytest.raises(UnknownModel) as info:
         catalog.get("nobody/nothing")
-    assert "'nobody/nothing'" in info.value.message
-    assert MINILM in info.value.message and LOCAL in info.value.message
-    assert info.value.details["known"] == sorted(card.id for card in catalog)
+    assert "'nobody/nothing'" in info.value.message and "/v1/models" in info.value.message
+    assert MINILM not in info.value.message and "suggestions" not in info.value.details
+    with pytest.raises(UnknownModel) as info:
+        catalog.get(LOCAL + "x")  # a typo of a card from the user's models dir
+    assert info.value.details["suggestions"][0] == LOCAL
 
 
 def test_the_engine_raises_unknown_model_before_loading_anything(models_dir):
@@ -194,7 +196,7 @@ def test_the_engine_raises_unknown_model_before_loading_anything(models_dir):
         engine = Engine(EngineSettings(), catalog, allow_download=False)
         await engine.start()
         try:
-            with pytest.raises(UnknownModel, match=LOCAL):
+            with pytest.raises(UnknownModel, match="nobody/nothing"):
                 await engine.encode(EncodeCall("nobody/nothing", ["x"]))
             return engine.cache.loaded_bytes
         finally:

@@ -1,21 +1,23 @@
-"""The token-budget scheduler: pure bookkeeping, so plain dataclass items stand in for requests."""
+"""The fair token-budget scheduler: pure bookkeeping, so plain dataclass requests stand in for the
+engine's pending requests."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shoal.engine.scheduler import BatchLimits, Scheduler
 
-_seq = itertools.count()
+NOW = 1000.0
 
 
 @dataclass(eq=False)
-class Item:
+class Request:
     model_id: str
-    num_tokens: int
+    lengths: list[int]
+    deadline: float = float("inf")
     cancelled: bool = False
-    seq: int = field(default_factory=lambda: next(_seq))
+    next_index: int = 0
+    name: str = ""
 
 
 def scheduler(max_batch_tokens: int = 100, max_batch_items: int = 100, **per_model: BatchLimits) -> Scheduler:
@@ -23,111 +25,174 @@ def scheduler(max_batch_tokens: int = 100, max_batch_items: int = 100, **per_mod
     return Scheduler(lambda model_id: per_model.get(model_id, default))
 
 
-def drain(s: Scheduler) -> list[list[Item]]:
+def lengths(batch) -> list[int]:
+    return [request.lengths[index] for request, index in batch]
+
+
+def drain(s: Scheduler, now: float = NOW) -> list[list]:
     batches = []
-    while batch := s.next_batch():
+    while (batch := s.next_batch(now)[0]):
         batches.append(batch)
     return batches
 
 
+# --- the token budget ---------------------------------------------------------------------------
+
+
 def test_batches_are_cut_by_the_sum_of_real_tokens_under_max_batch_tokens():
     s = scheduler(max_batch_tokens=100)
-    items = [Item("m", n) for n in (40, 30, 20, 50, 10, 45, 60)]
-    s.add(items)
+    s.add(Request("m", [40, 30, 20, 50, 10, 45, 60]))
     batches = drain(s)
     # 40+30+20 = 90 (adding 50 would be 140); 50+10 = 60 (adding 45 would be 105); 45; 60.
-    assert [[i.num_tokens for i in b] for b in batches] == [[40, 30, 20], [50, 10], [45], [60]]
-    assert all(sum(i.num_tokens for i in b) <= 100 for b in batches)
-    assert [i for b in batches for i in b] == items  # nothing lost, nothing reordered
+    assert [lengths(b) for b in batches] == [[40, 30, 20], [50, 10], [45], [60]]
 
 
 def test_a_batch_fills_the_token_budget_exactly():
     s = scheduler(max_batch_tokens=100)
-    s.add([Item("m", 60), Item("m", 40), Item("m", 1)])
-    assert [i.num_tokens for i in s.next_batch()] == [60, 40]
+    s.add(Request("m", [50, 50, 1]))
+    assert [lengths(b) for b in drain(s)] == [[50, 50], [1]]
 
 
 def test_max_batch_items_caps_a_batch_even_when_tokens_fit():
     s = scheduler(max_batch_tokens=10_000, max_batch_items=3)
-    items = [Item("m", 5) for _ in range(8)]
-    s.add(items)
-    batches = drain(s)
-    assert [len(b) for b in batches] == [3, 3, 2]
-    assert [i for b in batches for i in b] == items
+    s.add(Request("m", [1] * 7))
+    assert [len(b) for b in drain(s)] == [3, 3, 1]
 
 
-def test_the_item_that_overflows_stays_first_for_the_next_batch():
+def test_the_sequence_that_overflows_stays_first_in_its_request_for_the_next_batch():
     s = scheduler(max_batch_tokens=100)
-    first, overflow, later = Item("m", 70), Item("m", 50), Item("m", 10)
-    s.add([first, overflow, later])
-    assert s.next_batch() == [first]
-    assert len(s) == 2
-    assert s.next_batch() == [overflow, later]
+    request = Request("m", [60, 60, 5])
+    s.add(request)
+    first, _ = s.next_batch(NOW)
+    assert [i for _, i in first] == [0]
+    second, _ = s.next_batch(NOW)
+    assert [i for _, i in second] == [1, 2]  # order within a request is kept
 
 
-def test_an_item_larger_than_the_budget_runs_alone_rather_than_starving():
+def test_a_sequence_larger_than_the_budget_runs_alone_rather_than_starving():
     s = scheduler(max_batch_tokens=100)
-    small, huge, after = Item("m", 10), Item("m", 500), Item("m", 10)
-    s.add([small, huge, after])
-    assert drain(s) == [[small], [huge], [after]]
-    assert len(s) == 0
+    s.add(Request("m", [500, 10]))
+    assert [lengths(b) for b in drain(s)] == [[500], [10]]
 
 
-def test_the_model_whose_head_item_is_oldest_is_served_first():
-    s = scheduler()
-    a1 = Item("a", 5)
-    b1 = Item("b", 5)
-    a2 = Item("a", 5)
-    c1 = Item("c", 5)
-    s.add([b1])  # b's queue was created first, but a's head item is older
-    s.add([a1, a2, c1])
-    batches = drain(s)
-    assert batches == [[a1, a2], [b1], [c1]]
+def test_a_shorter_sequence_of_another_request_fills_the_room_an_overflowing_one_leaves():
+    s = scheduler(max_batch_tokens=100)
+    s.add(Request("m", [60, 60]))
+    s.add(Request("m", [30]))
+    assert [lengths(b) for b in drain(s)] == [[60, 30], [60]]
+
+
+def test_len_and_num_tokens_count_what_waits():
+    s = scheduler(max_batch_tokens=100)
+    s.add(Request("m", [40, 30, 50]))
+    s.add(Request("n", [7]))
+    assert (len(s), s.num_tokens) == (4, 127)
+    s.next_batch(NOW)
+    assert (len(s), s.num_tokens) == (2, 57)
+
+
+# --- fairness -----------------------------------------------------------------------------------
+
+
+def test_a_small_request_shares_the_next_batch_with_a_bulk_request_queued_before_it():
+    s = scheduler(max_batch_tokens=1000, max_batch_items=8)
+    bulk = Request("m", [10] * 2048, name="bulk")
+    s.add(bulk)
+    s.next_batch(NOW)  # the bulk request is running
+    small = Request("m", [10], name="small")
+    s.add(small)
+    batch, _ = s.next_batch(NOW)
+    assert small in [r for r, _ in batch]
+    assert len(batch) == 8  # and the batch is still full
+
+
+def test_requests_of_one_model_take_one_sequence_each_per_round():
+    s = scheduler(max_batch_tokens=1000, max_batch_items=6)
+    a, b, c = Request("m", [1] * 10, name="a"), Request("m", [1] * 10, name="b"), Request("m", [1], name="c")
+    for r in (a, b, c):
+        s.add(r)
+    batch, _ = s.next_batch(NOW)
+    assert [r.name for r, _ in batch] == ["a", "b", "c", "a", "b", "a"]
+
+
+def test_models_take_turns_one_batch_each():
+    s = scheduler(max_batch_tokens=100, max_batch_items=100)
+    s.add(Request("bulk-model", [100] * 5))
+    s.add(Request("other", [10]))
+    s.add(Request("third", [10]))
+    order = [b[0][0].model_id for b in drain(s)]
+    assert order == ["bulk-model", "other", "third", "bulk-model", "bulk-model", "bulk-model", "bulk-model"]
+
+
+def test_a_model_that_joins_later_waits_for_at_most_one_batch_of_the_busy_one():
+    s = scheduler(max_batch_tokens=100)
+    s.add(Request("busy", [100] * 10))
+    s.next_batch(NOW)
+    s.add(Request("late", [5]))
+    batch, _ = s.next_batch(NOW)
+    assert batch[0][0].model_id == "late"
 
 
 def test_each_model_uses_its_own_batch_limits():
-    s = scheduler(max_batch_tokens=1000, max_batch_items=1000, small=BatchLimits(10, 1000))
-    s.add([Item("small", 6), Item("small", 6), Item("big", 6), Item("big", 6)])
+    s = scheduler(max_batch_tokens=100, max_batch_items=100, small=BatchLimits(10, 2))
+    s.add(Request("small", [5, 5, 5]))
+    s.add(Request("big", [50, 50]))
     batches = drain(s)
-    assert [(b[0].model_id, len(b)) for b in batches] == [("small", 1), ("small", 1), ("big", 2)]
+    assert [(b[0][0].model_id, lengths(b)) for b in batches] == [("small", [5, 5]), ("big", [50, 50]), ("small", [5])]
 
 
 def test_a_batch_never_mixes_models():
-    s = scheduler()
-    s.add([Item(m, 3) for m in "ababab"])
-    batches = drain(s)
-    assert [{i.model_id for i in b} for b in batches] == [{"a"}, {"b"}]
-    assert [len(b) for b in batches] == [3, 3]
+    s = scheduler(max_batch_tokens=1000)
+    for i in range(6):
+        s.add(Request("ab"[i % 2], [3, 4]))
+    for batch in drain(s):
+        assert len({r.model_id for r, _ in batch}) == 1
 
 
-def test_cancelled_items_are_dropped_before_batching_and_leave_len():
+# --- dropping -----------------------------------------------------------------------------------
+
+
+def test_cancelled_requests_are_dropped_before_batching_handed_back_and_leave_len():
     s = scheduler(max_batch_tokens=100)
-    items = [Item("m", 40) for _ in range(5)]
-    s.add(items)
-    assert len(s) == 5
-    items[0].cancelled = True  # at the head
-    items[2].cancelled = True  # in the middle of what would be the first batch
-    batch = s.next_batch()
-    # Without the drops the batch would be items[0], items[1] (80 tokens); cancelled ones cost nothing.
-    assert batch == [items[1], items[3]]
-    assert len(s) == 1
-    assert s.next_batch() == [items[4]]
-    assert len(s) == 0
+    gone, kept = Request("m", [10, 10, 10]), Request("m", [20])
+    s.add(gone)
+    s.add(kept)
+    gone.cancelled = True
+    batch, dropped = s.next_batch(NOW)
+    assert [r for r, _ in batch] == [kept]
+    assert dropped == [gone]
+    assert (len(s), s.num_tokens) == (0, 0)
 
 
-def test_a_model_whose_items_are_all_cancelled_is_skipped():
+def test_a_request_past_its_deadline_is_dropped_with_its_remaining_sequences():
+    s = scheduler(max_batch_tokens=10)
+    late = Request("m", [10, 10, 10], deadline=NOW + 1)
+    s.add(late)
+    s.next_batch(NOW)  # its first sequence runs in time
+    batch, dropped = s.next_batch(NOW + 2)
+    assert batch == [] and dropped == [late]
+    assert late.next_index == 1 and len(s) == 0
+
+
+def test_a_model_whose_requests_are_all_cancelled_is_skipped():
     s = scheduler()
-    old = [Item("old", 5), Item("old", 5)]
-    new = Item("new", 5)
-    s.add(old + [new])
-    for item in old:
-        item.cancelled = True
-    assert s.next_batch() == [new]
-    assert len(s) == 0
-    assert s.next_batch() == []
+    gone = Request("a", [5])
+    s.add(gone)
+    s.add(Request("b", [6]))
+    gone.cancelled = True
+    batch, dropped = s.next_batch(NOW)
+    assert lengths(batch) == [6] and dropped == [gone]
+    assert s.next_batch(NOW) == ([], [])
+
+
+def test_drain_hands_back_every_waiting_request():
+    s = scheduler()
+    a, b = Request("a", [5]), Request("b", [6, 7])
+    s.add(a)
+    s.add(b)
+    assert set(map(id, s.drain())) == {id(a), id(b)}
+    assert (len(s), s.num_tokens) == (0, 0) and s.next_batch(NOW) == ([], [])
 
 
 def test_an_empty_scheduler_returns_an_empty_batch():
-    s = scheduler()
-    assert s.next_batch() == []
-    assert len(s) == 0
+    assert scheduler().next_batch(NOW) == ([], [])

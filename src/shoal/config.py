@@ -17,8 +17,18 @@ class EngineSettings:
     # Batches are cut by real (unpadded) tokens, then by item count.
     max_batch_tokens: int = 16384
     max_batch_items: int = 256
-    # Admission: items waiting (tokenized, not yet run) before new requests get 503.
+    # Admission: items and estimated tokens admitted (not yet answered) before new requests get
+    # 503 + Retry-After; a single request larger than either is a 400 (split it).
     max_queue_items: int = 8192
+    max_queue_tokens: int = 1_048_576
+    # The deadline of a call that names none (request option `timeout_s`); work past it is dropped
+    # before compute and answered 504.
+    request_timeout_s: float = 300.0
+    # The largest result one call may produce (estimated before compute, raw array bytes).
+    max_result_bytes: int = 64 * 1024 * 1024
+    # A dead device thread is restarted after this pause; stop() waits this long for a running batch.
+    device_restart_delay_s: float = 1.0
+    stop_timeout_s: float = 60.0
     tokenizer_threads: int = 2
     # Memory budget for loaded weights on the device; None means no limit.
     memory_budget_bytes: int | None = None
@@ -34,6 +44,20 @@ class ServerSettings:
     port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
     max_items_per_request: int = 2048
+    # HTTP limits (enforced in api/server.py, documented in docs/operations.md).
+    # Request line plus headers; more gets 431.
+    max_header_bytes: int = 64 * 1024
+    # From a connection's start (or a kept-alive request's first byte) to the end of its headers.
+    header_read_timeout_s: float = 10.0
+    # Longest gap between body bytes while a body is incomplete; then 408.
+    body_read_timeout_s: float = 30.0
+    # An idle kept-alive connection is closed after this long.
+    keep_alive_timeout_s: float = 5.0
+    # Open connections (idle ones count); the next gets 503 at once. Lowered below the process's
+    # file-descriptor limit when that is smaller.
+    max_connections: int = 1000
+    # Connections the kernel queues before the server accepts them.
+    listen_backlog: int = 2048
 
 
 @dataclass(frozen=True)
@@ -54,6 +78,12 @@ class Settings:
             port=int(env.get("SHOAL_PORT", ServerSettings.port)),
             max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", ServerSettings.max_body_bytes)),
             max_items_per_request=int(env.get("SHOAL_MAX_ITEMS_PER_REQUEST", ServerSettings.max_items_per_request)),
+            max_header_bytes=int(env.get("SHOAL_MAX_HEADER_BYTES", ServerSettings.max_header_bytes)),
+            header_read_timeout_s=float(env.get("SHOAL_HEADER_READ_TIMEOUT_S", ServerSettings.header_read_timeout_s)),
+            body_read_timeout_s=float(env.get("SHOAL_BODY_READ_TIMEOUT_S", ServerSettings.body_read_timeout_s)),
+            keep_alive_timeout_s=float(env.get("SHOAL_KEEP_ALIVE_TIMEOUT_S", ServerSettings.keep_alive_timeout_s)),
+            max_connections=int(env.get("SHOAL_MAX_CONNECTIONS", ServerSettings.max_connections)),
+            listen_backlog=int(env.get("SHOAL_LISTEN_BACKLOG", ServerSettings.listen_backlog)),
         )
         budget = env.get("SHOAL_MEMORY_BUDGET_BYTES")
         engine = EngineSettings(
@@ -61,6 +91,9 @@ class Settings:
             max_batch_tokens=int(env.get("SHOAL_MAX_BATCH_TOKENS", EngineSettings.max_batch_tokens)),
             max_batch_items=int(env.get("SHOAL_MAX_BATCH_ITEMS", EngineSettings.max_batch_items)),
             max_queue_items=int(env.get("SHOAL_MAX_QUEUE_ITEMS", EngineSettings.max_queue_items)),
+            max_queue_tokens=int(env.get("SHOAL_MAX_QUEUE_TOKENS", EngineSettings.max_queue_tokens)),
+            request_timeout_s=float(env.get("SHOAL_REQUEST_TIMEOUT_S", EngineSettings.request_timeout_s)),
+            max_result_bytes=int(env.get("SHOAL_MAX_RESULT_BYTES", EngineSettings.max_result_bytes)),
             memory_budget_bytes=int(budget) if budget else None,
         )
         dirs = tuple(Path(p) for p in env.get("SHOAL_MODELS_DIRS", "").split(os.pathsep) if p)

@@ -1,7 +1,7 @@
 """Prometheus metrics: one `Metrics` object per process, built by a factory and passed down.
 
 Every metric lives in the object's own registry (no global state, so tests can build many).
-Names are the ones docs/metrics.md lists and dashboards may query.
+Names are the ones docs/operations.md lists and dashboards may query.
 """
 
 from __future__ import annotations
@@ -32,7 +32,18 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_depth = Gauge("shoal_queue_depth", "Items admitted and not yet answered", registry=r)
+        self.queue_tokens = Gauge("shoal_queue_tokens", "Estimated tokens admitted and not yet answered", registry=r)
         self.rejected = Counter("shoal_rejected", "Requests refused because the queue was full", ["model"], registry=r)
+        self.dropped_items = Counter(
+            "shoal_dropped_items", "Items dropped before compute: their caller went away or their deadline passed",
+            ["model", "reason"], registry=r,
+        )
+        self.deadline_exceeded = Counter(
+            "shoal_deadline_exceeded", "Calls that missed their deadline, by the phase they waited in", ["model", "phase"],
+            registry=r,
+        )
+        self.failed_items = Counter("shoal_failed_items", "Items whose forward pass failed", ["model"], registry=r)
+        self.device_restarts = Counter("shoal_device_restarts", "Times a dead device thread was restarted", registry=r)
         self.loaded_models = Gauge("shoal_loaded_models", "Models loaded on this process", registry=r)
         self.loaded_bytes = Gauge("shoal_loaded_model_bytes", "Bytes of weights loaded", registry=r)
 

@@ -58,9 +58,13 @@ def format_of_accept(accept: str | None, default: Format) -> Format:
 # --- native /v1/encode --------------------------------------------------------------------------
 
 
+# Integer ids must survive msgpack and JSON round trips: int64.
+ItemId = str | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None
+
+
 class EncodeItem(msgspec.Struct, forbid_unknown_fields=True):
     text: str
-    id: str | int | None = None
+    id: ItemId = None
 
 
 class EncodeOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -74,6 +78,8 @@ class EncodeOptions(msgspec.Struct, forbid_unknown_fields=True):
     outputs: Annotated[list[OutputKind], msgspec.Meta(min_length=1)] | None = None
     sparse_top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
     return_tokens: bool = False  # sparse: the vocabulary token of each index
+    # This request's deadline in seconds (the server has a default); past it, 504.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
 
 
 class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -89,7 +95,7 @@ class SparseOut(msgspec.Struct, omit_defaults=True):
 
 
 class EncodedItem(msgspec.Struct, omit_defaults=True):
-    id: str | int | None
+    id: ItemId
     dense: Any = None  # [dims] array
     sparse: SparseOut | None = None
     multivector: Any = None  # [tokens, dim] array
@@ -118,7 +124,8 @@ class EncodeResponse(msgspec.Struct):
 
 class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: Annotated[str, msgspec.Meta(min_length=1)]
-    input: str | list[Any]
+    # Strings, or token ids (refused with a clear message): never arbitrarily nested.
+    input: str | list[str | int | list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: str | None = None
@@ -213,6 +220,7 @@ def encode(obj: Any, fmt: Format) -> bytes:
 
 def decode(body: bytes, fmt: Format, type: type[Any]) -> Any:
     """Decode and validate a request body; every failure is an InvalidRequest naming the problem."""
+    name = "msgpack" if fmt is Format.MSGPACK else "JSON"
     try:
         if fmt is Format.MSGPACK:
             return msgspec.msgpack.decode(body, type=type)
@@ -220,5 +228,22 @@ def decode(body: bytes, fmt: Format, type: type[Any]) -> Any:
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        name = "msgpack" if fmt is Format.MSGPACK else "JSON"
         raise InvalidRequest(f"malformed {name} body: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(f"the {name} body is nested too deeply; no request shape nests more than a few levels") from None
+
+
+def check_texts(texts: list[str], path: str) -> None:
+    """Refuse text a tokenizer cannot take: a lone UTF-16 surrogate (JSON's "\\ud800") is not
+    Unicode text. `path` formats the item's index into the field's path (`$.items[{}].text`)."""
+    for index, text in enumerate(texts):
+        if text.isascii():
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                f"{path.format(index)} has a lone surrogate {text[exc.start]!r} at character {exc.start}: "
+                "send valid Unicode text (a surrogate pair encodes one character; a single one is not text)",
+                details={"path": path.format(index), "position": exc.start},
+            ) from None

@@ -1,14 +1,19 @@
-"""`create_app(settings, engine)`: the HTTP surface over an engine.
+"""`create_app(settings, service)`: the HTTP surface over any `Service`.
 
-Body limits, format negotiation, error mapping, metrics and the timing header are written once, in
-`endpoint`; handlers in `routes` only translate wire types to engine calls.
+Body limits, format negotiation, request ids, cancellation on disconnect, error mapping, metrics
+and the timing header are written once, in `endpoint`; handlers in `routes` only translate wire
+types to calls. The app imports no engine: the in-process Engine and the cluster's remote service
+both plug in through `shoal.service.Service`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import re
 import time
+import uuid
 from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -19,56 +24,72 @@ from starlette.routing import Route
 
 from .. import wire
 from ..config import Settings
-from ..engine import Engine
 from ..errors import PayloadTooLarge, ShoalError
+from ..service import Service
 from . import routes
 from .errors import error_response, http_error
 
 log = logging.getLogger("shoal.api")
 
 Handler = Callable[[routes.Context], Awaitable[Any]]
+_REQUEST_ID = re.compile(r"[\w.:/-]{1,128}")
+CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
+# Responses larger than this are encoded in a worker thread, off the event loop.
+_OFF_LOOP_BYTES = 1 << 20
 
 
-def create_app(settings: Settings, engine: Engine, *, preload: tuple[str, ...] = ()) -> Starlette:
-    """The ASGI app; its lifespan starts the engine and loads `preload` models before serving."""
+def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...] = ()) -> Starlette:
+    """The ASGI app; its lifespan starts the service and loads `preload` models before serving."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        await engine.start()
-        await engine.warm(list(preload))
+        await service.start()
+        await service.warm(list(preload))
         try:
             yield
         finally:
-            await engine.stop()
+            await service.stop()
 
     server = settings.server
+    metrics = service.metrics
 
     def endpoint(name: str, handler: Handler, *, reads_body: bool = True) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             started = time.perf_counter()
+            request_id = _request_id(request)
             fmt_out = wire.Format.JSON
             ctx = None
             try:
                 fmt_in = wire.format_of_content_type(request.headers.get("content-type")) if reads_body else wire.Format.JSON
                 fmt_out = wire.format_of_accept(request.headers.get("accept"), fmt_in)
                 body = await _read_body(request, server.max_body_bytes) if reads_body else b""
-                ctx = routes.Context(request, engine, body, fmt_in, server.max_items_per_request)
-                result = await handler(ctx)
-                if isinstance(result, wire.EncodeResponse):
-                    result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
-                response = Response(wire.encode(result, fmt_out), media_type=fmt_out.value)
+                ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id)
+                result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
+                if result is None:  # the client went away; its call was cancelled
+                    response = Response(status_code=CLIENT_CLOSED)
+                else:
+                    if isinstance(result, wire.EncodeResponse):
+                        result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
+                    if ctx.result_bytes > _OFF_LOOP_BYTES:
+                        content = await asyncio.to_thread(wire.encode, result, fmt_out)
+                    else:
+                        content = wire.encode(result, fmt_out)
+                    response = Response(content, media_type=fmt_out.value)
             except ShoalError as exc:
                 response = error_response(exc, fmt_out)
             except ClientDisconnect:
-                response = Response(status_code=499)
+                response = Response(status_code=CLIENT_CLOSED)
             except Exception:
-                log.exception("unhandled error in %s", name)
-                response = error_response(ShoalError("internal error; the server log has the traceback"), fmt_out)
+                log.exception("request %s: unhandled error in %s", request_id, name)
+                response = error_response(
+                    ShoalError(f"internal error (request id {request_id}); the server log has the traceback",
+                               details={"request_id": request_id}), fmt_out)
             elapsed = time.perf_counter() - started
-            model = _model_label(engine, ctx.model if ctx else None)
-            engine.metrics.requests.labels(name, model, str(response.status_code)).inc()
-            engine.metrics.request_seconds.labels(name, model).observe(elapsed)
+            model = ctx.model if ctx and ctx.model is not None and service.has_model(ctx.model) else "-"
+            metrics.requests.labels(name, model, str(response.status_code)).inc()
+            metrics.request_seconds.labels(name, model).observe(elapsed)
             response.headers["x-shoal-time-ms"] = f"{elapsed * 1000.0:.3f}"
+            response.headers["x-request-id"] = request_id
             return response
 
         return run
@@ -77,17 +98,18 @@ def create_app(settings: Settings, engine: Engine, *, preload: tuple[str, ...] =
         return Response(b'{"status":"ok"}', media_type=wire.JSON)
 
     async def readyz(request: Request) -> Response:
-        if engine.ready:
+        if service.ready:
             return Response(b'{"status":"ready"}', media_type=wire.JSON)
         return Response(b'{"status":"not ready"}', status_code=503, media_type=wire.JSON)
 
-    async def metrics(request: Request) -> Response:
-        return Response(engine.metrics.exposition(), media_type=engine.metrics.content_type)
+    async def metrics_route(request: Request) -> Response:
+        return Response(metrics.exposition(), media_type=metrics.content_type)
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return http_error(code, message, exc.status_code, headers=exc.headers)
+        fmt = wire.format_of_accept(request.headers.get("accept"), wire.Format.JSON)
+        return http_error(code, message, exc.status_code, headers=exc.headers, fmt=fmt)
 
     app = Starlette(
         routes=[
@@ -96,14 +118,49 @@ def create_app(settings: Settings, engine: Engine, *, preload: tuple[str, ...] =
             Route("/v1/models", endpoint("models", routes.models, reads_body=False), methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
+            Route("/metrics", metrics_route, methods=["GET"]),
         ],
         exception_handlers={HTTPException: on_http_error},
         lifespan=lifespan,
     )
-    app.state.engine = engine
+    app.state.service = service
     app.state.settings = settings
     return app
+
+
+def _request_id(request: Request) -> str:
+    """The caller's `x-request-id` when it is a sane token, else a new one."""
+    given = request.headers.get("x-request-id")
+    if given and _REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex[:16]
+
+
+async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
+    """`work`'s result, or None (and `work` cancelled) if the client disconnects first.
+
+    The body has been read, so the next ASGI message is `http.disconnect`, sent when the client
+    closes its connection."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ShoalError):
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -124,9 +181,3 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
         f"request body of {size} bytes exceeds the limit of {limit} bytes; split it into smaller requests",
         details={"limit_bytes": limit},
     )
-
-
-def _model_label(engine: Engine, model: str | None) -> str:
-    # Only catalog ids become label values, so clients cannot grow the metric's cardinality.
-    return model if model is not None and model in engine.catalog else "-"
-

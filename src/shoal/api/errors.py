@@ -5,12 +5,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from starlette.responses import Response
 
 from .. import wire
 from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InferenceFailed,
     InputTooLong,
     InvalidRequest,
     ModelLoadError,
@@ -29,6 +33,9 @@ _STATUS: tuple[tuple[type[ShoalError], int], ...] = (
     (InputTooLong, 422),
     (InvalidRequest, 400),
     (Overloaded, 503),
+    (DeadlineExceeded, 504),
+    (Cancelled, 499),
+    (InferenceFailed, 500),
     # The model exists in the catalog but its weights cannot be had here: not the caller's fault,
     # and not a crash either. No Retry-After: retrying will not help until an operator acts.
     (ModelLoadError, 503),
@@ -43,12 +50,13 @@ def status_of(error: ShoalError) -> int:
 def error_response(error: ShoalError, fmt: wire.Format = wire.Format.JSON) -> Response:
     body = wire.ErrorResponse(wire.ErrorBody(code=error.code, message=error.message, details=error.details))
     headers = {}
-    if isinstance(error, Overloaded):
-        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     return Response(wire.encode(body, fmt), status_code=status_of(error), media_type=fmt.value, headers=headers)
 
 
-def http_error(code: str, message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:
+def http_error(code: str, message: str, status: int, headers: Mapping[str, str] | None = None,
+               fmt: wire.Format = wire.Format.JSON) -> Response:
     """For errors the router raises itself (unknown path, wrong method: keeps its `Allow`)."""
     body = wire.ErrorResponse(wire.ErrorBody(code=code, message=message))
-    return Response(wire.encode(body, wire.Format.JSON), status_code=status, media_type=wire.JSON, headers=dict(headers or {}))
+    return Response(wire.encode(body, fmt), status_code=status, media_type=fmt.value, headers=dict(headers or {}))

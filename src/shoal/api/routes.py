@@ -1,6 +1,6 @@
-"""Route handlers: thin module-level functions from a decoded wire request to an engine call.
+"""Route handlers: thin module-level functions from a decoded wire request to a service call.
 
-Each handler takes the request context and returns `(response_object, model_id)`; `endpoint` in
+Each handler takes the request context and returns the response object; `endpoint` in
 `shoal.api.app` reads the body, picks the formats, maps errors and records metrics once for all.
 """
 
@@ -11,18 +11,21 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from .. import wire
-from ..engine import EncodeCall, Engine
+from ..calls import EncodeCall, EncodeResult
 from ..errors import InvalidRequest
+from ..service import Service
 
 
 @dataclass
 class Context:
     request: Request
-    engine: Engine
+    service: Service
     body: bytes
     fmt_in: wire.Format
     max_items: int
+    request_id: str
     model: str | None = None  # set once known, for metric labels
+    result_bytes: int = 0  # array bytes in the response, to encode large ones off the event loop
 
     def decode(self, typ: type):
         return wire.decode(self.body, self.fmt_in, typ)
@@ -39,11 +42,13 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
     req: wire.EncodeRequest = ctx.decode(wire.EncodeRequest)
     ctx.model = req.model
     ctx.check_count(len(req.items))
+    texts = [item.text for item in req.items]
+    wire.check_texts(texts, "$.items[{}].text")
     opts = req.options
-    result = await ctx.engine.encode(
+    result: EncodeResult = await ctx.service.run(
         EncodeCall(
             model=req.model,
-            texts=[item.text for item in req.items],
+            texts=texts,
             normalize=opts.normalize,
             dimensions=opts.dimensions,
             output_dtype=opts.output_dtype,
@@ -53,8 +58,11 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
             outputs=tuple(opts.outputs) if opts.outputs else None,
             sparse_top_k=opts.sparse_top_k,
             return_tokens=opts.return_tokens,
+            request_id=ctx.request_id,
+            timeout_s=opts.timeout_s,
         )
     )
+    ctx.result_bytes = _array_bytes(result)
     items = [_item(item.id, out) for item, out in zip(req.items, result.items)]
     return wire.EncodeResponse(
         model=req.model,
@@ -70,7 +78,11 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     ctx.model = req.model
     texts = req.texts()
     ctx.check_count(len(texts))
-    result = await ctx.engine.encode(EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",)))
+    wire.check_texts(texts, "$.input[{}]")
+    result: EncodeResult = await ctx.service.run(
+        EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",), request_id=ctx.request_id)
+    )
+    ctx.result_bytes = _array_bytes(result) * (1 if req.encoding_format == "base64" else 4)
     data = [wire.openai_embedding(i, v, req.encoding_format) for i, v in enumerate(result.vectors)]
     usage = wire.EmbeddingsUsage(prompt_tokens=result.num_tokens, total_tokens=result.num_tokens)
     return wire.EmbeddingsResponse(data=data, model=req.model, usage=usage)
@@ -78,22 +90,33 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
 
 async def models(ctx: Context) -> dict:
     data = []
-    for card in ctx.engine.catalog:
+    for status in ctx.service.models():
         data.append({
-            "id": card.id,
+            "id": status.id,
             "object": "model",
             "owned_by": "shoal",
-            "architecture": card.architecture,
-            "outputs": list(card.outputs),
-            "dimensions": card.dimensions,
-            "max_length": card.max_length,
-            "pooling": card.pooling,
-            "prompts": sorted(card.prompts),
-            "verified": card.verified,
-            "loaded": ctx.engine.cache.is_loaded(card.id),
-            "description": card.description,
+            "architecture": status.architecture,
+            "tasks": list(status.tasks),
+            "outputs": list(status.outputs),
+            "dimensions": status.dimensions,
+            "max_length": status.max_length,
+            "pooling": status.pooling,
+            "prompts": list(status.prompts),
+            "verified": status.verified,
+            "loaded": status.loaded,
+            "description": status.description,
         })
     return {"object": "list", "data": data}
+
+
+def _array_bytes(result: EncodeResult) -> int:
+    if not result.items:
+        return 0
+    first = result.items[0]
+    per_item = sum(a.nbytes for a in (first.dense, first.multivector) if a is not None)
+    if first.sparse is not None:
+        per_item += first.sparse.indices.nbytes * 2
+    return per_item * len(result.items)
 
 
 def _item(item_id, out) -> wire.EncodedItem:

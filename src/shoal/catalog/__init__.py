@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from importlib import resources
 from pathlib import Path
 
@@ -36,10 +37,12 @@ class Catalog:
         try:
             return self._cards[model_id]
         except KeyError:
-            known = ", ".join(sorted(self._cards)) or "none"
+            shown = model_id if len(model_id) <= 200 else model_id[:200] + "…"
+            close = difflib.get_close_matches(model_id[:200], list(self._cards), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UnknownModel(
-                f"unknown model {model_id!r}; this server has: {known}",
-                details={"model": model_id, "known": sorted(self._cards)},
+                f"unknown model {shown!r}{hint} (GET /v1/models lists the models this server has)",
+                details={"model": shown, **({"suggestions": close} if close else {})},
             ) from None
 
     def __iter__(self):

@@ -19,6 +19,8 @@ _HARDWARE_CLASS = re.compile(r"(cpu|cuda)(:[\w .-]+)?")
 
 Pooling = Literal["cls", "mean", "last"]
 Output = Literal["dense", "sparse", "multivector"]
+# The verbs a model serves; each has its own required card fields (see `_check`).
+Task = Literal["encode", "score", "extract"]
 # real_weights: compared with its reference on the real weights, in shoal's tests.
 # random_weights: only its architecture's parity test (random-initialised) covers it.
 # unverified: a user's card that no shoal test exercises.
@@ -89,9 +91,11 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     id: str
     source: Source
     max_length: int
-    pooling: Pooling
-    dimensions: int
     architecture: str | None = None
+    tasks: tuple[Task, ...] = ("encode",)
+    # Required where the model produces dense vectors (`dense` in outputs), else unused.
+    pooling: Pooling | None = None
+    dimensions: int | None = None
     normalize: bool = True
     # What the model can produce; the first is what a request gets when it names none.
     outputs: tuple[Output, ...] = ("dense",)
@@ -161,16 +165,23 @@ def _check(card: ModelCard, origin: str) -> None:
         fail("source", "needs at least one of hub, path, package or package_parts")
     if card.max_length < 1:
         fail("max_length", "must be >= 1")
-    if card.dimensions < 1:
-        fail("dimensions", "must be >= 1")
-    if not card.outputs:
+    if not card.tasks:
+        fail("tasks", "must list at least one of encode, score, extract")
+    if "encode" in card.tasks and not card.outputs:
         fail("outputs", "must list at least one of dense, sparse, multivector")
+    if "dense" in card.outputs:
+        if card.pooling is None:
+            fail("pooling", "is required when outputs has dense (cls, mean or last)")
+        if card.dimensions is None:
+            fail("dimensions", "is required when outputs has dense")
+    if card.dimensions is not None and card.dimensions < 1:
+        fail("dimensions", "must be >= 1")
     if "multivector" in card.outputs and card.multivector is None:
         fail("multivector", "is required when outputs has multivector (at least `dim`)")
     if card.sparse is not None and card.sparse.kind == "token_weights" and not card.sparse.weight:
         fail("sparse.weight", "is required for kind token_weights")
     for dim in card.matryoshka_dims:
-        if not 1 <= dim <= card.dimensions:
+        if card.dimensions is None or not 1 <= dim <= card.dimensions:
             fail("matryoshka_dims", f"has {dim}, outside 1..{card.dimensions}")
     for name in ("query_prompt", "document_prompt"):
         value = getattr(card, name)

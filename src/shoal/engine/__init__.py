@@ -1,9 +1,8 @@
-"""The engine: admission, tokenization, token-budget scheduling and one device thread per device.
-
-`Engine` is the public surface; `types` holds the torch-free request and batch types.
+"""The engine: the in-process Service. Admission by tokens, deadlines, tasks per verb, the
+tokenizer pool, the fair token-budget scheduler and one device thread per device.
 """
 
+from ..calls import EncodeCall, EncodeResult
 from .engine import Engine
-from .types import EncodeCall, EncodeResult
 
 __all__ = ["EncodeCall", "EncodeResult", "Engine"]

@@ -1,28 +1,33 @@
-"""The engine: async submit and admission on the event loop, one device thread that runs batches.
+"""The engine: implements the Service protocol in process.
 
-    encode(call) ─ admit (bounded) ─ cache.acquire ─ tokenize (pool) ─▶ scheduler ─▶ device loop
-                                                                          ▲              │
-                                          futures resolved on the loop ◀─┴──────────────┘
+    run(call) ─ task.plan ─ admit (tokens, items) ─ cache.acquire ─ tokenize (pool) ─▶ device worker
+                                                                                   (scheduler + thread)
+    every phase runs against the call's deadline; a caller that goes away cancels its call
 
-The device loop is the only code that touches the device. It sleeps on a condition variable until
-work arrives; there is no polling.
+Admission counts estimated tokens (and items) of everything admitted and not yet answered; a full
+queue answers 503 with a Retry-After computed from that backlog and the measured token rate.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import logging
 import time
 from typing import Any, Callable
 
+from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
-from ..errors import ConfigError, InvalidRequest, Overloaded, ShoalError
+from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
+from ..service import Capacity, ModelStatus
 from .cache import ModelCache
-from .scheduler import BatchLimits, Scheduler
+from .device import DeviceWorker, Pending
+from .scheduler import BatchLimits
+from .tasks import TASKS
 from .tokenizer import TokenizerPool
-from .types import Batch, EncodeCall, EncodeResult, EncodeSpec, ItemOutput, WorkItem
+
+log = logging.getLogger("shoal.engine")
 
 
 class Engine:
@@ -51,20 +56,18 @@ class Engine:
             load_timeout_s=settings.load_timeout_s,
         )
         self._tokenizers = TokenizerPool(settings.tokenizer_threads)
-        self._scheduler = Scheduler(self._limits_for)
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._admitted_items = 0
         self._hardware = hardware_class(settings.device)
+        self._device = DeviceWorker(self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s)
+        self._admitted_items = 0
+        self._admitted_tokens = 0
+        self._started = False
+        self._stopping = False
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._device_loop, name="shoal-device", daemon=True)
-        self._thread.start()
+        self._device.start()
+        self._started = True
 
     async def warm(self, model_ids: list[str]) -> None:
         """Load models now rather than on first request."""
@@ -75,83 +78,133 @@ class Engine:
         self._record_cache()
 
     async def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10)
+        """Refuse new calls, finish the admitted ones, then free the models (never under a batch)."""
+        self._stopping = True
+        finished = await self._device.stop(self.settings.stop_timeout_s)
         self._tokenizers.close()
-        self.cache.close()
+        if finished:
+            self.cache.close()
 
     @property
     def ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._started and not self._stopping and self._device.ready
 
-    # --- submit ---------------------------------------------------------------------------------
+    # --- Service --------------------------------------------------------------------------------
+
+    def models(self) -> list[ModelStatus]:
+        return [
+            ModelStatus(
+                id=card.id, tasks=card.tasks, outputs=card.outputs, max_length=card.max_length,
+                verified=card.verified, loaded=self.cache.is_loaded(card.id), architecture=card.architecture,
+                dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
+                description=card.description,
+            )
+            for card in self.catalog
+        ]
+
+    def has_model(self, model_id: str) -> bool:
+        return model_id in self.catalog
+
+    def capacity(self) -> Capacity:
+        return Capacity(self._admitted_tokens, self.settings.max_queue_tokens, self._device.tokens_per_s)
 
     async def encode(self, call: EncodeCall) -> EncodeResult:
-        if not call.texts:
-            raise InvalidRequest("no texts to encode", details={"option": "texts"})
+        """`run` for an encode call (typed for in-process callers)."""
+        return await self.run(call)
+
+    async def run(self, call: AnyCall) -> AnyResult:
+        task = TASKS.get(type(call))
+        if task is None:
+            raise InvalidRequest(f"this server does not serve {type(call).__name__} calls")
+        timeout_s = self.settings.request_timeout_s if call.timeout_s is None else call.timeout_s
+        if timeout_s <= 0:
+            raise InvalidRequest("timeout_s must be > 0", details={"option": "timeout_s"})
+        deadline = time.monotonic() + timeout_s
         card = self.catalog.get(call.model)
-        spec = _spec(card, call)
-        prefix = _prompt(card, call)
-        texts = [prefix + t for t in call.texts] if prefix else call.texts
-        self._admit(card.id, len(texts))
+        plan = task.plan(card, call)
+        tokens = plan.estimated_tokens
+        self._admit(card.id, plan.num_items, tokens)
         try:
-            was_loaded = self.cache.is_loaded(card.id)
-            runner = await self.cache.acquire(card)
-            if not was_loaded:  # a load (and maybe evictions) happened: refresh the cache gauges
-                self._record_cache()
+            runner = await self._acquire(card, deadline)
             try:
                 started = time.perf_counter()
-                tokenizer = runner.query_tokenizer if spec.is_query else runner.document_tokenizer
-                token_ids = await self._tokenizers.encode(tokenizer, texts, call.truncate)
+                seqs = await _within(task.tokenize(plan, runner, self._tokenizers), deadline, "tokenize")
                 tokenize_s = time.perf_counter() - started
-                outputs = await self._submit(card.id, runner, token_ids, spec)
+                task.check_size(plan, seqs, self.settings.max_result_bytes)
+                real = sum(len(s) for s in seqs)  # the backlog now counts real tokens
+                self._admitted_tokens += real - tokens
+                tokens = real
+                pending = Pending(card.id, runner, seqs, task.specs(plan, seqs), deadline=deadline,
+                                  request_id=call.request_id, future=asyncio.get_running_loop().create_future())
+                self._device.submit(pending)
+                try:
+                    outputs = await pending.future
+                except asyncio.CancelledError:  # the caller went away: drop what has not run
+                    pending.future.cancel()
+                    self._device.wake()
+                    raise
             finally:
                 self.cache.release(card.id)
+        except DeadlineExceeded as exc:
+            exc.details.setdefault("request_id", call.request_id)
+            self.metrics.deadline_exceeded.labels(card.id, exc.details.get("phase", "-")).inc()
+            raise
         finally:
-            self._admitted_items -= len(texts)
-            self.metrics.queue_depth.set(self._admitted_items)
-        num_tokens = sum(len(t) for t in token_ids)
-        queue_s = max(o.queue_s for o in outputs)
-        inference_s = max(o.inference_s for o in outputs)
+            self._admitted_items -= plan.num_items
+            self._admitted_tokens -= tokens
+            self._record_queue()
+        timings = dict(tokenize_s=tokenize_s, queue_s=pending.queue_s, inference_s=pending.inference_s)
         m = self.metrics
-        m.phase_seconds.labels("tokenize", card.id).observe(tokenize_s)
-        m.phase_seconds.labels("queue", card.id).observe(queue_s)
-        m.phase_seconds.labels("inference", card.id).observe(inference_s)
-        return EncodeResult([o.result for o in outputs], num_tokens, tokenize_s, queue_s, inference_s)
+        for phase, seconds in timings.items():
+            m.phase_seconds.labels(phase.removesuffix("_s"), card.id).observe(seconds)
+        return task.collect(plan, seqs, outputs, timings)
 
-    def _admit(self, model_id: str, num_items: int) -> None:
-        limit = self.settings.max_queue_items
-        if num_items > limit:  # could never be admitted: a retry would not help
+    # --- admission ------------------------------------------------------------------------------
+
+    def _admit(self, model_id: str, num_items: int, num_tokens: int) -> None:
+        if self._stopping:
+            raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
+        max_items, max_tokens = self.settings.max_queue_items, self.settings.max_queue_tokens
+        if num_items > max_items:  # could never be admitted: a retry would not help
             raise InvalidRequest(
-                f"{num_items} items in one request is more than the queue holds ({limit}); split the request",
-                details={"items": num_items, "max_queue_items": limit},
+                f"{num_items} items in one request is more than the queue holds ({max_items}); split the request",
+                details={"items": num_items, "max_queue_items": max_items},
             )
-        if self._admitted_items + num_items > limit:
+        if num_tokens > max_tokens:
+            raise InvalidRequest(
+                f"about {num_tokens} tokens in one request is more than the queue holds ({max_tokens}); "
+                "split the request", details={"estimated_tokens": num_tokens, "max_queue_tokens": max_tokens},
+            )
+        over_items = self._admitted_items + num_items - max_items
+        over_tokens = self._admitted_tokens + num_tokens - max_tokens
+        if over_items > 0 or over_tokens > 0:
             self.metrics.rejected.labels(model_id).inc()
+            retry_after_s = self._retry_after(over_items, over_tokens)
             raise Overloaded(
-                f"the queue is full ({self._admitted_items} items waiting, limit {limit}); retry shortly",
-                retry_after_s=1.0,
+                f"the queue is full ({self._admitted_items} items, about {self._admitted_tokens} tokens waiting; "
+                f"limit {max_items} items, {max_tokens} tokens); retry in {retry_after_s:.0f} s",
+                retry_after_s=retry_after_s,
+                details={"queued_items": self._admitted_items, "queued_tokens": self._admitted_tokens},
             )
         self._admitted_items += num_items
-        self.metrics.queue_depth.set(self._admitted_items)
+        self._admitted_tokens += num_tokens
+        self._record_queue()
 
-    async def _submit(self, model_id: str, runner: Any, token_ids: list, spec: EncodeSpec) -> list[ItemOutput]:
-        loop = asyncio.get_running_loop()
-        items = [WorkItem(model_id, ids, spec, loop.create_future(), runner) for ids in token_ids]
-        with self._wake:
-            if self._stopping:
-                raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
-            self._scheduler.add(items)
-            self._wake.notify()
-        try:
-            return list(await asyncio.gather(*(item.future for item in items)))
-        except BaseException:
-            for item in items:  # the scheduler drops what is cancelled before batching it
-                item.future.cancel()
-            raise
+    def _retry_after(self, over_items: int, over_tokens: int) -> float:
+        """Seconds until enough of the backlog has run to admit the request, at the measured rate."""
+        rate = self._device.tokens_per_s
+        if not rate:
+            return 1.0
+        tokens_per_item = self._admitted_tokens / max(1, self._admitted_items)
+        to_drain = max(over_tokens, over_items * tokens_per_item, 0)
+        return min(60.0, max(1.0, to_drain / rate))
+
+    async def _acquire(self, card: ModelCard, deadline: float) -> Any:
+        was_loaded = self.cache.is_loaded(card.id)
+        runner = await _within(self.cache.acquire(card), deadline, "load")
+        if not was_loaded:  # a load (and maybe evictions) happened: refresh the cache gauges
+            self._record_cache()
+        return runner
 
     def _limits_for(self, model_id: str) -> BatchLimits:
         batching = self.catalog.get(model_id).batching_for(self._hardware)
@@ -160,85 +213,33 @@ class Engine:
             batching.max_batch_items or self.settings.max_batch_items,
         )
 
+    def _record_queue(self) -> None:
+        self.metrics.queue_depth.set(self._admitted_items)
+        self.metrics.queue_tokens.set(self._admitted_tokens)
+
     def _record_cache(self) -> None:
         self.metrics.loaded_models.set(self.cache.num_loaded)
         self.metrics.loaded_bytes.set(self.cache.loaded_bytes)
 
-    # --- the device thread ----------------------------------------------------------------------
 
-    def _device_loop(self) -> None:
-        """Run batches until stopped; on stop, finish what was already queued (none is dropped)."""
-        while True:
-            with self._wake:
-                batch = self._scheduler.next_batch()
-                while not batch and not self._stopping:
-                    self._wake.wait()
-                    batch = self._scheduler.next_batch()
-            if not batch:  # stopping, and the queue is drained
-                return
-            self._run(batch)
-
-    def _run(self, items: list[WorkItem]) -> None:
-        started = time.perf_counter()
-        runner = items[0].runner
-        try:
-            results = runner.forward(Batch.pack([i.token_ids for i in items]), [i.spec for i in items])
-        except Exception as exc:  # a failed batch fails its own requests only
-            error = exc if isinstance(exc, ShoalError) else ShoalError(f"inference failed: {type(exc).__name__}: {exc}")
-            self._loop.call_soon_threadsafe(_fail, items, error)
-            return
-        inference_s = time.perf_counter() - started
-        model_id = items[0].model_id
-        num_tokens = sum(i.num_tokens for i in items)
-        m = self.metrics  # recorded before answering, so a caller's next scrape already counts it
-        m.batch_tokens.labels(model_id).observe(num_tokens)
-        m.batch_items.labels(model_id).observe(len(items))
-        m.tokens.labels(model_id).inc(num_tokens)
-        m.items.labels(model_id).inc(len(items))
-        outputs = [ItemOutput(r, started - i.enqueued_at, inference_s) for r, i in zip(results, items)]
-        self._loop.call_soon_threadsafe(_deliver, items, outputs)
+_PHASE_WORDS = {"load": "waiting for the model to load", "tokenize": "being tokenized"}
 
 
-def _deliver(items: list[WorkItem], outputs: list[ItemOutput]) -> None:
-    for item, output in zip(items, outputs):
-        if not item.future.done():
-            item.future.set_result(output)
-
-
-def _fail(items: list[WorkItem], error: Exception) -> None:
-    for item in items:
-        if not item.future.done():
-            item.future.set_exception(error)
-
-
-def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
-    if call.dimensions is not None and call.dimensions > card.dimensions:
-        raise InvalidRequest(
-            f"model {card.id}: dimensions {call.dimensions} is larger than the model's {card.dimensions}",
-            details={"model": card.id, "option": "dimensions", "max": card.dimensions},
-        )
-    outputs = tuple(dict.fromkeys(call.outputs)) if call.outputs else card.outputs[:1]
-    unsupported = [o for o in outputs if o not in card.outputs]
-    if unsupported:
-        raise InvalidRequest(
-            f"model {card.id} cannot produce {', '.join(unsupported)} output; its card allows: {', '.join(card.outputs)}",
-            details={"model": card.id, "option": "outputs", "allowed": list(card.outputs)},
-        )
-    normalize = card.normalize if call.normalize is None else call.normalize
-    return EncodeSpec(
-        normalize=normalize, dimensions=call.dimensions, output_dtype=call.output_dtype, outputs=outputs,
-        is_query=bool(call.is_query), sparse_top_k=call.sparse_top_k, return_tokens=call.return_tokens,
-    )
-
-
-def _prompt(card: ModelCard, call: EncodeCall) -> str:
-    if call.prompt_name is not None and call.prompt_name not in card.prompts:
-        allowed = ", ".join(sorted(card.prompts)) or "none"
-        raise InvalidRequest(
-            f"model {card.id} has no prompt {call.prompt_name!r}; its prompts: {allowed}",
-            details={"model": card.id, "option": "prompt_name", "allowed": sorted(card.prompts)},
-        )
-    return card.prompt_for(call.prompt_name, call.is_query)
+async def _within(awaitable, deadline: float, phase: str):
+    """`awaitable`'s result, or DeadlineExceeded naming `phase` if the deadline passes first."""
+    remaining = deadline - time.monotonic()
+    try:
+        if remaining <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(awaitable, remaining)
+    except asyncio.TimeoutError:
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        raise DeadlineExceeded(
+            f"the request's deadline passed while {_PHASE_WORDS[phase]} (phase: {phase}); "
+            "retry later or with a longer timeout_s",
+            details={"phase": phase},
+        ) from None
 
 
 def hardware_class(device: str) -> str:

@@ -1,24 +1,34 @@
 """The token-budget scheduler: pure bookkeeping, no threads, no tensors.
 
-Items queue per model. `next_batch` serves the model whose oldest item waited longest, then takes
-that model's items oldest first while the sum of their real tokens fits `max_batch_tokens` and
-their count fits `max_batch_items`. The item that would overflow stays at the front for the next
-batch. Cancelled items (their request went away) are dropped before they cost a batch slot.
+Requests queue per model, each with its sequences in order. `next_batch` is fair at two levels:
+
+- **across models**: models take turns, one batch each, in a ring (a model with a bulk job and a
+  model with one query alternate, so neither waits on more than one batch of the other);
+- **within a model**: the batch takes one sequence from each waiting request in turn, round after
+  round, until the token budget (`max_batch_tokens`, real tokens) or `max_batch_items` is reached.
+  A 2,048-text request shares every batch with the one-text requests that arrived after it
+  instead of holding them back until it is done.
+
+A sequence that would overflow the budget stays first in its request for a later batch (one that
+is larger than the whole budget runs alone). Requests whose caller went away (`cancelled`) or whose
+deadline passed are dropped before they cost a batch slot and handed back, so the caller can
+answer them.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 
-class Schedulable(Protocol):
+class Queued(Protocol):
+    """One request's sequences waiting for the device."""
+
     model_id: str
-    seq: int
-
-    @property
-    def num_tokens(self) -> int: ...
+    deadline: float  # time.monotonic() seconds
+    lengths: Sequence[int]  # real tokens per sequence
+    next_index: int  # the first sequence not yet handed to a batch
 
     @property
     def cancelled(self) -> bool: ...
@@ -30,50 +40,94 @@ class BatchLimits:
     max_batch_items: int
 
 
+# One batch slot: sequence `index` of `request`.
+Slot = tuple[Queued, int]
+
+
 class Scheduler:
     def __init__(self, limits_for: Callable[[str], BatchLimits]) -> None:
         self._limits_for = limits_for
-        self._queues: dict[str, deque[Schedulable]] = {}
-        self._num_items = 0
+        self._queues: dict[str, deque[Queued]] = {}
+        self._ring: deque[str] = deque()  # models in turn order
+        self._last_served: str | None = None
+        self._num_seqs = 0
+        self._num_tokens = 0
 
     def __len__(self) -> int:
-        """Items waiting, cancelled ones included until they are dropped."""
-        return self._num_items
+        """Sequences waiting (those of dropped-but-not-yet-seen requests included)."""
+        return self._num_seqs
 
-    def add(self, items: list[Schedulable]) -> None:
-        for item in items:
-            self._queues.setdefault(item.model_id, deque()).append(item)
-        self._num_items += len(items)
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
 
-    def next_batch(self) -> list[Schedulable]:
-        """The next batch to run, or [] when nothing live is waiting."""
-        self._drop_cancelled_heads()
-        if not self._queues:
-            return []
-        model_id = min(self._queues, key=lambda m: self._queues[m][0].seq)
-        queue, limits = self._queues[model_id], self._limits_for(model_id)
-        batch: list[Schedulable] = []
-        num_tokens = 0
-        while queue and len(batch) < limits.max_batch_items:
-            item = queue[0]
-            if item.cancelled:
-                queue.popleft()
-                self._num_items -= 1
+    def add(self, request: Queued) -> None:
+        if request.model_id not in self._queues:
+            self._queues[request.model_id] = deque()
+            # Just before the model served last: a newcomer never waits on a repeat turn.
+            last = self._ring.index(self._last_served) if self._last_served in self._ring else len(self._ring)
+            self._ring.insert(last, request.model_id)
+        self._queues[request.model_id].append(request)
+        self._count(request, +1)
+
+    def next_batch(self, now: float) -> tuple[list[Slot], list[Queued]]:
+        """(the next batch, the requests dropped on the way: cancelled or past their deadline).
+
+        The batch is empty when nothing live is waiting."""
+        dropped: list[Queued] = []
+        while self._ring:
+            model_id = self._ring[0]
+            queue = self._queues[model_id]
+            for request in [r for r in queue if r.cancelled or r.deadline <= now]:
+                queue.remove(request)
+                self._count(request, -1)
+                dropped.append(request)
+            if not queue:
+                self._ring.popleft()
+                del self._queues[model_id]
                 continue
-            if batch and num_tokens + item.num_tokens > limits.max_batch_tokens:
-                break  # stays at the front for the next batch
-            batch.append(queue.popleft())
-            self._num_items -= 1
-            num_tokens += item.num_tokens
-        if not queue:
-            del self._queues[model_id]
+            self._ring.rotate(-1)  # this model's turn is taken
+            self._last_served = model_id
+            return self._fill(queue, self._limits_for(model_id)), dropped
+        return [], dropped
+
+    def drain(self) -> list[Queued]:
+        """Every waiting request, removed (the device is stopping or died)."""
+        requests = [r for q in self._queues.values() for r in q]
+        self._queues.clear()
+        self._ring.clear()
+        self._num_seqs = self._num_tokens = 0
+        return requests
+
+    def _fill(self, queue: deque[Queued], limits: BatchLimits) -> list[Slot]:
+        batch: list[Slot] = []
+        num_tokens = 0
+        progress = True
+        while progress and len(batch) < limits.max_batch_items:
+            progress = False
+            for request in queue:  # one sequence from each request per round
+                if request.next_index >= len(request.lengths):
+                    continue
+                length = request.lengths[request.next_index]
+                if batch and num_tokens + length > limits.max_batch_tokens:
+                    continue  # stays first in its request; a shorter one of another may fit
+                batch.append((request, request.next_index))
+                request.next_index += 1
+                num_tokens += length
+                self._num_seqs -= 1
+                self._num_tokens -= length
+                progress = True
+                if len(batch) >= limits.max_batch_items or num_tokens >= limits.max_batch_tokens:
+                    break
+            if num_tokens >= limits.max_batch_tokens:
+                break
+        while queue and queue[0].next_index >= len(queue[0].lengths):
+            queue.popleft()  # fully handed out; completion is the caller's business
+        for request in [r for r in queue if r.next_index >= len(r.lengths)]:
+            queue.remove(request)
         return batch
 
-    def _drop_cancelled_heads(self) -> None:
-        for model_id in list(self._queues):
-            queue = self._queues[model_id]
-            while queue and queue[0].cancelled:
-                queue.popleft()
-                self._num_items -= 1
-            if not queue:
-                del self._queues[model_id]
+    def _count(self, request: Queued, sign: int) -> None:
+        rest = request.lengths[request.next_index:]
+        self._num_seqs += sign * len(rest)
+        self._num_tokens += sign * sum(rest)

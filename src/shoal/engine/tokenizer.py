@@ -2,18 +2,41 @@
 
 `tokenizers` releases the GIL while it encodes, so a small thread pool tokenizes the next requests
 while the device thread runs the current batch.
+
+Texts are cut to a character bound derived from `max_length` before they are tokenized, so an
+8 MiB text costs what its kept tokens cost. The cut falls on whitespace where it can; if a cut
+text yields no more than `max_length` tokens (the bound was too tight for it: long runs of spaces,
+say) it is tokenized again from a longer cut, so cutting never changes which tokens are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import InputTooLong, ModelLoadError
+
+# Characters kept per token of `max_length` before tokenizing (English runs ~4-5 per token).
+CHARS_PER_TOKEN_BOUND = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One tokenized sequence (a text, or a text pair as one sequence)."""
+
+    ids: np.ndarray  # [n] int64, special tokens included
+    type_ids: np.ndarray | None = None  # [n] int64 segment ids; None: all zero (a single text)
+    offsets: np.ndarray | None = None  # [n, 2] int32 character spans into their text; (0, 0) for specials
+    word_ids: np.ndarray | None = None  # [n] int32 word index; -1 for special tokens
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
 
 
 class TextTokenizer:
@@ -30,9 +53,13 @@ class TextTokenizer:
         self.marker_id = marker_id
         self.expand_to = min(expand_to, max_length) if expand_to else None
         self.expand_id = expand_id
+        self.max_chars = max_length * CHARS_PER_TOKEN_BOUND + 64
         self._tokenizer = tokenizer
+        self._budget = max_length - (marker_id is not None)  # tokens the tokenizer itself may emit
         tokenizer.no_padding()
-        tokenizer.enable_truncation(max_length=max_length - (marker_id is not None))
+        tokenizer.enable_truncation(max_length=self._budget)
+        self._pair_tokenizer: Tokenizer | None = None
+        self._pair_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, directory: Path, max_length: int) -> "TextTokenizer":
@@ -68,9 +95,23 @@ class TextTokenizer:
     def special_ids(self) -> list[int]:
         return sorted(i for i, tok in self._tokenizer.get_added_tokens_decoder().items() if tok.special)
 
-    def encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
-        """Token ids per text, special tokens included, each at most `max_length` long."""
-        encodings = self._tokenizer.encode_batch(texts)
+    # --- encoding -------------------------------------------------------------------------------
+
+    def encode(self, texts: list[str], truncate: bool, *, pairs: list[str] | None = None,
+               with_offsets: bool = False) -> list[Encoded]:
+        """One sequence per text (or per `(texts[i], pairs[i])` pair), special tokens included,
+        each at most `max_length` tokens. A pair is truncated from its second text only."""
+        if pairs is not None:
+            return self._encode_pairs(texts, pairs, truncate, with_offsets)
+        bound = self.max_chars
+        cut = [t if len(t) <= bound else _cut(t, bound) for t in texts]
+        encodings = self._tokenizer.encode_batch(cut, add_special_tokens=True)
+        for index, text in enumerate(texts):
+            # A cut text that did not overflow may have lost tokens the full text keeps: widen.
+            while cut[index] is not text and not encodings[index].overflowing:
+                bound *= 4
+                cut[index] = text if len(text) <= bound else _cut(text, bound)
+                encodings[index] = self._tokenizer.encode(cut[index])
         if not truncate:
             for index, enc in enumerate(encodings):
                 if enc.overflowing:
@@ -79,21 +120,74 @@ class TextTokenizer:
                         "tokens; shorten it or send truncate: true",
                         details={"index": index, "max_length": self.max_length},
                     )
-        ids = [enc.ids for enc in encodings]
+        return [self._shape(enc, with_offsets, pair=False) for enc in encodings]
+
+    def _encode_pairs(self, firsts: list[str], seconds: list[str], truncate: bool, with_offsets: bool) -> list[Encoded]:
+        tokenizer = self._pair_variant()
+        bound = self.max_chars
+        inputs = [(a if len(a) <= bound else _cut(a, bound), b if len(b) <= bound else _cut(b, bound))
+                  for a, b in zip(firsts, seconds)]
+        try:
+            encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
+        except Exception as exc:  # tokenizers refuses when the first text alone is too long
+            raise InputTooLong(f"a first text of a pair leaves no room for the second within "
+                               f"{self.max_length} tokens: shorten it ({exc})",
+                               details={"max_length": self.max_length}) from None
+        if not truncate:
+            for index, enc in enumerate(encodings):
+                if enc.overflowing:
+                    raise InputTooLong(
+                        f"pair {index} is longer than the model's max_length of {self.max_length} tokens; "
+                        "shorten it or send truncate: true", details={"index": index, "max_length": self.max_length})
+        return [self._shape(enc, with_offsets, pair=True) for enc in encodings]
+
+    def _pair_variant(self) -> Tokenizer:
+        with self._pair_lock:
+            if self._pair_tokenizer is None:
+                clone = Tokenizer.from_str(self._tokenizer.to_str())
+                clone.no_padding()
+                clone.enable_truncation(max_length=self._budget, strategy="only_second")
+                self._pair_tokenizer = clone
+            return self._pair_tokenizer
+
+    def _shape(self, enc, with_offsets: bool, pair: bool) -> Encoded:
+        ids = enc.ids
+        type_ids = enc.type_ids if pair else None
+        offsets = enc.offsets if with_offsets else None
+        word_ids = [-1 if w is None else w for w in enc.word_ids] if with_offsets else None
         if self.marker_id is not None:
-            ids = [i[:1] + [self.marker_id] + i[1:] for i in ids]
-        if self.expand_to is not None:
-            ids = [i + [self.expand_id] * (self.expand_to - len(i)) for i in ids]
-        return [np.asarray(i, dtype=np.int64) for i in ids]
+            ids = ids[:1] + [self.marker_id] + ids[1:]
+            type_ids = type_ids[:1] + [0] + type_ids[1:] if type_ids is not None else None
+            offsets = offsets[:1] + [(0, 0)] + offsets[1:] if offsets is not None else None
+            word_ids = word_ids[:1] + [-1] + word_ids[1:] if word_ids is not None else None
+        if self.expand_to is not None and len(ids) < self.expand_to:
+            extra = self.expand_to - len(ids)
+            ids = ids + [self.expand_id] * extra
+            type_ids = type_ids + [0] * extra if type_ids is not None else None
+            offsets = offsets + [(0, 0)] * extra if offsets is not None else None
+            word_ids = word_ids + [-1] * extra if word_ids is not None else None
+        return Encoded(
+            np.asarray(ids, dtype=np.int64),
+            np.asarray(type_ids, dtype=np.int64) if type_ids is not None else None,
+            np.asarray(offsets, dtype=np.int32).reshape(-1, 2) if offsets is not None else None,
+            np.asarray(word_ids, dtype=np.int32) if word_ids is not None else None,
+        )
+
+
+def _cut(text: str, bound: int) -> str:
+    """The first `bound` characters of `text`, ending at whitespace when there is some near the end."""
+    head = text[:bound]
+    space = max(head.rfind(" ", bound * 3 // 4), head.rfind("\n", bound * 3 // 4))
+    return head[:space] if space > 0 else head
 
 
 class TokenizerPool:
     def __init__(self, num_threads: int) -> None:
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="shoal-tokenize")
 
-    async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool) -> list[np.ndarray]:
+    async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool, **options) -> list[Encoded]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, tokenizer.encode, texts, truncate)
+        return await loop.run_in_executor(self._executor, lambda: tokenizer.encode(texts, truncate, **options))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,128 @@
+"""The engine's public types: calls in, results out, as msgspec Structs.
+
+One tagged union of calls (`verb` names the struct) and one of results, torch-free, so the same
+bytes travel in process and on the cluster's wire. Arrays stay numpy arrays in process; `encode`
+writes them as `{dtype, shape, data}` with raw little-endian bytes and `decode_*` reads them back.
+
+    Call ── EncodeCall            (ScoreCall, ExtractCall join the union with their verbs)
+    Result ─┬ EncodeResult
+            └ ErrorResult         a ShoalError as data: `error()` re-raises it as its own class
+
+Every call carries `request_id` (for logs and error bodies) and `timeout_s`, the caller's budget:
+the engine turns it into a deadline at admission and drops work that outlives it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from .errors import ShoalError, error_from_code
+
+
+class Call(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
+    request_id: str | None = None
+    timeout_s: float | None = None  # None: the server's default deadline
+
+
+class EncodeCall(Call, frozen=True, tag="encode"):
+    """Encode texts into dense, sparse and/or multi-vector outputs."""
+
+    model: str
+    texts: list[str]
+    normalize: bool | None = None  # None: as the card says
+    dimensions: int | None = None  # Matryoshka truncation
+    output_dtype: str = "float32"
+    is_query: bool | None = None
+    prompt_name: str | None = None
+    truncate: bool = True
+    outputs: tuple[str, ...] | None = None  # None: the card's first output
+    sparse_top_k: int | None = None
+    return_tokens: bool = False
+
+
+class SparseVector(msgspec.Struct, frozen=True, omit_defaults=True):
+    indices: np.ndarray  # [k] int32 vocabulary ids, heaviest first
+    values: np.ndarray  # [k] float32
+    tokens: list[str] | None = None
+
+
+class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One text's outputs; those not asked for are None."""
+
+    dense: np.ndarray | None = None  # [dims]
+    sparse: SparseVector | None = None
+    multivector: np.ndarray | None = None  # [tokens kept, dim]
+
+
+class Result(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
+    request_id: str | None = None
+
+
+class EncodeResult(Result, frozen=True, tag="encode"):
+    items: list[EncodedItem]
+    num_tokens: int
+    tokenize_s: float = 0.0
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+    @property
+    def vectors(self) -> list[np.ndarray]:
+        """The dense vectors, in item order."""
+        return [item.dense for item in self.items]
+
+
+class ErrorResult(Result, frozen=True, tag="error"):
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+    retry_after_s: float | None = None
+
+    @classmethod
+    def of(cls, error: ShoalError, request_id: str | None = None) -> "ErrorResult":
+        return cls(code=error.code, message=error.message, details=error.details,
+                   retry_after_s=error.retry_after_s, request_id=request_id)
+
+    def error(self) -> ShoalError:
+        return error_from_code(self.code, self.message, self.details, self.retry_after_s)
+
+
+AnyCall = Union[EncodeCall]
+AnyResult = Union[EncodeResult, ErrorResult]
+
+
+# --- codec ---------------------------------------------------------------------------------------
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        little = np.ascontiguousarray(obj.astype(obj.dtype.newbyteorder("<"), copy=False))
+        return {"dtype": obj.dtype.name, "shape": list(obj.shape), "data": little.tobytes()}
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(typ: type, obj: Any) -> Any:
+    if typ is np.ndarray:
+        dtype = np.dtype(obj["dtype"]).newbyteorder("<")
+        return np.frombuffer(obj["data"], dtype=dtype).reshape(obj["shape"])
+    raise NotImplementedError(f"cannot decode {typ}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_call_decoder = msgspec.msgpack.Decoder(AnyCall, dec_hook=_dec_hook)
+_result_decoder = msgspec.msgpack.Decoder(AnyResult, dec_hook=_dec_hook)
+
+
+def encode(obj: Call | Result) -> bytes:
+    """msgpack bytes of a call or a result (arrays as raw little-endian bytes)."""
+    return _encoder.encode(obj)
+
+
+def decode_call(data: bytes) -> AnyCall:
+    return _call_decoder.decode(data)
+
+
+def decode_result(data: bytes) -> AnyResult:
+    return _result_decoder.decode(data)

@@ -1,0 +1,259 @@
+"""The device worker: the one thread that owns a device, fed by the scheduler.
+
+    submit(Pending) ─▶ scheduler (fair, token budget) ─▶ device thread ─▶ runner.forward ─▶ settle on the loop
+
+- A failed batch is run again one sequence at a time, so only the sequences that fail get an
+  error (`InferenceFailed` with the request id; the traceback goes to the log, not the client).
+- Requests whose caller went away or whose deadline passed are dropped before compute.
+- If the thread itself dies, every request it held fails with 503, `ready` turns false, and a new
+  thread starts after `restart_delay_s`.
+- `stop` finishes what is queued, then joins the thread; it reports whether the thread ended, so
+  the caller never frees a model under a running batch.
+
+The thread sleeps on a condition variable until work arrives; there is no polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from ..errors import DeadlineExceeded, InferenceFailed, Overloaded, ShoalError
+from ..metrics import Metrics
+from .scheduler import BatchLimits, Scheduler, Slot
+from .types import Batch
+
+log = logging.getLogger("shoal.device")
+
+
+class Pending:
+    """One request's sequences on their way through the device, resolved on the event loop."""
+
+    def __init__(self, model_id: str, runner: Any, seqs: Sequence, specs: Sequence, *, deadline: float,
+                 request_id: str | None, future: asyncio.Future) -> None:
+        self.model_id = model_id
+        self.runner = runner  # held (refcounted by the cache) until the request answers
+        self.seqs, self.specs = seqs, specs
+        self.lengths = [len(s) for s in seqs]
+        self.deadline = deadline
+        self.request_id = request_id
+        self.future = future
+        self.next_index = 0  # scheduler state
+        self.outputs: list[Any] = [None] * len(seqs)
+        self.remaining = len(seqs)  # written by the device thread only
+        self.error: ShoalError | None = None
+        self.enqueued_at = time.perf_counter()
+        self.inference_s = 0.0
+        self.finished_at: float | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.done() or self.error is not None
+
+    @property
+    def queue_s(self) -> float:
+        end = self.finished_at or time.perf_counter()
+        return max(0.0, end - self.enqueued_at - self.inference_s)
+
+
+class DeviceWorker:
+    def __init__(self, limits_for: Callable[[str], BatchLimits], metrics: Metrics, *, name: str = "shoal-device",
+                 restart_delay_s: float = 1.0) -> None:
+        self._scheduler = Scheduler(limits_for)
+        self._metrics = metrics
+        self._name = name
+        self._restart_delay_s = restart_delay_s
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._dead = False
+        self._running: list[Pending] = []  # requests of the batch on the device now
+        self._tokens_per_s: float | None = None
+
+    # --- the event loop's side ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._dead = False
+        self._thread = threading.Thread(target=self._thread_main, name=self._name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._dead and not self._stopping
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._scheduler.num_tokens
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self._tokens_per_s
+
+    def submit(self, pending: Pending) -> None:
+        with self._wake:
+            if self._stopping:
+                raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
+            if self._dead or self._thread is None:
+                raise Overloaded("the device worker is restarting; retry shortly", retry_after_s=self._restart_delay_s)
+            self._scheduler.add(pending)
+            self._wake.notify()
+
+    def wake(self) -> None:
+        """Let the thread look again (a caller went away: its work can be dropped now)."""
+        with self._wake:
+            self._wake.notify()
+
+    async def stop(self, timeout_s: float) -> bool:
+        """Finish the queued work and end the thread; True when it ended within `timeout_s`."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        thread = self._thread
+        if thread is None:
+            return True
+        await asyncio.to_thread(thread.join, timeout_s)
+        if thread.is_alive():
+            log.error("the device thread is still running a batch after %.0f s", timeout_s)
+            return False
+        return True
+
+    def _died(self) -> None:
+        """On the loop: the thread died. Fail what it held with 503, restart it after a pause."""
+        self._dead = True
+        with self._wake:
+            held = self._scheduler.drain() + self._running
+            self._running = []
+        error = Overloaded("the device worker failed and is restarting; retry shortly",
+                           retry_after_s=self._restart_delay_s)
+        for pending in held:
+            pending.error = pending.error or error
+            _settle(pending)
+        if not self._stopping:
+            self._loop.call_later(self._restart_delay_s, self._restart)
+
+    def _restart(self) -> None:
+        if self._stopping:
+            return
+        log.warning("restarting the device thread")
+        self._metrics.device_restarts.inc()
+        self._spawn()
+
+    # --- the device thread ----------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            log.exception("the device thread died")
+            self._call_soon(self._died)
+
+    def _serve(self) -> None:
+        """Run batches until stopped; on stop, finish what was already queued (none is dropped)."""
+        while True:
+            with self._wake:
+                batch, dropped = self._scheduler.next_batch(time.monotonic())
+                while not batch and not dropped and not self._stopping:
+                    self._wake.wait()
+                    batch, dropped = self._scheduler.next_batch(time.monotonic())
+                self._running = list({id(p): p for p, _ in batch}.values())
+            if dropped:
+                self._drop(dropped)
+            if batch:
+                self._run(batch)
+            elif self._stopping and not dropped:
+                return
+            with self._wake:
+                self._running = []
+
+    def _drop(self, requests: list[Pending]) -> None:
+        now = time.monotonic()
+        for pending in requests:
+            left = len(pending.lengths) - pending.next_index
+            if pending.error is not None:
+                continue  # failed already; settled when it failed
+            if pending.future.done():
+                self._metrics.dropped_items.labels(pending.model_id, "cancelled").inc(left)
+                continue
+            if pending.deadline <= now:
+                self._metrics.dropped_items.labels(pending.model_id, "deadline").inc(left)
+                self._metrics.deadline_exceeded.labels(pending.model_id, "queue").inc()
+                pending.error = DeadlineExceeded(
+                    "the request's deadline passed while it waited in the queue (phase: queue); "
+                    "send fewer items per request or a longer timeout_s",
+                    details={"phase": "queue", "request_id": pending.request_id},
+                )
+                self._call_soon(_settle, pending)
+
+    def _run(self, slots: list[Slot]) -> None:
+        runner = slots[0][0].runner
+        started = time.perf_counter()
+        try:
+            outputs: list[Any] = self._forward(runner, slots)
+        except Exception:  # retried one sequence at a time: only the failing ones err
+            outputs = []
+            for slot in slots:
+                try:
+                    outputs.extend(self._forward(runner, [slot]))
+                except Exception as exc:
+                    outputs.append(exc)
+        elapsed = time.perf_counter() - started
+        model_id = slots[0][0].model_id
+        num_tokens = sum(p.lengths[i] for p, i in slots)
+        m = self._metrics  # recorded before answering, so a caller's next scrape already counts it
+        m.batch_tokens.labels(model_id).observe(num_tokens)
+        m.batch_items.labels(model_id).observe(len(slots))
+        m.tokens.labels(model_id).inc(num_tokens)
+        m.items.labels(model_id).inc(len(slots))
+        if elapsed > 0:
+            rate = num_tokens / elapsed
+            self._tokens_per_s = rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * rate
+        in_batch: dict[int, Pending] = {}
+        for (pending, index), output in zip(slots, outputs):
+            if id(pending) not in in_batch:
+                pending.inference_s += elapsed
+                in_batch[id(pending)] = pending
+            if isinstance(output, Exception) and pending.error is None:
+                log.error("request %s: inference failed on item %d", pending.request_id, index, exc_info=output)
+                m.failed_items.labels(model_id).inc()
+                pending.error = InferenceFailed(
+                    f"inference failed on items[{index}] (request id {pending.request_id}); "
+                    "the server log has the details",
+                    details={"request_id": pending.request_id, "index": index},
+                )
+            pending.outputs[index] = output
+            pending.remaining -= 1
+        finished = time.perf_counter()
+        for pending in in_batch.values():
+            if pending.remaining == 0 or pending.error is not None:
+                pending.finished_at = finished
+                self._call_soon(_settle, pending)
+
+    @staticmethod
+    def _forward(runner: Any, slots: list[Slot]) -> list[Any]:
+        batch = Batch.pack([p.seqs[i] for p, i in slots])
+        return runner.forward(batch, [p.specs[i] for p, i in slots])
+
+    def _call_soon(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _settle(pending: Pending) -> None:
+    """On the loop: answer the request's future (if its caller still waits)."""
+    if pending.future.done():
+        return
+    if pending.error is not None:
+        pending.future.set_exception(pending.error)
+    else:
+        pending.future.set_result(pending.outputs)

@@ -1,0 +1,36 @@
+"""Verbs are tasks: each turns its call into sequences to run and their outputs into its result.
+
+    plan(card, call)            validate against the card; what to tokenize; estimated tokens
+    tokenize(plan, runner, pool) -> sequences (Encoded), one per device item
+    specs(plan, seqs)           one head spec per sequence
+    check_size(plan, seqs, limit)  refuse before compute a result larger than the limit
+    collect(plan, seqs, outputs, timings) -> the verb's Result
+
+The engine does everything the verbs share (admission, deadlines, the cache, the device).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ...calls import EncodeCall
+from .encode import EncodeTask
+
+
+class Task(Protocol):
+    verb: str
+
+    def plan(self, card: Any, call: Any) -> Any: ...
+
+    async def tokenize(self, plan: Any, runner: Any, pool: Any) -> list: ...
+
+    def specs(self, plan: Any, seqs: list) -> list: ...
+
+    def check_size(self, plan: Any, seqs: list, max_result_bytes: int) -> None: ...
+
+    def collect(self, plan: Any, seqs: list, outputs: list, timings: dict[str, float]) -> Any: ...
+
+
+TASKS: dict[type, Task] = {EncodeCall: EncodeTask()}
+
+__all__ = ["TASKS", "Task", "EncodeTask"]

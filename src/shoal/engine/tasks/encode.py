@@ -1,0 +1,123 @@
+"""encode: one sequence per text; the card's heads make dense, sparse and multi-vector outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...calls import EncodeCall, EncodeResult
+from ...catalog import ModelCard
+from ...errors import InvalidRequest, ResultTooLarge
+from ..types import EncodeSpec
+
+_DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}
+
+
+def estimate_tokens(text: str, max_length: int) -> int:
+    """Tokens a text will cost, before tokenizing: ~4 characters a token, plus specials."""
+    return min(max_length, len(text) // 4 + 2)
+
+
+@dataclass(frozen=True)
+class EncodePlan:
+    card: ModelCard
+    call: EncodeCall
+    spec: EncodeSpec
+    texts: list[str]  # prompt prefix applied
+    estimated_tokens: int
+
+    @property
+    def num_items(self) -> int:
+        return len(self.texts)
+
+
+class EncodeTask:
+    verb = "encode"
+
+    def plan(self, card: ModelCard, call: EncodeCall) -> EncodePlan:
+        if not call.texts:
+            raise InvalidRequest("no texts to encode", details={"option": "texts"})
+        spec = _spec(card, call)
+        prefix = _prompt(card, call)
+        texts = [prefix + t for t in call.texts] if prefix else list(call.texts)
+        estimated = sum(estimate_tokens(t, card.max_length) for t in texts)
+        return EncodePlan(card, call, spec, texts, estimated)
+
+    async def tokenize(self, plan: EncodePlan, runner, pool) -> list:
+        tokenizer = runner.query_tokenizer if plan.spec.is_query else runner.document_tokenizer
+        return await pool.encode(tokenizer, plan.texts, plan.call.truncate)
+
+    def specs(self, plan: EncodePlan, seqs: list) -> list[EncodeSpec]:
+        return [plan.spec] * len(seqs)
+
+    def check_size(self, plan: EncodePlan, seqs: list, max_result_bytes: int) -> None:
+        per_item = [_item_bytes(plan.card, plan.spec, len(s)) for s in seqs]
+        total = sum(per_item)
+        if total <= max_result_bytes:
+            return
+        fits = max(1, int(max_result_bytes // max(per_item)))
+        raise ResultTooLarge(
+            f"the result would be about {total / 2**20:.1f} MiB, over this server's limit of "
+            f"{max_result_bytes / 2**20:.1f} MiB: split the request into requests of at most {fits} items"
+            + (" or ask for fewer outputs" if len(plan.spec.outputs) > 1 else ""),
+            details={"estimated_bytes": int(total), "max_result_bytes": max_result_bytes, "max_items": fits},
+        )
+
+    def collect(self, plan: EncodePlan, seqs: list, outputs: list, timings: dict[str, float]) -> EncodeResult:
+        return EncodeResult(items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
+                            **timings)
+
+
+def _item_bytes(card: ModelCard, spec: EncodeSpec, num_tokens: int) -> float:
+    """Raw array bytes of one item's outputs (sparse: a bound from its length, as the exact count
+    of non-zero terms is only known after the forward)."""
+    size = 0.0
+    if "dense" in spec.outputs:
+        size += (spec.dimensions or card.dimensions) * _DTYPE_BYTES[spec.output_dtype]
+    if "sparse" in spec.outputs:
+        terms = 8 * num_tokens + 128
+        if spec.sparse_top_k or card.sparse_spec.top_k:
+            terms = min(terms, spec.sparse_top_k or card.sparse_spec.top_k)
+        size += terms * (8 + (16 if spec.return_tokens else 0))
+    if "multivector" in spec.outputs and card.multivector is not None:
+        size += num_tokens * card.multivector.dim * 4
+    return size
+
+
+def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
+    if "encode" not in card.tasks:
+        raise InvalidRequest(
+            f"model {card.id} does not encode; it serves: {', '.join(card.tasks)}",
+            details={"model": card.id, "tasks": list(card.tasks)},
+        )
+    if call.output_dtype not in _DTYPE_BYTES:
+        raise InvalidRequest(
+            f"output_dtype {call.output_dtype!r} is not one of {', '.join(_DTYPE_BYTES)}",
+            details={"option": "output_dtype", "allowed": list(_DTYPE_BYTES)},
+        )
+    outputs = tuple(dict.fromkeys(call.outputs)) if call.outputs else card.outputs[:1]
+    unsupported = [o for o in outputs if o not in card.outputs]
+    if unsupported:
+        raise InvalidRequest(
+            f"model {card.id} cannot produce {', '.join(unsupported)} output; its card allows: {', '.join(card.outputs)}",
+            details={"model": card.id, "option": "outputs", "allowed": list(card.outputs)},
+        )
+    if call.dimensions is not None and "dense" in outputs and call.dimensions > card.dimensions:
+        raise InvalidRequest(
+            f"model {card.id}: dimensions {call.dimensions} is larger than the model's {card.dimensions}",
+            details={"model": card.id, "option": "dimensions", "max": card.dimensions},
+        )
+    normalize = card.normalize if call.normalize is None else call.normalize
+    return EncodeSpec(
+        normalize=normalize, dimensions=call.dimensions, output_dtype=call.output_dtype, outputs=outputs,
+        is_query=bool(call.is_query), sparse_top_k=call.sparse_top_k, return_tokens=call.return_tokens,
+    )
+
+
+def _prompt(card: ModelCard, call: EncodeCall) -> str:
+    if call.prompt_name is not None and call.prompt_name not in card.prompts:
+        allowed = ", ".join(sorted(card.prompts)) or "none"
+        raise InvalidRequest(
+            f"model {card.id} has no prompt {call.prompt_name!r}; its prompts: {allowed}",
+            details={"model": card.id, "option": "prompt_name", "allowed": sorted(card.prompts)},
+        )
+    return card.prompt_for(call.prompt_name, call.is_query)

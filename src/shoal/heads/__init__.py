@@ -1,0 +1,65 @@
+"""Heads: what turns packed hidden states `[T, hidden]` into per-sequence outputs.
+
+A registry keyed by the card: each output the card lists (and, for sparse, its kind) names a head
+class that loads and owns its own tensors. Every head has `output` (the name a spec asks for) and
+`run(hidden, specs) -> [one value per sequence, None where its spec did not ask]`.
+
+    dense                 PoolingHead        cls / mean / last pooling, Matryoshka, dtype
+    sparse (splade)       SpladeHead         masked-LM logits, log1p(relu), max per sequence
+    sparse (token_weights) TokenWeightsHead  BGE-M3 lexical weights
+    multivector           ColbertHead        projected token vectors; shapes query/document tokenizers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layers import AttentionMeta
+from .multivector import ColbertHead
+from .pooling import PoolingHead, finish, pool
+from .sparse import MaskedLMHead, SpladeHead, TokenWeightsHead, sparse_entries, splade, token_weights
+
+__all__ = ["BuildContext", "Hidden", "build_heads", "finish", "pool", "sparse_entries", "splade", "token_weights",
+           "MaskedLMHead", "PoolingHead", "SpladeHead", "TokenWeightsHead", "ColbertHead"]
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """One forward's output, as every head sees it."""
+
+    states: torch.Tensor  # [T, hidden]
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMeta
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a head's `build` may read: the card, the model, its folder and tokenizer, and `to`
+    (the device and dtype its tensors go to)."""
+
+    card: Any
+    model: torch.nn.Module
+    directory: Path | None
+    tokenizer: Any
+    to: dict
+
+
+_REGISTRY: dict[str, type] = {
+    "dense": PoolingHead,
+    "sparse:splade": SpladeHead,
+    "sparse:token_weights": TokenWeightsHead,
+    "multivector": ColbertHead,
+}
+
+
+def _key(card, output: str) -> str:
+    return f"sparse:{card.sparse_spec.kind}" if output == "sparse" else output
+
+
+def build_heads(ctx: BuildContext) -> dict[str, Any]:
+    """One head per output the card lists, by output name."""
+    return {output: _REGISTRY[_key(ctx.card, output)].build(ctx) for output in ctx.card.outputs}

@@ -1,0 +1,66 @@
+"""The Service protocol: the one seam between the HTTP API and whatever serves the calls.
+
+The in-process `Engine` implements it; the cluster gateway's remote service will too, so the same
+routes serve a single node and a cluster. Nothing here imports torch, tokenizers or the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from .calls import AnyCall, AnyResult
+from .metrics import Metrics
+
+
+class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What `/v1/models` says about one model."""
+
+    id: str
+    tasks: tuple[str, ...]
+    outputs: tuple[str, ...]
+    max_length: int
+    verified: str
+    loaded: bool
+    architecture: str | None = None
+    dimensions: int | None = None
+    pooling: str | None = None
+    prompts: tuple[str, ...] = ()
+    description: str = ""
+
+
+class Capacity(msgspec.Struct, frozen=True):
+    """How much more work the service takes now, in (estimated) tokens."""
+
+    queued_tokens: int
+    max_queued_tokens: int
+    tokens_per_s: float | None  # measured throughput; None before the first batch
+
+    @property
+    def free_tokens(self) -> int:
+        return max(0, self.max_queued_tokens - self.queued_tokens)
+
+
+@runtime_checkable
+class Service(Protocol):
+    """Runs calls of every verb. `run` raises the ShoalError the call ends in."""
+
+    metrics: Metrics
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def warm(self, model_ids: list[str]) -> None: ...
+
+    async def run(self, call: AnyCall) -> AnyResult: ...
+
+    def models(self) -> list[ModelStatus]: ...
+
+    def has_model(self, model_id: str) -> bool: ...
+
+    def capacity(self) -> Capacity: ...
+
+    @property
+    def ready(self) -> bool: ...
