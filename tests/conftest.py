@@ -77,14 +77,23 @@ def count_tokens(reference_model) -> Callable[[str], int]:
 
 
 @contextlib.contextmanager
-def running_server(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free port; yields the base URL once /readyz answers 200."""
-    import uvicorn
+def running_server(app, settings=None) -> Iterator[str]:
+    """Serve `app` on a free port as `shoal serve` does (`shoal.api.server`, same HTTP limits);
+    yields the base URL once /readyz answers 200.
 
+    `settings` (a ServerSettings) defaults to the app's own (`app.state.settings.server`), then to
+    the production defaults.
+    """
+    from shoal.api.server import build_server
+    from shoal.config import ServerSettings
+
+    if settings is None:
+        app_settings = getattr(app.state, "settings", None)
+        settings = app_settings.server if app_settings is not None else ServerSettings()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken between choosing and serving
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = build_server(app, settings, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     try:

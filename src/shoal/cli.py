@@ -39,17 +39,30 @@ def _engine(settings):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .api import create_app
+    from .api.server import serve
 
     settings = _settings(args)
+    limits = {name: getattr(args, name, None) for name in _SERVE_LIMIT_FLAGS}
+    limits = {name: value for name, value in limits.items() if value is not None}
+    settings = replace(settings, server=replace(settings.server, **limits))
     engine = _engine(settings)
     for model_id in args.preload or []:
         engine.catalog.get(model_id)  # fail fast on a typo, before binding the port
     app = create_app(settings, engine, preload=tuple(args.preload or ()))
-    uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=args.log_level)
+    serve(app, settings.server, log_level=args.log_level)
     return 0
+
+
+# `shoal serve` flags that override a ServerSettings field of the same name (docs/operations.md).
+_SERVE_LIMIT_FLAGS: dict[str, tuple[type, str]] = {
+    "max_header_bytes": (int, "bytes of request line plus headers before 431 (default 65536)"),
+    "header_read_timeout_s": (float, "seconds to receive a request's headers before 408 (default 10)"),
+    "body_read_timeout_s": (float, "longest gap between request body bytes before 408 (default 30)"),
+    "keep_alive_timeout_s": (float, "seconds an idle kept-alive connection stays open (default 5)"),
+    "max_connections": (int, "open connections before new ones get 503 (default 1000)"),
+    "listen_backlog": (int, "connections the kernel queues before accept (default 2048)"),
+}
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -96,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pin", action="append", metavar="MODEL", help="never evict MODEL")
     serve.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before accepting requests")
     serve.add_argument("--log-level", default="info")
+    for name, (kind, help_text) in _SERVE_LIMIT_FLAGS.items():
+        serve.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
     serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the model cards")
