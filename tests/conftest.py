@@ -119,23 +119,35 @@ def _wait_ready(url: str, thread: threading.Thread) -> None:
 
 @pytest.fixture(scope="session")
 def serve():
-    """`serve(server=..., engine=...)` -> base URL of a new server with the MiniLM model preloaded.
+    """`serve(server=..., engine=..., wrap_runner=...)` -> base URL of a new server with the MiniLM
+    model preloaded; `serve.engines[url]` is its Engine.
 
     Each call builds its own Settings, Engine and app; all of them stop when the session ends.
+    `wrap_runner(runner) -> runner` wraps each loaded model (fault injection, recording batches).
     """
     from shoal.api import create_app
     from shoal.catalog import Catalog
     from shoal.config import EngineSettings, ServerSettings, Settings
     from shoal.engine import Engine
+    from shoal.engine.runner import ModelRunner
 
     with contextlib.ExitStack() as servers:
 
-        def start(server: ServerSettings | None = None, engine: EngineSettings | None = None) -> str:
+        def start(server: ServerSettings | None = None, engine: EngineSettings | None = None,
+                  wrap_runner: Callable | None = None, preload: tuple[str, ...] = (MODEL_ID,)) -> str:
             settings = Settings(server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False)
-            eng = Engine(settings.engine, Catalog.load(), allow_download=False)
-            app = create_app(settings, eng, preload=(MODEL_ID,))
-            return servers.enter_context(running_server(app))
+            load = None
+            if wrap_runner is not None:
+                def load(card):
+                    return wrap_runner(ModelRunner.load(card, settings.engine.device, allow_download=False))
+            eng = Engine(settings.engine, Catalog.load(), allow_download=False, load_runner=load,
+                         estimate_bytes=(lambda card: ModelRunner.estimate_bytes(card, False)) if load else None)
+            app = create_app(settings, eng, preload=preload)
+            url = servers.enter_context(running_server(app))
+            start.engines[url] = eng
+            return url
 
+        start.engines = {}
         yield start
 
 

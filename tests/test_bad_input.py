@@ -272,3 +272,70 @@ def test_a_full_queue_answers_503_with_retry_after_and_loses_no_admitted_work(sm
         for item, vector in zip(response.json()["items"], expected):
             got = np.asarray(item["dense"])
             assert float(got @ vector / np.linalg.norm(got) / np.linalg.norm(vector)) >= 0.99999
+
+
+# --- inputs that used to be 500s ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [50, 5000])
+def test_deeply_nested_input_is_400_not_a_recursion_error(client, card, depth):
+    nested = "[" * depth + "]" * depth
+    openai_body = f'{{"model": "{card.id}", "input": {nested}}}'.encode()
+    encode_raw = f'{{"model": "{card.id}", "items": [{{"text": "a", "id": {nested}}}]}}'.encode()
+
+    for route, raw in (("/v1/embeddings", openai_body), ("/v1/encode", encode_raw)):
+        response = client.post(route, content=raw, headers={"content-type": JSON})
+        assert_error(response, 400, "invalid_request", "$.")
+    deep: list = []
+    for _ in range(min(depth, 500)):
+        deep = [deep]
+    nested_msgpack = msgspec.msgpack.encode({"model": card.id, "input": deep})
+    response = client.post("/v1/embeddings", content=nested_msgpack, headers={"content-type": MSGPACK})
+    assert_error(response, 400, "invalid_request", media=MSGPACK)
+    assert_still_serves(client, card)
+
+
+@pytest.mark.parametrize("item_id", [2**63, -(2**63) - 1, 10**30])
+def test_an_integer_id_outside_int64_is_400_naming_its_path_before_any_compute(client, card, item_id):
+    raw = f'{{"model": "{card.id}", "items": [{{"id": {item_id}, "text": "a"}}]}}'.encode()
+
+    response = client.post("/v1/encode", content=raw, headers={"content-type": JSON, "accept": MSGPACK})
+
+    assert_error(response, 400, "invalid_request", "$.items[0].id", media=MSGPACK)
+    assert_still_serves(client, card)
+
+
+def test_the_largest_int64_ids_round_trip_in_msgpack(client, card):
+    ids = [2**63 - 1, -(2**63)]
+    body = msgspec.msgpack.encode({"model": card.id, "items": [{"id": i, "text": "a"} for i in ids]})
+
+    response = client.post("/v1/encode", content=body, headers={"content-type": MSGPACK, "accept": MSGPACK})
+
+    assert response.status_code == 200
+    assert [item["id"] for item in msgspec.msgpack.decode(response.content)["items"]] == ids
+
+
+@pytest.mark.parametrize("route", ["/v1/encode", "/v1/embeddings"])
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "\\ud800\\u0041"])
+def test_a_lone_surrogate_is_400_saying_what_is_wrong_and_where(client, card, route, escape):
+    text = f'"ok {escape} broken"'
+    raw = (f'{{"model": "{card.id}", "items": [{{"text": "fine"}}, {{"text": {text}}}]}}' if route == "/v1/encode"
+           else f'{{"model": "{card.id}", "input": ["fine", {text}]}}').encode()
+
+    response = client.post(route, content=raw, headers={"content-type": JSON})
+
+    error = assert_error(response, 400, "invalid_request", "surrogate", "byte", "valid Unicode")
+    start = raw.index(escape.encode()[:6])  # the byte msgspec names is within the bad escape (or just after)
+    assert start <= error["details"]["byte"] <= start + 14, (start, error["details"])
+    paired = client.post("/v1/encode", content=f'{{"model": "{card.id}", "items": [{{"text": "\\ud83d\\udc1f"}}]}}'.encode(),
+                         headers={"content-type": JSON})
+    assert paired.status_code == 200  # a surrogate pair is one character (a fish), and fine
+
+
+def test_404_and_405_answer_in_msgpack_when_the_client_accepts_only_msgpack(client):
+    missing = client.post("/v1/nowhere", headers={"accept": MSGPACK})
+    wrong = client.get("/v1/encode", headers={"accept": MSGPACK})
+
+    assert_error(missing, 404, "not_found", "/v1/nowhere", media=MSGPACK)
+    assert_error(wrong, 405, "method_not_allowed", media=MSGPACK)
+    assert wrong.headers["allow"] == "POST"

@@ -33,7 +33,12 @@ def _settings(args: argparse.Namespace):
 
 def _engine(settings):
     from .catalog import Catalog
-    from .engine import Engine
+    from .errors import ConfigError
+
+    try:
+        from .engine import Engine
+    except ImportError as exc:  # a torch-free install: the API and wire types only
+        raise ConfigError(f"the in-process engine needs {exc.name}; install it with: pip install 'shoal[engine]'") from None
 
     return Engine(settings.engine, Catalog.load(settings.models_dirs), allow_download=settings.allow_download)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -228,22 +229,17 @@ def decode(body: bytes, fmt: Format, type: type[Any]) -> Any:
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
+        if "surrogate" in str(exc):  # JSON's \\uD800-\\uDFFF escapes that pair with nothing
+            byte = _byte_of(str(exc))
+            raise InvalidRequest(
+                f"malformed JSON body: a \\u escape at byte {byte} is half of a UTF-16 surrogate pair with no "
+                "other half, which is not text; send valid Unicode (escape a character outside the BMP as a pair, "
+                "or send it as UTF-8)", details={"byte": byte}) from None
         raise InvalidRequest(f"malformed {name} body: {exc}") from None
     except RecursionError:
         raise InvalidRequest(f"the {name} body is nested too deeply; no request shape nests more than a few levels") from None
 
 
-def check_texts(texts: list[str], path: str) -> None:
-    """Refuse text a tokenizer cannot take: a lone UTF-16 surrogate (JSON's "\\ud800") is not
-    Unicode text. `path` formats the item's index into the field's path (`$.items[{}].text`)."""
-    for index, text in enumerate(texts):
-        if text.isascii():
-            continue
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(
-                f"{path.format(index)} has a lone surrogate {text[exc.start]!r} at character {exc.start}: "
-                "send valid Unicode text (a surrogate pair encodes one character; a single one is not text)",
-                details={"path": path.format(index), "position": exc.start},
-            ) from None
+def _byte_of(message: str) -> int | None:
+    found = re.search(r"\(byte (\d+)\)", message)
+    return int(found.group(1)) if found else None

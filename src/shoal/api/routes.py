@@ -43,7 +43,6 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
     ctx.model = req.model
     ctx.check_count(len(req.items))
     texts = [item.text for item in req.items]
-    wire.check_texts(texts, "$.items[{}].text")
     opts = req.options
     result: EncodeResult = await ctx.service.run(
         EncodeCall(
@@ -78,7 +77,6 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     ctx.model = req.model
     texts = req.texts()
     ctx.check_count(len(texts))
-    wire.check_texts(texts, "$.input[{}]")
     result: EncodeResult = await ctx.service.run(
         EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",), request_id=ctx.request_id)
     )

@@ -36,6 +36,7 @@ class EncodeTask:
     def plan(self, card: ModelCard, call: EncodeCall) -> EncodePlan:
         if not call.texts:
             raise InvalidRequest("no texts to encode", details={"option": "texts"})
+        check_texts(call.texts)
         spec = _spec(card, call)
         prefix = _prompt(card, call)
         texts = [prefix + t for t in call.texts] if prefix else list(call.texts)
@@ -65,6 +66,23 @@ class EncodeTask:
     def collect(self, plan: EncodePlan, seqs: list, outputs: list, timings: dict[str, float]) -> EncodeResult:
         return EncodeResult(items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
                             **timings)
+
+
+def check_texts(texts: list[str]) -> None:
+    """Refuse what a tokenizer cannot take: a lone UTF-16 surrogate is not Unicode text (the HTTP
+    decoders refuse it already; in-process callers reach this check)."""
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InvalidRequest(f"texts[{index}] is {type(text).__name__}, not a string", details={"index": index})
+        if text.isascii():
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                f"texts[{index}] has a lone surrogate {text[exc.start]!r} at character {exc.start}: "
+                "send valid Unicode text", details={"index": index, "position": exc.start},
+            ) from None
 
 
 def _item_bytes(card: ModelCard, spec: EncodeSpec, num_tokens: int) -> float:
