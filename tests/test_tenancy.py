@@ -29,6 +29,8 @@ SLOW_S = 1.0
 class Instrumented:
     """A real ModelRunner that records each batch, sleeps on SLOW_WORD and fails on POISON_WORD."""
 
+    order: list[tuple[str, int]] = []  # (model, sequences) of every batch of every wrapped model
+
     def __init__(self, runner) -> None:
         self._runner = runner
         self.batches: list[tuple[int, bool]] = []  # (sequences, contained poison)
@@ -41,6 +43,7 @@ class Instrumented:
     def forward(self, batch, specs):
         poisoned = bool((batch.input_ids == self._poison_id).any())
         self.batches.append((batch.num_seqs, poisoned))
+        Instrumented.order.append((self._runner.card.id, batch.num_seqs))
         if (batch.input_ids == self._slow_id).any():
             time.sleep(SLOW_S)
         if poisoned:
@@ -137,6 +140,29 @@ def test_an_abandoned_bulk_request_is_dropped_and_a_request_after_it_is_answered
     while metric(url, "shoal_requests_total", route="encode", status="499") == abandoned_before:
         assert time.monotonic() < deadline, "the abandoned request was not recorded as 499"
         time.sleep(0.05)
+
+
+# --- fairness -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("small_model", [MODEL_ID, "rasyosef/splade-tiny"], ids=["same-model", "other-model"])
+def test_a_small_request_waits_at_most_one_bulk_batch_on_the_same_or_another_model(wrapped, small_model):
+    url, _, _ = wrapped
+    httpx.post(f"{url}/v1/encode", json={"model": small_model, "items": [{"text": "warm"}]}, timeout=60)  # loaded
+    docs = [f"bulk document {i} about the migration of fish along the coast in spring" for i in range(1024)]
+    bulk = in_background(lambda: httpx.post(f"{url}/v1/encode", json=body(docs, timeout_s=120), timeout=120))
+    time.sleep(0.5)  # the bulk is tokenized and running
+    start = len(Instrumented.order)
+    small = httpx.post(f"{url}/v1/encode", json={"model": small_model, "items": [{"text": "a small query"}]},
+                       timeout=60)
+    answered = len(Instrumented.order)
+    bulk.join(120)
+
+    assert small.status_code == 200, small.text
+    after = Instrumented.order[start:]
+    assert sum(n for m, n in after if m == MODEL_ID) > 256  # the bulk still had batches to run after it
+    # Batches from the small request's arrival to its answer: the one running, then its own.
+    assert answered - start <= 3, after[: answered - start]
 
 
 # --- deadlines ----------------------------------------------------------------------------------
