@@ -47,17 +47,48 @@ def test_varlen_attention_equals_per_sequence_attention(causal, window, heads):
         assert (out[start:end] - expected).abs().max().item() <= 1e-5
 
 
-def test_varlen_attention_adds_a_relative_position_bias_per_sequence():
+@pytest.mark.parametrize("extra_positions", [0, 9], ids=["bias-of-the-longest", "longer-bias"])
+def test_varlen_attention_adds_a_relative_position_bias_per_sequence(extra_positions):
     torch.manual_seed(0)
     H, T, D, L = 4, sum(LENGTHS), 8, max(LENGTHS)
     q, k, v = torch.randn(T, H, D), torch.randn(T, H, D), torch.randn(T, H, D)
-    relative = torch.arange(L)[None, :] - torch.arange(L)[:, None]  # j - i
-    bias = torch.randn(H, 2 * L - 1)[:, relative + L - 1]  # [H, L, L], a function of j - i only
+    Lb = L + extra_positions  # a bias may cover more positions than the batch uses
+    relative = torch.arange(Lb)[None, :] - torch.arange(Lb)[:, None]  # j - i
+    bias = torch.randn(H, 2 * Lb - 1)[:, relative + Lb - 1]  # [H, Lb, Lb], a function of j - i only
     cu = torch.tensor([0] + LENGTHS).cumsum(0).to(torch.int32)
     out = varlen_attention(q, k, v, AttentionMeta.build(cu, L), bias=bias)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         expected = naive_attention(q[start:end], k[start:end], v[start:end], False, None, bias)
         assert (out[start:end] - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["window", "bias"])
+def test_padding_keys_stay_unseen_under_a_shared_mask_in_half_precision(dtype, kind):
+    # A window or a bias is one mask for a whole length group; padding keys are dropped through an
+    # extra key channel whose magnitude must stay finite and decisive in 16-bit floats too.
+    torch.manual_seed(0)
+    H, T, D, L = 4, sum(LENGTHS), 16, max(LENGTHS)
+    q, k, v = torch.randn(T, H, D) * 3, torch.randn(T, H, D) * 3, torch.randn(T, H, D)
+    relative = torch.arange(L)[None, :] - torch.arange(L)[:, None]
+    bias = torch.randn(H, 2 * L - 1)[:, relative + L - 1] if kind == "bias" else None
+    window = (3, 3) if kind == "window" else None
+    q, k, v, bias = (x.to(dtype) if x is not None else None for x in (q, k, v, bias))
+    cu = torch.tensor([0] + LENGTHS).cumsum(0).to(torch.int32)
+    out = varlen_attention(q, k, v, AttentionMeta.build(cu, L), window=window, bias=bias).float()
+    assert torch.isfinite(out).all()
+    q, k, v, bias = (x.float() if x is not None else None for x in (q, k, v, bias))  # the same rounded inputs
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        expected = naive_attention(q[start:end], k[start:end], v[start:end], False, window, bias)
+        assert (out[start:end] - expected).abs().max().item() <= 0.02
+
+
+def test_a_position_bias_with_causal_or_windowed_attention_is_refused():
+    q = torch.randn(4, 2, 8)
+    meta = AttentionMeta.build(torch.tensor([0, 4], dtype=torch.int32), 4)
+    for masking in (dict(causal=True), dict(window=(1, 1))):
+        with pytest.raises(ValueError, match="not both"):
+            varlen_attention(q, q, q, meta, bias=torch.zeros(2, 4, 4), **masking)
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["full-rotary", "partial-rotary"])

@@ -4,18 +4,28 @@ Inputs are packed: q `[T, H, D]`, k and v `[T, Hkv, D]` (Hkv divides H: grouped-
 sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Two kernels:
 
 - flash-attn's `flash_attn_varlen_func` on CUDA in fp16/bf16 when the package is installed: it
-  reads the packed layout directly, no padding anywhere.
+  reads the packed layout directly, no padding and no mask anywhere.
 - elsewhere, `scaled_dot_product_attention` over padded `[n, H, L, D]` views that exist only
   inside this function: tokens are scattered into them and gathered back, so the layers around
-  attention never see a pad token. Masked keys never contribute. Sequences are grouped by length
-  (`AttentionMeta.groups`) and each group is padded only to its own longest, so a batch mixing
-  short and long texts does not pay L_max² for every sequence.
+  attention never see a pad token. Sequences are grouped by length (`AttentionMeta.groups`) and
+  each group is padded only to its own longest, so a batch mixing short and long texts does not
+  pay L_max² for every sequence.
+
+Masks on the padded path are built once per forward and length group (cached on the group), never
+per layer, and no `[L, L]` mask is ever copied per sequence: causal attention passes `is_causal`
+(right padding keeps every real query off the pad keys, so no mask at all); full attention gets
+an `[ng, 1, 1, Lg]` key mask; a window is one `[1, 1, Lg, Lg]` band shared by the group; a position
+bias is the caller's `[H, L, L]`, read as a view. Where a shared band or bias meets padding, pad
+keys are dropped by one extra key channel instead (`_sdpa_group`). Masks are additive, in the
+query's dtype: that is what the kernels consume; a bool mask would be converted to one (and its
+negation made) on every call, which costs more than the float mask it saves.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -35,6 +45,46 @@ class LengthGroup:
     key_mask: torch.Tensor | None  # [ng, Lg] bool; None when every sequence fills the view
     num_seqs: int
     max_seqlen: int
+    # Additive masks by (kind, dtype), built on first use: one per forward, read by every layer.
+    _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
+
+    def pad(self, x: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """This group's rows `[Tg, ..., D]` -> `[ng, Lg, ..., width]`, zeros where no token is and
+        in channels past D."""
+        out = x.new_zeros(self.num_seqs, self.max_seqlen, *x.shape[1:-1], width or x.shape[-1])
+        out[self.seq_index, self.pos_in_seq, ..., : x.shape[-1]] = x
+        return out
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """`[ng, Lg, ...]` -> this group's rows `[Tg, ...]`."""
+        return x[self.seq_index, self.pos_in_seq]
+
+    def attention_mask(self, causal: bool, window: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask `varlen_attention` hands the kernel for this group, cached.
+
+        None for causal attention without a window (the kernel's `is_causal` does it) and for
+        full attention over unpadded sequences; `[1, 1, Lg, Lg]` for a window; `[ng, 1, 1, Lg]`
+        (padding keys) for full attention otherwise.
+        """
+        key = (causal, window, dtype)
+        if key not in self._masks:
+            self._masks[key] = build_mask(self, causal, window, dtype)
+        return self._masks[key]
+
+
+def build_mask(g: LengthGroup, causal: bool, window: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """`LengthGroup.attention_mask`, uncached: 0 where a key is seen, -inf where not."""
+    device = g.seq_index.device
+    if window is not None:  # [Lg, Lg] band: query i sees keys i-left..i+right (..i when causal)
+        left, right = window[0], min(window[1], 0) if causal else window[1]
+        L = g.max_seqlen
+        allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril_(right).triu_(-left)  # [Lg, Lg]
+        band = torch.zeros(L, L, dtype=dtype, device=device).masked_fill_(allowed.logical_not_(), float("-inf"))
+        return band[None, None]  # [1, 1, Lg, Lg]
+    if causal or g.key_mask is None:
+        return None
+    keys = torch.zeros(g.key_mask.shape, dtype=dtype, device=device).masked_fill_(~g.key_mask, float("-inf"))
+    return keys[:, None, None, :]  # [ng, 1, 1, Lg]
 
 
 @dataclass(frozen=True)
@@ -54,13 +104,6 @@ class AttentionMeta:
         out[self.seq_index, self.pos_in_seq] = x
         return out
 
-    def additive_mask(self, bias: torch.Tensor) -> torch.Tensor:
-        """A per-position score bias `[H, L, L]` -> `[n, H, L, L]` with -inf at padding keys.
-
-        Build it once per forward and pass it as `bias` to every layer's attention.
-        """
-        return torch.where(self.key_mask[:, None, None, :], bias[None], float("-inf"))
-
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Padded `[n, L, ...]` -> packed `[T, ...]`."""
         return x[self.seq_index, self.pos_in_seq]
@@ -72,7 +115,8 @@ class AttentionMeta:
     @cached_property
     def groups(self) -> tuple[LengthGroup, ...]:
         """Sequences sorted by length and cut where the length more than doubles (and grows by
-        more than 32 tokens): each group pads to at most about twice its shortest member."""
+        more than 32 tokens): each group pads to at most about twice its shortest member. A single
+        group keeps the packed order, so attention over it needs no gather."""
         bounds = self.cu_seqlens.cpu().numpy().astype(np.int64)
         lengths = np.diff(bounds)
         order = np.argsort(lengths, kind="stable")
@@ -81,6 +125,8 @@ class AttentionMeta:
             if lengths[seq] > max(2 * first, first + 32):
                 cuts.append(rank)
                 first = int(lengths[seq])
+        if not cuts:
+            order = np.arange(len(lengths))
         groups = []
         for members in np.split(order, cuts):
             lens = lengths[members]
@@ -96,6 +142,19 @@ class AttentionMeta:
                 len(members), L,
             ))
         return tuple(groups)
+
+    def per_group(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+        """`fn(group, *rows)` for each length group, on that group's rows of each packed `[T, ...]`
+        tensor in `xs`; the results `[Tg, ...]` are put back in packed order `[T, ...]`."""
+        if len(self.groups) == 1:  # the group is the batch, in packed order
+            return fn(self.groups[0], *xs)
+        out = None
+        for g in self.groups:
+            rows = fn(g, *(x[g.tokens] for x in xs))
+            if out is None:
+                out = rows.new_empty(xs[0].shape[0], *rows.shape[1:])
+            out[g.tokens] = rows
+        return out
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> "AttentionMeta":
@@ -124,13 +183,17 @@ def varlen_attention(
 
     `causal`: a token sees only earlier tokens of its sequence. `window` = (left, right): a token at
     position i sees positions i-left..i+right only (local attention, as ModernBERT's local layers).
-    `bias`: an additive score bias `[H, L, L]` over positions 0..L-1 (L = meta.max_seqlen), the
-    same for every sequence (relative-position biases, as MPNet's), or that bias already combined
-    with the padding mask by `meta.additive_mask` (`[n, H, L, L]`). It forces the padded path.
+    `bias`: an additive score bias `[H, L, L]` over positions 0..L-1 (L >= meta.max_seqlen), the
+    same for every sequence (relative-position biases, as MPNet's), in q's dtype; build it once per
+    forward. Each length group reads its top-left `[H, Lg, Lg]` corner. It forces the padded path
+    and excludes `causal` and `window`.
     """
+    if bias is not None and (causal or window is not None):
+        raise ValueError("varlen_attention takes a position bias or causal/window masking, not both")
     if bias is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
         return _flash(q, k, v, meta, causal, scale, window)
-    return _padded_sdpa(q, k, v, meta, causal, scale, window, bias)
+    attend = functools.partial(_sdpa_group, causal=causal, scale=scale, window=window, bias=bias)
+    return meta.per_group(attend, q, k, v)
 
 
 @functools.cache
@@ -151,43 +214,27 @@ def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, wind
     )
 
 
-def _padded_sdpa(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, window, bias=None) -> torch.Tensor:
-    if bias is None and len(meta.groups) > 1:
-        out = torch.empty_like(q)
-        for g in meta.groups:
-            out[g.tokens] = _sdpa_group(q[g.tokens], k[g.tokens], v[g.tokens], g, causal, scale, window)
-        return out
-    return _sdpa_group(q, k, v, meta, causal, scale, window, bias)
-
-
-def _sdpa_group(q, k, v, g, causal: bool, scale: float | None, window, bias=None) -> torch.Tensor:
-    """Attention over one padded view; `g` is the whole batch (AttentionMeta) or a LengthGroup."""
-    L = g.max_seqlen
-    H, Hkv = q.shape[1], k.shape[1]
-
-    def pad(x: torch.Tensor) -> torch.Tensor:  # [t, h, D] -> [n, h, L, D]
-        out = x.new_zeros(g.num_seqs, L, *x.shape[1:])
-        out[g.seq_index, g.pos_in_seq] = x
-        return out.transpose(1, 2)
-
-    qp, kp, vp = pad(q), pad(k), pad(v)
+def _sdpa_group(g: LengthGroup, q, k, v, *, causal: bool, scale: float | None, window, bias) -> torch.Tensor:
+    """Attention over one length group's padded view: q `[Tg, H, D]`, k/v `[Tg, Hkv, D]` -> `[Tg, H, D]`."""
+    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+    if bias is not None:
+        mask = bias[None, :, : g.max_seqlen, : g.max_seqlen]  # [1, H, Lg, Lg], a view
+    else:
+        mask = g.attention_mask(causal, window, q.dtype)  # None, [1, 1, Lg, Lg] or [ng, 1, 1, Lg]
+    # A mask shared by the group's sequences cannot hide each one's padding keys. One extra channel
+    # does: 1 in every query, a huge negative in pad keys (0 in real ones), so a pad key's score
+    # underflows to a zero weight and a real key's score is unchanged. Finite (a quarter of the
+    # dtype's largest), so a pad query whose window holds only pad keys still gets no NaN.
+    # Causal attention needs none of this.
+    drop_pad_keys = (bias is not None or window is not None) and g.key_mask is not None and not causal
+    width = (D // 8 + 1) * 8 if drop_pad_keys else D  # kernels like head dims in multiples of 8
+    qp, kp, vp = (g.pad(x, width).transpose(1, 2) for x in (q, k, v))  # [ng, h, Lg, width]
+    if drop_pad_keys:
+        qp[..., D] = 1.0
+        kp[..., D].masked_fill_(~g.key_mask[:, None, :], -torch.finfo(q.dtype).max / 4)
     if Hkv != H:  # grouped-query attention: each kv head serves H // Hkv query heads
         kp = kp.repeat_interleave(H // Hkv, dim=1)
         vp = vp.repeat_interleave(H // Hkv, dim=1)
-    if bias is not None and bias.dim() == 4:  # already the full additive mask
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=bias, scale=scale)
-        return out.transpose(1, 2)[g.seq_index, g.pos_in_seq]
-    mask = g.key_mask[:, None, None, :] if g.key_mask is not None else None  # [n, 1, 1, L]
-    if causal or window is not None:
-        offset = torch.arange(L, device=q.device)[None, :] - torch.arange(L, device=q.device)[:, None]  # j - i
-        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device)
-        if causal:
-            allowed &= offset <= 0
-        if window is not None:
-            allowed &= (offset >= -window[0]) & (offset <= window[1])
-        mask = allowed[None, None] if mask is None else mask & allowed[None, None]  # [n, 1, L, L]
-    if bias is not None:  # additive float mask: -inf where masked, the bias elsewhere
-        keep = mask if mask is not None else torch.ones((), dtype=torch.bool, device=q.device)
-        mask = torch.where(keep, bias[None].to(q.dtype), float("-inf"))  # [n, H, L, L]
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)  # [n, H, L, D]
-    return out.transpose(1, 2)[g.seq_index, g.pos_in_seq]  # [t, H, D]
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal and mask is None,
+                                         scale=scale if scale is not None else D ** -0.5)  # [ng, H, Lg, width]
+    return g.unpad(out[..., :D].transpose(1, 2))  # [Tg, H, D]

@@ -7,12 +7,14 @@ log-bucketed beyond `position_buckets // 2` (DeBERTa-v3). DeBERTa-v3 adds no abs
 (`position_biased_input: false`).
 
 Every tensor outside attention is packed `[T, hidden]`. The relative-position terms depend on q, k
-and the position embeddings jointly, so attention builds its scores on the padded `[n, H, L, L]`
-view that exists only inside `disentangled_attention`.
+and the position embeddings jointly, so attention builds its scores on padded `[ng, H, Lg, Lg]`
+views that exist only inside `disentangled_attention`, one length group at a time. The distance
+indices are built once per forward for positions 0..L-1; each group reads their `[Lg, Lg]` corner.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from ..layers import AttentionMeta, FusedLinear, activation, varlen_attention
+from ..layers.attention import LengthGroup
 
 
 @dataclass(frozen=True)
@@ -96,38 +99,56 @@ def relative_positions(L: int, cfg: DebertaV2Config, device: torch.device) -> to
     return torch.where(offset.abs() <= mid, offset, torch.sign(offset) * log_bucket.long())
 
 
+@dataclass(frozen=True)
+class RelativeIndex:
+    """Rows of the position tables each (query i, key j) pair reads, for positions 0..L-1; built once
+    per forward from the (bucketed) distances i - j and shared by all layers and length groups."""
+
+    c2p: torch.Tensor  # [L(i), L(j)] long: row of distance i - j, for query i against key j
+    p2c: torch.Tensor  # [L(j), L(i)] long: row of distance -(j - i), for key j against query i
+
+    @classmethod
+    def build(cls, L: int, cfg: DebertaV2Config, device: torch.device) -> "RelativeIndex":
+        """Row r of a `[2S, ...]` position table holds distance r - S; farther distances are clamped."""
+        rel, span = relative_positions(L, cfg, device), cfg.position_span  # [L, L], S
+        return cls((rel + span).clamp(0, 2 * span - 1), (span - rel).clamp(0, 2 * span - 1))
+
+
 def disentangled_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, H, D]
     v: torch.Tensor,  # [T, H, D]
     pos_key: torch.Tensor | None,  # [2S, H, D], keys of the relative-distance embeddings (c2p)
     pos_query: torch.Tensor | None,  # [2S, H, D], queries of the relative-distance embeddings (p2c)
-    rel: torch.Tensor,  # [L, L] long, (bucketed) i - j; L = meta.max_seqlen
+    index: RelativeIndex,  # L >= meta.max_seqlen
     meta: AttentionMeta,
     scale: float,
 ) -> torch.Tensor:
     """softmax(q_i.k_j + q_i.pos_key[d(i-j)] + k_j.pos_query[-d(j-i)]) v within each sequence.
 
-    d() is the (bucketed) distance of `rel`; row r of the position tables holds distance r - S, and
+    d() is the (bucketed) distance; row r of the position tables holds distance r - S, and
     distances outside -S..S-1 are clamped. The scale is applied to all three terms. Returns `[T, H, D]`.
     """
-    n, L = meta.num_seqs, meta.max_seqlen
-    qp, kp, vp = (meta.pad(x).transpose(1, 2) for x in (q, k, v))  # [n, H, L, D]
+    attend = functools.partial(_disentangled_group, pos_key=pos_key, pos_query=pos_query, index=index, scale=scale)
+    return meta.per_group(attend, q, k, v)
+
+
+def _disentangled_group(g: LengthGroup, q, k, v, *, pos_key, pos_query, index: RelativeIndex, scale: float):
+    """One length group: q, k, v `[Tg, H, D]` -> `[Tg, H, D]`."""
+    n, H, L = g.num_seqs, q.shape[1], g.max_seqlen
+    qp, kp, vp = (g.pad(x).transpose(1, 2) for x in (q, k, v))  # [ng, H, Lg, D]
     qp, ks = qp * scale, kp * scale
-    scores = qp @ kp.transpose(-1, -2)  # [n, H, L, L] content -> content
-    table = pos_key if pos_key is not None else pos_query
-    span = table.shape[0] // 2 if table is not None else 0  # S
+    scores = qp @ kp.transpose(-1, -2)  # [ng, H, Lg, Lg] content -> content
     if pos_key is not None:  # content -> position: query i against the embedding of distance i - j
-        c2p = qp @ pos_key.permute(1, 2, 0)  # [n, H, L, 2S]
-        index = (rel + span).clamp(0, 2 * span - 1)  # [L(i), L(j)]
-        scores = scores + c2p.gather(-1, index.expand(n, c2p.shape[1], L, L))
+        c2p = qp @ pos_key.permute(1, 2, 0)  # [ng, H, Lg, 2S]
+        scores = scores + c2p.gather(-1, index.c2p[:L, :L].expand(n, H, L, L))
     if pos_query is not None:  # position -> content: key j against the embedding of distance j - i, negated
-        p2c = ks @ pos_query.permute(1, 2, 0)  # [n, H, L(j), 2S]
-        index = (span - rel).clamp(0, 2 * span - 1)  # [L(j), L(i)]: rel[j, i] = j - i
-        scores = scores + p2c.gather(-1, index.expand(n, p2c.shape[1], L, L)).transpose(-1, -2)
-    scores = scores.masked_fill(~meta.key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
-    out = scores.softmax(-1) @ vp  # [n, H, L, D]
-    return meta.unpad(out.transpose(1, 2))  # [T, H, D]
+        p2c = ks @ pos_query.permute(1, 2, 0)  # [ng, H, Lg(j), 2S]
+        scores = scores + p2c.gather(-1, index.p2c[:L, :L].expand(n, H, L, L)).transpose(-1, -2)
+    if g.key_mask is not None:
+        scores = scores.where(g.key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    out = scores.softmax(-1) @ vp  # [ng, H, Lg, D]
+    return g.unpad(out.transpose(1, 2))  # [Tg, H, D]
 
 
 class DebertaV2Layer(nn.Module):
@@ -167,14 +188,14 @@ class DebertaV2Layer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         meta: AttentionMeta,
-        rel: torch.Tensor | None,  # [L, L] bucketed distances; None without relative attention
+        index: RelativeIndex | None,  # None without relative attention
         rel_emb: torch.Tensor | None,  # [2S, hidden] normalised distance embeddings
     ) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = (t.view(T, self.num_heads, self.head_dim) for t in self.qkv.split(x))  # [T, H, D] each
         if self.relative:
             pos_key, pos_query = self.position_projections(rel_emb)
-            a = disentangled_attention(q, k, v, pos_key, pos_query, rel, meta, self.scale)
+            a = disentangled_attention(q, k, v, pos_key, pos_query, index, meta, self.scale)
         else:
             a = varlen_attention(q, k, v, meta, scale=self.scale)
         x = self.attn_norm(x + self.attn_out(a.reshape(T, -1)))  # [T, hidden]
@@ -252,16 +273,16 @@ class DebertaV2Model(nn.Module):
         # The reference then multiplies by the padding mask: a no-op here, every packed token is real.
         x = self.embed_norm(x)
 
-        rel = rel_emb = None
-        if cfg.relative_attention:  # shared by all layers: bucketed distances and their embeddings
-            rel = relative_positions(meta.max_seqlen, cfg, input_ids.device)  # [L, L]
+        index = rel_emb = None
+        if cfg.relative_attention:  # shared by all layers: table rows per position pair, and the tables
+            index = RelativeIndex.build(meta.max_seqlen, cfg, input_ids.device)
             rel_emb = self.rel_embeddings.weight  # [2S, hidden]
             if self.rel_norm is not None:
                 rel_emb = self.rel_norm(rel_emb)
 
         embedded = x
         for i, layer in enumerate(self.layers):
-            x = layer(x, meta, rel, rel_emb)
+            x = layer(x, meta, index, rel_emb)
             if i == 0 and cfg.conv_kernel_size > 0:
                 x = self.conv_branch(embedded, x, meta)
         return x  # [T, hidden]

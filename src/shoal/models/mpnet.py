@@ -4,8 +4,9 @@ padding-free.
 BERT's post-LayerNorm layer plus a relative-position bias: the distance j - i between a query at
 position i and a key at position j falls into one of 32 log-spaced buckets, and one learned table
 `[buckets, heads]` (shared by all layers) turns buckets into an additive score bias. The bias is
-computed once per forward for positions 0..L-1 and handed to attention as `[H, L, L]`. Absolute
-positions are learned too, numbered from the padding index as in RoBERTa.
+computed once per forward for positions 0..L-1, in the model's dtype, and handed to attention as
+`[H, L, L]`: every length group reads its corner of it, no copy per sequence or per layer.
+Absolute positions are learned too, numbered from the padding index as in RoBERTa.
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ class MPNetModel(nn.Module):
         self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_attention_heads)
         self.layers = nn.ModuleList(MPNetLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    def position_bias(self, max_seqlen: int, device: torch.device) -> torch.Tensor:
+    def position_bias(self, max_seqlen: int) -> torch.Tensor:
         """Score bias `[H, L, L]` for queries and keys at positions 0..L-1 of any sequence."""
-        positions = torch.arange(max_seqlen, device=device)
-        relative = positions[None, :] - positions[:, None]  # [L, L]: key j minus query i
-        return self.relative_attention_bias(relative_position_bucket(relative)).permute(2, 0, 1)  # [H, L, L]
+        L, table = max_seqlen, self.relative_attention_bias
+        offsets = torch.arange(1 - L, L, device=table.weight.device)  # [2L - 1]: key j minus query i
+        per_offset = table(relative_position_bucket(offsets)).T  # [H, 2L - 1]
+        # Row i holds offsets -i..L-1-i: the window of L offsets starting at index L-1-i.
+        return per_offset.unfold(1, L, 1).flip(1)  # [H, L, L], [h, i, j] = per_offset[h, L-1 + j-i]
 
     @property
     def max_positions(self) -> int:  # positions start after the padding index
@@ -114,8 +117,7 @@ class MPNetModel(nn.Module):
     ) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids + (PADDING_IDX + 1))  # [T, hidden]
         x = self.embed_norm(x)
-        bias = self.position_bias(meta.max_seqlen, input_ids.device)  # [H, L, L], shared by all layers
-        bias = meta.additive_mask(bias.to(x.dtype))  # [n, H, L, L]: padding keys folded in once, not per layer
+        bias = self.position_bias(meta.max_seqlen).to(x.dtype)  # [H, L, L], shared by all layers
         for layer in self.layers:
             x = layer(x, meta, bias)
         return x  # [T, hidden]
