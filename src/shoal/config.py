@@ -17,6 +17,11 @@ class EngineSettings:
     # Batches are cut by real (unpadded) tokens, then by item count.
     max_batch_tokens: int = 16384
     max_batch_items: int = 256
+    # A batch is also cut to what the device runs in about this long, at the model's measured
+    # token rate (never below min_batch_tokens): it bounds how long any request waits behind one
+    # batch of another. None: token and item limits only.
+    target_batch_s: float | None = 0.1
+    min_batch_tokens: int = 256
     # Admission: items and estimated tokens admitted (not yet answered) before new requests get
     # 503 + Retry-After; a single request larger than either is a 400 (split it).
     max_queue_items: int = 8192
@@ -90,6 +95,8 @@ class Settings:
             device=env.get("SHOAL_DEVICE", EngineSettings.device),
             max_batch_tokens=int(env.get("SHOAL_MAX_BATCH_TOKENS", EngineSettings.max_batch_tokens)),
             max_batch_items=int(env.get("SHOAL_MAX_BATCH_ITEMS", EngineSettings.max_batch_items)),
+            target_batch_s=_optional_float(env.get("SHOAL_TARGET_BATCH_S"), EngineSettings.target_batch_s),
+            min_batch_tokens=int(env.get("SHOAL_MIN_BATCH_TOKENS", EngineSettings.min_batch_tokens)),
             max_queue_items=int(env.get("SHOAL_MAX_QUEUE_ITEMS", EngineSettings.max_queue_items)),
             max_queue_tokens=int(env.get("SHOAL_MAX_QUEUE_TOKENS", EngineSettings.max_queue_tokens)),
             request_timeout_s=float(env.get("SHOAL_REQUEST_TIMEOUT_S", EngineSettings.request_timeout_s)),
@@ -99,3 +106,12 @@ class Settings:
         dirs = tuple(Path(p) for p in env.get("SHOAL_MODELS_DIRS", "").split(os.pathsep) if p)
         offline = env.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline)
+
+
+def _optional_float(value: str | None, default: float | None) -> float | None:
+    """A float setting where "" keeps the default and "none" (or "0") turns it off."""
+    if value is None or value == "":
+        return default
+    if value.lower() in ("none", "off", "0"):
+        return None
+    return float(value)

@@ -73,6 +73,8 @@ class DeviceWorker:
         self._dead = False
         self._running: list[Pending] = []  # requests of the batch on the device now
         self._tokens_per_s: float | None = None
+        self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
+        self.min_rate_tokens = 128
 
     # --- the event loop's side ------------------------------------------------------------------
 
@@ -97,6 +99,10 @@ class DeviceWorker:
     @property
     def tokens_per_s(self) -> float | None:
         return self._tokens_per_s
+
+    def tokens_per_s_of(self, model_id: str) -> float | None:
+        """The model's measured token rate (batches too small to say are left out)."""
+        return self._model_rates.get(model_id)
 
     def submit(self, pending: Pending) -> None:
         with self._wake:
@@ -216,6 +222,9 @@ class DeviceWorker:
         if elapsed > 0:
             rate = num_tokens / elapsed
             self._tokens_per_s = rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * rate
+            if num_tokens >= self.min_rate_tokens:
+                old = self._model_rates.get(model_id)
+                self._model_rates[model_id] = rate if old is None else 0.7 * old + 0.3 * rate
         in_batch: dict[int, Pending] = {}
         for (pending, index), output in zip(slots, outputs):
             if id(pending) not in in_batch:

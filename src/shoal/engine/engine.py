@@ -58,6 +58,7 @@ class Engine:
         self._tokenizers = TokenizerPool(settings.tokenizer_threads)
         self._hardware = hardware_class(settings.device)
         self._device = DeviceWorker(self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s)
+        self._device.min_rate_tokens = settings.min_batch_tokens // 2
         self._admitted_items = 0
         self._admitted_tokens = 0
         self._started = False
@@ -207,11 +208,17 @@ class Engine:
         return runner
 
     def _limits_for(self, model_id: str) -> BatchLimits:
+        """The card's (or the settings') limits, with the token budget cut to about
+        `target_batch_s` of device time at the model's measured rate. Until a rate is measured,
+        4 x `min_batch_tokens`. Called by the scheduler on the device thread, once per batch."""
+        s = self.settings
         batching = self.catalog.get(model_id).batching_for(self._hardware)
-        return BatchLimits(
-            batching.max_batch_tokens or self.settings.max_batch_tokens,
-            batching.max_batch_items or self.settings.max_batch_items,
-        )
+        max_tokens = batching.max_batch_tokens or s.max_batch_tokens
+        if s.target_batch_s:
+            rate = self._device.tokens_per_s_of(model_id)
+            timed = int(rate * s.target_batch_s) if rate else 4 * s.min_batch_tokens
+            max_tokens = min(max_tokens, max(s.min_batch_tokens, timed))
+        return BatchLimits(max_tokens, batching.max_batch_items or s.max_batch_items)
 
     def _record_queue(self) -> None:
         self.metrics.queue_depth.set(self._admitted_items)
