@@ -239,3 +239,46 @@ def test_an_in_process_call_with_a_lone_surrogate_is_refused_naming_the_text():
     with pytest.raises(InvalidRequest, match=r"texts\[1\] has a lone surrogate") as info:
         EncodeTask().plan(card, calls.EncodeCall(card.id, ["fine", "bro\ud800ken"]))
     assert info.value.details == {"index": 1, "position": 3}
+
+
+def test_a_cut_that_splits_a_long_word_is_widened_when_the_kept_tokens_reach_into_it(reference):
+    tokenizer = TextTokenizer.from_dir(MINILM_DIR, MAX_LENGTH)
+    bound = tokenizer.max_chars
+    prefix = "international " * 20 + "abcde "  # few tokens for many characters
+    assert len(prefix) == bound * 3 // 4 - 2  # the long word starts just before the last quarter
+    text = prefix + "ab" * 100 + " and then the text goes on" * 50  # a 200-character word: [UNK] whole
+
+    enc = tokenizer.encode([text], truncate=True)[0]
+
+    want = reference(text, truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    assert reference.unk_token_id in want  # the whole word is one unknown token in the full text
+    assert enc.ids.tolist() == want
+
+
+def test_tokenizing_a_bulk_request_names_the_too_long_item_by_its_index_in_the_whole_request():
+    from shoal.engine.tokenizer import TEXTS_PER_JOB, TokenizerPool
+
+    tokenizer = TextTokenizer.from_dir(MINILM_DIR, MAX_LENGTH)
+    texts = ["short"] * (TEXTS_PER_JOB + 5) + ["word " * 100]
+    pool = TokenizerPool(1)
+    try:
+        with pytest.raises(InputTooLong, match=rf"items\[{TEXTS_PER_JOB + 5}\]") as info:
+            asyncio.run(pool.encode(tokenizer, texts, truncate=False))
+        assert info.value.details["index"] == TEXTS_PER_JOB + 5
+        assert len(asyncio.run(pool.encode(tokenizer, texts, truncate=True))) == len(texts)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("option, value", [("dimensions", -5), ("dimensions", 0), ("sparse_top_k", -1),
+                                           ("timeout_s", float("nan")), ("timeout_s", 0.0)])
+def test_an_in_process_call_with_an_out_of_range_option_is_refused_naming_it(option, value):
+    from shoal.catalog import Catalog
+    from shoal.config import EngineSettings
+    from shoal.engine import Engine
+    from shoal.errors import InvalidRequest
+
+    engine = Engine(EngineSettings(), Catalog.load(), allow_download=False)
+    call = calls.EncodeCall("sentence-transformers/all-MiniLM-L6-v2", ["x"], **{option: value})
+    with pytest.raises(InvalidRequest, match=option):
+        asyncio.run(engine.run(call))

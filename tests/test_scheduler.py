@@ -196,3 +196,26 @@ def test_drain_hands_back_every_waiting_request():
 
 def test_an_empty_scheduler_returns_an_empty_batch():
     assert scheduler().next_batch(NOW) == ([], [])
+
+
+def test_a_long_sequence_behind_a_bulk_request_runs_in_the_very_next_batch():
+    s = scheduler(max_batch_tokens=512)
+    s.add(Request("m", [100] * 2000, name="bulk"))
+    long = Request("m", [512], name="long")
+    s.add(long)
+    s.next_batch(NOW)  # bulk items fill it; the long one does not fit
+    batch, _ = s.next_batch(NOW)
+    assert [r.name for r, _ in batch] == ["long"]
+
+
+def test_with_an_item_limit_a_late_request_is_not_passed_over_by_earlier_bulk_requests():
+    s = scheduler(max_batch_tokens=10_000, max_batch_items=4)
+    for name in "abcd":
+        s.add(Request("m", [1] * 100, name=name))
+    late = Request("m", [1], name="late")
+    s.add(late)
+    waited = 0
+    while late.next_index == 0:
+        s.next_batch(NOW)
+        waited += 1
+    assert waited <= 2

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from .. import wire
 from ..config import Settings
-from ..errors import PayloadTooLarge, ShoalError
+from ..errors import Cancelled, Overloaded, PayloadTooLarge, ShoalError
 from ..service import Service
 from . import routes
 from .errors import error_response, http_error
@@ -33,7 +33,6 @@ log = logging.getLogger("shoal.api")
 
 Handler = Callable[[routes.Context], Awaitable[Any]]
 _REQUEST_ID = re.compile(r"[\w.:/-]{1,128}")
-CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 # Responses larger than this are encoded in a worker thread, off the event loop.
 _OFF_LOOP_BYTES = 1 << 20
 
@@ -65,20 +64,17 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
                 body = await _read_body(request, server.max_body_bytes) if reads_body else b""
                 ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id)
                 result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
-                if result is None:  # the client went away; its call was cancelled
-                    response = Response(status_code=CLIENT_CLOSED)
+                if isinstance(result, wire.EncodeResponse):
+                    result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
+                if ctx.result_bytes > _OFF_LOOP_BYTES:
+                    content = await asyncio.to_thread(wire.encode, result, fmt_out)
                 else:
-                    if isinstance(result, wire.EncodeResponse):
-                        result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
-                    if ctx.result_bytes > _OFF_LOOP_BYTES:
-                        content = await asyncio.to_thread(wire.encode, result, fmt_out)
-                    else:
-                        content = wire.encode(result, fmt_out)
-                    response = Response(content, media_type=fmt_out.value)
+                    content = wire.encode(result, fmt_out)
+                response = Response(content, media_type=fmt_out.value)
             except ShoalError as exc:
                 response = error_response(exc, fmt_out)
             except ClientDisconnect:
-                response = Response(status_code=CLIENT_CLOSED)
+                response = error_response(Cancelled("the client disconnected while sending its body"), fmt_out)
             except Exception:
                 log.exception("request %s: unhandled error in %s", request_id, name)
                 response = error_response(
@@ -137,7 +133,7 @@ def _request_id(request: Request) -> str:
 
 
 async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
-    """`work`'s result, or None (and `work` cancelled) if the client disconnects first.
+    """`work`'s result; Cancelled (and `work` cancelled) if the client disconnects first.
 
     The body has been read, so the next ASGI message is `http.disconnect`, sent when the client
     closes its connection."""
@@ -149,13 +145,19 @@ async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
         task.cancel()
         raise
     finally:
-        watcher.cancel()
-    if task.done():
+        if not watcher.done():
+            watcher.cancel()
+    gone = watcher.done() and not watcher.cancelled() and watcher.exception() is None
+    if task.done() or not gone:
+        if not task.done():  # the watcher failed, not the client: keep waiting for the work
+            await asyncio.wait({task})
+        if task.cancelled():  # cancelled by something else than this request (a shutdown)
+            raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
         return task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, ShoalError):
         await task
-    return None
+    raise Cancelled("the client disconnected before its answer; its queued work was dropped")
 
 
 async def _disconnected(request: Request) -> None:

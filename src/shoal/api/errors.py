@@ -34,7 +34,7 @@ _STATUS: tuple[tuple[type[ShoalError], int], ...] = (
     (InvalidRequest, 400),
     (Overloaded, 503),
     (DeadlineExceeded, 504),
-    (Cancelled, 499),
+    (Cancelled, 499),  # nginx's code: the client went away before its answer (nobody reads it)
     (InferenceFailed, 500),
     # The model exists in the catalog but its weights cannot be had here: not the caller's fault,
     # and not a crash either. No Retry-After: retrying will not help until an operator acts.

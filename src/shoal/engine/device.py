@@ -33,9 +33,14 @@ class Pending:
     """One request's sequences on their way through the device, resolved on the event loop."""
 
     def __init__(self, model_id: str, runner: Any, seqs: Sequence, specs: Sequence, *, deadline: float,
-                 request_id: str | None, future: asyncio.Future) -> None:
+                 request_id: str | None, future: asyncio.Future,
+                 on_released: Callable[[], None] | None = None) -> None:
         self.model_id = model_id
-        self.runner = runner  # held (refcounted by the cache) until the request answers
+        self.runner = runner  # held (refcounted by the cache) until the device lets go of it
+        # Called on the loop once the device will never touch this request again (done, dropped
+        # or failed): only then may the cache evict its model.
+        self.on_released = on_released
+        self.released = False
         self.seqs, self.specs = seqs, specs
         self.lengths = [len(s) for s in seqs]
         self.deadline = deadline
@@ -71,7 +76,8 @@ class DeviceWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._dead = False
-        self._running: list[Pending] = []  # requests of the batch on the device now
+        self._live: dict[int, Pending] = {}  # submitted and not yet released (the loop's side)
+        self._contended_until = 0.0  # monotonic time until which batches are kept short
         self._tokens_per_s: float | None = None
         self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
         self.min_rate_tokens = 128
@@ -93,23 +99,30 @@ class DeviceWorker:
         return self._thread is not None and self._thread.is_alive() and not self._dead and not self._stopping
 
     @property
-    def queued_tokens(self) -> int:
-        return self._scheduler.num_tokens
-
-    @property
     def tokens_per_s(self) -> float | None:
         return self._tokens_per_s
+
+    @property
+    def contended(self) -> bool:
+        """Whether several requests shared the device lately (then batches are cut by time)."""
+        return time.monotonic() < self._contended_until
 
     def tokens_per_s_of(self, model_id: str) -> float | None:
         """The model's measured token rate (batches too small to say are left out)."""
         return self._model_rates.get(model_id)
 
     def submit(self, pending: Pending) -> None:
+        """Queue `pending`; from here on the device settles and releases it (raises if it cannot)."""
         with self._wake:
             if self._stopping:
                 raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
             if self._dead or self._thread is None:
                 raise Overloaded("the device worker is restarting; retry shortly", retry_after_s=self._restart_delay_s)
+            self._live[id(pending)] = pending
+            if not pending.lengths:  # nothing to run
+                self._settle(pending)
+                self._release(pending)
+                return
             self._scheduler.add(pending)
             self._wake.notify()
 
@@ -136,15 +149,32 @@ class DeviceWorker:
         """On the loop: the thread died. Fail what it held with 503, restart it after a pause."""
         self._dead = True
         with self._wake:
-            held = self._scheduler.drain() + self._running
-            self._running = []
+            self._scheduler.drain()
         error = Overloaded("the device worker failed and is restarting; retry shortly",
                            retry_after_s=self._restart_delay_s)
-        for pending in held:
+        for pending in list(self._live.values()):
             pending.error = pending.error or error
-            _settle(pending)
+            self._settle(pending)
+            self._release(pending)
         if not self._stopping:
             self._loop.call_later(self._restart_delay_s, self._restart)
+
+    def _settle(self, pending: Pending) -> None:
+        """On the loop: answer the request's future (if its caller still waits)."""
+        if pending.future.done():
+            return
+        if pending.error is not None:
+            pending.future.set_exception(pending.error)
+        else:
+            pending.future.set_result(pending.outputs)
+
+    def _release(self, pending: Pending) -> None:
+        """On the loop: the device is done with `pending`; its model may be evicted now."""
+        self._live.pop(id(pending), None)
+        if not pending.released:
+            pending.released = True
+            if pending.on_released is not None:
+                pending.on_released()
 
     def _restart(self) -> None:
         if self._stopping:
@@ -170,34 +200,30 @@ class DeviceWorker:
                 while not batch and not dropped and not self._stopping:
                     self._wake.wait()
                     batch, dropped = self._scheduler.next_batch(time.monotonic())
-                self._running = list({id(p): p for p, _ in batch}.values())
+                if self._scheduler.num_requests + len({id(p) for p, _ in batch}) > 1:
+                    self._contended_until = time.monotonic() + 5.0
             if dropped:
                 self._drop(dropped)
             if batch:
                 self._run(batch)
             elif self._stopping and not dropped:
                 return
-            with self._wake:
-                self._running = []
 
     def _drop(self, requests: list[Pending]) -> None:
         now = time.monotonic()
         for pending in requests:
             left = len(pending.lengths) - pending.next_index
-            if pending.error is not None:
-                continue  # failed already; settled when it failed
-            if pending.future.done():
+            if pending.error is None and pending.future.done():
                 self._metrics.dropped_items.labels(pending.model_id, "cancelled").inc(left)
-                continue
-            if pending.deadline <= now:
+            elif pending.error is None and pending.deadline <= now:
                 self._metrics.dropped_items.labels(pending.model_id, "deadline").inc(left)
-                self._metrics.deadline_exceeded.labels(pending.model_id, "queue").inc()
                 pending.error = DeadlineExceeded(
                     "the request's deadline passed while it waited in the queue (phase: queue); "
                     "send fewer items per request or a longer timeout_s",
                     details={"phase": "queue", "request_id": pending.request_id},
                 )
-                self._call_soon(_settle, pending)
+                self._call_soon(self._settle, pending)
+            self._call_soon(self._release, pending)
 
     def _run(self, slots: list[Slot]) -> None:
         runner = slots[0][0].runner
@@ -230,26 +256,32 @@ class DeviceWorker:
             if id(pending) not in in_batch:
                 pending.inference_s += elapsed
                 in_batch[id(pending)] = pending
-            if isinstance(output, Exception) and pending.error is None:
+            if isinstance(output, Exception):
                 log.error("request %s: inference failed on item %d", pending.request_id, index, exc_info=output)
                 m.failed_items.labels(model_id).inc()
-                pending.error = InferenceFailed(
-                    f"inference failed on items[{index}] (request id {pending.request_id}); "
-                    "the server log has the details",
-                    details={"request_id": pending.request_id, "index": index},
-                )
+                if pending.error is None:
+                    pending.error = InferenceFailed(
+                        f"inference failed on items[{index}] (request id {pending.request_id}); "
+                        "the server log has the details",
+                        details={"request_id": pending.request_id, "index": index},
+                    )
             pending.outputs[index] = output
             pending.remaining -= 1
         finished = time.perf_counter()
         for pending in in_batch.values():
             if pending.remaining == 0 or pending.error is not None:
                 pending.finished_at = finished
-                self._call_soon(_settle, pending)
+                self._call_soon(self._settle, pending)
+            if pending.remaining == 0:  # every sequence ran: the scheduler holds it no more
+                self._call_soon(self._release, pending)
 
     @staticmethod
     def _forward(runner: Any, slots: list[Slot]) -> list[Any]:
         batch = Batch.pack([p.seqs[i] for p, i in slots])
-        return runner.forward(batch, [p.specs[i] for p, i in slots])
+        outputs = runner.forward(batch, [p.specs[i] for p, i in slots])
+        if len(outputs) != len(slots):
+            raise RuntimeError(f"the backend returned {len(outputs)} outputs for {len(slots)} sequences")
+        return outputs
 
     def _call_soon(self, fn, *args) -> None:
         try:
@@ -257,12 +289,3 @@ class DeviceWorker:
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-
-def _settle(pending: Pending) -> None:
-    """On the loop: answer the request's future (if its caller still waits)."""
-    if pending.future.done():
-        return
-    if pending.error is not None:
-        pending.future.set_exception(pending.error)
-    else:
-        pending.future.set_result(pending.outputs)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import sys
 import time
 from typing import Any, Callable
 
@@ -118,8 +120,9 @@ class Engine:
         if task is None:
             raise InvalidRequest(f"this server does not serve {type(call).__name__} calls")
         timeout_s = self.settings.request_timeout_s if call.timeout_s is None else call.timeout_s
-        if timeout_s <= 0:
-            raise InvalidRequest("timeout_s must be > 0", details={"option": "timeout_s"})
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise InvalidRequest(f"timeout_s must be a number of seconds > 0, not {timeout_s!r}",
+                                 details={"option": "timeout_s"})
         deadline = time.monotonic() + timeout_s
         card = self.catalog.get(call.model)
         plan = task.plan(card, call)
@@ -127,25 +130,25 @@ class Engine:
         self._admit(card.id, plan.num_items, tokens)
         try:
             runner = await self._acquire(card, deadline)
+            handed_over = False  # once submitted, the device releases the model when done with it
             try:
                 started = time.perf_counter()
                 seqs = await _within(task.tokenize(plan, runner, self._tokenizers), deadline, "tokenize")
                 tokenize_s = time.perf_counter() - started
+                _check_sequences(seqs)
                 task.check_size(plan, seqs, self.settings.max_result_bytes)
                 real = sum(len(s) for s in seqs)  # the backlog now counts real tokens
                 self._admitted_tokens += real - tokens
                 tokens = real
                 pending = Pending(card.id, runner, seqs, task.specs(plan, seqs), deadline=deadline,
-                                  request_id=call.request_id, future=asyncio.get_running_loop().create_future())
+                                  request_id=call.request_id, future=asyncio.get_running_loop().create_future(),
+                                  on_released=lambda: self.cache.release(card.id))
                 self._device.submit(pending)
-                try:
-                    outputs = await pending.future
-                except asyncio.CancelledError:  # the caller went away: drop what has not run
-                    pending.future.cancel()
-                    self._device.wake()
-                    raise
+                handed_over = True
+                outputs = await self._outcome(pending, deadline)
             finally:
-                self.cache.release(card.id)
+                if not handed_over:
+                    self.cache.release(card.id)
         except DeadlineExceeded as exc:
             exc.details.setdefault("request_id", call.request_id)
             self.metrics.deadline_exceeded.labels(card.id, exc.details.get("phase", "-")).inc()
@@ -159,6 +162,19 @@ class Engine:
         for phase, seconds in timings.items():
             m.phase_seconds.labels(phase.removesuffix("_s"), card.id).observe(seconds)
         return task.collect(plan, seqs, outputs, timings)
+
+    async def _outcome(self, pending: Pending, deadline: float) -> list:
+        """The request's outputs. A caller that goes away cancels it (the device drops what has not
+        run); past its deadline plus a grace for the batch it may be in, it is given up on."""
+        try:
+            return await _within(pending.future, deadline + _RUNNING_GRACE_S, "queue")
+        except DeadlineExceeded as exc:  # the device never answered: stuck, or far behind
+            exc.details["phase"] = "inference" if pending.next_index else "queue"
+            raise
+        finally:
+            if not pending.future.done() or pending.future.cancelled():
+                pending.future.cancel()
+                self._device.wake()
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -208,13 +224,14 @@ class Engine:
         return runner
 
     def _limits_for(self, model_id: str) -> BatchLimits:
-        """The card's (or the settings') limits, with the token budget cut to about
-        `target_batch_s` of device time at the model's measured rate. Until a rate is measured,
-        4 x `min_batch_tokens`. Called by the scheduler on the device thread, once per batch."""
+        """The card's (or the settings') limits. While several requests share the device, the token
+        budget is also cut to about `target_batch_s` of device time at the model's measured rate
+        (until a rate is measured, 4 x `min_batch_tokens`); a request alone gets the full budget.
+        Called by the scheduler on the device thread, once per batch."""
         s = self.settings
         batching = self.catalog.get(model_id).batching_for(self._hardware)
         max_tokens = batching.max_batch_tokens or s.max_batch_tokens
-        if s.target_batch_s:
+        if s.target_batch_s and self._device.contended:
             rate = self._device.tokens_per_s_of(model_id)
             timed = int(rate * s.target_batch_s) if rate else 4 * s.min_batch_tokens
             max_tokens = min(max_tokens, max(s.min_batch_tokens, timed))
@@ -229,17 +246,25 @@ class Engine:
         self.metrics.loaded_bytes.set(self.cache.loaded_bytes)
 
 
-_PHASE_WORDS = {"load": "waiting for the model to load", "tokenize": "being tokenized"}
+_PHASE_WORDS = {"load": "waiting for the model to load", "tokenize": "being tokenized",
+                "queue": "waiting for the device"}
+# How long past its deadline a call still waits for a batch it may already be in.
+_RUNNING_GRACE_S = 10.0
 
 
-async def _within(awaitable, deadline: float, phase: str):
-    """`awaitable`'s result, or DeadlineExceeded naming `phase` if the deadline passes first."""
+async def _within(awaitable: Any, deadline: float, phase: str) -> Any:
+    """`awaitable`'s result, or DeadlineExceeded naming `phase` if the deadline passes first.
+
+    A cancellation of the caller always propagates (asyncio.timeout never swallows one)."""
     remaining = deadline - time.monotonic()
     try:
         if remaining <= 0:
-            raise asyncio.TimeoutError
+            raise TimeoutError
+        if sys.version_info >= (3, 11):
+            async with asyncio.timeout(remaining):
+                return await awaitable
         return await asyncio.wait_for(awaitable, remaining)
-    except asyncio.TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):
         if asyncio.iscoroutine(awaitable):
             awaitable.close()
         raise DeadlineExceeded(
@@ -247,6 +272,13 @@ async def _within(awaitable, deadline: float, phase: str):
             "retry later or with a longer timeout_s",
             details={"phase": phase},
         ) from None
+
+
+def _check_sequences(seqs: list) -> None:
+    for index, seq in enumerate(seqs):
+        if len(seq) == 0:
+            raise InvalidRequest(f"items[{index}] is empty after tokenization (this tokenizer adds no special "
+                                 "tokens): send some text", details={"index": index})
 
 
 def hardware_class(device: str) -> str:

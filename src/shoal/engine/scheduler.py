@@ -9,8 +9,9 @@ Requests queue per model, each with its sequences in order. `next_batch` is fair
   A 2,048-text request shares every batch with the one-text requests that arrived after it
   instead of holding them back until it is done.
 
-A sequence that would overflow the budget stays first in its request for a later batch (one that
-is larger than the whole budget runs alone). Requests whose caller went away (`cancelled`) or whose
+Each batch starts its rounds after the request served last, and a request whose next sequence
+did not fit goes first in the next batch, so no request is passed over for long (a sequence larger
+than the whole budget runs alone). Requests whose caller went away (`cancelled`) or whose
 deadline passed are dropped before they cost a batch slot and handed back, so the caller can
 answer them.
 """
@@ -61,6 +62,11 @@ class Scheduler:
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    @property
+    def num_requests(self) -> int:
+        """Requests with sequences waiting."""
+        return sum(len(q) for q in self._queues.values())
+
     def add(self, request: Queued) -> None:
         if request.model_id not in self._queues:
             self._queues[request.model_id] = deque()
@@ -102,29 +108,35 @@ class Scheduler:
     def _fill(self, queue: deque[Queued], limits: BatchLimits) -> list[Slot]:
         batch: list[Slot] = []
         num_tokens = 0
+        blocked: Queued | None = None  # the first request whose next sequence did not fit
+        last: Queued | None = None  # the request served last, where the next batch starts after
         progress = True
-        while progress and len(batch) < limits.max_batch_items:
+        while progress and len(batch) < limits.max_batch_items and num_tokens < limits.max_batch_tokens:
             progress = False
             for request in queue:  # one sequence from each request per round
                 if request.next_index >= len(request.lengths):
                     continue
                 length = request.lengths[request.next_index]
                 if batch and num_tokens + length > limits.max_batch_tokens:
-                    continue  # stays first in its request; a shorter one of another may fit
+                    blocked = blocked or request  # a shorter one of another request may fit
+                    continue
                 batch.append((request, request.next_index))
                 request.next_index += 1
                 num_tokens += length
                 self._num_seqs -= 1
                 self._num_tokens -= length
-                progress = True
+                last, progress = request, True
                 if len(batch) >= limits.max_batch_items or num_tokens >= limits.max_batch_tokens:
                     break
-            if num_tokens >= limits.max_batch_tokens:
-                break
-        while queue and queue[0].next_index >= len(queue[0].lengths):
-            queue.popleft()  # fully handed out; completion is the caller's business
+        # Next batch: the blocked request first (it keeps its place), then those after the last
+        # one served; so neither a long sequence nor a late request can be passed over forever.
+        if last is not None:
+            queue.rotate(-(queue.index(last) + 1))
+        if blocked is not None:
+            queue.remove(blocked)
+            queue.appendleft(blocked)
         for request in [r for r in queue if r.next_index >= len(r.lengths)]:
-            queue.remove(request)
+            queue.remove(request)  # fully handed out; completion is the caller's business
         return batch
 
     def _count(self, request: Queued, sign: int) -> None:

@@ -12,6 +12,7 @@ say) it is tokenized again from a longer cut, so cutting never changes which tok
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +25,12 @@ from ..errors import InputTooLong, ModelLoadError
 
 # Characters kept per token of `max_length` before tokenizing (English runs ~4-5 per token).
 CHARS_PER_TOKEN_BOUND = 10
+# A cut is widened (x4 at a time) at most to this many times its first bound: pathological text
+# (megabytes without a space) then costs a bounded amount, and keeps a cut of that length.
+WIDEN_LIMIT = 256
+# Texts per tokenizer job: a bulk request is tokenized in turns with the others, and stops when
+# its caller goes away.
+TEXTS_PER_JOB = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +110,14 @@ class TextTokenizer:
         each at most `max_length` tokens. A pair is truncated from its second text only."""
         if pairs is not None:
             return self._encode_pairs(texts, pairs, truncate, with_offsets)
-        bound = self.max_chars
-        cut = [t if len(t) <= bound else _cut(t, bound) for t in texts]
+        cut = [t if len(t) <= self.max_chars else _cut(t, self.max_chars) for t in texts]
         encodings = self._tokenizer.encode_batch(cut, add_special_tokens=True)
         for index, text in enumerate(texts):
-            # A cut text that did not overflow may have lost tokens the full text keeps: widen.
-            while cut[index] is not text and not encodings[index].overflowing:
+            bound = self.max_chars
+            # A cut text that kept too few tokens, or whose kept tokens reach into a word the cut
+            # split, may differ from the full text's: widen (up to WIDEN_LIMIT x the bound).
+            while cut[index] is not text and _needs_wider(cut[index], encodings[index]) \
+                    and bound < self.max_chars * WIDEN_LIMIT:
                 bound *= 4
                 cut[index] = text if len(text) <= bound else _cut(text, bound)
                 encodings[index] = self._tokenizer.encode(cut[index])
@@ -137,7 +146,7 @@ class TextTokenizer:
             for index, enc in enumerate(encodings):
                 if enc.overflowing:
                     raise InputTooLong(
-                        f"pair {index} is longer than the model's max_length of {self.max_length} tokens; "
+                        f"pairs[{index}] is longer than the model's max_length of {self.max_length} tokens; "
                         "shorten it or send truncate: true", details={"index": index, "max_length": self.max_length})
         return [self._shape(enc, with_offsets, pair=True) for enc in encodings]
 
@@ -174,20 +183,55 @@ class TextTokenizer:
         )
 
 
+_TRAILING_WORD = re.compile(r"\S+\Z")
+
+
 def _cut(text: str, bound: int) -> str:
-    """The first `bound` characters of `text`, ending at whitespace when there is some near the end."""
+    """The first `bound` characters of `text`, ending at whitespace when there is some in the last
+    quarter (a word split in two may tokenize differently from the whole word)."""
     head = text[:bound]
-    space = max(head.rfind(" ", bound * 3 // 4), head.rfind("\n", bound * 3 // 4))
-    return head[:space] if space > 0 else head
+    if text[bound:bound + 1].isspace():
+        return head
+    tail = _TRAILING_WORD.search(head)
+    if tail is not None and tail.start() >= bound * 3 // 4:
+        return head[: tail.start()]
+    return head
+
+
+def _needs_wider(cut: str, enc) -> bool:
+    """The cut kept no more tokens than fit (tokens may be missing), or it split a word and the
+    kept tokens reach into that word."""
+    if not enc.overflowing:
+        return True
+    if cut[-1:].isspace():
+        return False
+    tail = _TRAILING_WORD.search(cut)
+    ends = [end for (start, end), special in zip(enc.offsets, enc.special_tokens_mask) if not special]
+    return tail is not None and bool(ends) and max(ends) > tail.start()
 
 
 class TokenizerPool:
     def __init__(self, num_threads: int) -> None:
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="shoal-tokenize")
 
-    async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool, **options) -> list[Encoded]:
+    async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool, *,
+                     pairs: list[str] | None = None, with_offsets: bool = False) -> list[Encoded]:
+        """`tokenizer.encode` in the pool, TEXTS_PER_JOB texts a job (so requests take turns)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: tokenizer.encode(texts, truncate, **options))
+        out: list[Encoded] = []
+        for start in range(0, len(texts), TEXTS_PER_JOB):
+            chunk = texts[start:start + TEXTS_PER_JOB]
+            chunk_pairs = pairs[start:start + TEXTS_PER_JOB] if pairs is not None else None
+            try:
+                out += await loop.run_in_executor(
+                    self._executor, lambda: tokenizer.encode(chunk, truncate, pairs=chunk_pairs, with_offsets=with_offsets))
+            except InputTooLong as exc:  # name the item in the whole request, not in its chunk
+                if "index" in exc.details:
+                    index = exc.details["index"] + start
+                    raise InputTooLong(exc.message.replace(f"[{exc.details['index']}]", f"[{index}]", 1),
+                                       details={**exc.details, "index": index}) from None
+                raise
+        return out
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -112,6 +112,10 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
             f"output_dtype {call.output_dtype!r} is not one of {', '.join(_DTYPE_BYTES)}",
             details={"option": "output_dtype", "allowed": list(_DTYPE_BYTES)},
         )
+    for option in ("dimensions", "sparse_top_k"):
+        value = getattr(call, option)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise InvalidRequest(f"{option} must be an integer >= 1, not {value!r}", details={"option": option})
     outputs = tuple(dict.fromkeys(call.outputs)) if call.outputs else card.outputs[:1]
     unsupported = [o for o in outputs if o not in card.outputs]
     if unsupported:
