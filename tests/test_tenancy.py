@@ -343,3 +343,22 @@ def test_a_client_request_id_is_echoed_and_a_bad_one_is_replaced(wrapped):
 
     assert given.headers["x-request-id"] == "trace-42"
     assert bad.headers["x-request-id"] != "x" * 500 and len(bad.headers["x-request-id"]) == 16
+
+
+def test_a_large_response_is_encoded_in_a_worker_thread_and_a_small_one_on_the_loop(wrapped, monkeypatch):
+    import shoal.api.app as app_module
+
+    url, _, _ = wrapped
+    threads: list[str] = []
+    real = app_module._encode_large
+
+    def spy(result, fmt):
+        threads.append(threading.current_thread().name)
+        return real(result, fmt)
+
+    monkeypatch.setattr(app_module, "_encode_large", spy)
+    small = httpx.post(f"{url}/v1/encode", json=body(["one"]), timeout=60)
+    assert small.status_code == 200 and threads == []  # 1.5 KB: encoded right on the loop
+    large = httpx.post(f"{url}/v1/encode", json=body([f"text {i}" for i in range(1024)]), timeout=120)
+    assert large.status_code == 200 and len(large.json()["items"]) == 1024
+    assert len(threads) == 1 and threads[0] != "uvicorn"  # 1.5 MB of vectors: off the event loop

@@ -67,7 +67,7 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
                 if isinstance(result, wire.EncodeResponse):
                     result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
                 if ctx.result_bytes > _OFF_LOOP_BYTES:
-                    content = await asyncio.to_thread(wire.encode, result, fmt_out)
+                    content = await asyncio.to_thread(_encode_large, result, fmt_out)
                 else:
                     content = wire.encode(result, fmt_out)
                 response = Response(content, media_type=fmt_out.value)
@@ -122,6 +122,11 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
     app.state.service = service
     app.state.settings = settings
     return app
+
+
+def _encode_large(result: Any, fmt: wire.Format) -> bytes:
+    """Encode a large response; runs in a worker thread so the event loop keeps serving."""
+    return wire.encode(result, fmt)
 
 
 def _request_id(request: Request) -> str:

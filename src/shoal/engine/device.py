@@ -23,10 +23,13 @@ from typing import Any, Callable, Sequence
 
 from ..errors import DeadlineExceeded, InferenceFailed, Overloaded, ShoalError
 from ..metrics import Metrics
+from . import memory
 from .scheduler import BatchLimits, Scheduler, Slot
 from .types import Batch
 
 log = logging.getLogger("shoal.device")
+
+TRIM_EVERY_S = 2.0  # malloc_trim when the device goes idle, at most this often
 
 
 class Pending:
@@ -78,6 +81,7 @@ class DeviceWorker:
         self._dead = False
         self._live: dict[int, Pending] = {}  # submitted and not yet released (the loop's side)
         self._contended_until = 0.0  # monotonic time until which batches are kept short
+        self._trimmed_at = 0.0
         self._tokens_per_s: float | None = None
         self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
         self.min_rate_tokens = 128
@@ -206,8 +210,16 @@ class DeviceWorker:
                 self._drop(dropped)
             if batch:
                 self._run(batch)
+                self._trim_if_idle()
             elif self._stopping and not dropped:
                 return
+
+    def _trim_if_idle(self) -> None:
+        """Give freed memory back to the OS when nothing waits (at most every TRIM_EVERY_S)."""
+        now = time.monotonic()
+        if len(self._scheduler) == 0 and now - self._trimmed_at >= TRIM_EVERY_S:
+            self._trimmed_at = now
+            memory.trim()
 
     def _drop(self, requests: list[Pending]) -> None:
         now = time.monotonic()

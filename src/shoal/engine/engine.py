@@ -23,6 +23,7 @@ from ..config import EngineSettings
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..service import Capacity, ModelStatus
+from . import memory
 from .cache import ModelCache
 from .device import DeviceWorker, Pending
 from .scheduler import BatchLimits
@@ -69,6 +70,7 @@ class Engine:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        memory.tune_allocator()  # before the engine's threads exist (see engine/memory.py)
         self._device.start()
         self._started = True
 

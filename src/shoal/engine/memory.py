@@ -1,0 +1,70 @@
+"""Keeping a long-running process's resident memory flat (glibc's malloc, on Linux).
+
+A serving process allocates and frees tensors of a new shape for every batch, from several
+threads (the device thread, the tokenizer pool, torch's intra-op pool). With glibc's defaults
+three things let RSS creep up and stay up:
+
+- its mmap threshold is dynamic: once a large block (say a 20 MB attention buffer) is freed, blocks
+  up to that size come from the heap from then on instead of fresh mmaps, and a heap does not give
+  pages back while anything above them is live;
+- each thread may get its own arena (up to 8 per core), each holding its own freed memory;
+- freed memory in the middle of a heap stays resident until `malloc_trim`.
+
+`tune_allocator` fixes the mmap threshold (so large buffers always go back to the OS when freed),
+caps the arenas and is called once when the engine starts, before its threads exist.
+`trim` returns freed heap pages to the OS; the device thread calls it when it goes idle. Both are
+no-ops where glibc is not the allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+
+log = logging.getLogger("shoal.memory")
+
+# mallopt parameters (glibc malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+MMAP_THRESHOLD_BYTES = 1 << 20  # blocks from 1 MiB up are mmapped, and unmapped when freed
+TRIM_THRESHOLD_BYTES = 16 << 20
+ARENA_MAX = 4
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt  # noqa: B018  (glibc only)
+        libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def tune_allocator() -> bool:
+    """Set glibc's malloc for a long-running server; False where it does not apply."""
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = all(libc.mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+        (_M_ARENA_MAX, ARENA_MAX),
+    ))
+    if not ok:
+        log.warning("mallopt refused a setting; resident memory may grow under load")
+    return ok
+
+
+def trim() -> bool:
+    """Return freed heap memory to the OS; True if some was."""
+    libc = _libc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
