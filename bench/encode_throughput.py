@@ -31,24 +31,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
 import platform
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import msgspec
 import numpy as np
+from spawn import free_port, log_tail, spawned_server
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 MIN_COSINE = 0.9999
@@ -343,50 +341,6 @@ async def check_correctness(
     return failures, summary
 
 
-# --- the server ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def spawned_server(log_path: Path, ready_timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
-    """`shoal serve --preload MODEL` on a free port; yields (url, pid) once /readyz answers 200."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), "--preload", MODEL, "--log-level", "warning"]
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")  # the weights come from the installed package, never the network
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"shoal serve exited with {proc.returncode}:\n{log_tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"shoal serve not ready after {ready_timeout_s:.0f} s:\n{log_tail(log_path)}")
-            time.sleep(0.2)
-        yield url, proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def log_tail(path: Path, num_lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-
 
 # --- report -------------------------------------------------------------------------------------
 
@@ -544,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(bench(args, args.url.rstrip("/"), None, header))
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         log_path = Path(tmp) / "server.log"
-        with spawned_server(log_path) as (url, pid):
+        with spawned_server(free_port(), [MODEL], [], log_path) as (url, pid):
             header.append(f"server:      spawned `shoal serve --preload {MODEL}` at {url} (pid {pid})")
             code = asyncio.run(bench(args, url, pid, header))
         if code != 0 and log_path.stat().st_size:

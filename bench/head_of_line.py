@@ -41,18 +41,17 @@ import random
 import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import httpx
 import msgspec
 import numpy as np
+from spawn import free_port, log_tail, shoal_command, spawned_server
 
 SMALL_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 OTHER_MODEL = "sentence-transformers/all-mpnet-base-v2"
@@ -304,55 +303,6 @@ async def warm_up(client: httpx.AsyncClient, bodies: list[bytes], models: list[s
         response = await client.post("/v1/encode", content=body, headers=headers)
         if response.status_code != 200:
             raise SystemExit(f"warm-up request failed: HTTP {response.status_code}: {response.text[:300]}")
-
-
-# --- the server ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def shoal_command() -> list[str]:
-    script = Path(sys.executable).with_name("shoal")  # the venv's entry point, as a user runs it
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
-
-
-@contextlib.contextmanager
-def spawned_server(port: int, models: list[str], extra_args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
-    """`shoal serve --preload M...` on 127.0.0.1:`port`; yields (url, pid) once /readyz is 200."""
-    url = f"http://127.0.0.1:{port}"
-    cmd = shoal_command() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    cmd += [a for m in models for a in ("--preload", m)] + extra_args
-    env = dict(os.environ, HF_HUB_OFFLINE="1")  # the weights come from installed packages, never the network
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"shoal serve exited with {proc.returncode}:\n{log_tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"shoal serve not ready after {ready_timeout_s:.0f} s:\n{log_tail(log_path)}")
-            time.sleep(0.2)
-        yield url, proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def log_tail(path: Path, num_lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
 
 
 # --- report -------------------------------------------------------------------------------------

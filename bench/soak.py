@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import importlib.util
 import json
 import os
@@ -40,18 +39,17 @@ import random
 import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import httpx
 import msgspec
 import numpy as np
+from spawn import free_port, log_tail, shoal_command, spawned_server
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 RSS_TOLERANCE = 0.10
@@ -260,54 +258,6 @@ def judge_rss(samples: list[Sample], warmup_s: float) -> RssVerdict:
     return RssVerdict(base, min(s.rss_bytes for s in after), max(s.rss_bytes for s in after), deviation, passed)
 
 
-# --- the server ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def shoal_command() -> list[str]:
-    script = Path(sys.executable).with_name("shoal")  # the venv's entry point, as a user runs it
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
-
-
-@contextlib.contextmanager
-def spawned_server(port: int, model: str, extra_args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
-    """`shoal serve --preload MODEL` on 127.0.0.1:`port`; yields (url, pid) once /readyz is 200."""
-    url = f"http://127.0.0.1:{port}"
-    cmd = shoal_command() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--preload", model, "--log-level", "warning"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")  # the weights come from installed packages, never the network
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd + extra_args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"shoal serve exited with {proc.returncode}:\n{log_tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"shoal serve not ready after {ready_timeout_s:.0f} s:\n{log_tail(log_path)}")
-            time.sleep(0.2)
-        yield url, proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def log_tail(path: Path, num_lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-
-
 # --- main ---------------------------------------------------------------------------------------
 
 
@@ -427,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load avg {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f} at start")
     with tempfile.TemporaryDirectory(prefix="shoal-soak-") as tmp:
         log_path = args.log or Path(tmp) / "server.log"
-        with spawned_server(port, args.model, shlex.split(args.server_args), log_path) as (url, pid):
+        with spawned_server(port, [args.model], shlex.split(args.server_args), log_path) as (url, pid):
             command = " ".join([*shoal_command(), "serve", "--port", str(port), "--preload", args.model, args.server_args]).rstrip()
             print(f"server:      {command} (pid {pid})", flush=True)
             out = asyncio.run(soak(args, url, pid))
