@@ -170,8 +170,9 @@ class Engine:
         run); past its deadline plus a grace for the batch it may be in, it is given up on."""
         try:
             return await _within(pending.future, deadline + _RUNNING_GRACE_S, "queue")
-        except DeadlineExceeded as exc:  # the device never answered: stuck, or far behind
-            exc.details["phase"] = "inference" if pending.next_index else "queue"
+        except DeadlineExceeded as exc:
+            if pending.future.cancelled():  # our own give-up (the device never answered), not its drop
+                exc.details["phase"] = "inference" if pending.next_index else "queue"
             raise
         finally:
             if not pending.future.done() or pending.future.cancelled():
