@@ -362,3 +362,27 @@ def test_a_large_response_is_encoded_in_a_worker_thread_and_a_small_one_on_the_l
     large = httpx.post(f"{url}/v1/encode", json=body([f"text {i}" for i in range(1024)]), timeout=120)
     assert large.status_code == 200 and len(large.json()["items"]) == 1024
     assert len(threads) == 1 and threads[0] != "uvicorn"  # 1.5 MB of vectors: off the event loop
+
+
+def test_batches_are_cut_by_time_only_while_small_and_large_requests_share_the_device():
+    import time as clock
+
+    from shoal.catalog import Catalog
+    from shoal.config import EngineSettings
+    from shoal.engine import Engine
+
+    engine = Engine(EngineSettings(target_batch_s=0.1, min_batch_tokens=256), Catalog.load(), allow_download=False)
+    device = engine._device
+    device._model_rates[MODEL_ID] = 5000.0  # tokens/s, as if measured
+    full = engine._limits_for(MODEL_ID).max_batch_tokens  # the card's CPU budget (4096)
+
+    device._large_live = 1  # a bulk job alone: full batches
+    assert engine._limits_for(MODEL_ID).max_batch_tokens == full
+    device._small_seen_at = clock.monotonic()  # a one-sentence request joins it
+    assert engine._limits_for(MODEL_ID).max_batch_tokens == 500  # 0.1 s at 5,000 tokens/s
+    device._model_rates[MODEL_ID] = 100.0
+    assert engine._limits_for(MODEL_ID).max_batch_tokens == 256  # never below min_batch_tokens
+    device._large_live = 0  # the bulk job is done: small requests alone get full batches
+    assert engine._limits_for(MODEL_ID).max_batch_tokens == full
+    device._large_live, device._small_seen_at = 1, clock.monotonic() - 10  # no small request for 10 s
+    assert engine._limits_for(MODEL_ID).max_batch_tokens == full

@@ -17,9 +17,10 @@ class EngineSettings:
     # Batches are cut by real (unpadded) tokens, then by item count.
     max_batch_tokens: int = 16384
     max_batch_items: int = 256
-    # A batch is also cut to what the device runs in about this long, at the model's measured
-    # token rate (never below min_batch_tokens): it bounds how long any request waits behind one
-    # batch of another. None: token and item limits only.
+    # While small requests (up to 4 x min_batch_tokens) and large ones share the device, a batch is
+    # also cut to what the device runs in about this long, at the model's measured token rate
+    # (never below min_batch_tokens): a small request never waits long behind a bulk job's batch.
+    # None: token and item limits only.
     target_batch_s: float | None = 0.1
     min_batch_tokens: int = 256
     # Admission: items and estimated tokens admitted (not yet answered) before new requests get

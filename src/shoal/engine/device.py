@@ -30,6 +30,7 @@ from .types import Batch
 log = logging.getLogger("shoal.device")
 
 TRIM_EVERY_S = 2.0  # malloc_trim when the device goes idle, at most this often
+CONTENTION_WINDOW_S = 5.0
 
 
 class Pending:
@@ -44,6 +45,7 @@ class Pending:
         # or failed): only then may the cache evict its model.
         self.on_released = on_released
         self.released = False
+        self.large = False  # more tokens than a "small" request (set by the device on submit)
         self.seqs, self.specs = seqs, specs
         self.lengths = [len(s) for s in seqs]
         self.deadline = deadline
@@ -80,7 +82,11 @@ class DeviceWorker:
         self._stopping = False
         self._dead = False
         self._live: dict[int, Pending] = {}  # submitted and not yet released (the loop's side)
-        self._contended_until = 0.0  # monotonic time until which batches are kept short
+        # While a large request is live and a small one (at most small_request_tokens) arrived in
+        # the last CONTENTION_WINDOW_S, batches are kept short: small ones never wait on a long batch.
+        self.small_request_tokens = 1024
+        self._small_seen_at = -1e9
+        self._large_live = 0  # large requests submitted and not yet released (the loop's side)
         self._trimmed_at = 0.0
         self._tokens_per_s: float | None = None
         self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
@@ -108,8 +114,9 @@ class DeviceWorker:
 
     @property
     def contended(self) -> bool:
-        """Whether several requests shared the device lately (then batches are cut by time)."""
-        return time.monotonic() < self._contended_until
+        """Whether a large request is on the device while small ones keep arriving: then batches are
+        cut by time (bulk work alone, or small requests alone, keep full batches)."""
+        return self._large_live > 0 and time.monotonic() - self._small_seen_at < CONTENTION_WINDOW_S
 
     def tokens_per_s_of(self, model_id: str) -> float | None:
         """The model's measured token rate (batches too small to say are left out)."""
@@ -123,6 +130,11 @@ class DeviceWorker:
             if self._dead or self._thread is None:
                 raise Overloaded("the device worker is restarting; retry shortly", retry_after_s=self._restart_delay_s)
             self._live[id(pending)] = pending
+            pending.large = sum(pending.lengths) > self.small_request_tokens
+            if pending.large:
+                self._large_live += 1
+            else:
+                self._small_seen_at = time.monotonic()
             if not pending.lengths:  # nothing to run
                 self._settle(pending)
                 self._release(pending)
@@ -177,6 +189,7 @@ class DeviceWorker:
         self._live.pop(id(pending), None)
         if not pending.released:
             pending.released = True
+            self._large_live -= pending.large
             if pending.on_released is not None:
                 pending.on_released()
 
@@ -204,8 +217,6 @@ class DeviceWorker:
                 while not batch and not dropped and not self._stopping:
                     self._wake.wait()
                     batch, dropped = self._scheduler.next_batch(time.monotonic())
-                if self._scheduler.num_requests + len({id(p) for p, _ in batch}) > 1:
-                    self._contended_until = time.monotonic() + 5.0
             if dropped:
                 self._drop(dropped)
             if batch:

@@ -62,6 +62,7 @@ class Engine:
         self._hardware = hardware_class(settings.device)
         self._device = DeviceWorker(self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s)
         self._device.min_rate_tokens = settings.min_batch_tokens // 2
+        self._device.small_request_tokens = 4 * settings.min_batch_tokens
         self._admitted_items = 0
         self._admitted_tokens = 0
         self._started = False
@@ -227,9 +228,9 @@ class Engine:
         return runner
 
     def _limits_for(self, model_id: str) -> BatchLimits:
-        """The card's (or the settings') limits. While several requests share the device, the token
-        budget is also cut to about `target_batch_s` of device time at the model's measured rate
-        (until a rate is measured, 4 x `min_batch_tokens`); a request alone gets the full budget.
+        """The card's (or the settings') limits. While small and large requests share the device, the
+        token budget is also cut to about `target_batch_s` of device time at the model's measured
+        rate (until a rate is measured, 4 x `min_batch_tokens`); otherwise batches get the full budget.
         Called by the scheduler on the device thread, once per batch."""
         s = self.settings
         batching = self.catalog.get(model_id).batching_for(self._hardware)
