@@ -134,8 +134,9 @@ def test_an_abandoned_bulk_request_is_dropped_and_a_request_after_it_is_answered
     dropped = metric(url, "shoal_dropped_items_total", model=MODEL_ID, reason="cancelled") - dropped_before
     assert ran < 1024, f"{ran} items of the abandoned request still ran"  # most of it never reached the device
     assert dropped >= 2048 - ran  # and /metrics says so
-    batch_s = small.json()["timings"]["inference_ms"] / 1000
-    assert waited_s < 5 * max(batch_s, 0.05) + 1.0, (waited_s, batch_s)
+    # The bulk had seconds of work left (41k tokens; it was abandoned after 1.5 s); the small
+    # request waited for the batch in progress, at most, plus its own.
+    assert waited_s < 3.0, waited_s
     deadline = time.monotonic() + 5
     while metric(url, "shoal_requests_total", route="encode", status="499") == abandoned_before:
         assert time.monotonic() < deadline, "the abandoned request was not recorded as 499"
