@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 import msgspec
 import numpy as np
+from shoal.wire import Timings, Usage
 from spawn import free_port, log_tail, spawned_server
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -97,20 +98,12 @@ class TokenCounter:
 # --- wire ---------------------------------------------------------------------------------------
 
 
-class _Usage(msgspec.Struct):
-    tokens: int
+# The response's `usage` and `timings` as shoal's own wire types declare them.
 
 
-class _Timings(msgspec.Struct):
-    tokenize_ms: float
-    queue_ms: float
-    inference_ms: float
-    total_ms: float
-
-
-class _UsageOnly(msgspec.Struct):
-    usage: _Usage  # the hot path skips the vectors without building them
-    timings: _Timings | None = None
+class UsageOnly(msgspec.Struct):
+    usage: Usage  # the hot path skips the vectors without building them
+    timings: Timings | None = None
 
 
 class _Item(msgspec.Struct):
@@ -119,7 +112,7 @@ class _Item(msgspec.Struct):
 
 class _Full(msgspec.Struct):
     items: list[_Item]
-    usage: _Usage
+    usage: Usage
 
 
 @dataclass(frozen=True)
@@ -241,7 +234,7 @@ async def run_http(
             if response.status_code != 200:
                 errors.append(f"request {k}: HTTP {response.status_code}: {response.text[:200]}")
                 continue
-            decoded = codec.decode(response.content, _UsageOnly)
+            decoded = codec.decode(response.content, UsageOnly)
             if decoded.usage.tokens != work.tokens[index]:
                 errors.append(f"request {k}: usage.tokens {decoded.usage.tokens} != tokenizer count {work.tokens[index]}")
             if (t := decoded.timings) is not None:

@@ -51,6 +51,7 @@ from typing import Callable
 import httpx
 import msgspec
 import numpy as np
+from shoal.wire import Timings, Usage
 from spawn import free_port, log_tail, shoal_command, spawned_server
 
 SMALL_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -101,20 +102,12 @@ def encode_body(model: str, texts: list[str], options: dict | None = None) -> by
 # --- wire ---------------------------------------------------------------------------------------
 
 
-class _Usage(msgspec.Struct):
-    tokens: int
-
-
-class _Timings(msgspec.Struct):
-    tokenize_ms: float
-    queue_ms: float
-    inference_ms: float
-    total_ms: float
+# The response's `usage` and `timings` as shoal's own wire types declare them.
 
 
 class _Answer(msgspec.Struct):
-    usage: _Usage
-    timings: _Timings
+    usage: Usage
+    timings: Timings
     items: list[msgspec.Raw] = []  # counted, never decoded
 
 

@@ -19,6 +19,7 @@ from shoal.calls import AnyCall, AnyResult, EncodeCall, EncodedItem, EncodeResul
 from shoal.errors import InvalidRequest, UnknownModel
 from shoal.metrics import Metrics
 from shoal.service import Capacity, ModelStatus
+from shoal.vectors import OUTPUT_DTYPES, finish
 
 MODELS = (
     ModelStatus(
@@ -123,19 +124,10 @@ class StandIn:
         """What `run` answers for `text` with these options (None: the model's default)."""
         num_dims = next(status.dimensions for status in MODELS if status.id == model_id)
         v = cls.raw_vector(model_id, text, num_dims)
-        v = v[:dimensions] if dimensions else v
-        if NORMALIZES.get(model_id, True) if normalize is None else normalize:
-            v = v / max(float(np.linalg.norm(v)), 1e-12)
-        if output_dtype == "float32":
-            return np.ascontiguousarray(v, dtype=np.float32)
-        if output_dtype == "float16":
-            return v.astype(np.float16)
-        if output_dtype == "int8":
-            peak = float(np.abs(v).max()) or 1.0
-            return np.clip(np.rint(v * (127.0 / peak)), -127, 127).astype(np.int8)
-        if output_dtype == "binary":
-            return np.packbits(v > 0)
-        raise InvalidRequest(f"output_dtype {output_dtype!r} is not one of float32, float16, int8, binary")
+        if output_dtype not in OUTPUT_DTYPES:
+            raise InvalidRequest(f"output_dtype {output_dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+        normalize = NORMALIZES.get(model_id, True) if normalize is None else normalize
+        return finish(v, dimensions=dimensions, normalize=normalize, output_dtype=output_dtype)
 
     def _status(self, model_id: str) -> ModelStatus:
         try:

@@ -236,8 +236,6 @@ def decode(body: bytes, fmt: Format, type: type[Any]) -> Any:
                 "other half, which is not text; send valid Unicode (escape a character outside the BMP as a pair, "
                 "or send it as UTF-8)", details={"byte": byte}) from None
         raise InvalidRequest(f"malformed {name} body: {exc}") from None
-    except RecursionError:
-        raise InvalidRequest(f"the {name} body is nested too deeply; no request shape nests more than a few levels") from None
 
 
 def _byte_of(message: str) -> int | None:

@@ -146,23 +146,17 @@ async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
     finally:
-        if not watcher.done():
-            watcher.cancel()
-    gone = watcher.done() and not watcher.cancelled() and watcher.exception() is None
-    if task.done() or not gone:
-        if not task.done():  # the watcher failed, not the client: keep waiting for the work
-            await asyncio.wait({task})
-        if task.cancelled():  # cancelled by something else than this request (a shutdown)
-            raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
+        watcher.cancel()
+        if not task.done():  # the client went away, or this request was cancelled itself
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ShoalError):
+                await task
+    if not task.cancelled():
         return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, ShoalError):
-        await task
-    raise Cancelled("the client disconnected before its answer; its queued work was dropped")
+    if watcher.done() and not watcher.cancelled() and watcher.exception() is None:
+        raise Cancelled("the client disconnected before its answer; its queued work was dropped")
+    raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
 
 
 async def _disconnected(request: Request) -> None:

@@ -71,7 +71,7 @@ class Pending:
 
 class DeviceWorker:
     def __init__(self, limits_for: Callable[[str], BatchLimits], metrics: Metrics, *, name: str = "shoal-device",
-                 restart_delay_s: float = 1.0) -> None:
+                 restart_delay_s: float = 1.0, small_request_tokens: int = 1024, min_rate_tokens: int = 128) -> None:
         self._scheduler = Scheduler(limits_for)
         self._metrics = metrics
         self._name = name
@@ -82,15 +82,15 @@ class DeviceWorker:
         self._stopping = False
         self._dead = False
         self._live: dict[int, Pending] = {}  # submitted and not yet released (the loop's side)
-        # While a large request is live and a small one (at most small_request_tokens) arrived in
+        # While a large request is live and a small one (at most `small_request_tokens`) arrived in
         # the last CONTENTION_WINDOW_S, batches are kept short: small ones never wait on a long batch.
-        self.small_request_tokens = 1024
+        self._small_request_tokens = small_request_tokens
         self._small_seen_at = -1e9
         self._large_live = 0  # large requests submitted and not yet released (the loop's side)
         self._trimmed_at = 0.0
         self._tokens_per_s: float | None = None
         self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
-        self.min_rate_tokens = 128
+        self._min_rate_tokens = min_rate_tokens
 
     # --- the event loop's side ------------------------------------------------------------------
 
@@ -130,7 +130,7 @@ class DeviceWorker:
             if self._dead or self._thread is None:
                 raise Overloaded("the device worker is restarting; retry shortly", retry_after_s=self._restart_delay_s)
             self._live[id(pending)] = pending
-            pending.large = sum(pending.lengths) > self.small_request_tokens
+            pending.large = sum(pending.lengths) > self._small_request_tokens
             if pending.large:
                 self._large_live += 1
             else:
@@ -271,7 +271,7 @@ class DeviceWorker:
         if elapsed > 0:
             rate = num_tokens / elapsed
             self._tokens_per_s = rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * rate
-            if num_tokens >= self.min_rate_tokens:
+            if num_tokens >= self._min_rate_tokens:
                 old = self._model_rates.get(model_id)
                 self._model_rates[model_id] = rate if old is None else 0.7 * old + 0.3 * rate
         in_batch: dict[int, Pending] = {}

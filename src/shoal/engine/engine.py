@@ -60,9 +60,10 @@ class Engine:
         )
         self._tokenizers = TokenizerPool(settings.tokenizer_threads)
         self._hardware = hardware_class(settings.device)
-        self._device = DeviceWorker(self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s)
-        self._device.min_rate_tokens = settings.min_batch_tokens // 2
-        self._device.small_request_tokens = 4 * settings.min_batch_tokens
+        self._device = DeviceWorker(
+            self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s,
+            small_request_tokens=4 * settings.min_batch_tokens, min_rate_tokens=settings.min_batch_tokens // 2,
+        )
         self._admitted_items = 0
         self._admitted_tokens = 0
         self._started = False

@@ -62,11 +62,6 @@ class Scheduler:
     def num_tokens(self) -> int:
         return self._num_tokens
 
-    @property
-    def num_requests(self) -> int:
-        """Requests with sequences waiting."""
-        return sum(len(q) for q in self._queues.values())
-
     def add(self, request: Queued) -> None:
         if request.model_id not in self._queues:
             self._queues[request.model_id] = deque()

@@ -12,6 +12,7 @@ say) it is tokenized again from a longer cut, so cutting never changes which tok
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -105,11 +106,12 @@ class TextTokenizer:
     # --- encoding -------------------------------------------------------------------------------
 
     def encode(self, texts: list[str], truncate: bool, *, pairs: list[str] | None = None,
-               with_offsets: bool = False) -> list[Encoded]:
+               with_offsets: bool = False, first_index: int = 0) -> list[Encoded]:
         """One sequence per text (or per `(texts[i], pairs[i])` pair), special tokens included,
-        each at most `max_length` tokens. A pair is truncated from its second text only."""
+        each at most `max_length` tokens. A pair is truncated from its second text only.
+        `first_index`: the index of `texts[0]` in its request, for error messages."""
         if pairs is not None:
-            return self._encode_pairs(texts, pairs, truncate, with_offsets)
+            return self._encode_pairs(texts, pairs, truncate, with_offsets, first_index)
         cut = [t if len(t) <= self.max_chars else _cut(t, self.max_chars) for t in texts]
         encodings = self._tokenizer.encode_batch(cut, add_special_tokens=True)
         for index, text in enumerate(texts):
@@ -122,16 +124,19 @@ class TextTokenizer:
                 cut[index] = text if len(text) <= bound else _cut(text, bound)
                 encodings[index] = self._tokenizer.encode(cut[index])
         if not truncate:
-            for index, enc in enumerate(encodings):
-                if enc.overflowing:
-                    raise InputTooLong(
-                        f"items[{index}] is longer than the model's max_length of {self.max_length} "
-                        "tokens; shorten it or send truncate: true",
-                        details={"index": index, "max_length": self.max_length},
-                    )
+            self._refuse_overflow(encodings, "items", first_index)
         return [self._shape(enc, with_offsets, pair=False) for enc in encodings]
 
-    def _encode_pairs(self, firsts: list[str], seconds: list[str], truncate: bool, with_offsets: bool) -> list[Encoded]:
+    def _refuse_overflow(self, encodings: list, what: str, first_index: int) -> None:
+        for index, enc in enumerate(encodings, start=first_index):
+            if enc.overflowing:
+                raise InputTooLong(
+                    f"{what}[{index}] is longer than the model's max_length of {self.max_length} tokens; "
+                    "shorten it or send truncate: true", details={"index": index, "max_length": self.max_length},
+                )
+
+    def _encode_pairs(self, firsts: list[str], seconds: list[str], truncate: bool, with_offsets: bool,
+                      first_index: int) -> list[Encoded]:
         tokenizer = self._pair_variant()
         bound = self.max_chars
         inputs = [(a if len(a) <= bound else _cut(a, bound), b if len(b) <= bound else _cut(b, bound))
@@ -143,11 +148,7 @@ class TextTokenizer:
                                f"{self.max_length} tokens: shorten it ({exc})",
                                details={"max_length": self.max_length}) from None
         if not truncate:
-            for index, enc in enumerate(encodings):
-                if enc.overflowing:
-                    raise InputTooLong(
-                        f"pairs[{index}] is longer than the model's max_length of {self.max_length} tokens; "
-                        "shorten it or send truncate: true", details={"index": index, "max_length": self.max_length})
+            self._refuse_overflow(encodings, "pairs", first_index)
         return [self._shape(enc, with_offsets, pair=True) for enc in encodings]
 
     def _pair_variant(self) -> Tokenizer:
@@ -160,27 +161,31 @@ class TextTokenizer:
             return self._pair_tokenizer
 
     def _shape(self, enc, with_offsets: bool, pair: bool) -> Encoded:
-        ids = enc.ids
-        type_ids = enc.type_ids if pair else None
-        offsets = enc.offsets if with_offsets else None
-        word_ids = [-1 if w is None else w for w in enc.word_ids] if with_offsets else None
+        # Columns of the sequence (each a fresh list from `tokenizers`), with what a marker or an
+        # expansion token gets in each: its id in `ids`, a neutral value elsewhere.
+        cols = {"ids": enc.ids}
+        if pair:
+            cols["type_ids"] = enc.type_ids
+        if with_offsets:
+            cols["offsets"] = enc.offsets
+            cols["word_ids"] = [-1 if w is None else w for w in enc.word_ids]
         if self.marker_id is not None:
-            ids = ids[:1] + [self.marker_id] + ids[1:]
-            type_ids = type_ids[:1] + [0] + type_ids[1:] if type_ids is not None else None
-            offsets = offsets[:1] + [(0, 0)] + offsets[1:] if offsets is not None else None
-            word_ids = word_ids[:1] + [-1] + word_ids[1:] if word_ids is not None else None
-        if self.expand_to is not None and len(ids) < self.expand_to:
-            extra = self.expand_to - len(ids)
-            ids = ids + [self.expand_id] * extra
-            type_ids = type_ids + [0] * extra if type_ids is not None else None
-            offsets = offsets + [(0, 0)] * extra if offsets is not None else None
-            word_ids = word_ids + [-1] * extra if word_ids is not None else None
-        return Encoded(
-            np.asarray(ids, dtype=np.int64),
-            np.asarray(type_ids, dtype=np.int64) if type_ids is not None else None,
-            np.asarray(offsets, dtype=np.int32).reshape(-1, 2) if offsets is not None else None,
-            np.asarray(word_ids, dtype=np.int32) if word_ids is not None else None,
-        )
+            for name, col in cols.items():
+                col.insert(1, self.marker_id if name == "ids" else _NEUTRAL[name])
+        extra = (self.expand_to or 0) - len(cols["ids"])
+        for name, col in cols.items():
+            col.extend([self.expand_id if name == "ids" else _NEUTRAL[name]] * max(0, extra))
+
+        def column(name: str, dtype) -> np.ndarray | None:
+            return np.asarray(cols[name], dtype=dtype) if name in cols else None
+
+        offsets = column("offsets", np.int32)
+        return Encoded(column("ids", np.int64), column("type_ids", np.int64),
+                       offsets.reshape(-1, 2) if offsets is not None else None, column("word_ids", np.int32))
+
+
+# What a marker or expansion token carries in each column but `ids`.
+_NEUTRAL = {"type_ids": 0, "offsets": (0, 0), "word_ids": -1}
 
 
 _TRAILING_WORD = re.compile(r"\S+\Z")
@@ -222,15 +227,8 @@ class TokenizerPool:
         for start in range(0, len(texts), TEXTS_PER_JOB):
             chunk = texts[start:start + TEXTS_PER_JOB]
             chunk_pairs = pairs[start:start + TEXTS_PER_JOB] if pairs is not None else None
-            try:
-                out += await loop.run_in_executor(
-                    self._executor, lambda: tokenizer.encode(chunk, truncate, pairs=chunk_pairs, with_offsets=with_offsets))
-            except InputTooLong as exc:  # name the item in the whole request, not in its chunk
-                if "index" in exc.details:
-                    index = exc.details["index"] + start
-                    raise InputTooLong(exc.message.replace(f"[{exc.details['index']}]", f"[{index}]", 1),
-                                       details={**exc.details, "index": index}) from None
-                raise
+            out += await loop.run_in_executor(self._executor, functools.partial(
+                tokenizer.encode, chunk, truncate, pairs=chunk_pairs, with_offsets=with_offsets, first_index=start))
         return out
 
     def close(self) -> None:

@@ -46,8 +46,7 @@ class Batch:
         return int(self.cu_seqlens.shape[0] - 1)
 
     @classmethod
-    def pack(cls, sequences: Sequence[Encoded | np.ndarray], adapter_slots: Sequence[int] | None = None) -> "Batch":
-        seqs = [s if isinstance(s, Encoded) else Encoded(np.asarray(s, dtype=np.int64)) for s in sequences]
+    def pack(cls, seqs: Sequence[Encoded], adapter_slots: Sequence[int] | None = None) -> "Batch":
         lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         cu = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(lengths, out=cu[1:])
