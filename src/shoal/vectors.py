@@ -1,6 +1,6 @@
-"""Finishing one pooled float32 vector for the wire: Matryoshka truncation, normalisation and
-output dtype. numpy only, so torch-free code (a stand-in service, the SDK) computes exactly what
-the engine's dense head does.
+"""Vector arithmetic shared by the engine and torch-free code (a stand-in service, the SDK): finishing
+one pooled float32 vector for the wire (Matryoshka truncation, normalisation, output dtype) and
+late-interaction (MaxSim) scoring. numpy only, so both sides compute exactly the same thing.
 """
 
 from __future__ import annotations
@@ -31,3 +31,15 @@ def finish(vector: np.ndarray, *, dimensions: int | None, normalize: bool, outpu
     if output_dtype == "binary":
         return np.packbits(v > 0)
     raise ValueError(f"unknown output dtype {output_dtype!r}")
+
+
+def maxsim(query: np.ndarray, document: np.ndarray) -> float:
+    """Late-interaction (ColBERT) relevance: for each query vector the largest dot product with any
+    document vector, summed over the query. `query` `[q, d]`, `document` `[t, d]`; an empty document
+    scores 0. Vectors are used as given (ColBERT's are unit length, so dot products are cosines)."""
+    if query.ndim != 2 or document.ndim != 2 or query.shape[1] != document.shape[1]:
+        raise ValueError(f"maxsim takes [q, d] and [t, d] arrays, got {query.shape} and {document.shape}")
+    if query.shape[0] == 0 or document.shape[0] == 0:
+        return 0.0
+    similarities = query.astype(np.float32, copy=False) @ document.astype(np.float32, copy=False).T  # [q, t]
+    return float(similarities.max(axis=1).sum(dtype=np.float64))

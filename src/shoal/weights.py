@@ -144,7 +144,8 @@ def _copy(model: nn.Module, param: torch.Tensor, param_name: str, shard: int | N
 
 
 def estimate_bytes(directory: Path, dtype: str = "float32") -> int:
-    """Bytes the weights take once loaded in `dtype`, read from safetensors headers only."""
+    """Bytes the weights take once loaded in `dtype`: from safetensors headers, or from the shapes
+    of a memory-mapped `pytorch_model*.bin`."""
     itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
     total = 0
     for path in _checkpoint_files(directory):

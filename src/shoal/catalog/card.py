@@ -55,6 +55,10 @@ class Sparse(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     splade: the architecture's masked-LM head, log(1 + relu(logits)), max over the sequence.
     token_weights: relu(linear(hidden)) per token, max per token id (BGE-M3); `weight`/`bias`
     name the linear's tensors in `file` (a .safetensors or .pt file in the model folder).
+
+    Some vocabulary entries are zeroed in every vector, as the model's reference does: the
+    tokenizer's special tokens when `skip_special_tokens` (unset: yes for token_weights, no for
+    splade, whose reference keeps them), plus the tokens named in `skip_tokens`.
     """
 
     kind: Literal["splade", "token_weights"] = "splade"
@@ -62,7 +66,13 @@ class Sparse(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     weight: str | None = None
     bias: str | None = None
     top_k: int | None = None  # default pruning: keep the heaviest k terms
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None
+    skip_tokens: tuple[str, ...] = ()
+
+    @property
+    def skips_special_tokens(self) -> bool:
+        """`skip_special_tokens`, or the kind's default when unset."""
+        return self.kind == "token_weights" if self.skip_special_tokens is None else self.skip_special_tokens
 
 
 class Multivector(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -70,8 +80,11 @@ class Multivector(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     The projection's tensors are `weight`/`bias` in `file` (default: the model's safetensors).
     Queries get `query_marker` after [CLS] and are padded with `mask_token` to `query_length`
-    tokens (query augmentation); documents get `document_marker` and drop punctuation tokens when
-    `skip_punctuation`. `skip_first` drops the first ([CLS]) position (BGE-M3).
+    tokens (query augmentation); the padding tokens get vectors but no token attends to them unless
+    `attend_to_expansion_tokens` (ColBERT's and PyLate's default: not). Documents get
+    `document_marker`, are cut to `document_length` tokens (PyLate's `document_length`, colbert-ir's
+    `doc_maxlen`; unset: the card's max_length) and drop punctuation tokens when `skip_punctuation`.
+    `skip_first` drops the first ([CLS]) position (BGE-M3). Lengths include [CLS], [SEP] and markers.
     """
 
     dim: int
@@ -82,9 +95,35 @@ class Multivector(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     query_marker: str | None = None
     document_marker: str | None = None
     query_length: int | None = None
+    document_length: int | None = None
+    attend_to_expansion_tokens: bool = False
     mask_token: str = "[MASK]"
     skip_punctuation: bool = False
     skip_first: bool = False
+
+
+class Score(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How a reranker turns a (query, document) pair into a score.
+
+    cross_encoder: the pair is one sequence ([CLS] query [SEP] document [SEP]) through the
+    checkpoint's sequence-classification head (its layout comes from the architecture and
+    config.json). `activation` auto: sigmoid of a single logit; softmax over two or more, the score
+    being the probability of `positive_label` (default: the last label).
+
+    llm: a decoder reads `prefix + template.format(instruction, query, document) + suffix`; the
+    score is P(yes) from the last token's logits over the `yes_token` and `no_token` entries of the
+    LM head (Qwen3-Reranker style). Only the document part is truncated.
+    """
+
+    kind: Literal["cross_encoder", "llm"] = "cross_encoder"
+    activation: Literal["auto", "sigmoid", "softmax", "none"] = "auto"
+    positive_label: int | None = None
+    prefix: str = ""
+    template: str = "{query}\n{document}"
+    suffix: str = ""
+    instruction: str = ""
+    yes_token: str = "yes"
+    no_token: str = "no"
 
 
 class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -92,7 +131,8 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     source: Source
     max_length: int
     architecture: str | None = None
-    tasks: tuple[Task, ...] = ("encode",)
+    # Omitted: encode and score (an encoder scores by its outputs); a reranker card says [score].
+    tasks: tuple[Task, ...] = ("encode", "score")
     # Required where the model produces dense vectors (`dense` in outputs), else unused.
     pooling: Pooling | None = None
     dimensions: int | None = None
@@ -101,6 +141,8 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     outputs: tuple[Output, ...] = ("dense",)
     sparse: Sparse | None = None
     multivector: Multivector | None = None
+    # Rerankers (tasks: [score]); cards without it score by their encoder outputs.
+    score: Score | None = None
     matryoshka_dims: tuple[int, ...] = ()
     prompts: dict[str, str] = {}
     # The prompt names used for `is_query: true` / `false`, when the model has them.
@@ -169,7 +211,15 @@ def _check(card: ModelCard, origin: str) -> None:
         fail("tasks", "must list at least one of encode, score, extract")
     if "encode" in card.tasks and not card.outputs:
         fail("outputs", "must list at least one of dense, sparse, multivector")
-    if "dense" in card.outputs:
+    if card.score is not None and "encode" in card.tasks:
+        fail("score", "is for rerankers, which serve only score: set `tasks: [score]`")
+    if "score" in card.tasks and "encode" not in card.tasks and card.score is None:
+        fail("score", "is required when a model serves score without encode (kind cross_encoder or llm)")
+    if card.score is not None and card.score.kind == "llm":
+        for token in ("{query}", "{document}"):
+            if token not in card.score.template:
+                fail("score.template", f"must contain {token}")
+    if "dense" in card.outputs and "encode" in card.tasks:
         if card.pooling is None:
             fail("pooling", "is required when outputs has dense (cls, mean or last)")
         if card.dimensions is None:

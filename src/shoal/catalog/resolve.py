@@ -1,4 +1,5 @@
-"""Resolve a card to a local directory holding config.json, tokenizer.json and safetensors.
+"""Resolve a card to a local directory holding config.json, a tokenizer (tokenizer.json or
+vocab.txt) and weights (safetensors, or pytorch_model*.bin where a repo has no safetensors).
 
 Order: the card's local `path`, then the Hugging Face cache, then an installed package that ships
 the same files, then a Hub download (when allowed). Offline sources come first so a server starts
@@ -7,6 +8,7 @@ without network when it can; a user with Hub access and no package installed dow
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 from pathlib import Path
 
@@ -74,13 +76,32 @@ def _is_model_dir(path: Path) -> bool:
 
 
 def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path | None:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.pt"]  # .pt: BGE-M3 style head files
     try:
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=local_files_only)
+        if local_files_only:  # the cached snapshot as it is: no listing without the network
+            path = snapshot_download(repo_id, revision=revision, local_files_only=True)
+        else:
+            files = HfApi().list_repo_files(repo_id, revision=revision)
+            path = snapshot_download(repo_id, revision=revision, allow_patterns=download_patterns(files))
     except Exception:
         if local_files_only:
             return None
         raise
     return Path(path) if _is_model_dir(Path(path)) else None
+
+
+# Files the loader may read, at any depth: configs (config.json, tokenizer*.json,
+# special_tokens_map.json, modules.json, 1_Pooling/config.json, 2_Dense/config.json, ...), vocabularies
+# (vocab.txt, vocab.json, merges.txt, *.model) and head files (.pt: BGE-M3's sparse and ColBERT heads).
+_READ_FILES = ("*.json", "*.txt", "*.model", "*.pt")
+
+
+def download_patterns(files: list[str]) -> list[str]:
+    """Hub allow-patterns for a repo holding `files` (paths as the Hub lists them): what the loader
+    reads, and the weights of each folder (the encoder's, a Dense module's): its safetensors, or
+    its `pytorch_model*.bin` where that folder has no safetensors (a repo often ships both)."""
+    with_safetensors = {f.rpartition("/")[0] for f in files if f.endswith(".safetensors")}
+    torch_bins = [f for f in files if fnmatch.fnmatchcase(f.rpartition("/")[2], "pytorch_model*.bin")
+                  and f.rpartition("/")[0] not in with_safetensors]
+    return [*_READ_FILES, "*.safetensors", *torch_bins]

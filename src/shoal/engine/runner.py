@@ -17,7 +17,7 @@ from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta
 from ..weights import build_model, estimate_bytes
 from .tokenizer import TextTokenizer
-from .types import Batch, EncodeSpec
+from .types import Batch, EncodeSpec, ScoreSpec
 
 
 class ModelRunner:
@@ -52,19 +52,23 @@ class ModelRunner:
         return estimate_bytes(resolve_weights(card, allow_download=allow_download), card.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, specs: list[EncodeSpec]) -> list[EncodedItem]:
+    def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec]) -> list[EncodedItem | float]:
         to = dict(device=self.device, non_blocking=True)
         input_ids = torch.from_numpy(batch.input_ids).to(**to)  # [T]
         position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]
         cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(**to)  # [n+1]
-        meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen)
-        hidden = Hidden(self.model(input_ids, position_ids, meta), input_ids, meta)  # states [T, hidden]
+        key_lengths = None if batch.key_lengths is None else torch.from_numpy(batch.key_lengths).to(**to)  # [n]
+        meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths)
+        token_type_ids = None if batch.token_type_ids is None else torch.from_numpy(batch.token_type_ids).to(**to)
+        states = self.model(input_ids, position_ids, meta, token_type_ids)  # [T, hidden]
+        hidden = Hidden(states, input_ids, meta)
 
         wanted = {name for spec in specs for name in spec.outputs}
         per_head = {name: head.run(hidden, specs) for name, head in self.heads.items() if name in wanted}
         none = [None] * len(specs)
-        return [EncodedItem(dense=per_head.get("dense", none)[i], sparse=per_head.get("sparse", none)[i],
-                            multivector=per_head.get("multivector", none)[i]) for i in range(len(specs))]
+        return [per_head["score"][i] if "score" in spec.outputs else
+                EncodedItem(dense=per_head.get("dense", none)[i], sparse=per_head.get("sparse", none)[i],
+                            multivector=per_head.get("multivector", none)[i]) for i, spec in enumerate(specs)]
 
     def close(self) -> None:
         """Called on eviction. A batch already running keeps its reference until it finishes."""

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..errors import InputTooLong, ModelLoadError
+from ..errors import InputTooLong, InvalidRequest, ModelLoadError
+from .tokenizer_files import load_tokenizer
 
 # Characters kept per token of `max_length` before tokenizing (English runs ~4-5 per token).
 CHARS_PER_TOKEN_BOUND = 10
@@ -42,6 +43,10 @@ class Encoded:
     type_ids: np.ndarray | None = None  # [n] int64 segment ids; None: all zero (a single text)
     offsets: np.ndarray | None = None  # [n, 2] int32 character spans into their text; (0, 0) for specials
     word_ids: np.ndarray | None = None  # [n] int32 word index; -1 for special tokens
+    truncated: bool = False  # tokens of its text (or of a pair's second text) were cut off
+    # Tokens past the first `num_keys` are attended by none (ColBERT's [MASK] query expansion),
+    # though they get outputs; None: every token is attended to.
+    num_keys: int | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -52,36 +57,38 @@ class TextTokenizer:
 
     Late-interaction models also shape the ids: `marker_id` goes right after the first token
     ([CLS] [Q] ...), and `expand_to` pads the sequence with `expand_id` up to that length (ColBERT's
-    query augmentation with [MASK]). Both stay within `max_length`.
+    query augmentation with [MASK]). Both stay within `max_length`. Expansion tokens are attended
+    to only when `attend_to_expansion`.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_length: int, *, marker_id: int | None = None,
-                 expand_to: int | None = None, expand_id: int | None = None) -> None:
+                 expand_to: int | None = None, expand_id: int | None = None,
+                 attend_to_expansion: bool = False) -> None:
         self.max_length = max_length
         self.marker_id = marker_id
         self.expand_to = min(expand_to, max_length) if expand_to else None
         self.expand_id = expand_id
+        self.attend_to_expansion = attend_to_expansion
         self.max_chars = max_length * CHARS_PER_TOKEN_BOUND + 64
         self._tokenizer = tokenizer
         self._budget = max_length - (marker_id is not None)  # tokens the tokenizer itself may emit
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_length=self._budget)
-        self._pair_tokenizer: Tokenizer | None = None
+        self._pair_tokenizers: dict[int, Tokenizer] = {}
         self._pair_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, directory: Path, max_length: int) -> "TextTokenizer":
-        path = directory / "tokenizer.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{directory}: no tokenizer.json (shoal reads fast-tokenizer files)")
-        return cls(Tokenizer.from_file(str(path)), max_length)
+        """The folder's tokenizer.json, or one built from its vocab.txt (`tokenizer_files`)."""
+        return cls(load_tokenizer(directory), max_length)
 
     def variant(self, max_length: int, *, marker: str | None = None, expand_to: int | None = None,
-                expand_token: str | None = None) -> "TextTokenizer":
+                expand_token: str | None = None, attend_to_expansion: bool = False) -> "TextTokenizer":
         """A copy with its own truncation, marker and expansion (the original is shared by threads)."""
         clone = Tokenizer.from_str(self._tokenizer.to_str())
         return TextTokenizer(clone, max_length, marker_id=self.token_id(marker) if marker else None,
-                             expand_to=expand_to, expand_id=self.token_id(expand_token) if expand_token else None)
+                             expand_to=expand_to, expand_id=self.token_id(expand_token) if expand_token else None,
+                             attend_to_expansion=attend_to_expansion)
 
     def token_ids(self, tokens) -> list[int]:
         """Ids of those `tokens` that are in the vocabulary (others are skipped)."""
@@ -125,7 +132,8 @@ class TextTokenizer:
                 encodings[index] = self._tokenizer.encode(cut[index])
         if not truncate:
             self._refuse_overflow(encodings, "items", first_index)
-        return [self._shape(enc, with_offsets, pair=False) for enc in encodings]
+        return [self._shape(enc, with_offsets, pair=False, truncated=bool(enc.overflowing) or c is not t)
+                for enc, c, t in zip(encodings, cut, texts)]
 
     def _refuse_overflow(self, encodings: list, what: str, first_index: int) -> None:
         for index, enc in enumerate(encodings, start=first_index):
@@ -148,19 +156,69 @@ class TextTokenizer:
                                f"{self.max_length} tokens: shorten it ({exc})",
                                details={"max_length": self.max_length}) from None
         if not truncate:
-            self._refuse_overflow(encodings, "pairs", first_index)
-        return [self._shape(enc, with_offsets, pair=True) for enc in encodings]
+            self._refuse_overflow(encodings, "documents", first_index)
+        return [self._shape(enc, with_offsets, pair=True, truncated=bool(enc.overflowing) or b is not second)
+                for enc, (_, b), second in zip(encodings, inputs, seconds)]
 
-    def _pair_variant(self) -> Tokenizer:
+    def encode_pair_windows(self, first: str, seconds: list[str], overlap_tokens: int) -> list[list[Encoded]]:
+        """Each `(first, second)` pair as one or more sequences: `first` whole in each, `second` in
+        windows of the tokens that fit, consecutive windows sharing `overlap_tokens` tokens."""
+        tokenizer = self._pair_variant(overlap_tokens)
+        out = []
+        for second in seconds:
+            # Windows cover the whole text: it is not cut before tokenizing.
+            try:
+                enc = tokenizer.encode(first, second, add_special_tokens=True)
+            except Exception as exc:  # the first text, or the overlap, leaves no room for a window
+                raise InvalidRequest(
+                    f"window_overlap_tokens {overlap_tokens} leaves no room for a document window next to "
+                    f"the query within {self.max_length} tokens: use a smaller overlap or a shorter query ({exc})",
+                    details={"option": "window_overlap_tokens", "max_length": self.max_length},
+                ) from None
+            out.append([self._shape(e, False, pair=True) for e in (enc, *enc.overflowing)])
+        return out
+
+    def cut_to_tokens(self, text: str, max_tokens: int) -> tuple[str, bool]:
+        """`text` cut after its first `max_tokens` tokens (special tokens not counted; at most the
+        model's max_length), and whether anything was cut."""
+        max_tokens = min(max_tokens, self._budget)
+        bound = max_tokens * CHARS_PER_TOKEN_BOUND + 64
+        while True:
+            head = text if len(text) <= bound else _cut(text, bound)
+            enc = self._tokenizer.encode(head, add_special_tokens=False)
+            ends = [end for (_, end), special in zip(enc.offsets, enc.special_tokens_mask) if not special]
+            if len(ends) > max_tokens or enc.overflowing:
+                return text[: ends[max_tokens - 1]], True
+            if head is text:
+                return text, False
+            if bound >= (max_tokens * CHARS_PER_TOKEN_BOUND + 64) * WIDEN_LIMIT:
+                return head, True
+            bound *= 4
+
+    def plain_ids(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens and without truncation (short fixed texts)."""
+        clone = Tokenizer.from_str(self._tokenizer.to_str())
+        clone.no_truncation()
+        return clone.encode(text, add_special_tokens=False).ids
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of `text` without special tokens, up to the tokenizer's truncation limit."""
+        return len(self._tokenizer.encode(text[: self.max_chars], add_special_tokens=False).ids)
+
+    def _pair_variant(self, stride: int = 0) -> Tokenizer:
+        """A clone that truncates pairs from their second text, keeping `stride` tokens of overlap
+        in the overflowing windows (one clone per stride, at most a few)."""
         with self._pair_lock:
-            if self._pair_tokenizer is None:
+            clone = self._pair_tokenizers.get(stride)
+            if clone is None:
                 clone = Tokenizer.from_str(self._tokenizer.to_str())
                 clone.no_padding()
-                clone.enable_truncation(max_length=self._budget, strategy="only_second")
-                self._pair_tokenizer = clone
-            return self._pair_tokenizer
+                clone.enable_truncation(max_length=self._budget, stride=stride, strategy="only_second")
+                if len(self._pair_tokenizers) < 8:
+                    self._pair_tokenizers[stride] = clone
+            return clone
 
-    def _shape(self, enc, with_offsets: bool, pair: bool) -> Encoded:
+    def _shape(self, enc, with_offsets: bool, pair: bool, truncated: bool = False) -> Encoded:
         # Columns of the sequence (each a fresh list from `tokenizers`), with what a marker or an
         # expansion token gets in each: its id in `ids`, a neutral value elsewhere.
         cols = {"ids": enc.ids}
@@ -172,16 +230,19 @@ class TextTokenizer:
         if self.marker_id is not None:
             for name, col in cols.items():
                 col.insert(1, self.marker_id if name == "ids" else _NEUTRAL[name])
-        extra = (self.expand_to or 0) - len(cols["ids"])
+        num_real = len(cols["ids"])
+        extra = (self.expand_to or 0) - num_real
         for name, col in cols.items():
             col.extend([self.expand_id if name == "ids" else _NEUTRAL[name]] * max(0, extra))
+        num_keys = num_real if extra > 0 and not self.attend_to_expansion else None
 
         def column(name: str, dtype) -> np.ndarray | None:
             return np.asarray(cols[name], dtype=dtype) if name in cols else None
 
         offsets = column("offsets", np.int32)
         return Encoded(column("ids", np.int64), column("type_ids", np.int64),
-                       offsets.reshape(-1, 2) if offsets is not None else None, column("word_ids", np.int32))
+                       offsets.reshape(-1, 2) if offsets is not None else None, column("word_ids", np.int32),
+                       truncated, num_keys)
 
 
 # What a marker or expansion token carries in each column but `ids`.
@@ -218,6 +279,14 @@ def _needs_wider(cut: str, enc) -> bool:
 class TokenizerPool:
     def __init__(self, num_threads: int) -> None:
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="shoal-tokenize")
+
+    async def map(self, fn, items: list) -> list:
+        """`fn(chunk, first_index) -> list` over `items` in the pool, TEXTS_PER_JOB items a job."""
+        loop = asyncio.get_running_loop()
+        out: list = []
+        for start in range(0, len(items), TEXTS_PER_JOB):
+            out += await loop.run_in_executor(self._executor, fn, items[start:start + TEXTS_PER_JOB], start)
+        return out
 
     async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool, *,
                      pairs: list[str] | None = None, with_offsets: bool = False) -> list[Encoded]:

@@ -23,6 +23,19 @@ class EncodeSpec:
     is_query: bool = False
     sparse_top_k: int | None = None
     return_tokens: bool = False
+    # Leading tokens of the sequence that its prompt made (counted as sentence-transformers does:
+    # the prompt tokenized alone, less a trailing special token); the dense head leaves them out
+    # of pooling when the model's Pooling module says `include_prompt: false`.
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A reranker sequence (a query-document pair): its score, activated unless `raw`."""
+
+    raw: bool = False
+    outputs: tuple[str, ...] = ("score",)
+    is_query: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,9 @@ class Batch:
     token_type_ids: np.ndarray | None = None  # [T] int64 segment ids; None: all zero
     # [n] int32 per-sequence LoRA adapter slot (-1: the base model); None: no sequence uses one.
     adapter_slots: np.ndarray | None = None
+    # [n] int32 keys per sequence: tokens past its first key_lengths[i] are attended by none
+    # (`Encoded.num_keys`); None: every token of every sequence is attended to.
+    key_lengths: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,5 +74,8 @@ class Batch:
         slots = None
         if adapter_slots is not None and any(slot >= 0 for slot in adapter_slots):
             slots = np.asarray(adapter_slots, dtype=np.int32)
+        key_lengths = None
+        if any(s.num_keys is not None for s in seqs):
+            key_lengths = np.asarray([len(s) if s.num_keys is None else s.num_keys for s in seqs], dtype=np.int32)
         input_ids = np.concatenate([s.ids for s in seqs]).astype(np.int64, copy=False)
-        return cls(input_ids, position_ids, cu, int(lengths.max()), type_ids, slots)
+        return cls(input_ids, position_ids, cu, int(lengths.max()), type_ids, slots, key_lengths)

@@ -1,7 +1,9 @@
 """The late-interaction (ColBERT) head: a linear projection of every kept token's state.
 
 It also shapes the tokenizers: queries get a marker after [CLS] and [MASK] augmentation up to the
-query length, documents a marker of their own (`tokenizers`).
+query length (tokens that read the query but, unless the card says otherwise, are read by none:
+`Encoded.num_keys`), documents a marker of their own and the checkpoint's document length
+(`tokenizers`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ class ColbertHead:
         self.query_tokenizer, self.document_tokenizer = query_tokenizer, document_tokenizer
 
     @classmethod
-    def build(cls, ctx) -> "ColbertHead":
+    def build(cls, ctx) -> ColbertHead:
         mv, base = ctx.card.multivector, ctx.tokenizer
         t = load_tensors(ctx.directory, [n for n in (mv.weight, mv.bias) if n], mv.file)
         query, document = base, base
         if mv.query_marker or mv.query_length:
             length = min(mv.query_length or base.max_length, base.max_length)
-            query = base.variant(length, marker=mv.query_marker, expand_to=mv.query_length, expand_token=mv.mask_token)
-        if mv.document_marker:
-            document = base.variant(base.max_length, marker=mv.document_marker)
+            query = base.variant(length, marker=mv.query_marker, expand_to=mv.query_length, expand_token=mv.mask_token,
+                                 attend_to_expansion=mv.attend_to_expansion_tokens)
+        if mv.document_marker or mv.document_length:
+            length = min(mv.document_length or base.max_length, base.max_length)
+            document = base.variant(length, marker=mv.document_marker)
         punctuation = torch.tensor(base.token_ids(string.punctuation), device=ctx.to["device"])
         return cls(mv, t[mv.weight].to(**ctx.to), t[mv.bias].to(**ctx.to) if mv.bias else None, punctuation,
                    query, document)

@@ -2,6 +2,10 @@
 
 - `SpladeHead`: the architecture's masked-LM head, log(1 + relu(logits)), max over the sequence.
 - `TokenWeightsHead`: relu(linear(hidden)) per token, max per token id (BGE-M3's lexical weights).
+
+Both zero the vocabulary entries the card skips (`Sparse.skips_special_tokens`, `skip_tokens`), as
+the model's reference does: OpenSearch's neural sparse models zero every special token, BGE-M3
+its [CLS], [SEP]/EOS, [PAD] and [UNK] entries (not <mask>).
 """
 
 from __future__ import annotations
@@ -94,16 +98,19 @@ class _SparseHead:
 
 
 class SpladeHead(_SparseHead):
-    def __init__(self, mlm: MaskedLMHead, tokenizer, default_top_k: int | None) -> None:
+    def __init__(self, mlm: MaskedLMHead, skip_ids, tokenizer, default_top_k: int | None) -> None:
         super().__init__(tokenizer, default_top_k)
-        self.mlm = mlm
+        self.mlm, self.skip_ids = mlm, skip_ids  # skip_ids [s]
 
     @classmethod
-    def build(cls, ctx) -> "SpladeHead":
-        return cls(_mlm_head(ctx.model, ctx.directory, ctx.to), ctx.tokenizer, ctx.card.sparse_spec.top_k)
+    def build(cls, ctx) -> SpladeHead:
+        return cls(_mlm_head(ctx.model, ctx.directory, ctx.to), _skip_ids(ctx), ctx.tokenizer,
+                   ctx.card.sparse_spec.top_k)
 
     def weights(self, hidden) -> torch.Tensor:
-        return splade(hidden.states, hidden.meta, self.mlm)
+        out = splade(hidden.states, hidden.meta, self.mlm)  # [n, V]
+        out[:, self.skip_ids] = 0.0
+        return out
 
 
 class TokenWeightsHead(_SparseHead):
@@ -112,16 +119,24 @@ class TokenWeightsHead(_SparseHead):
         self.weight, self.bias, self.skip_ids = weight, bias, skip_ids  # [1, h], [1] | None, [s]
 
     @classmethod
-    def build(cls, ctx) -> "TokenWeightsHead":
+    def build(cls, ctx) -> TokenWeightsHead:
         spec = ctx.card.sparse_spec
         t = load_tensors(ctx.directory, [n for n in (spec.weight, spec.bias) if n], spec.file)
-        skip = ctx.tokenizer.special_ids() if spec.skip_special_tokens else []
         return cls(t[spec.weight].to(**ctx.to), t[spec.bias].to(**ctx.to) if spec.bias else None,
-                   torch.tensor(skip, dtype=torch.long, device=ctx.to["device"]), ctx.tokenizer, spec.top_k)
+                   _skip_ids(ctx), ctx.tokenizer, spec.top_k)
 
     def weights(self, hidden) -> torch.Tensor:
         return token_weights(hidden.states, hidden.input_ids, hidden.meta, self.weight, self.bias,
                              self.tokenizer.vocab_size, self.skip_ids)
+
+
+def _skip_ids(ctx) -> torch.Tensor:
+    """`[s]` ids of the vocabulary entries the card zeroes (a named token missing from the
+    vocabulary fails the load)."""
+    spec = ctx.card.sparse_spec
+    skip = set(ctx.tokenizer.special_ids()) if spec.skips_special_tokens else set()
+    skip.update(ctx.tokenizer.token_id(token) for token in spec.skip_tokens)
+    return torch.tensor(sorted(skip), dtype=torch.long, device=ctx.to["device"])
 
 
 def _mlm_head(model: torch.nn.Module, directory, to: dict) -> MaskedLMHead:

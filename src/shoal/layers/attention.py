@@ -11,6 +11,12 @@ sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Two kernels:
   each group is padded only to its own longest, so a batch mixing short and long texts does not
   pay L_max² for every sequence.
 
+Keys can be fewer than tokens: `AttentionMeta.key_lengths` `[n]` says that only the first
+`key_lengths[i]` tokens of sequence i are attended to, though every token is still a query (ColBERT's
+query expansion: [MASK] tokens read the query but nothing reads them). Those batches always take the
+padded path, where it is one more key mask (for causal attention, which otherwise needs none, one
+`[ng, 1, Lg, Lg]` mask per group).
+
 Masks on the padded path are built once per forward and length group (cached on the group), never
 per layer, and no `[L, L]` mask is ever copied per sequence: causal attention passes `is_causal`
 (right padding keeps every real query off the pad keys, so no mask at all); full attention gets
@@ -42,9 +48,14 @@ class LengthGroup:
     tokens: torch.Tensor  # [Tg] int64 indices into the packed batch
     seq_index: torch.Tensor  # [Tg]
     pos_in_seq: torch.Tensor  # [Tg]
-    key_mask: torch.Tensor | None  # [ng, Lg] bool; None when every sequence fills the view
+    # [ng, Lg] bool, True where a key is attended to (a real token within its sequence's key length);
+    # None when every position of the view is one.
+    key_mask: torch.Tensor | None
     num_seqs: int
     max_seqlen: int
+    # Some sequence has tokens past its key length (not only padding past its end): then even
+    # causal attention, which needs no mask for right padding, needs the key mask.
+    cuts_keys: bool = False
     # Additive masks by (kind, dtype), built on first use: one per forward, read by every layer.
     _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
 
@@ -81,8 +92,12 @@ def build_mask(g: LengthGroup, causal: bool, window: tuple[int, int] | None, dty
         allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril_(right).triu_(-left)  # [Lg, Lg]
         band = torch.zeros(L, L, dtype=dtype, device=device).masked_fill_(allowed.logical_not_(), float("-inf"))
         return band[None, None]  # [1, 1, Lg, Lg]
-    if causal or g.key_mask is None:
+    if g.key_mask is None or (causal and not g.cuts_keys):
         return None
+    if causal:  # [ng, 1, Lg, Lg]: query i sees keys ..i that are within its sequence's key length
+        L = g.max_seqlen
+        allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril_()[None] & g.key_mask[:, None, :]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
     keys = torch.zeros(g.key_mask.shape, dtype=dtype, device=device).masked_fill_(~g.key_mask, float("-inf"))
     return keys[:, None, None, :]  # [ng, 1, 1, Lg]
 
@@ -97,6 +112,9 @@ class AttentionMeta:
     seq_index: torch.Tensor  # [T] int64
     pos_in_seq: torch.Tensor  # [T] int64
     key_mask: torch.Tensor  # [n, L] bool, True where a real token is
+    # [n] int32: sequence i's first key_lengths[i] tokens are the keys every one of its tokens
+    # attends to; None: all of them are (the usual case).
+    key_lengths: torch.Tensor | None = None
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Packed `[T, ...]` -> padded `[n, L, ...]` (zeros where no token is)."""
@@ -127,19 +145,20 @@ class AttentionMeta:
                 first = int(lengths[seq])
         if not cuts:
             order = np.arange(len(lengths))
+        key_lengths = lengths if self.key_lengths is None else self.key_lengths.cpu().numpy().astype(np.int64)
         groups = []
         for members in np.split(order, cuts):
-            lens = lengths[members]
+            lens, keys = lengths[members], key_lengths[members]
             tokens = np.concatenate([np.arange(bounds[m], bounds[m + 1]) for m in members])
             seq_index = np.repeat(np.arange(len(members)), lens)
             pos_in_seq = tokens - np.repeat(bounds[members], lens)
             L = int(lens.max())
-            mask = None if lens.min() == L else torch.from_numpy(np.arange(L)[None, :] < lens[:, None])
+            mask = None if keys.min() == L else torch.from_numpy(np.arange(L)[None, :] < keys[:, None])
             to = dict(device=self.cu_seqlens.device)
             groups.append(LengthGroup(
                 torch.from_numpy(tokens).to(**to), torch.from_numpy(seq_index).to(**to),
                 torch.from_numpy(pos_in_seq).to(**to), mask.to(**to) if mask is not None else None,
-                len(members), L,
+                len(members), L, cuts_keys=bool((keys < lens).any()),
             ))
         return tuple(groups)
 
@@ -157,7 +176,9 @@ class AttentionMeta:
         return out
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> "AttentionMeta":
+    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int,
+              key_lengths: torch.Tensor | None = None) -> "AttentionMeta":
+        """`key_lengths` `[n]`: keys per sequence (see the class), None when every token is one."""
         device = cu_seqlens.device
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [n]
         n = lengths.numel()
@@ -165,7 +186,7 @@ class AttentionMeta:
         starts = cu_seqlens[:-1].long()[seq_index]  # [T]
         pos_in_seq = torch.arange(seq_index.numel(), device=device) - starts
         key_mask = torch.arange(max_seqlen, device=device)[None, :] < lengths[:, None]  # [n, L]
-        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask)
+        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths)
 
 
 def varlen_attention(
@@ -187,10 +208,17 @@ def varlen_attention(
     same for every sequence (relative-position biases, as MPNet's), in q's dtype; build it once per
     forward. Each length group reads its top-left `[H, Lg, Lg]` corner. It forces the padded path
     and excludes `causal` and `window`.
+
+    Keys past `meta.key_lengths` are attended by no query (any of the masks above still applies).
     """
     if bias is not None and (causal or window is not None):
         raise ValueError("varlen_attention takes a position bias or causal/window masking, not both")
-    if bias is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
+    # Batches with short key lengths (ColBERT queries: a few, of ~32 tokens) take the padded path:
+    # flash-attn could read them only through a second, gathered k/v layout with its own
+    # cu_seqlens_k, and only without causal or window masking, which it aligns differently when
+    # query and key lengths differ. Not worth a second layout for batches this small.
+    flash = bias is None and meta.key_lengths is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if flash and _flash_varlen() is not None:
         return _flash(q, k, v, meta, causal, scale, window)
     attend = functools.partial(_sdpa_group, causal=causal, scale=scale, window=window, bias=bias)
     return meta.per_group(attend, q, k, v)
@@ -225,8 +253,8 @@ def _sdpa_group(g: LengthGroup, q, k, v, *, causal: bool, scale: float | None, w
     # does: 1 in every query, a huge negative in pad keys (0 in real ones), so a pad key's score
     # underflows to a zero weight and a real key's score is unchanged. Finite (a quarter of the
     # dtype's largest), so a pad query whose window holds only pad keys still gets no NaN.
-    # Causal attention needs none of this.
-    drop_pad_keys = (bias is not None or window is not None) and g.key_mask is not None and not causal
+    # Causal attention needs none of this, unless keys stop before a sequence's end.
+    drop_pad_keys = (bias is not None or window is not None) and g.key_mask is not None and (not causal or g.cuts_keys)
     width = (D // 8 + 1) * 8 if drop_pad_keys else D  # kernels like head dims in multiples of 8
     qp, kp, vp = (g.pad(x, width).transpose(1, 2) for x in (q, k, v))  # [ng, h, Lg, width]
     if drop_pad_keys:

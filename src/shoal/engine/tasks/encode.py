@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
 from ...calls import EncodeCall, EncodeResult
 from ...catalog import ModelCard
@@ -17,13 +18,14 @@ def estimate_tokens(text: str, max_length: int) -> int:
     return min(max_length, len(text) // 4 + 2)
 
 
-@dataclass(frozen=True)
+@dataclass
 class EncodePlan:
     card: ModelCard
     call: EncodeCall
-    spec: EncodeSpec
+    spec: EncodeSpec  # its prompt_tokens are filled in by `tokenize`, once the tokenizer is known
     texts: list[str]  # prompt prefix applied
     estimated_tokens: int
+    prompt: str = ""
 
     @property
     def num_items(self) -> int:
@@ -33,6 +35,9 @@ class EncodePlan:
 class EncodeTask:
     verb = "encode"
 
+    def __init__(self) -> None:
+        self._prompt_tokens = PromptTokens()
+
     def plan(self, card: ModelCard, call: EncodeCall) -> EncodePlan:
         if not call.texts:
             raise InvalidRequest("no texts to encode", details={"option": "texts"})
@@ -41,11 +46,14 @@ class EncodeTask:
         prefix = _prompt(card, call)
         texts = [prefix + t for t in call.texts] if prefix else list(call.texts)
         estimated = sum(estimate_tokens(t, card.max_length) for t in texts)
-        return EncodePlan(card, call, spec, texts, estimated)
+        return EncodePlan(card, call, spec, texts, estimated, prefix)
 
     async def tokenize(self, plan: EncodePlan, runner, pool) -> list:
         tokenizer = runner.query_tokenizer if plan.spec.is_query else runner.document_tokenizer
-        return await pool.encode(tokenizer, plan.texts, plan.call.truncate)
+        seqs = await pool.encode(tokenizer, plan.texts, plan.call.truncate)
+        if plan.prompt and "dense" in plan.spec.outputs:
+            plan.spec = replace(plan.spec, prompt_tokens=self._prompt_tokens.count(tokenizer, plan.prompt))
+        return seqs
 
     def specs(self, plan: EncodePlan, seqs: list) -> list[EncodeSpec]:
         return [plan.spec] * len(seqs)
@@ -66,6 +74,24 @@ class EncodeTask:
     def collect(self, plan: EncodePlan, seqs: list, outputs: list, timings: dict[str, float]) -> EncodeResult:
         return EncodeResult(items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
                             **timings)
+
+
+class PromptTokens:
+    """How many tokens a prompt puts at the start of each sequence, as sentence-transformers counts
+    them (for pooling that leaves the prompt out): the prompt tokenized alone, less a trailing
+    special token (the [SEP] or EOS that only ends the lone prompt). Short, and cached per
+    tokenizer (entries go with the model's tokenizer), so it runs on the loop, not in the pool."""
+
+    def __init__(self) -> None:
+        self._counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def count(self, tokenizer, prompt: str) -> int:
+        counts = self._counts.setdefault(tokenizer, {})
+        if prompt not in counts:
+            ids = tokenizer.encode([prompt], truncate=True)[0].ids
+            trailing_special = len(ids) > 0 and int(ids[-1]) in set(tokenizer.special_ids())
+            counts[prompt] = len(ids) - trailing_special
+        return counts[prompt]
 
 
 def check_texts(texts: list[str]) -> None:
