@@ -119,8 +119,9 @@ def _wait_ready(url: str, thread: threading.Thread) -> None:
 
 @pytest.fixture(scope="session")
 def serve():
-    """`serve(server=..., engine=..., wrap_runner=...)` -> base URL of a new server with the MiniLM
-    model preloaded; `serve.engines[url]` is its Engine.
+    """`serve(server=..., engine=..., wrap_runner=..., preload=..., cards_dirs=...)` -> base URL of a
+    new server with the MiniLM model preloaded (and the cards in `cards_dirs` added);
+    `serve.engines[url]` is its Engine.
 
     Each call builds its own Settings, Engine and app; all of them stop when the session ends.
     `wrap_runner(runner) -> runner` wraps each loaded model (fault injection, recording batches).
@@ -134,13 +135,14 @@ def serve():
     with contextlib.ExitStack() as servers:
 
         def start(server: ServerSettings | None = None, engine: EngineSettings | None = None,
-                  wrap_runner: Callable | None = None, preload: tuple[str, ...] = (MODEL_ID,)) -> str:
+                  wrap_runner: Callable | None = None, preload: tuple[str, ...] = (MODEL_ID,),
+                  cards_dirs: tuple[Path, ...] = ()) -> str:
             settings = Settings(server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False)
             load = None
             if wrap_runner is not None:
                 def load(card):
                     return wrap_runner(ModelRunner.load(card, settings.engine.device, allow_download=False))
-            eng = Engine(settings.engine, Catalog.load(), allow_download=False, load_runner=load,
+            eng = Engine(settings.engine, Catalog.load(extra_dirs=cards_dirs), allow_download=False, load_runner=load,
                          estimate_bytes=(lambda card: ModelRunner.estimate_bytes(card, False)) if load else None)
             app = create_app(settings, eng, preload=preload)
             url = servers.enter_context(running_server(app))

@@ -6,21 +6,31 @@ the test (`StandIn.vector`). Options are honoured as the engine honours them: Ma
 `dimensions` (truncate before normalising), `normalize` (default: the model's), and `output_dtype`
 float32 / float16 / int8 (scaled so the largest component is ±127) / binary (sign bits, packbits).
 Only dense output is served. "Tokens" are whitespace words plus two special tokens per text.
+
+Score calls go to `standin/rerank` (tasks: score only), which scores a (query, document) pair by word
+overlap (`StandIn.pair_score`) and ranks as the engine does: best first, ties by index, `top_k` kept.
+A pair is query words + document words + three special tokens and takes `RERANK_MAX_LENGTH`; a
+longer one is cut (`truncated`), scored by windows (`window_overlap_tokens`), or refused with
+`InputTooLong` (`truncate: false`). Each model refuses the verb it does not serve with the engine's
+message (`model X does not score; it serves: encode`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import msgspec
 import numpy as np
 
-from shoal.calls import AnyCall, AnyResult, EncodeCall, EncodedItem, EncodeResult
-from shoal.errors import InvalidRequest, UnknownModel
+from shoal.calls import AnyCall, AnyResult, EncodeCall, EncodedItem, EncodeResult, ScoreCall, ScoredItem, ScoreResult
+from shoal.errors import InputTooLong, InvalidRequest, UnknownModel
 from shoal.metrics import Metrics
 from shoal.service import Capacity, ModelStatus
 from shoal.vectors import OUTPUT_DTYPES, finish
 
+RERANK_MODEL = "standin/rerank"
+RERANK_MAX_LENGTH = 16  # tokens in a pair: query words + document words + [CLS] [SEP] [SEP]
 MODELS = (
     ModelStatus(
         id="standin/dense-16", tasks=("encode",), outputs=("dense",), max_length=64, verified="unverified",
@@ -31,6 +41,10 @@ MODELS = (
         id="standin/dense-8-raw", tasks=("encode",), outputs=("dense",), max_length=32, verified="unverified",
         loaded=False, architecture="standin", dimensions=8, pooling="cls",
         description="8 hashed dimensions, not normalised by default",
+    ),
+    ModelStatus(
+        id=RERANK_MODEL, tasks=("score",), outputs=(), max_length=RERANK_MAX_LENGTH, verified="unverified",
+        loaded=False, architecture="standin", description="scores (query, document) pairs by word overlap",
     ),
 )
 # Whether each model normalises when a call leaves `normalize` unset (a card's `normalize`).
@@ -43,7 +57,8 @@ def count_tokens(text: str) -> int:
 
 
 class StandIn:
-    """A `shoal.service.Service` that computes hashed vectors in process; it records what it gets."""
+    """A `shoal.service.Service` that computes hashed vectors and word-overlap scores in process; it
+    records the calls it serves."""
 
     def __init__(self) -> None:
         self.metrics = Metrics()
@@ -87,9 +102,11 @@ class StandIn:
         return Capacity(queued_tokens=0, max_queued_tokens=MAX_QUEUED_TOKENS, tokens_per_s=None)
 
     async def run(self, call: AnyCall) -> AnyResult:
+        if isinstance(call, ScoreCall):
+            return self._score(call)
         if not isinstance(call, EncodeCall):
             raise InvalidRequest(f"the stand-in does not serve {type(call).__name__} calls")
-        status = self._status(call.model)
+        status = self._serving(call.model, "encode")
         if call.outputs not in (None, ("dense",)):
             raise InvalidRequest(f"{call.model} outputs only dense vectors", details={"outputs": list(call.outputs)})
         if call.dimensions is not None and not 1 <= call.dimensions <= status.dimensions:
@@ -108,6 +125,82 @@ class StandIn:
         self.metrics.tokens.labels(call.model).inc(num_tokens)
         self.metrics.items.labels(call.model).inc(len(call.texts))
         return EncodeResult(items=items, num_tokens=num_tokens, request_id=call.request_id)
+
+    def _score(self, call: ScoreCall) -> ScoreResult:
+        self._serving(call.model, "score")
+        # The engine's checks (engine/tasks/score.py), in its words; the stand-in is a cross-encoder.
+        if not call.query.strip():
+            raise InvalidRequest("the query is empty: send the text to score the documents against",
+                                 details={"option": "query"})
+        if not call.documents:
+            raise InvalidRequest("no documents to score", details={"option": "documents"})
+        for option in ("top_k", "max_tokens_per_doc"):
+            value = getattr(call, option)
+            if value is not None and value < 1:
+                raise InvalidRequest(f"{option} must be an integer >= 1, not {value!r}", details={"option": option})
+        if call.window_overlap_tokens is not None and call.window_overlap_tokens < 0:
+            raise InvalidRequest(f"window_overlap_tokens must be an integer >= 0, not {call.window_overlap_tokens!r}",
+                                 details={"option": "window_overlap_tokens"})
+        if call.instruction is not None:
+            raise InvalidRequest(f"instruction applies to LLM rerankers; model {call.model} scores by a cross-encoder",
+                                 details={"option": "instruction"})
+        self.calls.append(call)
+        scored = [self.score(call.query, doc, index=i, raw_scores=call.raw_scores, truncate=call.truncate,
+                             max_tokens_per_doc=call.max_tokens_per_doc,
+                             window_overlap_tokens=call.window_overlap_tokens)
+                  for i, doc in enumerate(call.documents)]
+        items = [item for item, _ in scored]
+        num_tokens = sum(tokens for _, tokens in scored)
+        ranked = sorted(items, key=lambda item: (-item.score, item.index))[:call.top_k]
+        self.metrics.tokens.labels(call.model).inc(num_tokens)
+        self.metrics.items.labels(call.model).inc(len(call.documents))
+        return ScoreResult(items=ranked, num_tokens=num_tokens, request_id=call.request_id)
+
+    # --- the scores ------------------------------------------------------------------------------
+
+    @staticmethod
+    def pair_score(query: str, document_words: list[str], raw_scores: bool = False) -> float:
+        """A "logit" in [-2, 2] from the share of query words the document has; sigmoid unless raw."""
+        query_words = {w.lower() for w in query.split()}
+        shared = query_words & {w.lower() for w in document_words}
+        logit = 4.0 * len(shared) / max(1, len(query_words)) - 2.0
+        return logit if raw_scores else 1.0 / (1.0 + math.exp(-logit))
+
+    @classmethod
+    def score(cls, query: str, document: str, *, index: int = 0, raw_scores: bool = False, truncate: bool = True,
+              max_tokens_per_doc: int | None = None,
+              window_overlap_tokens: int | None = None) -> tuple[ScoredItem, int]:
+        """What `run` answers for one document of a score call, and the tokens it cost."""
+        query_len = len(query.split())
+        room = RERANK_MAX_LENGTH - query_len - 3  # document words that fit beside the query
+        if room < 1:
+            raise InputTooLong(f"the query leaves no room for a document within {RERANK_MAX_LENGTH} tokens: "
+                               "shorten it", details={"max_length": RERANK_MAX_LENGTH})
+        words = document.split()
+        truncated = False
+        if max_tokens_per_doc is not None and len(words) > max_tokens_per_doc:
+            words, truncated = words[:max_tokens_per_doc], True
+        if len(words) <= room:
+            windows = [words]
+        elif window_overlap_tokens is not None:
+            if window_overlap_tokens >= room:
+                raise InvalidRequest(f"window_overlap_tokens {window_overlap_tokens} must be under the window's "
+                                     f"{room} document tokens", details={"option": "window_overlap_tokens"})
+            windows, start = [], 0
+            while True:
+                windows.append(words[start:start + room])
+                if start + room >= len(words):
+                    break
+                start += room - window_overlap_tokens
+        elif not truncate:
+            raise InputTooLong(
+                f"pairs[{index}] is longer than the model's max_length of {RERANK_MAX_LENGTH} tokens; "
+                "shorten it or send truncate: true", details={"index": index, "max_length": RERANK_MAX_LENGTH})
+        else:
+            windows, truncated = [words[:room]], True
+        best = max(cls.pair_score(query, window, raw_scores) for window in windows)
+        num_tokens = sum(query_len + len(window) + 3 for window in windows)
+        return ScoredItem(index=index, score=best, truncated=truncated, num_windows=len(windows)), num_tokens
 
     # --- the vectors -----------------------------------------------------------------------------
 
@@ -128,6 +221,14 @@ class StandIn:
             raise InvalidRequest(f"output_dtype {output_dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
         normalize = NORMALIZES.get(model_id, True) if normalize is None else normalize
         return finish(v, dimensions=dimensions, normalize=normalize, output_dtype=output_dtype)
+
+    def _serving(self, model_id: str, task: str) -> ModelStatus:
+        """The model's status; InvalidRequest, as the engine words it, if it does not serve `task`."""
+        status = self._status(model_id)
+        if task not in status.tasks:
+            raise InvalidRequest(f"model {model_id} does not {task}; it serves: {', '.join(status.tasks)}",
+                                 details={"model": model_id, "tasks": list(status.tasks)})
+        return status
 
     def _status(self, model_id: str) -> ModelStatus:
         try:

@@ -200,9 +200,9 @@ def test_openai_token_id_input_is_400_naming_the_input(openai_client, client, ca
 
 
 def test_unknown_route_is_404_json_naming_the_path(client, card):
-    response = client.post("/v1/rerank", json={"model": card.id})
+    response = client.post("/v1/no-such-route", json={"model": card.id})
 
-    assert_error(response, 404, "not_found", "/v1/rerank")
+    assert_error(response, 404, "not_found", "/v1/no-such-route")
     assert_still_serves(client, card)
 
 

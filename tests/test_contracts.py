@@ -165,7 +165,19 @@ BASE = {"id": "t/x", "source": {"hub": "t/x"}, "max_length": 16}
 
 def test_a_sparse_only_card_needs_no_pooling_or_dimensions():
     card = parse_card({**BASE, "outputs": ["sparse"]}, "<sparse>")
-    assert card.tasks == ("encode",) and card.pooling is None and card.dimensions is None
+    # No tasks listed: an encoder encodes and scores by its outputs.
+    assert card.tasks == ("encode", "score") and card.pooling is None and card.dimensions is None
+
+
+def test_a_reranker_card_needs_its_score_block_and_no_encoder_fields():
+    card = parse_card({**BASE, "tasks": ["score"], "score": {"kind": "cross_encoder"}}, "<reranker>")
+    assert card.score.activation == "auto" and card.pooling is None
+    with pytest.raises(CardError, match="`score` is required"):
+        parse_card({**BASE, "tasks": ["score"]}, "<no score>")
+    with pytest.raises(CardError, match="tasks: \\[score\\]"):
+        parse_card({**BASE, "pooling": "cls", "dimensions": 8, "score": {"kind": "cross_encoder"}}, "<both>")
+    with pytest.raises(CardError, match="score.template"):
+        parse_card({**BASE, "tasks": ["score"], "score": {"kind": "llm", "template": "{query} only"}}, "<llm>")
 
 
 @pytest.mark.parametrize("missing", ["pooling", "dimensions"])

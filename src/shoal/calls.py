@@ -4,8 +4,10 @@ One tagged union of calls (`verb` names the struct) and one of results, torch-fr
 bytes travel in process and on the cluster's wire. Arrays stay numpy arrays in process; `encode`
 writes them as `{dtype, shape, data}` with raw little-endian bytes and `decode_*` reads them back.
 
-    Call ── EncodeCall            (ScoreCall, ExtractCall join the union with their verbs)
+    Call ─┬ EncodeCall            (ExtractCall joins the union with its verb)
+          └ ScoreCall
     Result ─┬ EncodeResult
+            ├ ScoreResult
             └ ErrorResult         a ShoalError as data: `error()` re-raises it as its own class
 
 Every call carries `request_id` (for logs and error bodies) and `timeout_s`, the caller's budget:
@@ -43,6 +45,28 @@ class EncodeCall(Call, frozen=True, tag="encode"):
     return_tokens: bool = False
 
 
+class ScoreCall(Call, frozen=True, tag="score"):
+    """Score documents against one query; the result ranks them, best first.
+
+    How depends on the card: a cross-encoder or an LLM reranker runs each (query, document) pair
+    as one sequence; a dense card scores by cosine, a sparse card by dot product, a multi-vector
+    card by MaxSim (the query tokenized as a query, the documents as documents).
+    """
+
+    model: str
+    query: str
+    documents: list[str]
+    top_k: int | None = None  # None: every document, ranked
+    raw_scores: bool = False  # cross-encoders and LLM rerankers: the logit, no activation
+    truncate: bool = True  # False: a pair (or document) longer than the model takes is a 400
+    # Cut each document to this many tokens before scoring (Cohere's max_tokens_per_doc).
+    max_tokens_per_doc: int | None = None
+    # Long documents: score overlapping windows of this many tokens' overlap and keep each
+    # document's best window, instead of truncating. None: truncate.
+    window_overlap_tokens: int | None = None
+    instruction: str | None = None  # LLM rerankers: replaces the card's default instruction
+
+
 class SparseVector(msgspec.Struct, frozen=True, omit_defaults=True):
     indices: np.ndarray  # [k] int32 vocabulary ids, heaviest first
     values: np.ndarray  # [k] float32
@@ -74,6 +98,21 @@ class EncodeResult(Result, frozen=True, tag="encode"):
         return [item.dense for item in self.items]
 
 
+class ScoredItem(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int  # the document's position in the call
+    score: float
+    truncated: bool = False  # the document (or pair) was cut to fit; False when windows covered it
+    num_windows: int = 1  # windows scored for it (window_overlap_tokens set, document long)
+
+
+class ScoreResult(Result, frozen=True, tag="score"):
+    items: list[ScoredItem]  # best first; at most top_k
+    num_tokens: int
+    tokenize_s: float = 0.0
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+
 class ErrorResult(Result, frozen=True, tag="error"):
     code: str
     message: str
@@ -89,8 +128,8 @@ class ErrorResult(Result, frozen=True, tag="error"):
         return error_from_code(self.code, self.message, self.details, self.retry_after_s)
 
 
-AnyCall = Union[EncodeCall]
-AnyResult = Union[EncodeResult, ErrorResult]
+AnyCall = Union[EncodeCall, ScoreCall]
+AnyResult = Union[EncodeResult, ScoreResult, ErrorResult]
 
 
 # --- codec ---------------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     for card in Catalog.load(settings.models_dirs):
-        print(f"{card.id:48} {card.architecture or '-':10} {card.dimensions:5}d  {card.pooling:5} {card.verified}")
+        outputs = ",".join(card.outputs) if "encode" in card.tasks else (card.score.kind if card.score else "-")
+        print(f"{card.id:48} {card.architecture or '-':12} {','.join(card.tasks):13} {outputs:24} {card.verified}")
     return 0
 
 
@@ -95,6 +96,25 @@ def cmd_encode(args: argparse.Namespace) -> int:
     result = asyncio.run(run())
     for text, vector in zip(args.text, result.vectors):
         print(json.dumps({"text": text, "dense": [round(float(x), 6) for x in vector]}))
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from .engine import ScoreCall
+
+    settings = _settings(args)
+
+    async def run():
+        engine = _engine(settings)
+        await engine.start()
+        try:
+            return await engine.score(ScoreCall(model=args.model, query=args.query, documents=args.document,
+                                                top_k=args.top_k, raw_scores=args.raw_scores))
+        finally:
+            await engine.stop()
+
+    for item in asyncio.run(run()).items:
+        print(json.dumps({"index": item.index, "score": round(item.score, 6), "document": args.document[item.index]}))
     return 0
 
 
@@ -129,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
     encode.add_argument("--dimensions", type=int)
     encode.set_defaults(func=cmd_encode)
+
+    score = sub.add_parser("score", help="rank documents against a query in-process and print JSON lines, best first")
+    common(score)
+    score.add_argument("model")
+    score.add_argument("query")
+    score.add_argument("document", nargs="+")
+    score.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    score.add_argument("--top-k", type=int)
+    score.add_argument("--raw-scores", action="store_true", help="rerankers: the logit, no activation")
+    score.set_defaults(func=cmd_score)
     return parser
 
 

@@ -62,9 +62,10 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
                 fmt_in = wire.format_of_content_type(request.headers.get("content-type")) if reads_body else wire.Format.JSON
                 fmt_out = wire.format_of_accept(request.headers.get("accept"), fmt_in)
                 body = await _read_body(request, server.max_body_bytes) if reads_body else b""
-                ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id)
+                ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id,
+                                     preload=preload)
                 result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
-                if isinstance(result, wire.EncodeResponse):
+                if isinstance(getattr(result, "timings", None), wire.Timings):
                     result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
                 if ctx.result_bytes > _OFF_LOOP_BYTES:
                     content = await asyncio.to_thread(_encode_large, result, fmt_out)
@@ -110,7 +111,11 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
     app = Starlette(
         routes=[
             Route("/v1/encode", endpoint("encode", routes.encode), methods=["POST"]),
+            Route("/v1/score", endpoint("score", routes.score), methods=["POST"]),
             Route("/v1/embeddings", endpoint("embeddings", routes.embeddings), methods=["POST"]),
+            Route("/v1/rerank", endpoint("rerank", routes.rerank), methods=["POST"]),
+            Route("/v2/rerank", endpoint("rerank_v2", routes.rerank_v2), methods=["POST"]),
+            Route("/rerank", endpoint("tei_rerank", routes.tei_rerank), methods=["POST"]),
             Route("/v1/models", endpoint("models", routes.models, reads_body=False), methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from .. import wire
-from ..calls import EncodeCall, EncodeResult
+from ..calls import EncodeCall, EncodeResult, ScoreResult
 from ..errors import InvalidRequest
 from ..service import Service
 
@@ -26,9 +26,27 @@ class Context:
     request_id: str
     model: str | None = None  # set once known, for metric labels
     result_bytes: int = 0  # array bytes in the response, to encode large ones off the event loop
+    preload: tuple[str, ...] = ()  # the server's preloaded models, in order
 
     def decode(self, typ: type):
         return wire.decode(self.body, self.fmt_in, typ)
+
+    def scoring_model(self, named: str | None = None) -> str:
+        """The model a score route uses: the body's, else `?model=`, else the `X-Shoal-Model`
+        header, else the first preloaded model that scores."""
+        model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
+        if model:
+            return model
+        tasks = {status.id: status.tasks for status in self.service.models()}
+        for model_id in self.preload:
+            if "score" in tasks.get(model_id, ()):
+                return model_id
+        raise InvalidRequest(
+            "this request names no model and no preloaded model scores: name one with `?model=ID` or the "
+            "`X-Shoal-Model: ID` header, or start the server with `--preload` of a reranker "
+            "(`GET /v1/models` lists each model's tasks)",
+            details={"preloaded": list(self.preload)},
+        )
 
     def check_count(self, num_items: int) -> None:
         if num_items > self.max_items:
@@ -67,8 +85,45 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
         model=req.model,
         items=items,
         usage=wire.Usage(tokens=result.num_tokens),
-        timings=_timings(result),
+        timings=wire.native.timings_of(result),
     )
+
+
+async def score(ctx: Context) -> wire.ScoreResponse:
+    req: wire.ScoreRequest = ctx.decode(wire.ScoreRequest)
+    ctx.model = req.model
+    ctx.check_count(len(req.items))
+    result: ScoreResult = await ctx.service.run(wire.native.score_call(req, ctx.request_id))
+    return wire.native.score_response(req, result)
+
+
+async def rerank(ctx: Context) -> wire.cohere.RerankResponse:
+    """Cohere v1 and Jina: one body both clients parse."""
+    req: wire.cohere.RerankRequest = ctx.decode(wire.cohere.RerankRequest)
+    ctx.model = model = ctx.scoring_model(req.model)
+    ctx.check_count(len(req.documents))
+    texts = wire.cohere.texts_of(req.documents, req.rank_fields)
+    result: ScoreResult = await ctx.service.run(wire.cohere.score_call(req, model, texts, ctx.request_id))
+    return wire.cohere.rerank_response(req, model, result, ctx.request_id)
+
+
+async def rerank_v2(ctx: Context) -> wire.cohere.RerankV2Response:
+    req: wire.cohere.RerankV2Request = ctx.decode(wire.cohere.RerankV2Request)
+    ctx.model = req.model
+    req.check()
+    ctx.check_count(len(req.documents))
+    texts = wire.cohere.texts_of(req.documents)
+    result: ScoreResult = await ctx.service.run(wire.cohere.score_call(req, req.model, texts, ctx.request_id))
+    return wire.cohere.rerank_v2_response(req, result, ctx.request_id)
+
+
+async def tei_rerank(ctx: Context) -> list[wire.tei.Rank]:
+    """TEI's body names no model: `?model=`, `X-Shoal-Model`, else the default scoring model."""
+    req: wire.tei.RerankRequest = ctx.decode(wire.tei.RerankRequest)
+    ctx.model = model = ctx.scoring_model()
+    ctx.check_count(len(req.texts))
+    result: ScoreResult = await ctx.service.run(wire.tei.score_call(req, model, ctx.request_id))
+    return wire.tei.ranks(req, result)
 
 
 async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
@@ -122,13 +177,3 @@ def _item(item_id, out) -> wire.EncodedItem:
     if out.sparse is not None:
         sparse = wire.SparseOut(indices=out.sparse.indices, values=out.sparse.values, tokens=out.sparse.tokens)
     return wire.EncodedItem(id=item_id, dense=out.dense, sparse=sparse, multivector=out.multivector)
-
-
-def _timings(result) -> wire.Timings:
-    ms = 1000.0
-    return wire.Timings(
-        tokenize_ms=round(result.tokenize_s * ms, 3),
-        queue_ms=round(result.queue_s * ms, 3),
-        inference_ms=round(result.inference_s * ms, 3),
-        total_ms=0.0,  # filled in by the endpoint, which sees the whole request
-    )

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult
+from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ScoreCall, ScoreResult
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
@@ -101,7 +101,8 @@ class Engine:
     def models(self) -> list[ModelStatus]:
         return [
             ModelStatus(
-                id=card.id, tasks=card.tasks, outputs=card.outputs, max_length=card.max_length,
+                id=card.id, tasks=card.tasks, outputs=card.outputs if "encode" in card.tasks else (),
+                max_length=card.max_length,
                 verified=card.verified, loaded=self.cache.is_loaded(card.id), architecture=card.architecture,
                 dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
                 description=card.description,
@@ -117,6 +118,10 @@ class Engine:
 
     async def encode(self, call: EncodeCall) -> EncodeResult:
         """`run` for an encode call (typed for in-process callers)."""
+        return await self.run(call)
+
+    async def score(self, call: ScoreCall) -> ScoreResult:
+        """`run` for a score call (typed for in-process callers)."""
         return await self.run(call)
 
     async def run(self, call: AnyCall) -> AnyResult:

@@ -8,6 +8,8 @@ class that loads and owns its own tensors. Every head has `output` (the name a s
     sparse (splade)       SpladeHead         masked-LM logits, log1p(relu), max per sequence
     sparse (token_weights) TokenWeightsHead  BGE-M3 lexical weights
     multivector           ColbertHead        projected token vectors; shapes query/document tokenizers
+    score (cross_encoder) ClassifierHead     the checkpoint's sequence-classification head on the pair
+    score (llm)           YesNoHead          P(yes) from the last token's yes/no LM-head rows
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import torch
 from ..layers import AttentionMeta
 from .multivector import ColbertHead
 from .pooling import PoolingHead, finish, pool
+from .score import ClassifierHead, YesNoHead
 from .sparse import MaskedLMHead, SpladeHead, TokenWeightsHead, sparse_entries, splade, token_weights
 
 __all__ = ["BuildContext", "Hidden", "build_heads", "finish", "pool", "sparse_entries", "splade", "token_weights",
-           "MaskedLMHead", "PoolingHead", "SpladeHead", "TokenWeightsHead", "ColbertHead"]
+           "MaskedLMHead", "PoolingHead", "SpladeHead", "TokenWeightsHead", "ColbertHead",
+           "ClassifierHead", "YesNoHead"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ _REGISTRY: dict[str, type] = {
     "sparse:splade": SpladeHead,
     "sparse:token_weights": TokenWeightsHead,
     "multivector": ColbertHead,
+    "score:cross_encoder": ClassifierHead,
+    "score:llm": YesNoHead,
 }
 
 
@@ -61,5 +67,9 @@ def _key(card, output: str) -> str:
 
 
 def build_heads(ctx: BuildContext) -> dict[str, Any]:
-    """One head per output the card lists, by output name."""
-    return {output: _REGISTRY[_key(ctx.card, output)].build(ctx) for output in ctx.card.outputs}
+    """One head per output the card lists (when it encodes), and a reranker's score head; by output name."""
+    card = ctx.card
+    heads = {output: _REGISTRY[_key(card, output)].build(ctx) for output in card.outputs} if "encode" in card.tasks else {}
+    if card.score is not None:
+        heads["score"] = _REGISTRY[f"score:{card.score.kind}"].build(ctx)
+    return heads

@@ -89,6 +89,12 @@ class BertModel(nn.Module):
         "tied": "word_embeddings.weight",
     }
 
+    @staticmethod
+    def classifier_layout(config: dict[str, Any]) -> tuple[str, list[tuple]]:
+        """BertForSequenceClassification's head, as (pooling, steps) over checkpoint module names:
+        the pooler (dense + tanh on [CLS]), then the classifier (read by heads/score.py)."""
+        return "cls", [("linear", "pooler.dense"), ("act", "tanh"), ("linear", "classifier")]
+
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         h = cfg.hidden_size

@@ -234,6 +234,13 @@ class DebertaV2Model(nn.Module):
     ignored_weights = [r"lm_predictions\..*", r"mask_predictions\..*", r"cls\..*", r"pooler\..*",
                        r"classifier\..*", r"qa_outputs\..*", r".*position_ids"]
 
+    @staticmethod
+    def classifier_layout(config: dict) -> tuple[str, list[tuple]]:
+        """DebertaV2ForSequenceClassification: ContextPooler (dense + pooler_hidden_act on [CLS]),
+        then the classifier."""
+        return "cls", [("linear", "pooler.dense"), ("act", config.get("pooler_hidden_act", "gelu")),
+                       ("linear", "classifier")]
+
     def __init__(self, cfg: DebertaV2Config) -> None:
         super().__init__()
         h, e = cfg.hidden_size, cfg.embedding_size or cfg.hidden_size

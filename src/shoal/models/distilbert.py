@@ -50,6 +50,12 @@ class DistilBertModel(BertModel):
         (r"transformer\.layer\.(\d+)\.output_layer_norm\.(weight|bias)", r"layers.\1.ffn_norm.\2", None),
     ]
     ignored_weights = [r"vocab_.*", r"pre_classifier\..*", r"classifier\..*", r"qa_outputs\..*", r".*position_ids"]
+
+    @staticmethod
+    def classifier_layout(config: dict) -> tuple[str, list[tuple]]:
+        """DistilBertForSequenceClassification: pre_classifier + ReLU on [CLS], then the classifier."""
+        return "cls", [("linear", "pre_classifier"), ("act", "relu"), ("linear", "classifier")]
+
     mlm_head = {
         "dense": "vocab_transform",
         "norm": "vocab_layer_norm",

@@ -112,6 +112,18 @@ class ModernBertModel(nn.Module):
     ignored_weights = [r"head\..*", r"decoder\..*", r"classifier\..*"]
     checkpoint_prefixes = ("model.",)
 
+    @staticmethod
+    def classifier_layout(config: dict) -> tuple[str, list[tuple]]:
+        """ModernBertForSequenceClassification: cls or mean pooling (`classifier_pooling`), then
+        ModernBertPredictionHead (dense, classifier_activation, LayerNorm) and the classifier."""
+        eps, norm_bias = config.get("norm_eps", 1e-5), config.get("norm_bias", False)
+        return config.get("classifier_pooling", "cls"), [
+            ("linear", "head.dense", {"bias": config.get("classifier_bias", False)}),
+            ("act", config.get("classifier_activation", "gelu")),
+            ("norm", "head.norm", {"eps": eps, "bias": norm_bias}),
+            ("linear", "classifier"),
+        ]
+
     def __init__(self, cfg: ModernBertConfig) -> None:
         super().__init__()
         h = cfg.hidden_size

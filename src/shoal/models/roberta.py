@@ -29,6 +29,11 @@ class RobertaModel(BertModel):
 
     config: RobertaConfig
 
+    @staticmethod
+    def classifier_layout(config: dict) -> tuple[str, list[tuple]]:
+        """RobertaClassificationHead: dense + tanh on <s>, then out_proj (no pooler)."""
+        return "cls", [("linear", "classifier.dense"), ("act", "tanh"), ("linear", "classifier.out_proj")]
+
     @property
     def max_positions(self) -> int:  # ids 0..pad are reserved, so 514 positions hold 512 tokens
         return self.config.max_position_embeddings - self.config.pad_token_id - 1
@@ -38,8 +43,9 @@ class RobertaModel(BertModel):
         input_ids: torch.Tensor,  # [T]
         position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
         meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # [T]
+        token_type_ids: torch.Tensor | None = None,  # [T]; ignored, see below
     ) -> torch.Tensor:
         # transformers' create_position_ids_from_input_ids on an unpadded sequence: pad + 1 + index.
         offset_positions = position_ids + (self.config.pad_token_id + 1)  # [T]
-        return super().forward(input_ids, offset_positions, meta, token_type_ids)  # [T, hidden]
+        # RoBERTa tokenizers feed no segment ids (a pair is all segment 0; the table has one row).
+        return super().forward(input_ids, offset_positions, meta, None)  # [T, hidden]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ...calls import EncodeCall
+from ...calls import EncodeCall, ScoreCall
 from .encode import EncodeTask
+from .score import ScoreTask
 
 
 class Task(Protocol):
@@ -31,6 +32,6 @@ class Task(Protocol):
     def collect(self, plan: Any, seqs: list, outputs: list, timings: dict[str, float]) -> Any: ...
 
 
-TASKS: dict[type, Task] = {EncodeCall: EncodeTask()}
+TASKS: dict[type, Task] = {EncodeCall: EncodeTask(), ScoreCall: ScoreTask()}
 
-__all__ = ["TASKS", "Task", "EncodeTask"]
+__all__ = ["TASKS", "Task", "EncodeTask", "ScoreTask"]

@@ -1,0 +1,193 @@
+"""score: rank documents against one query. How depends on the card:
+
+    cross_encoder  one sequence per (query, document) pair, segment ids as the tokenizer gives them;
+                   a long document is truncated (the query is kept whole up to half the length),
+                   or scored in overlapping windows, keeping its best window
+    llm            one sequence per pair: prefix + template(instruction, query, document) + suffix;
+                   only the templated part is truncated (from its end: the document)
+    encoder        the query (as a query) and each document (as a document) through the card's
+                   first output: cosine of dense vectors, dot product of sparse ones, MaxSim of
+                   multi-vectors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ...calls import ScoreCall, ScoredItem, ScoreResult, SparseVector
+from ...catalog import ModelCard
+from ...errors import InvalidRequest
+from ...vectors import maxsim
+from ..tokenizer import Encoded
+from ..types import EncodeSpec, ScoreSpec
+from .encode import PromptTokens, check_texts, estimate_tokens
+
+_PAIRED = ("cross_encoder", "llm")
+
+
+@dataclass
+class ScorePlan:
+    card: ModelCard
+    call: ScoreCall
+    mode: str  # cross_encoder | llm | dense | sparse | multivector
+    estimated_tokens: int
+    # Filled by tokenize: the document each sequence belongs to (-1: the query), which documents
+    # were cut to fit, and (encoders) the prompt tokens of the query and of each document.
+    owners: list[int] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    prompt_tokens: tuple[int, int] = (0, 0)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.call.documents) + (self.mode not in _PAIRED)
+
+
+class ScoreTask:
+    verb = "score"
+
+    def __init__(self) -> None:
+        self._prompt_tokens = PromptTokens()
+
+    def plan(self, card: ModelCard, call: ScoreCall) -> ScorePlan:
+        if "score" not in card.tasks:
+            raise InvalidRequest(f"model {card.id} does not score; it serves: {', '.join(card.tasks)}",
+                                 details={"model": card.id, "tasks": list(card.tasks)})
+        if not isinstance(call.query, str) or not call.query.strip():
+            raise InvalidRequest("the query is empty: send the text to score the documents against",
+                                 details={"option": "query"})
+        if not call.documents:
+            raise InvalidRequest("no documents to score", details={"option": "documents"})
+        check_texts([call.query])
+        check_texts(call.documents)
+        for option in ("top_k", "max_tokens_per_doc"):
+            value = getattr(call, option)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidRequest(f"{option} must be an integer >= 1, not {value!r}", details={"option": option})
+        mode = card.score.kind if card.score is not None else card.outputs[0]
+        overlap = call.window_overlap_tokens
+        if overlap is not None:
+            if mode != "cross_encoder":
+                raise InvalidRequest(f"window_overlap_tokens applies to cross-encoders; model {card.id} scores "
+                                     f"by {_HOW[mode]}", details={"option": "window_overlap_tokens"})
+            if not isinstance(overlap, int) or overlap < 0:
+                raise InvalidRequest(f"window_overlap_tokens must be an integer >= 0, not {overlap!r}",
+                                     details={"option": "window_overlap_tokens"})
+        if call.instruction is not None and mode != "llm":
+            raise InvalidRequest(f"instruction applies to LLM rerankers; model {card.id} scores by {_HOW[mode]}",
+                                 details={"option": "instruction"})
+        longest = card.max_length
+        query_tokens = estimate_tokens(call.query, longest)
+        doc_tokens = [estimate_tokens(d, call.max_tokens_per_doc or longest) for d in call.documents]
+        if mode in _PAIRED:
+            estimated = sum(min(longest, query_tokens + d) for d in doc_tokens)
+        else:
+            estimated = query_tokens + sum(doc_tokens)
+        return ScorePlan(card, call, mode, estimated)
+
+    async def tokenize(self, plan: ScorePlan, runner, pool) -> list:
+        call = plan.call
+        documents = call.documents
+        if call.max_tokens_per_doc is not None:
+            tok = runner.document_tokenizer
+            cuts = await pool.map(lambda chunk, _: [tok.cut_to_tokens(d, call.max_tokens_per_doc) for d in chunk],
+                                  documents)
+            documents = [text for text, _ in cuts]
+            cut = [was_cut for _, was_cut in cuts]
+        else:
+            cut = [False] * len(documents)
+
+        if plan.mode == "cross_encoder":
+            seqs, owners = await _pairs(plan, runner, pool, documents)
+        elif plan.mode == "llm":
+            seqs = await _framed(plan, runner, pool, documents)
+            owners = list(range(len(documents)))
+        else:
+            card = plan.card
+            query_prompt, document_prompt = card.prompt_for(None, True), card.prompt_for(None, False)
+            seqs = await pool.encode(runner.query_tokenizer, [query_prompt + call.query], call.truncate)
+            seqs += await pool.encode(runner.document_tokenizer, [document_prompt + d for d in documents],
+                                      call.truncate)
+            owners = [-1, *range(len(documents))]
+            if plan.mode == "dense":  # a pooling that leaves prompts out needs their lengths
+                plan.prompt_tokens = tuple(self._prompt_tokens.count(tok, prompt) if prompt else 0 for tok, prompt in
+                                           ((runner.query_tokenizer, query_prompt),
+                                            (runner.document_tokenizer, document_prompt)))
+        truncated = list(cut)
+        for seq, owner in zip(seqs, owners):
+            if owner >= 0 and seq.truncated:
+                truncated[owner] = True
+        plan.owners, plan.truncated = owners, truncated
+        return seqs
+
+    def specs(self, plan: ScorePlan, seqs: list) -> list:
+        if plan.mode in _PAIRED:
+            return [ScoreSpec(raw=plan.call.raw_scores)] * len(seqs)
+        query_tokens, document_tokens = plan.prompt_tokens
+        spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32", outputs=(plan.mode,),
+                          prompt_tokens=document_tokens)
+        return [replace(spec, is_query=True, prompt_tokens=query_tokens)] + [spec] * (len(seqs) - 1)
+
+    def check_size(self, plan: ScorePlan, seqs: list, max_result_bytes: int) -> None:
+        return None  # a score per document: always small
+
+    def collect(self, plan: ScorePlan, seqs: list, outputs: list, timings: dict[str, float]) -> ScoreResult:
+        n = len(plan.call.documents)
+        if plan.mode in _PAIRED:
+            scores = np.full(n, -np.inf)
+            windows = np.zeros(n, dtype=np.int64)
+            for owner, score in zip(plan.owners, outputs):
+                scores[owner] = max(scores[owner], score)
+                windows[owner] += 1
+        else:
+            query, documents = outputs[0], outputs[1:]
+            scores = np.array([_similarity(plan.mode, query, d) for d in documents])
+            windows = np.ones(n, dtype=np.int64)
+        order = sorted(range(n), key=lambda i: -scores[i])[: plan.call.top_k]
+        items = [ScoredItem(index=i, score=float(scores[i]), truncated=plan.truncated[i] and windows[i] == 1,
+                            num_windows=int(windows[i])) for i in order]
+        return ScoreResult(items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
+                           **timings)
+
+
+_HOW = {"cross_encoder": "a cross-encoder", "llm": "an LLM reranker", "dense": "cosine of dense vectors",
+        "sparse": "dot product of sparse vectors", "multivector": "MaxSim of multi-vectors"}
+
+
+async def _pairs(plan: ScorePlan, runner, pool, documents: list[str]) -> tuple[list, list[int]]:
+    """Cross-encoder sequences and their documents. The query keeps at most half the length, so a
+    long query cannot leave no room for the document."""
+    call, tok = plan.call, runner.tokenizer
+    query, _ = tok.cut_to_tokens(call.query, max(1, tok.max_length // 2))
+    if call.window_overlap_tokens is None:
+        seqs = await pool.encode(tok, [query] * len(documents), call.truncate, pairs=documents)
+        return seqs, list(range(len(documents)))
+    groups = await pool.map(lambda chunk, _: tok.encode_pair_windows(query, chunk, call.window_overlap_tokens),
+                            documents)
+    seqs = [seq for group in groups for seq in group]
+    owners = [i for i, group in enumerate(groups) for _ in group]
+    return seqs, owners
+
+
+async def _framed(plan: ScorePlan, runner, pool, documents: list[str]) -> list[Encoded]:
+    """LLM-reranker sequences: prefix + the templated pair (cut from its end if too long) + suffix."""
+    frame, call = runner.heads["score"], plan.call
+    prefix = np.asarray(frame.prefix_ids, dtype=np.int64)
+    suffix = np.asarray(frame.suffix_ids, dtype=np.int64)
+    texts = [frame.text(call.query, d, call.instruction) for d in documents]
+    bodies = await pool.encode(frame.body_tokenizer, texts, call.truncate)
+    return [Encoded(np.concatenate([prefix, body.ids, suffix]), truncated=body.truncated) for body in bodies]
+
+
+def _similarity(mode: str, query, document) -> float:
+    if mode == "dense":  # both normalised: the dot product is the cosine
+        return float(np.dot(query.dense, document.dense))
+    if mode == "sparse":
+        return _sparse_dot(query.sparse, document.sparse)
+    return maxsim(query.multivector, document.multivector)
+
+
+def _sparse_dot(a: SparseVector, b: SparseVector) -> float:
+    common, ia, ib = np.intersect1d(a.indices, b.indices, assume_unique=True, return_indices=True)
+    return float(np.dot(a.values[ia].astype(np.float64), b.values[ib].astype(np.float64))) if len(common) else 0.0

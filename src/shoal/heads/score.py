@@ -1,0 +1,151 @@
+"""Score heads: one relevance score per (query, document) sequence, over packed encoder output.
+
+- `ClassifierHead` (cross-encoders): the checkpoint's own sequence-classification head on the
+  pooled pair. Its layout is data the architecture declares (`classifier_layout(config)`: the
+  pooling and a list of linear / activation / norm steps over checkpoint module names), so one
+  head serves BERT, RoBERTa/XLM-R, DeBERTa-v2, ModernBERT and DistilBERT.
+- `YesNoHead` (LLM rerankers): the last token's hidden state through the two LM-head rows of the
+  card's yes/no tokens only (never the whole vocabulary); the score is P(yes) over {yes, no}.
+
+`run` returns a float per sequence whose spec asks for "score": the activated score, or the raw
+logit when the spec says `raw`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelLoadError
+from ..layers import activation
+from ..weights import load_tensors, read_config
+from .pooling import pool
+
+
+class ClassifierHead:
+    output = "score"
+
+    def __init__(self, pooling: str, steps: list[Callable[[torch.Tensor], torch.Tensor]], activation_name: str,
+                 num_labels: int, positive_label: int) -> None:
+        self.pooling = pooling
+        self.steps = steps
+        self.activation = activation_name
+        self.num_labels = num_labels
+        self.positive_label = positive_label
+
+    @classmethod
+    def build(cls, ctx) -> "ClassifierHead":
+        layout = getattr(ctx.model, "classifier_layout", None)
+        if layout is None:
+            raise ModelLoadError(f"{type(ctx.model).__name__} has no sequence-classification head for scoring")
+        pooling, layout_steps = layout(read_config(ctx.directory))
+        names = []
+        for op, name, *opts in layout_steps:
+            if op in ("linear", "norm"):
+                names.append(f"{name}.weight")
+                if (opts[0] if opts else {}).get("bias", True):
+                    names.append(f"{name}.bias")
+        prefixes = getattr(ctx.model, "checkpoint_prefixes", ("bert.", "model."))
+        t = {k: v.to(**ctx.to) for k, v in load_tensors(ctx.directory, names, prefixes=prefixes).items()}
+        steps, num_labels = [], None
+        for op, name, *opts in layout_steps:
+            opt = opts[0] if opts else {}
+            if op == "linear":
+                weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
+                steps.append(lambda x, w=weight, b=bias: F.linear(x, w, b))
+                num_labels = weight.shape[0]
+            elif op == "norm":
+                weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
+                steps.append(lambda x, w=weight, b=bias, eps=opt.get("eps", 1e-5): F.layer_norm(x, w.shape, w, b, eps))
+            elif op == "act":
+                steps.append(activation(name))
+            else:
+                raise ModelLoadError(f"unknown classifier step {op!r}")
+        spec = ctx.card.score
+        positive = spec.positive_label if spec.positive_label is not None else num_labels - 1
+        if not 0 <= positive < num_labels:
+            raise ModelLoadError(f"{ctx.card.id}: score.positive_label {positive} is outside the model's "
+                                 f"{num_labels} labels", details={"field": "score.positive_label"})
+        return cls(pooling, steps, spec.activation, num_labels, positive)
+
+    def logits(self, hidden) -> torch.Tensor:
+        x = pool(hidden.states, hidden.meta, self.pooling)  # [n, hidden]
+        for step in self.steps:
+            x = step(x)
+        return x.float()  # [n, labels]
+
+    def run(self, hidden, specs) -> list[float | None]:
+        logits = self.logits(hidden)
+        raw = logits[:, self.positive_label]
+        name = self.activation
+        if name == "auto":
+            name = "sigmoid" if self.num_labels == 1 else "softmax"
+        if name == "sigmoid":
+            scores = torch.sigmoid(raw)
+        elif name == "softmax":
+            scores = logits.softmax(-1)[:, self.positive_label]
+        else:
+            scores = raw
+        raw, scores = raw.cpu().tolist(), scores.cpu().tolist()
+        return [(raw[i] if s.raw else scores[i]) if "score" in s.outputs else None for i, s in enumerate(specs)]
+
+
+class YesNoHead:
+    """Also says how sequences are framed: `text` fills the card's template; the score task puts
+    `prefix_ids` and `suffix_ids` around it, and `body_tokenizer` cuts only the templated part (as
+    Qwen3-Reranker's reference does)."""
+
+    output = "score"
+
+    def __init__(self, rows: torch.Tensor, spec, prefix_ids: list[int], suffix_ids: list[int], body_tokenizer) -> None:
+        self.rows = rows  # [2, hidden]: the LM head's rows for "no" and "yes"
+        self.spec = spec
+        self.prefix_ids, self.suffix_ids = prefix_ids, suffix_ids
+        self.body_tokenizer = body_tokenizer  # truncates at max_length minus the prefix and suffix
+
+    def text(self, query: str, document: str, instruction: str | None) -> str:
+        values = {"instruction": self.spec.instruction if instruction is None else instruction,
+                  "query": query, "document": document}
+        return _FIELD.sub(lambda m: values[m.group(1)], self.spec.template)  # one pass: values stay literal
+
+    @classmethod
+    def build(cls, ctx) -> "YesNoHead":
+        spec = ctx.card.score
+        ids = [ctx.tokenizer.token_id(spec.no_token), ctx.tokenizer.token_id(spec.yes_token)]
+        config = read_config(ctx.directory)
+        try:
+            weight = load_tensors(ctx.directory, ["lm_head.weight"], prefixes=())["lm_head.weight"]
+        except ModelLoadError:
+            if not config.get("tie_word_embeddings", False):
+                raise ModelLoadError(f"{ctx.card.id}: the checkpoint has no lm_head.weight and does not tie it "
+                                     "to the embeddings") from None
+            weight = _tied_embeddings(ctx.model)
+        tokenizer = ctx.tokenizer
+        prefix, suffix = tokenizer.plain_ids(spec.prefix), tokenizer.plain_ids(spec.suffix)
+        room = tokenizer.max_length - len(prefix) - len(suffix)
+        if room < 8:
+            raise ModelLoadError(f"{ctx.card.id}: score.prefix and score.suffix take {len(prefix) + len(suffix)} "
+                                 f"of the {tokenizer.max_length} tokens", details={"field": "score.prefix"})
+        return cls(weight[ids].to(**ctx.to), spec, prefix, suffix, tokenizer.variant(room))
+
+    def run(self, hidden, specs) -> list[float | None]:
+        last = hidden.states[hidden.meta.cu_seqlens[1:].long() - 1]  # [n, hidden]: each sequence's last token
+        logits = F.linear(last, self.rows).float()  # [n, 2]: (no, yes)
+        raw = (logits[:, 1] - logits[:, 0]).cpu().tolist()  # log-odds of yes
+        scores = logits.softmax(-1)[:, 1].cpu().tolist()
+        return [(raw[i] if s.raw else scores[i]) if "score" in s.outputs else None for i, s in enumerate(specs)]
+
+
+_FIELD = re.compile(r"\{(instruction|query|document)\}")
+
+
+def _tied_embeddings(model: Any) -> torch.Tensor:
+    for name in ("embed_tokens.weight", "word_embeddings.weight"):
+        try:
+            return model.get_parameter(name)
+        except AttributeError:
+            continue
+    raise ModelLoadError(f"{type(model).__name__} has no input embeddings to tie an LM head to")

@@ -1,0 +1,167 @@
+"""Native `/v1/encode` and `/v1/score`: requests, responses, and their translation to calls.
+
+Items carry an optional `id` (a string or an int64), echoed back as sent (`null` when absent); a
+score item also carries `index`, its position in the request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from ..calls import ScoreCall, ScoreResult
+
+OutputDtype = Literal["float32", "float16", "int8", "binary"]
+OutputKind = Literal["dense", "sparse", "multivector"]
+
+# Integer ids must survive msgpack and JSON round trips: int64.
+ItemId = str | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+# A request's deadline in seconds (the server has a default); past it, 504.
+TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
+class Usage(msgspec.Struct):
+    tokens: int
+
+
+class Timings(msgspec.Struct):
+    tokenize_ms: float
+    queue_ms: float
+    inference_ms: float
+    total_ms: float  # 0 until the endpoint, which sees the whole request, fills it in
+
+
+def timings_of(result: Any) -> Timings:
+    """The phases of an engine result (seconds) in milliseconds."""
+    ms = 1000.0
+    return Timings(
+        tokenize_ms=round(result.tokenize_s * ms, 3),
+        queue_ms=round(result.queue_s * ms, 3),
+        inference_ms=round(result.inference_s * ms, 3),
+        total_ms=0.0,
+    )
+
+
+# --- /v1/encode ---------------------------------------------------------------------------------
+
+
+class EncodeItem(msgspec.Struct, forbid_unknown_fields=True):
+    text: str
+    id: ItemId = None
+
+
+class EncodeOptions(msgspec.Struct, forbid_unknown_fields=True):
+    normalize: bool | None = None
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    output_dtype: OutputDtype = "float32"
+    is_query: bool | None = None
+    prompt_name: str | None = None
+    truncate: bool = True
+    # Which outputs to compute in the one forward pass; default: the card's first.
+    outputs: Annotated[list[OutputKind], msgspec.Meta(min_length=1)] | None = None
+    sparse_top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    return_tokens: bool = False  # sparse: the vocabulary token of each index
+    timeout_s: TimeoutS | None = None
+
+
+class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: NonEmpty
+    items: Annotated[list[EncodeItem], msgspec.Meta(min_length=1)]
+    options: EncodeOptions = msgspec.field(default_factory=EncodeOptions)
+
+
+class SparseOut(msgspec.Struct, omit_defaults=True):
+    indices: Any  # int32 array
+    values: Any  # float32 array
+    tokens: list[str] | None = None
+
+
+class EncodedItem(msgspec.Struct, omit_defaults=True):
+    id: ItemId
+    dense: Any = None  # [dims] array
+    sparse: SparseOut | None = None
+    multivector: Any = None  # [tokens, dim] array
+
+
+class EncodeResponse(msgspec.Struct):
+    model: str
+    items: list[EncodedItem]
+    usage: Usage
+    timings: Timings
+
+
+# --- /v1/score ----------------------------------------------------------------------------------
+
+
+class ScoreQuery(msgspec.Struct, forbid_unknown_fields=True):
+    text: NonEmpty
+
+
+class ScoreItem(msgspec.Struct, forbid_unknown_fields=True):
+    text: str
+    id: ItemId = None
+
+
+class ScoreOptions(msgspec.Struct, forbid_unknown_fields=True):
+    raw_scores: bool = False  # cross-encoders and LLM rerankers: the logit, no activation
+    truncate: bool = True  # False: a (query, item) pair longer than the model takes is a 422
+    max_tokens_per_doc: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    window_overlap_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    instruction: str | None = None
+    timeout_s: TimeoutS | None = None
+
+
+class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: NonEmpty
+    query: NonEmpty | ScoreQuery  # a bare string, or {"text": ...}
+    items: Annotated[list[ScoreItem], msgspec.Meta(min_length=1)]
+    top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    options: ScoreOptions = msgspec.field(default_factory=ScoreOptions)
+
+    @property
+    def query_text(self) -> str:
+        return self.query if isinstance(self.query, str) else self.query.text
+
+
+class ScoredItem(msgspec.Struct, omit_defaults=True):
+    id: ItemId
+    index: int
+    score: float
+    truncated: bool = False
+    num_windows: int = 1
+
+
+class ScoreResponse(msgspec.Struct):
+    model: str
+    items: list[ScoredItem]  # best first
+    usage: Usage
+    timings: Timings
+
+
+def score_call(req: ScoreRequest, request_id: str | None = None) -> ScoreCall:
+    opts = req.options
+    return ScoreCall(
+        model=req.model,
+        query=req.query_text,
+        documents=[item.text for item in req.items],
+        top_k=req.top_k,
+        raw_scores=opts.raw_scores,
+        truncate=opts.truncate,
+        max_tokens_per_doc=opts.max_tokens_per_doc,
+        window_overlap_tokens=opts.window_overlap_tokens,
+        instruction=opts.instruction,
+        request_id=request_id,
+        timeout_s=opts.timeout_s,
+    )
+
+
+def score_response(req: ScoreRequest, result: ScoreResult) -> ScoreResponse:
+    items = [
+        ScoredItem(id=req.items[out.index].id, index=out.index, score=out.score, truncated=out.truncated,
+                   num_windows=out.num_windows)
+        for out in result.items
+    ]
+    return ScoreResponse(model=req.model, items=items, usage=Usage(tokens=result.num_tokens),
+                         timings=timings_of(result))
