@@ -207,6 +207,7 @@ def test_windows_score_a_long_document_by_its_best_window(tmp_path):
     windows = tokenizer("sharks", long_doc, truncation="only_second", max_length=32, stride=4,
                         return_overflowing_tokens=True)
     assert len(windows["input_ids"]) == item.num_windows
+    assert next(i for i in result.items if i.index == 1).num_windows == 1
     model = transformers.AutoModelForSequenceClassification.from_pretrained(directory).eval()
     with torch.no_grad():
         best = max(model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits.item()
@@ -247,6 +248,10 @@ def test_bad_score_calls_are_refused_naming_the_problem(tmp_path):
                 (ScoreCall("test/reranker", QUERY, DOCUMENTS, top_k=0), InvalidRequest, "top_k"),
                 (ScoreCall("test/reranker", QUERY, DOCUMENTS, truncate=False), InputTooLong, "documents[3]"),
                 (ScoreCall("test/reranker", QUERY, DOCUMENTS, instruction="x"), InvalidRequest, "LLM rerankers"),
+                (ScoreCall("test/reranker", QUERY, DOCUMENTS, window_overlap_tokens=40), InvalidRequest,
+                 "between 0 and half a window"),
+                (ScoreCall("test/reranker", "long query " * 40, DOCUMENTS, truncate=False), InputTooLong,
+                 "the query is longer than half"),
                 (EncodeCall("test/reranker", ["x"]), InvalidRequest, "does not encode; it serves: score"),
                 (ScoreCall(MINILM, QUERY, DOCUMENTS, window_overlap_tokens=2), InvalidRequest, "cosine"),
             ]
@@ -315,3 +320,48 @@ def test_cli_score_prints_the_ranking_and_models_lists_rerankers(capsys):
     assert main(["models"]) == 0
     listing = capsys.readouterr().out
     assert "cross-encoder/ms-marco-MiniLM-L-6-v2" in listing and "rasyosef/splade-tiny" in listing
+
+
+def test_windows_count_against_the_queue_before_and_after_tokenizing(tmp_path):
+    """Windows repeat the query in every window: a long document's windows are admitted by what
+    they will cost, and a request whose real tokens pass the queue's limit is refused (400), so
+    windows cannot be used to slip past admission."""
+    directory = tmp_path / "model"
+    build_cross_encoder(directory, "bert")
+    catalog = catalog_with(tmp_path, reranker_card(directory, 64))
+
+    async def go():
+        engine = Engine(EngineSettings(max_queue_tokens=1000), catalog, allow_download=False)
+        await engine.start()
+        try:
+            wordy = " ".join(f"predator{i}" for i in range(600))  # ~4 chars a token: refused by the estimate
+            with pytest.raises(InvalidRequest, match="more than the queue holds"):
+                await engine.score(ScoreCall("test/reranker", "fish", [wordy], window_overlap_tokens=4))
+            terse = "a " * 1500  # 2 chars a token: the estimate passes, the real count does not
+            with pytest.raises(InvalidRequest, match="more than the queue holds"):
+                await engine.score(ScoreCall("test/reranker", "fish", [terse], window_overlap_tokens=4))
+            ok = await engine.score(ScoreCall("test/reranker", "fish", ["a " * 100], window_overlap_tokens=4))
+            assert ok.items[0].num_windows > 1
+            assert engine.capacity().queued_tokens == 0  # nothing left counted after the refusals
+        finally:
+            await engine.stop()
+
+    asyncio.run(go())
+
+
+def test_a_document_longer_than_32_windows_is_cut_to_them_and_says_so(tmp_path):
+    directory = tmp_path / "model"
+    build_cross_encoder(directory, "bert")
+    catalog = catalog_with(tmp_path, reranker_card(directory, 32))
+    endless = " ".join(f"reef{i}" for i in range(3000))
+    (result,) = run(catalog, ScoreCall("test/reranker", "sharks", [endless, "sharks"], window_overlap_tokens=4))
+    long_item = next(i for i in result.items if i.index == 0)
+    assert long_item.num_windows == 32 and long_item.truncated
+
+
+def test_a_query_over_half_the_length_is_cut_and_every_pair_says_truncated(tmp_path):
+    directory = tmp_path / "model"
+    build_cross_encoder(directory, "bert")
+    catalog = catalog_with(tmp_path, reranker_card(directory, 64))
+    (result,) = run(catalog, ScoreCall("test/reranker", "fish " * 40, ["a", "b"]))
+    assert all(i.truncated for i in result.items)

@@ -112,3 +112,13 @@ def test_native_score_refusals_from_the_engine(url, body, status, words):
     response = httpx.post(f"{url}/v1/score", json=body, timeout=60)
     assert response.status_code == status, response.text
     assert words in response.json()["error"]["message"]
+
+
+def test_tei_rerank_without_a_model_prefers_a_preloaded_reranker_to_an_embedder(serve, reranker):
+    """An embedder scores too, but a route that names no model takes the reranker even when the
+    embedder was preloaded first."""
+    url = serve(preload=("sentence-transformers/all-MiniLM-L6-v2", MODEL), cards_dirs=(reranker[0],))
+    response = httpx.post(f"{url}/rerank", json={"query": QUERY, "texts": DOCUMENTS}, timeout=60)
+    assert response.status_code == 200, response.text
+    expected = reranker[1]
+    assert max(abs(r["score"] - expected[r["index"]]) for r in response.json()) <= 1e-5

@@ -33,14 +33,15 @@ class Context:
 
     def scoring_model(self, named: str | None = None) -> str:
         """The model a score route uses: the body's, else `?model=`, else the `X-Shoal-Model`
-        header, else the first preloaded model that scores."""
+        header, else the first preloaded reranker, else the first preloaded model that scores."""
         model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
         if model:
             return model
         tasks = {status.id: status.tasks for status in self.service.models()}
-        for model_id in self.preload:
-            if "score" in tasks.get(model_id, ()):
-                return model_id
+        scoring = [m for m in self.preload if "score" in tasks.get(m, ())]
+        rerankers = [m for m in scoring if "encode" not in tasks[m]]  # a reranker before an embedder
+        if rerankers or scoring:
+            return (rerankers or scoring)[0]
         raise InvalidRequest(
             "this request names no model and no preloaded model scores: name one with `?model=ID` or the "
             "`X-Shoal-Model: ID` header, or start the server with `--preload` of a reranker "

@@ -147,6 +147,18 @@ class Engine:
                 _check_sequences(seqs)
                 task.check_size(plan, seqs, self.settings.max_result_bytes)
                 real = sum(len(s) for s in seqs)  # the backlog now counts real tokens
+                if real > self.settings.max_queue_tokens:  # the estimate was short (windows, odd text)
+                    raise InvalidRequest(
+                        f"{real} tokens in one request is more than the queue holds "
+                        f"({self.settings.max_queue_tokens}); split the request",
+                        details={"tokens": real, "max_queue_tokens": self.settings.max_queue_tokens})
+                if real > tokens and self._admitted_tokens + real - tokens > self.settings.max_queue_tokens:
+                    self.metrics.rejected.labels(card.id).inc()  # admitted on an estimate the real count passes
+                    retry_after_s = self._retry_after(0, self._admitted_tokens + real - tokens
+                                                      - self.settings.max_queue_tokens)
+                    raise Overloaded(f"the queue is full (about {self._admitted_tokens} tokens waiting, and this "
+                                     f"request has {real}); retry in {retry_after_s:.0f} s", retry_after_s=retry_after_s,
+                                     details={"queued_tokens": self._admitted_tokens})
                 self._admitted_tokens += real - tokens
                 tokens = real
                 pending = Pending(card.id, runner, seqs, task.specs(plan, seqs), deadline=deadline,

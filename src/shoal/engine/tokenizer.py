@@ -15,6 +15,7 @@ import asyncio
 import functools
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,8 @@ class TextTokenizer:
         self._budget = max_length - (marker_id is not None)  # tokens the tokenizer itself may emit
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_length=self._budget)
-        self._pair_tokenizers: dict[int, Tokenizer] = {}
+        self._pair_tokenizers: OrderedDict[int, Tokenizer] = OrderedDict()
+        self._plain: Tokenizer | None = None
         self._pair_lock = threading.Lock()
 
     @classmethod
@@ -160,63 +162,92 @@ class TextTokenizer:
         return [self._shape(enc, with_offsets, pair=True, truncated=bool(enc.overflowing) or b is not second)
                 for enc, (_, b), second in zip(encodings, inputs, seconds)]
 
-    def encode_pair_windows(self, first: str, seconds: list[str], overlap_tokens: int) -> list[list[Encoded]]:
+    def window_room(self, first: str) -> int:
+        """Tokens of a pair's second text that fit in one sequence next to `first` (whole)."""
+        specials = self._tokenizer.num_special_tokens_to_add(True)
+        return self._budget - specials - len(self.plain_ids(first))
+
+    def encode_pair_windows(self, first: str, seconds: list[str], overlap_tokens: int,
+                            max_windows: int) -> list[tuple[list[Encoded], bool]]:
         """Each `(first, second)` pair as one or more sequences: `first` whole in each, `second` in
-        windows of the tokens that fit, consecutive windows sharing `overlap_tokens` tokens."""
+        windows of the tokens that fit, consecutive windows sharing `overlap_tokens` tokens (at most
+        half a window). A second text longer than `max_windows` windows is cut to that many; each
+        result says whether its text was cut."""
+        room = self.window_room(first)
+        if room < 2 or not 0 <= overlap_tokens <= room // 2:
+            raise InvalidRequest(
+                f"window_overlap_tokens must be between 0 and half a window ({max(0, room // 2)} tokens here: "
+                f"{room} of the model's {self.max_length} are left for the document next to the query); "
+                f"got {overlap_tokens}", details={"option": "window_overlap_tokens", "max": max(0, room // 2)},
+            )
         tokenizer = self._pair_variant(overlap_tokens)
+        longest = room + (max_windows - 1) * (room - overlap_tokens)
         out = []
         for second in seconds:
-            # Windows cover the whole text: it is not cut before tokenizing.
-            try:
-                enc = tokenizer.encode(first, second, add_special_tokens=True)
-            except Exception as exc:  # the first text, or the overlap, leaves no room for a window
-                raise InvalidRequest(
-                    f"window_overlap_tokens {overlap_tokens} leaves no room for a document window next to "
-                    f"the query within {self.max_length} tokens: use a smaller overlap or a shorter query ({exc})",
-                    details={"option": "window_overlap_tokens", "max_length": self.max_length},
-                ) from None
-            out.append([self._shape(e, False, pair=True) for e in (enc, *enc.overflowing)])
+            second, cut = self.cut_to_tokens(second, longest)
+            enc = tokenizer.encode(first, second, add_special_tokens=True)
+            out.append(([self._shape(e, False, pair=True) for e in (enc, *enc.overflowing)], cut))
         return out
 
     def cut_to_tokens(self, text: str, max_tokens: int) -> tuple[str, bool]:
-        """`text` cut after its first `max_tokens` tokens (special tokens not counted; at most the
-        model's max_length), and whether anything was cut."""
-        max_tokens = min(max_tokens, self._budget)
+        """`text` cut to at most its first `max_tokens` tokens (special tokens not counted), and
+        whether anything was cut. The cut falls at a token's end; if the cut text tokenizes to more
+        tokens (byte-level pieces of one character share its offsets), it steps back."""
+        plain = self._plain_tokenizer()
         bound = max_tokens * CHARS_PER_TOKEN_BOUND + 64
         while True:
             head = text if len(text) <= bound else _cut(text, bound)
-            enc = self._tokenizer.encode(head, add_special_tokens=False)
+            enc = plain.encode(head, add_special_tokens=False)
             ends = [end for (_, end), special in zip(enc.offsets, enc.special_tokens_mask) if not special]
-            if len(ends) > max_tokens or enc.overflowing:
-                return text[: ends[max_tokens - 1]], True
+            if len(ends) > max_tokens:
+                break
             if head is text:
                 return text, False
             if bound >= (max_tokens * CHARS_PER_TOKEN_BOUND + 64) * WIDEN_LIMIT:
                 return head, True
             bound *= 4
+        keep = max_tokens
+        while keep > 0:
+            cut = text[: ends[keep - 1]]
+            if len(plain.encode(cut, add_special_tokens=False).ids) <= max_tokens:
+                return cut, True
+            keep -= 1
+        return "", True
 
     def plain_ids(self, text: str) -> list[int]:
-        """Token ids of `text` without special tokens and without truncation (short fixed texts)."""
-        clone = Tokenizer.from_str(self._tokenizer.to_str())
-        clone.no_truncation()
-        return clone.encode(text, add_special_tokens=False).ids
+        """Token ids of `text` without special tokens and without truncation."""
+        return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
 
     def count_tokens(self, text: str) -> int:
         """Tokens of `text` without special tokens, up to the tokenizer's truncation limit."""
         return len(self._tokenizer.encode(text[: self.max_chars], add_special_tokens=False).ids)
 
+    def _plain_tokenizer(self) -> Tokenizer:
+        """A clone without truncation (for counting and cutting by tokens)."""
+        if self._plain is None:
+            clone = Tokenizer.from_str(self._tokenizer.to_str())
+            clone.no_truncation()
+            clone.no_padding()
+            self._plain = clone  # a benign race: two threads may each build one
+        return self._plain
+
     def _pair_variant(self, stride: int = 0) -> Tokenizer:
         """A clone that truncates pairs from their second text, keeping `stride` tokens of overlap
-        in the overflowing windows (one clone per stride, at most a few)."""
+        in the overflowing windows. The last few strides used are kept; a clone is built outside
+        the lock, so a new stride never holds up the others."""
         with self._pair_lock:
             clone = self._pair_tokenizers.get(stride)
-            if clone is None:
-                clone = Tokenizer.from_str(self._tokenizer.to_str())
-                clone.no_padding()
-                clone.enable_truncation(max_length=self._budget, stride=stride, strategy="only_second")
-                if len(self._pair_tokenizers) < 8:
-                    self._pair_tokenizers[stride] = clone
-            return clone
+            if clone is not None:
+                self._pair_tokenizers.move_to_end(stride)
+                return clone
+        clone = Tokenizer.from_str(self._tokenizer.to_str())
+        clone.no_padding()
+        clone.enable_truncation(max_length=self._budget, stride=stride, strategy="only_second")
+        with self._pair_lock:
+            self._pair_tokenizers[stride] = clone
+            while len(self._pair_tokenizers) > 8:
+                self._pair_tokenizers.popitem(last=False)
+        return clone
 
     def _shape(self, enc, with_offsets: bool, pair: bool, truncated: bool = False) -> Encoded:
         # Columns of the sequence (each a fresh list from `tokenizers`), with what a marker or an

@@ -61,7 +61,11 @@ class ClassifierHead:
                 weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
                 steps.append(lambda x, w=weight, b=bias, eps=opt.get("eps", 1e-5): F.layer_norm(x, w.shape, w, b, eps))
             elif op == "act":
-                steps.append(activation(name))
+                try:
+                    steps.append(activation(name))
+                except ValueError as exc:  # an activation config.json names that shoal lacks
+                    raise ModelLoadError(f"{ctx.card.id}: the classifier head's {exc}",
+                                         details={"file": "config.json"}) from None
             else:
                 raise ModelLoadError(f"unknown classifier step {op!r}")
         spec = ctx.card.score

@@ -18,13 +18,15 @@ import numpy as np
 
 from ...calls import ScoreCall, ScoredItem, ScoreResult, SparseVector
 from ...catalog import ModelCard
-from ...errors import InvalidRequest
+from ...errors import InputTooLong, InvalidRequest
 from ...vectors import maxsim
 from ..tokenizer import Encoded
 from ..types import EncodeSpec, ScoreSpec
 from .encode import PromptTokens, check_texts, estimate_tokens
 
 _PAIRED = ("cross_encoder", "llm")
+# Windows per document at most (window_overlap_tokens): a longer document is cut to that many.
+MAX_WINDOWS = 32
 
 
 @dataclass
@@ -78,12 +80,22 @@ class ScoreTask:
             raise InvalidRequest(f"instruction applies to LLM rerankers; model {card.id} scores by {_HOW[mode]}",
                                  details={"option": "instruction"})
         longest = card.max_length
-        query_tokens = estimate_tokens(call.query, longest)
-        doc_tokens = [estimate_tokens(d, call.max_tokens_per_doc or longest) for d in call.documents]
-        if mode in _PAIRED:
-            estimated = sum(min(longest, query_tokens + d) for d in doc_tokens)
+        query_tokens = estimate_tokens(call.query, longest // 2)
+        if overlap is not None:  # every window repeats the query and the overlap; at most MAX_WINDOWS
+            room = max(2, longest - query_tokens - 3)
+            step = max(1, room - overlap)
+            whole = [min(len(d) // 4 + 2, room + (MAX_WINDOWS - 1) * step) for d in call.documents]
+            estimated = sum(d + -(-d // step) * (query_tokens + 3 + overlap) for d in whole)
         else:
-            estimated = query_tokens + sum(doc_tokens)
+            doc_tokens = [estimate_tokens(d, call.max_tokens_per_doc or longest) for d in call.documents]
+            if mode == "llm":  # the prefix, template and suffix frame every document
+                s = card.score
+                query_tokens += estimate_tokens(s.prefix + s.template + s.suffix + (call.instruction or s.instruction),
+                                                longest)
+            if mode in _PAIRED:
+                estimated = sum(min(longest, query_tokens + d) for d in doc_tokens)
+            else:
+                estimated = estimate_tokens(call.query, longest) + sum(doc_tokens)
         return ScorePlan(card, call, mode, estimated)
 
     async def tokenize(self, plan: ScorePlan, runner, pool) -> list:
@@ -99,7 +111,8 @@ class ScoreTask:
             cut = [False] * len(documents)
 
         if plan.mode == "cross_encoder":
-            seqs, owners = await _pairs(plan, runner, pool, documents)
+            seqs, owners, cut_too = await _pairs(plan, runner, pool, documents)
+            cut = [a or b for a, b in zip(cut, cut_too)]
         elif plan.mode == "llm":
             seqs = await _framed(plan, runner, pool, documents)
             owners = list(range(len(documents)))
@@ -115,9 +128,10 @@ class ScoreTask:
                                            ((runner.query_tokenizer, query_prompt),
                                             (runner.document_tokenizer, document_prompt)))
         truncated = list(cut)
-        for seq, owner in zip(seqs, owners):
-            if owner >= 0 and seq.truncated:
-                truncated[owner] = True
+        if call.window_overlap_tokens is None:  # windows cover what one sequence would have cut
+            for seq, owner in zip(seqs, owners):
+                if owner >= 0 and seq.truncated:
+                    truncated[owner] = True
         plan.owners, plan.truncated = owners, truncated
         return seqs
 
@@ -145,7 +159,7 @@ class ScoreTask:
             scores = np.array([_similarity(plan.mode, query, d) for d in documents])
             windows = np.ones(n, dtype=np.int64)
         order = sorted(range(n), key=lambda i: -scores[i])[: plan.call.top_k]
-        items = [ScoredItem(index=i, score=float(scores[i]), truncated=plan.truncated[i] and windows[i] == 1,
+        items = [ScoredItem(index=i, score=float(scores[i]), truncated=plan.truncated[i],
                             num_windows=int(windows[i])) for i in order]
         return ScoreResult(items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
                            **timings)
@@ -155,19 +169,23 @@ _HOW = {"cross_encoder": "a cross-encoder", "llm": "an LLM reranker", "dense": "
         "sparse": "dot product of sparse vectors", "multivector": "MaxSim of multi-vectors"}
 
 
-async def _pairs(plan: ScorePlan, runner, pool, documents: list[str]) -> tuple[list, list[int]]:
-    """Cross-encoder sequences and their documents. The query keeps at most half the length, so a
-    long query cannot leave no room for the document."""
+async def _pairs(plan: ScorePlan, runner, pool, documents: list[str]) -> tuple[list, list[int], list[bool]]:
+    """Cross-encoder sequences, the document each belongs to, and which documents were cut before
+    pairing. Documents are truncated first: the query keeps up to half the length (a longer query
+    is cut, and then every pair counts as truncated), so it always leaves the document room."""
     call, tok = plan.call, runner.tokenizer
-    query, _ = tok.cut_to_tokens(call.query, max(1, tok.max_length // 2))
+    query, query_cut = tok.cut_to_tokens(call.query, max(1, tok.max_length // 2))
+    if query_cut and not call.truncate:
+        raise InputTooLong(f"the query is longer than half the model's max_length of {tok.max_length} tokens; "
+                           "shorten it or send truncate: true", details={"option": "query", "max_length": tok.max_length})
     if call.window_overlap_tokens is None:
         seqs = await pool.encode(tok, [query] * len(documents), call.truncate, pairs=documents)
-        return seqs, list(range(len(documents)))
-    groups = await pool.map(lambda chunk, _: tok.encode_pair_windows(query, chunk, call.window_overlap_tokens),
-                            documents)
-    seqs = [seq for group in groups for seq in group]
-    owners = [i for i, group in enumerate(groups) for _ in group]
-    return seqs, owners
+        return seqs, list(range(len(documents))), [query_cut] * len(documents)
+    groups = await pool.map(
+        lambda chunk, _: tok.encode_pair_windows(query, chunk, call.window_overlap_tokens, MAX_WINDOWS), documents)
+    seqs = [seq for windows, _ in groups for seq in windows]
+    owners = [i for i, (windows, _) in enumerate(groups) for _ in windows]
+    return seqs, owners, [query_cut or cut for _, cut in groups]
 
 
 async def _framed(plan: ScorePlan, runner, pool, documents: list[str]) -> list[Encoded]:
