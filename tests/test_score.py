@@ -365,3 +365,17 @@ def test_a_query_over_half_the_length_is_cut_and_every_pair_says_truncated(tmp_p
     catalog = catalog_with(tmp_path, reranker_card(directory, 64))
     (result,) = run(catalog, ScoreCall("test/reranker", "fish " * 40, ["a", "b"]))
     assert all(i.truncated for i in result.items)
+
+
+def test_a_document_behind_a_run_of_whitespace_scores_as_the_reference_sees_it(tmp_path):
+    """Documents are cut by characters before tokenizing; a cut that kept too few tokens (here:
+    only spaces) is widened, so the pair equals the whole text's pair."""
+    directory = tmp_path / "model"
+    build_cross_encoder(directory, "bert")
+    documents = [" " * 3000 + DOCUMENTS[0], "\n" * 2000 + DOCUMENTS[3]]
+    reference = CrossEncoder(str(directory), max_length=64, device="cpu")
+    expected = reference.predict([(QUERY, d) for d in documents], activation_fn=torch.nn.Identity())
+    (result,) = run(catalog_with(tmp_path, reranker_card(directory, 64)),
+                    ScoreCall("test/reranker", QUERY, documents, raw_scores=True))
+    got = {i.index: i.score for i in result.items}
+    assert max(abs(got[i] - expected[i]) for i in range(2)) <= 1e-4

@@ -153,6 +153,16 @@ class TextTokenizer:
                   for a, b in zip(firsts, seconds)]
         try:
             encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
+            for index, (a, b) in enumerate(inputs):
+                # As for single texts: a cut second text whose kept tokens may differ from the whole
+                # text's is tokenized again from a wider cut.
+                limit = bound * WIDEN_LIMIT
+                wider = bound
+                while b is not seconds[index] and _needs_wider(b, encodings[index], sequence=1) and wider < limit:
+                    wider *= 4
+                    b = seconds[index] if len(seconds[index]) <= wider else _cut(seconds[index], wider)
+                    inputs[index] = (a, b)
+                    encodings[index] = tokenizer.encode(a, b, add_special_tokens=True)
         except Exception as exc:  # tokenizers refuses when the first text alone is too long
             raise InputTooLong(f"a first text of a pair leaves no room for the second within "
                                f"{self.max_length} tokens: shorten it ({exc})",
@@ -295,15 +305,17 @@ def _cut(text: str, bound: int) -> str:
     return head
 
 
-def _needs_wider(cut: str, enc) -> bool:
+def _needs_wider(cut: str, enc, sequence: int | None = None) -> bool:
     """The cut kept no more tokens than fit (tokens may be missing), or it split a word and the
-    kept tokens reach into that word."""
+    kept tokens reach into that word. `sequence`: which text of a pair `cut` is (its offsets only)."""
     if not enc.overflowing:
         return True
     if cut[-1:].isspace():
         return False
     tail = _TRAILING_WORD.search(cut)
-    ends = [end for (start, end), special in zip(enc.offsets, enc.special_tokens_mask) if not special]
+    owners = enc.sequence_ids if sequence is not None else [None] * len(enc.offsets)
+    ends = [end for (start, end), special, owner in zip(enc.offsets, enc.special_tokens_mask, owners)
+            if not special and owner == sequence]
     return tail is not None and bool(ends) and max(ends) > tail.start()
 
 
