@@ -88,6 +88,7 @@ class DeviceWorker:
         self._small_seen_at = -1e9
         self._large_live = 0  # large requests submitted and not yet released (the loop's side)
         self._trimmed_at = 0.0
+        self._rss_after_trim = 0  # the first batch's check trims once and sets it
         self._tokens_per_s: float | None = None
         self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
         self._min_rate_tokens = min_rate_tokens
@@ -226,11 +227,17 @@ class DeviceWorker:
                 return
 
     def _trim_if_idle(self) -> None:
-        """Give freed memory back to the OS when nothing waits (at most every TRIM_EVERY_S)."""
+        """Give freed memory back to the OS when nothing waits (at most every TRIM_EVERY_S), or,
+        while busy, once RSS has grown RETAINED_HEAP_BYTES since the last trim: below that, the next
+        batches reuse the freed heap without page faults."""
         now = time.monotonic()
-        if len(self._scheduler) == 0 and now - self._trimmed_at >= TRIM_EVERY_S:
+        rss = memory.rss_bytes()
+        idle = len(self._scheduler) == 0 and now - self._trimmed_at >= TRIM_EVERY_S
+        grown = rss is not None and rss > self._rss_after_trim + memory.RETAINED_HEAP_BYTES
+        if idle or grown:
             self._trimmed_at = now
             memory.trim()
+            self._rss_after_trim = memory.rss_bytes() or 0
 
     def _drop(self, requests: list[Pending]) -> None:
         now = time.monotonic()

@@ -10,10 +10,14 @@ three things let RSS creep up and stay up:
 - each thread may get its own arena (up to 8 per core), each holding its own freed memory;
 - freed memory in the middle of a heap stays resident until `malloc_trim`.
 
-`tune_allocator` fixes the mmap threshold (so large buffers always go back to the OS when freed),
-caps the arenas and is called once when the engine starts, before its threads exist.
-`trim` returns freed heap pages to the OS; the device thread calls it when it goes idle. Both are
-no-ops where glibc is not the allocator.
+`tune_allocator` fixes the mmap threshold at 16 MiB (buffers above it always go back to the OS when
+freed, and the threshold cannot creep up), caps the arenas and is called once when the engine
+starts, before its threads exist. Buffers below it (a MiniLM batch's activations are a few MiB
+each) come from the heap and are reused batch after batch: with a 1 MiB threshold every one was a
+fresh mmap, and the page faults cost a third of a CPU forward's throughput (docs/benchmarks.md).
+`trim` returns freed heap pages to the OS; the device thread calls it when it goes idle, and after
+a batch once RSS has grown RETAINED_HEAP_BYTES past what it was after the last trim, so a busy
+server's heap stays bounded too. All are no-ops where glibc is not the allocator.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 
 log = logging.getLogger("shoal.memory")
 
@@ -30,7 +35,9 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
-MMAP_THRESHOLD_BYTES = 1 << 20  # blocks from 1 MiB up are mmapped, and unmapped when freed
+MMAP_THRESHOLD_BYTES = 16 << 20  # blocks from 16 MiB up are mmapped, and unmapped when freed
+# RSS growth since the last trim the device allows before it trims, even while busy.
+RETAINED_HEAP_BYTES = 64 << 20
 TRIM_THRESHOLD_BYTES = 16 << 20
 ARENA_MAX = 4
 
@@ -62,6 +69,15 @@ def tune_allocator() -> bool:
     if not ok:
         log.warning("mallopt refused a setting; resident memory may grow under load")
     return ok
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux /proc; else None). A few microseconds."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def trim() -> bool:
