@@ -254,6 +254,13 @@ def test_bad_score_calls_are_refused_naming_the_problem(tmp_path):
                  "the query is longer than half"),
                 (EncodeCall("test/reranker", ["x"]), InvalidRequest, "does not encode; it serves: score"),
                 (ScoreCall(MINILM, QUERY, DOCUMENTS, window_overlap_tokens=2), InvalidRequest, "cosine"),
+                (ScoreCall(MINILM, "word " * 400, ["a"], truncate=False), InputTooLong,
+                 "^the query is longer than the model's max_length"),
+                (ScoreCall(MINILM, QUERY, ["a", "word " * 400], truncate=False), InputTooLong,
+                 "^documents[1] is longer"),
+                (ScoreCall("test/reranker", "bad \ud800 query", DOCUMENTS), InvalidRequest, "^query has a lone surrogate"),
+                (ScoreCall("test/reranker", QUERY, ["ok", "bad \ud800"]), InvalidRequest,
+                 "^documents[1] has a lone surrogate"),
             ]
             for call, error, words in cases:
                 with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -379,3 +386,31 @@ def test_a_document_behind_a_run_of_whitespace_scores_as_the_reference_sees_it(t
                     ScoreCall("test/reranker", QUERY, documents, raw_scores=True))
     got = {i.index: i.score for i in result.items}
     assert max(abs(got[i] - expected[i]) for i in range(2)) <= 1e-4
+
+
+def test_a_request_whose_real_tokens_overflow_the_shared_backlog_gets_503_not_a_bypass(tmp_path):
+    """Two requests admitted on estimates that fit; their real tokens do not. Whichever is
+    tokenized second is refused as Overloaded (with Retry-After), and nothing stays counted."""
+    from shoal.errors import Overloaded
+
+    directory = tmp_path / "model"
+    build_cross_encoder(directory, "bert")
+    catalog = catalog_with(tmp_path, reranker_card(directory, 64))
+    terse = ["a " * 25] * 20  # ~17 estimated tokens a pair, 29 real
+
+    async def go():
+        engine = Engine(EngineSettings(max_queue_tokens=1000), catalog, allow_download=False)
+        await engine.start()
+        try:
+            await engine.score(ScoreCall("test/reranker", "fish", ["warm up"]))
+            outcomes = await asyncio.gather(*(engine.score(ScoreCall("test/reranker", "fish", terse))
+                                              for _ in range(2)), return_exceptions=True)
+            return outcomes, engine.capacity().queued_tokens
+        finally:
+            await engine.stop()
+
+    outcomes, left = asyncio.run(go())
+    refused = [o for o in outcomes if isinstance(o, Overloaded)]
+    assert len(refused) == 1 and refused[0].retry_after_s >= 1.0, outcomes
+    assert sum(1 for o in outcomes if not isinstance(o, BaseException)) == 1
+    assert left == 0

@@ -115,7 +115,7 @@ class TextTokenizer:
     # --- encoding -------------------------------------------------------------------------------
 
     def encode(self, texts: list[str], truncate: bool, *, pairs: list[str] | None = None,
-               with_offsets: bool = False, first_index: int = 0) -> list[Encoded]:
+               with_offsets: bool = False, first_index: int | None = 0, what: str = "items") -> list[Encoded]:
         """One sequence per text (or per `(texts[i], pairs[i])` pair), special tokens included,
         each at most `max_length` tokens. A pair is truncated from its second text only.
         `first_index`: the index of `texts[0]` in its request, for error messages."""
@@ -133,15 +133,17 @@ class TextTokenizer:
                 cut[index] = text if len(text) <= bound else _cut(text, bound)
                 encodings[index] = self._tokenizer.encode(cut[index])
         if not truncate:
-            self._refuse_overflow(encodings, "items", first_index)
+            self._refuse_overflow(encodings, what, first_index)
         return [self._shape(enc, with_offsets, pair=False, truncated=bool(enc.overflowing) or c is not t)
                 for enc, c, t in zip(encodings, cut, texts)]
 
-    def _refuse_overflow(self, encodings: list, what: str, first_index: int) -> None:
-        for index, enc in enumerate(encodings, start=first_index):
+    def _refuse_overflow(self, encodings: list, what: str, first_index: int | None) -> None:
+        """InputTooLong naming `what[i]` (or `what` alone, when `first_index` is None)."""
+        for index, enc in enumerate(encodings, start=first_index or 0):
             if enc.overflowing:
+                name = what if first_index is None else f"{what}[{index}]"
                 raise InputTooLong(
-                    f"{what}[{index}] is longer than the model's max_length of {self.max_length} tokens; "
+                    f"{name} is longer than the model's max_length of {self.max_length} tokens; "
                     "shorten it or send truncate: true", details={"index": index, "max_length": self.max_length},
                 )
 
@@ -332,15 +334,18 @@ class TokenizerPool:
         return out
 
     async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool, *,
-                     pairs: list[str] | None = None, with_offsets: bool = False) -> list[Encoded]:
-        """`tokenizer.encode` in the pool, TEXTS_PER_JOB texts a job (so requests take turns)."""
+                     pairs: list[str] | None = None, with_offsets: bool = False, what: str = "items",
+                     indexed: bool = True) -> list[Encoded]:
+        """`tokenizer.encode` in the pool, TEXTS_PER_JOB texts a job (so requests take turns).
+        Errors name `what[i]`, or `what` alone when not `indexed`."""
         loop = asyncio.get_running_loop()
         out: list[Encoded] = []
         for start in range(0, len(texts), TEXTS_PER_JOB):
             chunk = texts[start:start + TEXTS_PER_JOB]
             chunk_pairs = pairs[start:start + TEXTS_PER_JOB] if pairs is not None else None
             out += await loop.run_in_executor(self._executor, functools.partial(
-                tokenizer.encode, chunk, truncate, pairs=chunk_pairs, with_offsets=with_offsets, first_index=start))
+                tokenizer.encode, chunk, truncate, pairs=chunk_pairs, with_offsets=with_offsets,
+                first_index=start if indexed else None, what=what))
         return out
 
     def close(self) -> None:

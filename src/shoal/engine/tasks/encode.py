@@ -94,19 +94,21 @@ class PromptTokens:
         return counts[prompt]
 
 
-def check_texts(texts: list[str]) -> None:
+def check_texts(texts: list[str], what: str = "texts", indexed: bool = True) -> None:
     """Refuse what a tokenizer cannot take: a lone UTF-16 surrogate is not Unicode text (the HTTP
-    decoders refuse it already; in-process callers reach this check)."""
+    decoders refuse it already; in-process callers reach this check). Errors name `what[i]`
+    (or `what` alone when not `indexed`)."""
     for index, text in enumerate(texts):
+        name = f"{what}[{index}]" if indexed else what
         if not isinstance(text, str):
-            raise InvalidRequest(f"texts[{index}] is {type(text).__name__}, not a string", details={"index": index})
+            raise InvalidRequest(f"{name} is {type(text).__name__}, not a string", details={"index": index})
         if text.isascii():
             continue
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidRequest(
-                f"texts[{index}] has a lone surrogate {text[exc.start]!r} at character {exc.start}: "
+                f"{name} has a lone surrogate {text[exc.start]!r} at character {exc.start}: "
                 "send valid Unicode text", details={"index": index, "position": exc.start},
             ) from None
 

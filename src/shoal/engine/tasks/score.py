@@ -61,8 +61,8 @@ class ScoreTask:
                                  details={"option": "query"})
         if not call.documents:
             raise InvalidRequest("no documents to score", details={"option": "documents"})
-        check_texts([call.query])
-        check_texts(call.documents)
+        check_texts([call.query], "query", indexed=False)
+        check_texts(call.documents, "documents")
         for option in ("top_k", "max_tokens_per_doc"):
             value = getattr(call, option)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -119,9 +119,10 @@ class ScoreTask:
         else:
             card = plan.card
             query_prompt, document_prompt = card.prompt_for(None, True), card.prompt_for(None, False)
-            seqs = await pool.encode(runner.query_tokenizer, [query_prompt + call.query], call.truncate)
+            seqs = await pool.encode(runner.query_tokenizer, [query_prompt + call.query], call.truncate,
+                                     what="the query", indexed=False)
             seqs += await pool.encode(runner.document_tokenizer, [document_prompt + d for d in documents],
-                                      call.truncate)
+                                      call.truncate, what="documents")
             owners = [-1, *range(len(documents))]
             if plan.mode == "dense":  # a pooling that leaves prompts out needs their lengths
                 plan.prompt_tokens = tuple(self._prompt_tokens.count(tok, prompt) if prompt else 0 for tok, prompt in
@@ -194,7 +195,7 @@ async def _framed(plan: ScorePlan, runner, pool, documents: list[str]) -> list[E
     prefix = np.asarray(frame.prefix_ids, dtype=np.int64)
     suffix = np.asarray(frame.suffix_ids, dtype=np.int64)
     texts = [frame.text(call.query, d, call.instruction) for d in documents]
-    bodies = await pool.encode(frame.body_tokenizer, texts, call.truncate)
+    bodies = await pool.encode(frame.body_tokenizer, texts, call.truncate, what="documents")
     return [Encoded(np.concatenate([prefix, body.ids, suffix]), truncated=body.truncated) for body in bodies]
 
 
