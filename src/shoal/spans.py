@@ -1,0 +1,96 @@
+"""Token predictions -> entity spans (NER), numpy only, as transformers' `TokenClassificationPipeline`
+computes them with `aggregation_strategy` simple / first / max / average.
+
+    logits [n, labels] --softmax--> per-token scores; special tokens (word id -1) skipped
+    simple:               each token is an entity: its argmax label and that label's probability
+    first / max / average: tokens of one word (consecutive tokens sharing a word id) become one
+                           entity: the first token's argmax, the argmax of the token with the
+                           highest probability, or the argmax of the mean distribution
+    grouping:             adjacent entities merge while their tags match and the next is not a
+                          `B-` tag (a tag without a `B-`/`I-` prefix counts as `I-`); a group is
+                          named by its first label after the first `-`; `O` groups are dropped;
+                          a group's score is the mean of its entities' scores
+
+Spans are character offsets into the text, and each entity's `text` is `text[start:end]` (the
+pipeline's `word` is its tokens joined back, lowercased for uncased vocabularies). Words come from
+the tokenizer's word ids; the pipeline instead derives them from token strings (exact for
+WordPiece, a whitespace heuristic for byte-level BPE and SentencePiece, where punctuation glued to
+a word joins it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STRATEGIES = ("simple", "first", "max", "average")
+
+
+def aggregate_entities(logits: np.ndarray, id2label: dict[int, str], offsets: np.ndarray, word_ids: np.ndarray,
+                       text: str, strategy: str) -> list[dict]:
+    """Entity spans `{text, label, score, start, end}` in order, from one sequence's token logits
+    `[n, labels]`, its character `offsets` `[n, 2]` into `text` and `word_ids` `[n]` (-1: special)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"aggregation strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    logits = np.asarray(logits, dtype=np.float32)
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = shifted / shifted.sum(axis=-1, keepdims=True)  # [n, labels]
+    kept = [i for i in range(len(probs)) if int(word_ids[i]) >= 0]
+    if strategy == "simple":
+        units = [[i] for i in kept]
+    else:
+        units = _words(kept, word_ids)
+    # One (label, score, start, end) per token (simple) or per word.
+    entities = [(*_pick(probs[unit], strategy, id2label), int(offsets[unit[0]][0]), int(offsets[unit[-1]][1]))
+                for unit in units]
+    return [g for g in (_group(run, text) for run in _runs(entities)) if g["label"] != "O"]
+
+
+def _words(kept: list[int], word_ids: np.ndarray) -> list[list[int]]:
+    """Consecutive kept tokens with one word id, as lists of token indices."""
+    words: list[list[int]] = []
+    for i in kept:
+        if words and int(word_ids[i]) == int(word_ids[words[-1][-1]]):
+            words[-1].append(i)
+        else:
+            words.append([i])
+    return words
+
+
+def _pick(probs: np.ndarray, strategy: str, id2label: dict[int, str]) -> tuple[str, float]:
+    """The label and score of one token or word from its tokens' distributions `[k, labels]`."""
+    if strategy in ("simple", "first"):
+        row = probs[0]
+    elif strategy == "max":
+        row = probs[int(np.argmax(probs.max(axis=-1)))]  # the first token holding the highest probability
+    else:
+        row = np.nanmean(probs, axis=0)
+    index = int(np.argmax(row))
+    return id2label[index], float(row[index])
+
+
+def _tag(label: str) -> tuple[str, str]:
+    """(B or I, tag): a label without a `B-`/`I-` prefix continues like an `I-` tag."""
+    if label.startswith("B-"):
+        return "B", label[2:]
+    if label.startswith("I-"):
+        return "I", label[2:]
+    return "I", label
+
+
+def _runs(entities: list[tuple]) -> list[list[tuple]]:
+    """Adjacent entities with the same tag, each run started by a `B-` tag or a change of tag."""
+    runs: list[list[tuple]] = []
+    for entity in entities:
+        if runs:
+            bi, tag = _tag(entity[0])
+            if bi != "B" and tag == _tag(runs[-1][-1][0])[1]:
+                runs[-1].append(entity)
+                continue
+        runs.append([entity])
+    return runs
+
+
+def _group(run: list[tuple], text: str) -> dict:
+    start, end = run[0][2], run[-1][3]
+    return {"text": text[start:end], "label": run[0][0].split("-", 1)[-1],
+            "score": float(np.nanmean([e[1] for e in run])), "start": start, "end": end}
