@@ -34,7 +34,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import httpx
 import msgspec
 import numpy as np
 from shoal.wire import Timings, Usage
-from spawn import free_port, log_tail, spawned_server
+from spawn import free_port, log_tail, machine_line, spawned_server
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 MIN_COSINE = 0.9999
@@ -483,8 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     header = [
         f"shoal encode throughput: {MODEL}",
-        f"machine:     {os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()}); "
-        "client, server and baseline share them (HTTP runs and baselines run one after the other)",
+        machine_line(note="client, server and baseline share them (HTTP runs and baselines run one after the other)"),
     ]
     if args.url:
         header.append(f"server:      {args.url} (--url)")

@@ -36,7 +36,6 @@ import importlib.util
 import itertools
 import json
 import os
-import platform
 import random
 import re
 import shlex
@@ -52,7 +51,7 @@ import httpx
 import msgspec
 import numpy as np
 from shoal.wire import Timings, Usage
-from spawn import free_port, log_tail, shoal_command, spawned_server
+from spawn import free_port, log_tail, machine_line, shoal_command, spawned_server
 
 SMALL_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 OTHER_MODEL = "sentence-transformers/all-mpnet-base-v2"
@@ -407,10 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port or free_port()
     load_avg = os.getloadavg()
     print(f"shoal head-of-line: {args.clients} one-sentence clients on {args.small_model}; bulk of {args.bulk_docs} docs")
-    print(
-        f"machine:     {os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()}), "
-        f"load avg {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f} at start; client and server share the cores"
-    )
+    print(machine_line(load_avg, "client and server share the cores"))
     with tempfile.TemporaryDirectory(prefix="shoal-hol-") as tmp:
         log_path = Path(tmp) / "server.log"
         with spawned_server(port, [args.small_model, args.other_model], shlex.split(args.server_args), log_path) as (url, pid):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
+import os
 import random
 import shutil
 import sys
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from spawn import free_port, log_tail, spawned_server
+from spawn import free_port, log_tail, machine_line, spawned_server
 
 MODEL_ID = "bench/minilm-l6-reranker"
 NUM_LISTS = 64
@@ -174,7 +174,7 @@ def main() -> None:
     base = baseline(reference, lists, shoal["requests"])
     ratio = shoal["pairs_per_s"] / base["per_list_pairs_per_s"]
     ratio_one = shoal["pairs_per_s"] / base["one_call_pairs_per_s"]
-    print(f"machine: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}")
+    print(machine_line(os.getloadavg(), f"torch threads {torch.get_num_threads()}; client and server share the cores"))
     print(f"pairs: {args.docs_per_request} per request, {np.mean(lengths):.0f} tokens mean "
           f"(min {min(lengths)}, max {max(lengths)}), {args.clients} clients")
     print(f"shoal HTTP        {shoal['pairs_per_s']:8.1f} pairs/s  p50 {shoal['p50_ms']:.0f} ms  "

@@ -34,7 +34,6 @@ import collections
 import importlib.util
 import json
 import os
-import platform
 import random
 import re
 import shlex
@@ -49,7 +48,7 @@ from typing import Callable
 import httpx
 import msgspec
 import numpy as np
-from spawn import free_port, log_tail, shoal_command, spawned_server
+from spawn import free_port, log_tail, machine_line, shoal_command, spawned_server
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 RSS_TOLERANCE = 0.10
@@ -373,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     load_avg = os.getloadavg()
     print(f"shoal soak: {args.duration_s:g} s of mixed requests from {args.clients} clients on {args.model}, "
           f"RSS every {args.sample_s:g} s, baseline at {args.warmup_s:g} s")
-    print(f"machine:     {os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()}), "
-          f"load avg {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f} at start")
+    print(machine_line(load_avg))
     with tempfile.TemporaryDirectory(prefix="shoal-soak-") as tmp:
         log_path = args.log or Path(tmp) / "server.log"
         with spawned_server(port, [args.model], shlex.split(args.server_args), log_path) as (url, pid):

@@ -59,5 +59,15 @@ def spawned_server(port: int, preload: list[str], extra_args: list[str], log_pat
                 proc.wait()
 
 
+def machine_line(load_avg: tuple[float, float, float] | None = None, note: str = "") -> str:
+    """The `machine:` line every benchmark prints: cores, architecture, Python, load at start."""
+    import platform
+
+    line = f"machine:     {os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()})"
+    if load_avg is not None:
+        line += f", load avg {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f} at start"
+    return line + (f"; {note}" if note else "")
+
+
 def log_tail(path: Path, num_lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])

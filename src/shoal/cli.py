@@ -80,20 +80,25 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_encode(args: argparse.Namespace) -> int:
-    from .engine import EncodeCall
-
+def _run_once(args: argparse.Namespace, call):
+    """One call through an in-process engine, started and stopped around it."""
     settings = _settings(args)
 
     async def run():
         engine = _engine(settings)
         await engine.start()
         try:
-            return await engine.encode(EncodeCall(model=args.model, texts=args.text, dimensions=args.dimensions))
+            return await engine.run(call)
         finally:
             await engine.stop()
 
-    result = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    from .engine import EncodeCall
+
+    result = _run_once(args, EncodeCall(model=args.model, texts=args.text, dimensions=args.dimensions))
     for text, vector in zip(args.text, result.vectors):
         print(json.dumps({"text": text, "dense": [round(float(x), 6) for x in vector]}))
     return 0
@@ -102,18 +107,9 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def cmd_score(args: argparse.Namespace) -> int:
     from .engine import ScoreCall
 
-    settings = _settings(args)
-
-    async def run():
-        engine = _engine(settings)
-        await engine.start()
-        try:
-            return await engine.score(ScoreCall(model=args.model, query=args.query, documents=args.document,
-                                                top_k=args.top_k, raw_scores=args.raw_scores))
-        finally:
-            await engine.stop()
-
-    for item in asyncio.run(run()).items:
+    result = _run_once(args, ScoreCall(model=args.model, query=args.query, documents=args.document,
+                                       top_k=args.top_k, raw_scores=args.raw_scores))
+    for item in result.items:
         print(json.dumps({"index": item.index, "score": round(item.score, 6), "document": args.document[item.index]}))
     return 0
 

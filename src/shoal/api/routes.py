@@ -61,25 +61,7 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
     req: wire.EncodeRequest = ctx.decode(wire.EncodeRequest)
     ctx.model = req.model
     ctx.check_count(len(req.items))
-    texts = [item.text for item in req.items]
-    opts = req.options
-    result: EncodeResult = await ctx.service.run(
-        EncodeCall(
-            model=req.model,
-            texts=texts,
-            normalize=opts.normalize,
-            dimensions=opts.dimensions,
-            output_dtype=opts.output_dtype,
-            is_query=opts.is_query,
-            prompt_name=opts.prompt_name,
-            truncate=opts.truncate,
-            outputs=tuple(opts.outputs) if opts.outputs else None,
-            sparse_top_k=opts.sparse_top_k,
-            return_tokens=opts.return_tokens,
-            request_id=ctx.request_id,
-            timeout_s=opts.timeout_s,
-        )
-    )
+    result: EncodeResult = await ctx.service.run(wire.native.encode_call(req, ctx.request_id))
     ctx.result_bytes = _array_bytes(result)
     items = [_item(item.id, out) for item, out in zip(req.items, result.items)]
     return wire.EncodeResponse(

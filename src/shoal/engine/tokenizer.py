@@ -230,10 +230,6 @@ class TextTokenizer:
         """Token ids of `text` without special tokens and without truncation."""
         return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
 
-    def count_tokens(self, text: str) -> int:
-        """Tokens of `text` without special tokens, up to the tokenizer's truncation limit."""
-        return len(self._tokenizer.encode(text[: self.max_chars], add_special_tokens=False).ids)
-
     def _plain_tokenizer(self) -> Tokenizer:
         """A clone without truncation (for counting and cutting by tokens)."""
         if self._plain is None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..calls import ScoreCall, ScoreResult
+from ..calls import EncodeCall, ScoreCall, ScoreResult
 
 OutputDtype = Literal["float32", "float16", "int8", "binary"]
 OutputKind = Literal["dense", "sparse", "multivector"]
@@ -138,6 +138,25 @@ class ScoreResponse(msgspec.Struct):
     items: list[ScoredItem]  # best first
     usage: Usage
     timings: Timings
+
+
+def encode_call(req: EncodeRequest, request_id: str | None = None) -> EncodeCall:
+    opts = req.options
+    return EncodeCall(
+        model=req.model,
+        texts=[item.text for item in req.items],
+        normalize=opts.normalize,
+        dimensions=opts.dimensions,
+        output_dtype=opts.output_dtype,
+        is_query=opts.is_query,
+        prompt_name=opts.prompt_name,
+        truncate=opts.truncate,
+        outputs=tuple(opts.outputs) if opts.outputs else None,
+        sparse_top_k=opts.sparse_top_k,
+        return_tokens=opts.return_tokens,
+        request_id=request_id,
+        timeout_s=opts.timeout_s,
+    )
 
 
 def score_call(req: ScoreRequest, request_id: str | None = None) -> ScoreCall:
