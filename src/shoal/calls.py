@@ -4,10 +4,12 @@ One tagged union of calls (`verb` names the struct) and one of results, torch-fr
 bytes travel in process and on the cluster's wire. Arrays stay numpy arrays in process; `encode`
 writes them as `{dtype, shape, data}` with raw little-endian bytes and `decode_*` reads them back.
 
-    Call ─┬ EncodeCall            (ExtractCall joins the union with its verb)
-          └ ScoreCall
+    Call ─┬ EncodeCall
+          ├ ScoreCall
+          └ ExtractCall
     Result ─┬ EncodeResult
             ├ ScoreResult
+            ├ ExtractResult
             └ ErrorResult         a ShoalError as data: `error()` re-raises it as its own class
 
 Every call carries `request_id` (for logs and error bodies) and `timeout_s`, the caller's budget:
@@ -67,6 +69,28 @@ class ScoreCall(Call, frozen=True, tag="score"):
     instruction: str | None = None  # LLM rerankers: replaces the card's default instruction
 
 
+class ExtractCall(Call, frozen=True, tag="extract"):
+    """Extract entities (span and token-classification NER) or labels (zero-shot classification)
+    from each text. How depends on the card's `extract.kind`:
+
+        gliner      entities of the requested `labels` (zero-shot span NER)
+        token_class entities of the model's own labels (`labels`, if sent, keeps only those)
+        zero_shot   a score per requested label for each text (NLI entailment)
+
+    Options left None take the card's (or the kind's) default.
+    """
+
+    model: str
+    texts: list[str]
+    labels: list[str] = []
+    threshold: float | None = None  # minimum score of an entity (or, multi_label, of a label)
+    flat_ner: bool = True  # gliner: no overlapping entities; False: nested ones are kept
+    multi_label: bool = False  # gliner: a span may carry several labels; zero_shot: labels scored independently
+    max_span_width: int | None = None  # gliner: longest entity in words
+    hypothesis_template: str | None = None  # zero_shot: "{}" is replaced by the label
+    aggregation: str | None = None  # token_class: simple | first | max | average
+
+
 class SparseVector(msgspec.Struct, frozen=True, omit_defaults=True):
     indices: np.ndarray  # [k] int32 vocabulary ids, heaviest first
     values: np.ndarray  # [k] float32
@@ -113,6 +137,36 @@ class ScoreResult(Result, frozen=True, tag="score"):
     inference_s: float = 0.0
 
 
+class Entity(msgspec.Struct, frozen=True):
+    text: str  # text[start:end] of the item's text
+    label: str
+    score: float
+    start: int  # character offsets into the item's text (Python str indices: code points)
+    end: int
+
+
+class LabelScore(msgspec.Struct, frozen=True):
+    label: str
+    score: float
+
+
+class ExtractedItem(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One text's entities (in order of start) or, for zero-shot classification, its labels (best first)."""
+
+    entities: list[Entity] | None = None
+    labels: list[LabelScore] | None = None
+    num_windows: int = 1  # windows the text was read in (long texts: overlapping windows, merged)
+    truncated: bool = False  # zero_shot: the text was cut to fit next to the hypothesis
+
+
+class ExtractResult(Result, frozen=True, tag="extract"):
+    items: list[ExtractedItem]
+    num_tokens: int
+    tokenize_s: float = 0.0
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+
 class ErrorResult(Result, frozen=True, tag="error"):
     code: str
     message: str
@@ -128,8 +182,8 @@ class ErrorResult(Result, frozen=True, tag="error"):
         return error_from_code(self.code, self.message, self.details, self.retry_after_s)
 
 
-AnyCall = Union[EncodeCall, ScoreCall]
-AnyResult = Union[EncodeResult, ScoreResult, ErrorResult]
+AnyCall = Union[EncodeCall, ScoreCall, ExtractCall]
+AnyResult = Union[EncodeResult, ScoreResult, ExtractResult, ErrorResult]
 
 
 # --- codec ---------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ a word joins it).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 STRATEGIES = ("simple", "first", "max", "average")
@@ -94,3 +96,85 @@ def _group(run: list[tuple], text: str) -> dict:
     start, end = run[0][2], run[-1][3]
     return {"text": text[start:end], "label": run[0][0].split("-", 1)[-1],
             "score": float(np.nanmean([e[1] for e in run])), "start": start, "end": end}
+
+
+# --- GLiNER: words, windows and span decoding -------------------------------------------------
+
+# GLiNER's whitespace word splitter: runs of word characters (joined by - or _), else one symbol.
+_WORD = re.compile(r"\w+(?:[-_]\w+)*|\S")
+
+
+def split_words(text: str) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The words of `text` and their character starts and ends `[w]` (as GLiNER splits them)."""
+    words, starts, ends = [], [], []
+    for match in _WORD.finditer(text):
+        words.append(match.group())
+        starts.append(match.start())
+        ends.append(match.end())
+    return words, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+
+def word_windows(token_counts: np.ndarray, room: int, max_words: int, overlap: int) -> list[tuple[int, int]]:
+    """Half-open word ranges `[start, end)` that cover every word: each at most `max_words` words
+    whose `token_counts` sum to at most `room` (a word alone always fits: its tokens are capped to
+    the room by the caller), consecutive ones sharing up to `overlap` words (at most half the
+    earlier window, and always moving on by at least one word)."""
+    n = len(token_counts)
+    windows: list[tuple[int, int]] = []
+    start = 0
+    while start < n:
+        end, used = start, 0
+        while end < n and end - start < max_words and (end == start or used + int(token_counts[end]) <= room):
+            used += int(token_counts[end])
+            end += 1
+        windows.append((start, end))
+        if end >= n:
+            break
+        start = max(start + 1, end - min(overlap, (end - start) // 2))
+    return windows
+
+
+def owned_starts(windows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """For each window, the span starts it answers for: overlaps are split at their middle, so a
+    span is read in the window where it has the most context on both sides."""
+    cuts = [windows[0][0]] + [(b[0] + a[1]) // 2 for a, b in zip(windows, windows[1:])] + [windows[-1][1]]
+    return list(zip(cuts, cuts[1:]))
+
+
+def decode_spans(starts: np.ndarray, widths: np.ndarray, classes: np.ndarray, scores: np.ndarray,
+                 flat_ner: bool, multi_label: bool) -> list[tuple[int, int, int, float]]:
+    """GLiNER's greedy decoding of candidate spans (all above the threshold, in the order
+    (start, width, class) of the score tensor): highest score first, a span is kept unless it
+    clashes with one already kept; the kept ones are returned as (start, end, class, score) in order
+    of start, `end` inclusive.
+
+    Clash: the same (start, end) unless `multi_label`; otherwise, when `flat_ner`, any overlap;
+    when nested, an overlap where neither span contains the other.
+    """
+    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")  # ties keep tensor order
+    kept: list[tuple[int, int, int, float]] = []
+    # Flat: kept spans never overlap (but for one span's several labels), so the span holding each
+    # word decides a clash in O(width).
+    holder: dict[int, tuple[int, int]] = {}
+    for i in order.tolist():
+        s, e = int(starts[i]), int(starts[i]) + int(widths[i])
+        if flat_ner:
+            clash = any((held := holder.get(w)) is not None and (held != (s, e) or not multi_label)
+                        for w in range(s, e + 1))
+        else:
+            clash = any(_clash(s, e, ks, ke, multi_label) for ks, ke, _, _ in kept)
+        if not clash:
+            kept.append((s, e, int(classes[i]), float(scores[i])))
+            if flat_ner:
+                holder.update((w, (s, e)) for w in range(s, e + 1))
+    kept.sort(key=lambda span: span[0])
+    return kept
+
+
+def _clash(s: int, e: int, ks: int, ke: int, multi_label: bool) -> bool:
+    """Nested decoding: the same span (unless multi-label), or a partial overlap."""
+    if (s, e) == (ks, ke):
+        return not multi_label
+    overlap = not (s > ke or ks > e)
+    nested = (s <= ks and e >= ke) or (ks <= s and ke >= e)
+    return overlap and not nested

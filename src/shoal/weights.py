@@ -37,9 +37,12 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{directory}/config.json: {exc}") from None
 
 
-def build_model(directory: Path, architecture: str | None, device: str, dtype: str = "float32") -> nn.Module:
-    """Instantiate the architecture from config.json and load its weights, ready for inference."""
-    config = read_config(directory)
+def build_model(directory: Path, architecture: str | None, device: str, dtype: str = "float32", *,
+                config: dict[str, Any] | None = None, prefixes: tuple[str, ...] | None = None) -> nn.Module:
+    """Instantiate the architecture from config.json (or `config`) and load its weights, ready for
+    inference. `prefixes`: what the checkpoint puts before the encoder's names, when it is not
+    what the model class declares (a GLiNER checkpoint nests its backbone)."""
+    config = read_config(directory) if config is None else config
     arch = architecture or config.get("model_type")
     try:
         cls = model_class(str(arch))
@@ -49,7 +52,7 @@ def build_model(directory: Path, architecture: str | None, device: str, dtype: s
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device=device)
-    load_weights(model, directory)
+    load_weights(model, directory, prefixes)
     return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
 
 
@@ -90,10 +93,10 @@ def _canonical(name: str, prefixes: tuple[str, ...]) -> str:
     return name
 
 
-def load_weights(model: nn.Module, directory: Path) -> None:
+def load_weights(model: nn.Module, directory: Path, prefixes: tuple[str, ...] | None = None) -> None:
     rules = [(re.compile(p), repl, shard) for p, repl, shard in model.weight_map]
     ignored = [re.compile(p) for p in model.ignored_weights]
-    prefixes = tuple(getattr(model, "checkpoint_prefixes", _PREFIXES))
+    prefixes = tuple(getattr(model, "checkpoint_prefixes", _PREFIXES)) if prefixes is None else prefixes
     params = dict(model.named_parameters())
     filled: Counter[str] = Counter()
     unknown: list[str] = []
@@ -141,6 +144,15 @@ def _copy(model: nn.Module, param: torch.Tensor, param_name: str, shard: int | N
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"{key}: shape {tuple(tensor.shape)} does not fit {param_name} {tuple(dest.shape)}")
     dest.copy_(tensor)
+
+
+def tensor_shape(directory: Path, name: str) -> tuple[int, ...] | None:
+    """The shape of one checkpoint tensor (read from headers where the format allows), or None."""
+    for path in _checkpoint_files(directory):
+        for key, _, shape in _tensors(path):
+            if key == name:
+                return shape
+    return None
 
 
 def estimate_bytes(directory: Path, dtype: str = "float32") -> int:

@@ -112,6 +112,7 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
         routes=[
             Route("/v1/encode", endpoint("encode", routes.encode), methods=["POST"]),
             Route("/v1/score", endpoint("score", routes.score), methods=["POST"]),
+            Route("/v1/extract", endpoint("extract", routes.extract), methods=["POST"]),
             Route("/v1/embeddings", endpoint("embeddings", routes.embeddings), methods=["POST"]),
             Route("/v1/rerank", endpoint("rerank", routes.rerank), methods=["POST"]),
             Route("/v2/rerank", endpoint("rerank_v2", routes.rerank_v2), methods=["POST"]),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from .. import wire
-from ..calls import EncodeCall, EncodeResult, ScoreResult
+from ..calls import EncodeCall, EncodeResult, ExtractResult, ScoreResult
 from ..errors import InvalidRequest
 from ..service import Service
 
@@ -70,6 +70,14 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
         usage=wire.Usage(tokens=result.num_tokens),
         timings=wire.native.timings_of(result),
     )
+
+
+async def extract(ctx: Context) -> wire.ExtractResponse:
+    req: wire.ExtractRequest = ctx.decode(wire.ExtractRequest)
+    ctx.model = req.model
+    ctx.check_count(len(req.items))
+    result: ExtractResult = await ctx.service.run(wire.native.extract_call(req, ctx.request_id))
+    return wire.native.extract_response(req, result)
 
 
 async def score(ctx: Context) -> wire.ScoreResponse:

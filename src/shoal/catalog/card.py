@@ -126,6 +126,42 @@ class Score(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     no_token: str = "no"
 
 
+class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How an extraction model reads a text (`tasks: [extract]`).
+
+    gliner: zero-shot span NER. The folder holds GLiNER's `gliner_config.json` (the backbone's
+    config inside it as `encoder_config`) and one checkpoint for the backbone and the span head.
+    A text is split into words, read in windows of at most `max_words` words (unset: the model's
+    `max_len`) that fit the backbone's max_length next to the label prompt; consecutive windows
+    share `window_overlap_words` words, and entities are merged across them. `lowercase_labels`:
+    labels are lowercased before prompting (NuNER Zero was trained so).
+
+    token_class: a token classifier (BIO/IOB2 tags from config.json's id2label), aggregated into
+    entities as transformers' pipeline does with `aggregation`; long texts are read in windows of
+    max_length tokens sharing `window_overlap_tokens`.
+
+    zero_shot: an NLI cross-encoder scores (text, hypothesis_template with the label) per label:
+    the entailment logit (`entailment_label`, unset: the config.json label that starts with
+    "entail"), softmaxed across labels, or against the contradiction logit per label when
+    multi-label (transformers' zero-shot-classification pipeline).
+
+    `threshold`: the default minimum score of what is returned. `backbone` (gliner): where the
+    backbone's config.json and tokenizer come from when the GLiNER folder lacks them (the
+    published v2.1 checkpoints name their backbone only as `model_name`).
+    """
+
+    kind: Literal["gliner", "token_class", "zero_shot"]
+    backbone: Source | None = None
+    threshold: float | None = None  # unset: 0.5 for gliner, none otherwise
+    max_words: int | None = None
+    window_overlap_words: int = 64
+    lowercase_labels: bool = False
+    aggregation: Literal["simple", "first", "max", "average"] = "first"
+    window_overlap_tokens: int = 64
+    hypothesis_template: str = "This example is {}."
+    entailment_label: str | None = None
+
+
 class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     id: str
     source: Source
@@ -143,6 +179,8 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     multivector: Multivector | None = None
     # Rerankers (tasks: [score]); cards without it score by their encoder outputs.
     score: Score | None = None
+    # Extraction models (tasks: [extract]).
+    extract: Extract | None = None
     matryoshka_dims: tuple[int, ...] = ()
     prompts: dict[str, str] = {}
     # The prompt names used for `is_query: true` / `false`, when the model has them.
@@ -219,6 +257,21 @@ def _check(card: ModelCard, origin: str) -> None:
         for token in ("{query}", "{document}"):
             if token not in card.score.template:
                 fail("score.template", f"must contain {token}")
+    if ("extract" in card.tasks) != (card.extract is not None):
+        fail("extract", "and `tasks: [extract]` go together: an extraction model needs an extract block "
+             "(kind gliner, token_class or zero_shot)")
+    if card.extract is not None:
+        ex = card.extract
+        if "encode" in card.tasks or "score" in card.tasks:
+            fail("tasks", "of an extraction model is [extract]")
+        if ex.threshold is not None and not 0.0 <= ex.threshold <= 1.0:
+            fail("extract.threshold", "must be between 0 and 1")
+        if ex.max_words is not None and ex.max_words < 1:
+            fail("extract.max_words", "must be >= 1")
+        if ex.window_overlap_words < 0 or ex.window_overlap_tokens < 0:
+            fail("extract", "window overlaps must be >= 0")
+        if ex.hypothesis_template.count("{}") != 1:
+            fail("extract.hypothesis_template", "must contain {} exactly once (where the label goes)")
     if "dense" in card.outputs and "encode" in card.tasks:
         if card.pooling is None:
             fail("pooling", "is required when outputs has dense (cls, mean or last)")

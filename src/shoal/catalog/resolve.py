@@ -72,7 +72,35 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
 
 
 def _is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    return (path / "config.json").is_file() or (path / "gliner_config.json").is_file()
+
+
+def resolve_source(source, what: str, card_path: str | None, allow_download: bool = True) -> Path:
+    """A folder for a secondary `Source` (a GLiNER backbone's config and tokenizer): its local path,
+    the Hugging Face cache, then a download of its config and tokenizer files only."""
+    tried: list[str] = []
+    if source.path:
+        base = Path(card_path).parent if card_path else Path.cwd()
+        path = (base / source.path).expanduser()
+        if _is_model_dir(path):
+            return path
+        tried.append(f"path {path} has no config.json")
+    if source.hub:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(source.hub, revision=source.revision, local_files_only=True,
+                                          allow_patterns=list(_READ_FILES)))
+        except Exception:
+            tried.append(f"{source.hub} is not in the Hugging Face cache")
+        if allow_download:
+            try:
+                return Path(snapshot_download(source.hub, revision=source.revision, allow_patterns=list(_READ_FILES)))
+            except Exception as exc:
+                tried.append(f"download of {source.hub} failed: {type(exc).__name__}: {exc}")
+        else:
+            tried.append("Hub downloads are disabled (HF_HUB_OFFLINE)")
+    raise ModelLoadError(f"no files found for {what}: " + "; ".join(tried), details={"tried": tried})
 
 
 def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path | None:

@@ -2,7 +2,7 @@
 tokenizer pool, the fair token-budget scheduler and one device thread per device.
 """
 
-from ..calls import EncodeCall, EncodeResult, ScoreCall, ScoreResult
+from ..calls import EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult
 from .engine import Engine
 
-__all__ = ["EncodeCall", "EncodeResult", "Engine", "ScoreCall", "ScoreResult"]
+__all__ = ["EncodeCall", "EncodeResult", "Engine", "ExtractCall", "ExtractResult", "ScoreCall", "ScoreResult"]

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ScoreCall, ScoreResult
+from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
@@ -122,6 +122,10 @@ class Engine:
 
     async def score(self, call: ScoreCall) -> ScoreResult:
         """`run` for a score call (typed for in-process callers)."""
+        return await self.run(call)
+
+    async def extract(self, call: ExtractCall) -> ExtractResult:
+        """`run` for an extract call (typed for in-process callers)."""
         return await self.run(call)
 
     async def run(self, call: AnyCall) -> AnyResult:

@@ -17,7 +17,7 @@ from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta
 from ..weights import build_model, estimate_bytes
 from .tokenizer import TextTokenizer
-from .types import Batch, EncodeSpec, ScoreSpec
+from .types import Batch, EncodeSpec, ExtractSpec, ScoreSpec
 
 
 class ModelRunner:
@@ -41,6 +41,11 @@ class ModelRunner:
 
     @classmethod
     def from_dir(cls, card: ModelCard, directory: Path, device: str) -> "ModelRunner":
+        if card.extract is not None and card.extract.kind == "gliner":
+            from .gliner_files import load_gliner_backbone
+
+            model, tokenizer = load_gliner_backbone(card, directory, device)
+            return cls(card, model, tokenizer, device, estimate_bytes(directory, card.dtype), directory)
         model = build_model(directory, card.architecture, device, card.dtype)
         # Models with a learned position table cannot take more tokens than it has rows.
         max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
@@ -52,7 +57,7 @@ class ModelRunner:
         return estimate_bytes(resolve_weights(card, allow_download=allow_download), card.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec]) -> list[EncodedItem | float]:
+    def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec | ExtractSpec]) -> list:
         to = dict(device=self.device, non_blocking=True)
         input_ids = torch.from_numpy(batch.input_ids).to(**to)  # [T]
         position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]
@@ -66,9 +71,9 @@ class ModelRunner:
         wanted = {name for spec in specs for name in spec.outputs}
         per_head = {name: head.run(hidden, specs) for name, head in self.heads.items() if name in wanted}
         none = [None] * len(specs)
-        return [per_head["score"][i] if "score" in spec.outputs else
-                EncodedItem(dense=per_head.get("dense", none)[i], sparse=per_head.get("sparse", none)[i],
-                            multivector=per_head.get("multivector", none)[i]) for i, spec in enumerate(specs)]
+        return [EncodedItem(dense=per_head.get("dense", none)[i], sparse=per_head.get("sparse", none)[i],
+                            multivector=per_head.get("multivector", none)[i]) if isinstance(spec, EncodeSpec)
+                else per_head[spec.outputs[0]][i] for i, spec in enumerate(specs)]
 
     def close(self) -> None:
         """Called on eviction. A batch already running keeps its reference until it finishes."""

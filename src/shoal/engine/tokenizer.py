@@ -75,7 +75,7 @@ class TextTokenizer:
         self._budget = max_length - (marker_id is not None)  # tokens the tokenizer itself may emit
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_length=self._budget)
-        self._pair_tokenizers: OrderedDict[int, Tokenizer] = OrderedDict()
+        self._pair_tokenizers: OrderedDict[tuple[int, str], Tokenizer] = OrderedDict()
         self._plain: Tokenizer | None = None
         self._pair_lock = threading.Lock()
 
@@ -115,12 +115,14 @@ class TextTokenizer:
     # --- encoding -------------------------------------------------------------------------------
 
     def encode(self, texts: list[str], truncate: bool, *, pairs: list[str] | None = None,
-               with_offsets: bool = False, first_index: int | None = 0, what: str = "items") -> list[Encoded]:
+               with_offsets: bool = False, first_index: int | None = 0, what: str = "items",
+               cut_first: bool = False) -> list[Encoded]:
         """One sequence per text (or per `(texts[i], pairs[i])` pair), special tokens included,
-        each at most `max_length` tokens. A pair is truncated from its second text only.
+        each at most `max_length` tokens. A pair is truncated from its second text only (from its
+        first, `cut_first`: an NLI premise before its hypothesis).
         `first_index`: the index of `texts[0]` in its request, for error messages."""
         if pairs is not None:
-            return self._encode_pairs(texts, pairs, truncate, with_offsets, first_index)
+            return self._encode_pairs(texts, pairs, truncate, with_offsets, first_index, cut_first)
         cut = [t if len(t) <= self.max_chars else _cut(t, self.max_chars) for t in texts]
         encodings = self._tokenizer.encode_batch(cut, add_special_tokens=True)
         for index, text in enumerate(texts):
@@ -148,7 +150,9 @@ class TextTokenizer:
                 )
 
     def _encode_pairs(self, firsts: list[str], seconds: list[str], truncate: bool, with_offsets: bool,
-                      first_index: int) -> list[Encoded]:
+                      first_index: int, cut_first: bool = False) -> list[Encoded]:
+        if cut_first:
+            return self._encode_cut_first(firsts, seconds, truncate, first_index)
         tokenizer = self._pair_variant()
         bound = self.max_chars
         inputs = [(a if len(a) <= bound else _cut(a, bound), b if len(b) <= bound else _cut(b, bound))
@@ -173,6 +177,31 @@ class TextTokenizer:
             self._refuse_overflow(encodings, "documents", first_index)
         return [self._shape(enc, with_offsets, pair=True, truncated=bool(enc.overflowing) or b is not second)
                 for enc, (_, b), second in zip(encodings, inputs, seconds)]
+
+    def _encode_cut_first(self, firsts: list[str], seconds: list[str], truncate: bool,
+                          first_index: int) -> list[Encoded]:
+        """Pairs truncated from their first text (widened like single texts when a cut first text
+        may tokenize differently from the whole)."""
+        tokenizer = self._pair_variant(strategy="only_first")
+        bound = self.max_chars
+        inputs = [(a if len(a) <= bound else _cut(a, bound), b) for a, b in zip(firsts, seconds)]
+        try:
+            encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
+            for index, (a, b) in enumerate(inputs):
+                wider = bound
+                while a is not firsts[index] and _needs_wider(a, encodings[index], sequence=0) \
+                        and wider < bound * WIDEN_LIMIT:
+                    wider *= 4
+                    a = firsts[index] if len(firsts[index]) <= wider else _cut(firsts[index], wider)
+                    inputs[index] = (a, b)
+                    encodings[index] = tokenizer.encode(a, b, add_special_tokens=True)
+        except Exception as exc:  # tokenizers refuses when the second text alone is too long
+            raise InputTooLong(f"a hypothesis leaves no room for the text within {self.max_length} tokens: "
+                               f"shorten it ({exc})", details={"max_length": self.max_length}) from None
+        if not truncate:
+            self._refuse_overflow(encodings, "texts", first_index)
+        return [self._shape(enc, False, pair=True, truncated=bool(enc.overflowing) or a is not first)
+                for enc, (a, _), first in zip(encodings, inputs, firsts)]
 
     def window_room(self, first: str) -> int:
         """Tokens of a pair's second text that fit in one sequence next to `first` (whole)."""
@@ -226,6 +255,32 @@ class TextTokenizer:
             keep -= 1
         return "", True
 
+    def encode_words(self, word_lists: list[list[str]]) -> list[Encoded]:
+        """Each list of words as one sequence (special tokens included, no truncation: the caller
+        sizes it), tokenized word by word as transformers does with `is_split_into_words`; word ids
+        index the list."""
+        encodings = self._plain_tokenizer().encode_batch(word_lists, is_pretokenized=True, add_special_tokens=True)
+        return [Encoded(np.asarray(enc.ids, dtype=np.int64),
+                        word_ids=np.asarray([-1 if w is None else w for w in enc.word_ids], dtype=np.int32))
+                for enc in encodings]
+
+    def encode_whole(self, text: str) -> tuple[Encoded, int, int]:
+        """`text` as one sequence without truncation, with offsets and word ids (the caller reads
+        it in windows), and how many special tokens open and close it."""
+        enc = self._plain_tokenizer().encode(text, add_special_tokens=True)
+        mask = enc.special_tokens_mask
+        lead = next((i for i, special in enumerate(mask) if not special), len(mask))
+        trail = next((i for i, special in enumerate(reversed(mask)) if not special), 0) if lead < len(mask) else 0
+        return self._shape(enc, True, pair=False), lead, trail
+
+    def word_token_counts(self, words: list[str]) -> np.ndarray:
+        """`[w]` tokens each word takes (as `encode_words` tokenizes it, without special tokens)."""
+        if not words:
+            return np.zeros(0, dtype=np.int64)
+        enc = self._plain_tokenizer().encode(words, is_pretokenized=True, add_special_tokens=False)
+        ids = np.asarray([w for w in enc.word_ids if w is not None], dtype=np.int64)
+        return np.bincount(ids, minlength=len(words))
+
     def plain_ids(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens and without truncation."""
         return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
@@ -239,20 +294,21 @@ class TextTokenizer:
             self._plain = clone  # a benign race: two threads may each build one
         return self._plain
 
-    def _pair_variant(self, stride: int = 0) -> Tokenizer:
-        """A clone that truncates pairs from their second text, keeping `stride` tokens of overlap
-        in the overflowing windows. The last few strides used are kept; a clone is built outside
-        the lock, so a new stride never holds up the others."""
+    def _pair_variant(self, stride: int = 0, strategy: str = "only_second") -> Tokenizer:
+        """A clone that truncates pairs from their second text (or, `only_first`, their first),
+        keeping `stride` tokens of overlap in the overflowing windows. The last few used are kept;
+        a clone is built outside the lock, so a new stride never holds up the others."""
+        key = (stride, strategy)
         with self._pair_lock:
-            clone = self._pair_tokenizers.get(stride)
+            clone = self._pair_tokenizers.get(key)
             if clone is not None:
-                self._pair_tokenizers.move_to_end(stride)
+                self._pair_tokenizers.move_to_end(key)
                 return clone
         clone = Tokenizer.from_str(self._tokenizer.to_str())
         clone.no_padding()
-        clone.enable_truncation(max_length=self._budget, stride=stride, strategy="only_second")
+        clone.enable_truncation(max_length=self._budget, stride=stride, strategy=strategy)
         with self._pair_lock:
-            self._pair_tokenizers[stride] = clone
+            self._pair_tokenizers[key] = clone
             while len(self._pair_tokenizers) > 8:
                 self._pair_tokenizers.popitem(last=False)
         return clone

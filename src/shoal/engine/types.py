@@ -39,6 +39,24 @@ class ScoreSpec:
 
 
 @dataclass(frozen=True)
+class ExtractSpec:
+    """An extraction sequence and what its head needs.
+
+    entities (GLiNER): positions in the sequence of each text word's first (or last) token
+    (`word_tokens` `[w]`) and of each label's prompt token (`prompt_tokens` `[c]`); the head
+    returns the candidate spans scoring above `threshold` no wider than `max_width` words.
+    token_logits (token classifiers) and nli (zero-shot classification) need nothing more.
+    """
+
+    outputs: tuple[str, ...]  # ("entities",), ("token_logits",) or ("nli",)
+    word_tokens: np.ndarray | None = None
+    prompt_tokens: np.ndarray | None = None
+    threshold: float = 0.5
+    max_width: int = 12
+    is_query: bool = False
+
+
+@dataclass(frozen=True)
 class Batch:
     """A padding-free batch: n sequences packed into T tokens."""
 

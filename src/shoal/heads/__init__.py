@@ -10,6 +10,9 @@ class that loads and owns its own tensors. Every head has `output` (the name a s
     multivector           ColbertHead        projected token vectors; shapes query/document tokenizers
     score (cross_encoder) ClassifierHead     the checkpoint's sequence-classification head on the pair
     score (llm)           YesNoHead          P(yes) from the last token's yes/no LM-head rows
+    extract (gliner)      GlinerHead         span candidates of the requested labels (GLiNER)
+    extract (token_class) TokenClassHead     per-token label logits (BIO/IOB2 NER)
+    extract (zero_shot)   NliHead            NLI logits of (text, hypothesis) pairs
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ import torch
 from ..layers import AttentionMeta
 from .multivector import ColbertHead
 from .pooling import PoolingHead, finish, pool
-from .score import ClassifierHead, YesNoHead
+from .gliner import GlinerHead
+from .score import ClassifierHead, NliHead, YesNoHead
+from .token_class import TokenClassHead
 from .sparse import MaskedLMHead, SpladeHead, TokenWeightsHead, sparse_entries, splade, token_weights
 
 __all__ = ["BuildContext", "Hidden", "build_heads", "finish", "pool", "sparse_entries", "splade", "token_weights",
            "MaskedLMHead", "PoolingHead", "SpladeHead", "TokenWeightsHead", "ColbertHead",
-           "ClassifierHead", "YesNoHead"]
+           "ClassifierHead", "YesNoHead", "GlinerHead", "NliHead", "TokenClassHead"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ _REGISTRY: dict[str, type] = {
     "multivector": ColbertHead,
     "score:cross_encoder": ClassifierHead,
     "score:llm": YesNoHead,
+    "extract:gliner": GlinerHead,
+    "extract:token_class": TokenClassHead,
+    "extract:zero_shot": NliHead,
 }
 
 
@@ -67,9 +75,13 @@ def _key(card, output: str) -> str:
 
 
 def build_heads(ctx: BuildContext) -> dict[str, Any]:
-    """One head per output the card lists (when it encodes), and a reranker's score head; by output name."""
+    """One head per output the card lists (when it encodes), a reranker's score head, an extraction
+    model's head; by output name."""
     card = ctx.card
     heads = {output: _REGISTRY[_key(card, output)].build(ctx) for output in card.outputs} if "encode" in card.tasks else {}
     if card.score is not None:
         heads["score"] = _REGISTRY[f"score:{card.score.kind}"].build(ctx)
+    if card.extract is not None:
+        head = _REGISTRY[f"extract:{card.extract.kind}"].build(ctx)
+        heads[head.output] = head
     return heads

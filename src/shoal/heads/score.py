@@ -38,36 +38,7 @@ class ClassifierHead:
 
     @classmethod
     def build(cls, ctx) -> "ClassifierHead":
-        layout = getattr(ctx.model, "classifier_layout", None)
-        if layout is None:
-            raise ModelLoadError(f"{type(ctx.model).__name__} has no sequence-classification head for scoring")
-        pooling, layout_steps = layout(read_config(ctx.directory))
-        names = []
-        for op, name, *opts in layout_steps:
-            if op in ("linear", "norm"):
-                names.append(f"{name}.weight")
-                if (opts[0] if opts else {}).get("bias", True):
-                    names.append(f"{name}.bias")
-        prefixes = getattr(ctx.model, "checkpoint_prefixes", ("bert.", "model."))
-        t = {k: v.to(**ctx.to) for k, v in load_tensors(ctx.directory, names, prefixes=prefixes).items()}
-        steps, num_labels = [], None
-        for op, name, *opts in layout_steps:
-            opt = opts[0] if opts else {}
-            if op == "linear":
-                weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
-                steps.append(lambda x, w=weight, b=bias: F.linear(x, w, b))
-                num_labels = weight.shape[0]
-            elif op == "norm":
-                weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
-                steps.append(lambda x, w=weight, b=bias, eps=opt.get("eps", 1e-5): F.layer_norm(x, w.shape, w, b, eps))
-            elif op == "act":
-                try:
-                    steps.append(activation(name))
-                except ValueError as exc:  # an activation config.json names that shoal lacks
-                    raise ModelLoadError(f"{ctx.card.id}: the classifier head's {exc}",
-                                         details={"file": "config.json"}) from None
-            else:
-                raise ModelLoadError(f"unknown classifier step {op!r}")
+        pooling, steps, num_labels = classifier_steps(ctx)
         spec = ctx.card.score
         positive = spec.positive_label if spec.positive_label is not None else num_labels - 1
         if not 0 <= positive < num_labels:
@@ -95,6 +66,70 @@ class ClassifierHead:
             scores = raw
         raw, scores = raw.cpu().tolist(), scores.cpu().tolist()
         return [(raw[i] if s.raw else scores[i]) if "score" in s.outputs else None for i, s in enumerate(specs)]
+
+
+class NliHead(ClassifierHead):
+    """Zero-shot classification: the same sequence-classification head on (text, hypothesis)
+    pairs; `run` returns each pair's logits `[labels]` (numpy) for the extract task to read."""
+
+    output = "nli"
+
+    @classmethod
+    def build(cls, ctx) -> "NliHead":
+        pooling, steps, num_labels = classifier_steps(ctx)
+        head = cls(pooling, steps, "none", num_labels, 0)
+        names = {int(k): str(v) for k, v in (read_config(ctx.directory).get("id2label") or {}).items()}
+        wanted = ctx.card.extract.entailment_label
+        matches = [i for i, name in sorted(names.items())
+                   if (name == wanted if wanted else name.lower().startswith("entail"))]
+        if not matches or num_labels < 2:
+            raise ModelLoadError(f"{ctx.card.id}: no {wanted or 'entailment'} label among config.json's id2label "
+                                 f"{sorted(names.values())}; set extract.entailment_label",
+                                 details={"field": "extract.entailment_label"})
+        # As transformers' pipeline: the entailment label, and (multi-label) label 0 against it,
+        # or the last label when entailment is label 0.
+        head.entailment_id = matches[0]
+        head.contradiction_id = num_labels - 1 if head.entailment_id == 0 else 0
+        return head
+
+    def run(self, hidden, specs) -> list:
+        logits = self.logits(hidden).cpu().numpy()
+        return [logits[i] if "nli" in s.outputs else None for i, s in enumerate(specs)]
+
+
+def classifier_steps(ctx) -> tuple[str, list[Callable[[torch.Tensor], torch.Tensor]], int]:
+    """The architecture's sequence-classification head as (pooling, steps, number of labels)."""
+    layout = getattr(ctx.model, "classifier_layout", None)
+    if layout is None:
+        raise ModelLoadError(f"{type(ctx.model).__name__} has no sequence-classification head")
+    pooling, layout_steps = layout(read_config(ctx.directory))
+    names = []
+    for op, name, *opts in layout_steps:
+        if op in ("linear", "norm"):
+            names.append(f"{name}.weight")
+            if (opts[0] if opts else {}).get("bias", True):
+                names.append(f"{name}.bias")
+    prefixes = getattr(ctx.model, "checkpoint_prefixes", ("bert.", "model."))
+    t = {k: v.to(**ctx.to) for k, v in load_tensors(ctx.directory, names, prefixes=prefixes).items()}
+    steps, num_labels = [], None
+    for op, name, *opts in layout_steps:
+        opt = opts[0] if opts else {}
+        if op == "linear":
+            weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
+            steps.append(lambda x, w=weight, b=bias: F.linear(x, w, b))
+            num_labels = weight.shape[0]
+        elif op == "norm":
+            weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
+            steps.append(lambda x, w=weight, b=bias, eps=opt.get("eps", 1e-5): F.layer_norm(x, w.shape, w, b, eps))
+        elif op == "act":
+            try:
+                steps.append(activation(name))
+            except ValueError as exc:  # an activation config.json names that shoal lacks
+                raise ModelLoadError(f"{ctx.card.id}: the classifier head's {exc}",
+                                     details={"file": "config.json"}) from None
+        else:
+            raise ModelLoadError(f"unknown classifier step {op!r}")
+    return pooling, steps, num_labels
 
 
 class YesNoHead:

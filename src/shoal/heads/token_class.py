@@ -4,7 +4,7 @@ hidden state, as `BertForTokenClassification`, `DistilBertForTokenClassification
 dropout is a no-op at inference).
 
 It works on packed states `[T, hidden]`; turning its logits into entity spans is
-`shoal.spans.aggregate_entities` (numpy only). Not registered in `heads.__init__` yet.
+`shoal.spans.aggregate_entities` (numpy only); `run` returns each sequence's logits `[n, labels]`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from ..weights import load_tensors, read_config
 
 
 class TokenClassHead:
+    output = "token_logits"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, id2label: dict[int, str]) -> None:
         self.weight = weight  # [labels, hidden]
         self.bias = bias  # [labels] or None
@@ -53,3 +55,9 @@ class TokenClassHead:
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """`[T, hidden]` -> `[T, labels]` float32 logits, one row per packed token."""
         return F.linear(states, self.weight, self.bias).float()
+
+    def run(self, hidden, specs) -> list:
+        logits = self.logits(hidden.states).cpu().numpy()  # [T, labels]
+        bounds = hidden.meta.cu_seqlens.tolist()
+        return [logits[bounds[i]:bounds[i + 1]] if "token_logits" in s.outputs else None
+                for i, s in enumerate(specs)]

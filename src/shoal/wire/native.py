@@ -1,4 +1,4 @@
-"""Native `/v1/encode` and `/v1/score`: requests, responses, and their translation to calls.
+"""Native `/v1/encode`, `/v1/score` and `/v1/extract`: requests, responses, and their translation to calls.
 
 Items carry an optional `id` (a string or an int64), echoed back as sent (`null` when absent); a
 score item also carries `index`, its position in the request.
@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..calls import EncodeCall, ScoreCall, ScoreResult
+from ..calls import EncodeCall, Entity, ExtractCall, ExtractResult, LabelScore, ScoreCall, ScoreResult
 
 OutputDtype = Literal["float32", "float16", "int8", "binary"]
 OutputKind = Literal["dense", "sparse", "multivector"]
@@ -138,6 +138,65 @@ class ScoreResponse(msgspec.Struct):
     items: list[ScoredItem]  # best first
     usage: Usage
     timings: Timings
+
+
+# --- /v1/extract --------------------------------------------------------------------------------
+
+
+class ExtractItem(msgspec.Struct, forbid_unknown_fields=True):
+    text: str
+    id: ItemId = None
+
+
+class ExtractOptions(msgspec.Struct, forbid_unknown_fields=True):
+    threshold: float | None = None  # 0..1; unset: the card's (GLiNER: 0.5)
+    flat_ner: bool = True
+    multi_label: bool = False
+    max_span_width: int | None = None
+    hypothesis_template: str | None = None
+    aggregation: str | None = None
+    timeout_s: TimeoutS | None = None
+
+
+class ExtractRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: NonEmpty
+    items: Annotated[list[ExtractItem], msgspec.Meta(min_length=1)]
+    labels: list[str] = []
+    options: ExtractOptions = msgspec.field(default_factory=ExtractOptions)
+
+
+class ExtractedItem(msgspec.Struct, omit_defaults=True):
+    id: ItemId
+    index: int
+    entities: list[Entity] | None = None
+    labels: list[LabelScore] | None = None
+    num_windows: int = 1
+    truncated: bool = False
+
+
+class ExtractResponse(msgspec.Struct):
+    model: str
+    items: list[ExtractedItem]
+    usage: Usage
+    timings: Timings
+
+
+def extract_call(req: ExtractRequest, request_id: str | None = None) -> ExtractCall:
+    opts = req.options
+    return ExtractCall(
+        model=req.model, texts=[item.text for item in req.items], labels=req.labels, threshold=opts.threshold,
+        flat_ner=opts.flat_ner, multi_label=opts.multi_label, max_span_width=opts.max_span_width,
+        hypothesis_template=opts.hypothesis_template, aggregation=opts.aggregation,
+        request_id=request_id, timeout_s=opts.timeout_s,
+    )
+
+
+def extract_response(req: ExtractRequest, result: ExtractResult) -> ExtractResponse:
+    items = [ExtractedItem(id=item.id, index=i, entities=out.entities, labels=out.labels,
+                           num_windows=out.num_windows, truncated=out.truncated)
+             for i, (item, out) in enumerate(zip(req.items, result.items))]
+    return ExtractResponse(model=req.model, items=items, usage=Usage(tokens=result.num_tokens),
+                           timings=timings_of(result))
 
 
 def encode_call(req: EncodeRequest, request_id: str | None = None) -> EncodeCall:

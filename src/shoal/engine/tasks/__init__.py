@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ...calls import EncodeCall, ScoreCall
+from ...calls import EncodeCall, ExtractCall, ScoreCall
 from .encode import EncodeTask
+from .extract import ExtractTask
 from .score import ScoreTask
 
 
@@ -32,6 +33,6 @@ class Task(Protocol):
     def collect(self, plan: Any, seqs: list, outputs: list, timings: dict[str, float]) -> Any: ...
 
 
-TASKS: dict[type, Task] = {EncodeCall: EncodeTask(), ScoreCall: ScoreTask()}
+TASKS: dict[type, Task] = {EncodeCall: EncodeTask(), ScoreCall: ScoreTask(), ExtractCall: ExtractTask()}
 
-__all__ = ["TASKS", "Task", "EncodeTask", "ScoreTask"]
+__all__ = ["TASKS", "Task", "EncodeTask", "ExtractTask", "ScoreTask"]

@@ -1,0 +1,179 @@
+"""GLiNER's span head (uni-encoder, `span_mode: markerV0`), over the packed backbone output.
+
+One sequence is `[CLS] <<ENT>> label ... <<ENT>> label <<SEP>> word ... word [SEP]`, tokenized word
+by word. From the backbone's token states (projected to GLiNER's hidden size when they differ):
+
+    prompts   the state at each label's <<ENT>> token (or the token after it), through
+              `prompt_rep_layer` (Linear 4H, ReLU, Linear H)                      -> p   [C, H]
+    words     the state of each text word's first (or last) token, through a bidirectional
+              LSTM                                                               -> h   [W, H]
+    spans     for a start i and width k < K: out_project(relu([start(h_i), end(h_i+k)])), where
+              start, end and out_project are two-layer ReLU MLPs
+    logits    span . p for every span and label                                   -> [W, K, C]
+
+The first layer of out_project acts on the two halves of the concatenation separately, and the
+span's score is linear in its out_project output, so both fold: per word a = relu(start(h)) A
+and b = relu(end(h)) B once, the hidden layer of span (i, k) is relu(a_i + b_(i+k) + bias), and
+its scores are that times (W2^T p) plus W2's bias . p. The [W, K, H] span tensor of the reference is
+never built; the scores are the same up to float rounding.
+
+`run` returns, per sequence, the candidates whose sigmoid score passes the spec's threshold as
+numpy arrays (start, width, label, score) in (start, width, label) order; decoding them is
+`shoal.spans.decode_spans`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
+
+from ..errors import ModelLoadError
+from ..weights import load_tensors
+
+CONFIG_FILE = "gliner_config.json"
+BACKBONE_PREFIX = "token_rep_layer.bert_layer.model."
+POOLINGS = ("first", "last")
+
+
+def read_gliner_config(directory: Path) -> dict[str, Any]:
+    try:
+        return json.loads((directory / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{directory}/{CONFIG_FILE}: {exc}", details={"file": CONFIG_FILE}) from None
+
+
+def check_gliner_config(config: dict[str, Any], where: str) -> None:
+    """Refuse, naming the field, the GLiNER variants this head does not implement."""
+    def refuse(field: str, value: Any, supported: str) -> None:
+        raise ModelLoadError(f"{where}: GLiNER {field}={value!r} is not implemented (shoal serves {supported})",
+                             details={"file": CONFIG_FILE, "field": field})
+
+    span_mode = config.get("span_mode", "markerV0")
+    if span_mode != "markerV0":
+        refuse("span_mode", span_mode, "span_mode markerV0, the uni-encoder span models")
+    for field in ("labels_encoder", "labels_decoder", "relations_layer"):
+        if config.get(field):
+            refuse(field, config[field], "uni-encoder span models")
+    if config.get("post_fusion_schema"):
+        refuse("post_fusion_schema", config["post_fusion_schema"], "models without post-fusion layers")
+    if config.get("fuse_layers"):
+        refuse("fuse_layers", True, "models that read the last layer")
+    pooling = config.get("subtoken_pooling", "first")
+    if pooling not in POOLINGS:
+        refuse("subtoken_pooling", pooling, "first or last subtoken pooling")
+    if config.get("words_splitter_type", "whitespace") != "whitespace":
+        refuse("words_splitter_type", config["words_splitter_type"], "the whitespace word splitter")
+
+
+class _Mlp:
+    """create_projection_layer: Linear(in, 4 out), ReLU, (dropout), Linear(4 out, out)."""
+
+    def __init__(self, t: dict[str, torch.Tensor], name: str) -> None:
+        self.w1, self.b1 = t[f"{name}.0.weight"], t[f"{name}.0.bias"]
+        self.w2, self.b2 = t[f"{name}.3.weight"], t[f"{name}.3.bias"]
+
+    @staticmethod
+    def names(name: str) -> list[str]:
+        return [f"{name}.{i}.{kind}" for i in (0, 3) for kind in ("weight", "bias")]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.relu(F.linear(x, self.w1, self.b1)), self.w2, self.b2)
+
+
+class GlinerHead:
+    output = "entities"
+
+    def __init__(self, config: dict[str, Any], t: dict[str, torch.Tensor], lstm: nn.LSTM | None) -> None:
+        self.max_width = int(config.get("max_width", 12))
+        self.max_len = int(config.get("max_len", 384))  # words a text was trained with at most
+        self.ent_token = config.get("ent_token", "<<ENT>>")
+        self.sep_token = config.get("sep_token", "<<SEP>>")
+        self.hidden_size = int(config["hidden_size"])
+        self.embed_ent_token = bool(config.get("embed_ent_token", True))
+        self.pooling = config.get("subtoken_pooling", "first")
+        self.projection = (t["token_rep_layer.projection.weight"], t["token_rep_layer.projection.bias"]) \
+            if "token_rep_layer.projection.weight" in t else None
+        self.lstm = lstm
+        self.prompt = _Mlp(t, "prompt_rep_layer")
+        self.start = _Mlp(t, "span_rep_layer.span_rep_layer.project_start")
+        self.end = _Mlp(t, "span_rep_layer.span_rep_layer.project_end")
+        out = _Mlp(t, "span_rep_layer.span_rep_layer.out_project")
+        h = self.hidden_size
+        self.out_start, self.out_end = out.w1[:, :h], out.w1[:, h:]  # [4H, H] each
+        self.out_b1, self.out_w2, self.out_b2 = out.b1, out.w2, out.b2
+
+    @classmethod
+    def build(cls, ctx) -> "GlinerHead":
+        config = read_gliner_config(ctx.directory)
+        check_gliner_config(config, str(ctx.directory))
+        names = [*_Mlp.names("prompt_rep_layer")]
+        for part in ("project_start", "project_end", "out_project"):
+            names += _Mlp.names(f"span_rep_layer.span_rep_layer.{part}")
+        layers = int(config.get("num_rnn_layers", 1))
+        lstm_names = [f"rnn.lstm.{kind}_l{i}{rev}" for i in range(layers) for rev in ("", "_reverse")
+                      for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+        t = load_tensors(ctx.directory, names + lstm_names, prefixes=())
+        try:
+            t.update(load_tensors(ctx.directory, ["token_rep_layer.projection.weight",
+                                                  "token_rep_layer.projection.bias"], prefixes=()))
+        except ModelLoadError:  # the backbone's hidden size is GLiNER's: no projection
+            pass
+        lstm = None
+        if layers > 0:
+            h = int(config["hidden_size"])
+            lstm = nn.LSTM(h, h // 2, num_layers=layers, bidirectional=True, batch_first=True)
+            try:
+                lstm.load_state_dict({name.removeprefix("rnn.lstm."): t.pop(name) for name in lstm_names})
+            except RuntimeError as exc:
+                raise ModelLoadError(f"{ctx.directory}: the checkpoint's LSTM does not fit hidden_size {h}: {exc}",
+                                     details={"file": CONFIG_FILE}) from None
+            lstm = lstm.to(**ctx.to).eval().requires_grad_(False)
+        t = {k: v.to(**ctx.to) for k, v in t.items()}
+        return cls(config, t, lstm)
+
+    def run(self, hidden, specs) -> list:
+        mine = [i for i, s in enumerate(specs) if "entities" in s.outputs]
+        out: list = [None] * len(specs)
+        if not mine:
+            return out
+        states = hidden.states
+        if self.projection is not None:
+            states = F.linear(states, *self.projection)
+        starts = hidden.meta.cu_seqlens[:-1].long().tolist()
+        device = states.device
+        words, prompts = [], []
+        for i in mine:
+            spec = specs[i]
+            words.append(states[starts[i] + torch.from_numpy(spec.word_tokens).to(device)])  # [w, H]
+            prompts.append(states[starts[i] + torch.from_numpy(spec.prompt_tokens).to(device)])  # [c, H]
+        if self.lstm is not None:  # each sequence's words on their own, as a packed batch
+            packed, _ = self.lstm(pack_sequence(words, enforce_sorted=False))
+            padded, _ = pad_packed_sequence(packed, batch_first=True)  # [n, W, H]
+            words = [padded[j, : len(w)] for j, w in enumerate(words)]
+        for j, i in enumerate(mine):
+            out[i] = self._candidates(words[j], prompts[j], specs[i])
+        return out
+
+    def _candidates(self, h: torch.Tensor, prompts: torch.Tensor, spec) -> tuple[np.ndarray, ...]:
+        num_words, num_labels = h.shape[0], prompts.shape[0]
+        width = min(self.max_width, spec.max_width)
+        a = F.linear(F.relu(self.start(h)), self.out_start)  # [W, 4H]
+        b = F.linear(F.relu(self.end(h)), self.out_end)  # [W, 4H]
+        p = self.prompt(prompts)  # [C, H]
+        label_rows = p @ self.out_w2  # [C, 4H]
+        label_bias = p @ self.out_b2  # [C]
+        logits = torch.full((num_words, self.max_width, num_labels), float("-inf"), device=h.device)
+        for k in range(min(width, num_words)):  # spans (i, i + k) that end inside the text
+            span_hidden = F.relu(a[: num_words - k] + b[k:] + self.out_b1)  # [W - k, 4H]
+            logits[: num_words - k, k] = (span_hidden @ label_rows.T + label_bias).float()
+        probs = torch.sigmoid(logits)
+        s, k, c = torch.nonzero(probs > spec.threshold, as_tuple=True)
+        scores = probs[s, k, c]
+        return (s.cpu().numpy(), k.cpu().numpy(), c.cpu().numpy(), scores.cpu().numpy())
