@@ -387,7 +387,7 @@ class TokenizerPool:
 
     async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool, *,
                      pairs: list[str] | None = None, with_offsets: bool = False, what: str = "items",
-                     indexed: bool = True) -> list[Encoded]:
+                     indexed: bool = True, cut_first: bool = False) -> list[Encoded]:
         """`tokenizer.encode` in the pool, TEXTS_PER_JOB texts a job (so requests take turns).
         Errors name `what[i]`, or `what` alone when not `indexed`."""
         loop = asyncio.get_running_loop()
@@ -397,7 +397,7 @@ class TokenizerPool:
             chunk_pairs = pairs[start:start + TEXTS_PER_JOB] if pairs is not None else None
             out += await loop.run_in_executor(self._executor, functools.partial(
                 tokenizer.encode, chunk, truncate, pairs=chunk_pairs, with_offsets=with_offsets,
-                first_index=start if indexed else None, what=what))
+                first_index=start if indexed else None, what=what, cut_first=cut_first))
         return out
 
     def close(self) -> None:
