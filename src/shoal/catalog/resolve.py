@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import shutil
 from pathlib import Path
 
 from ..errors import ModelLoadError
@@ -39,7 +40,7 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
         if spec is not None and spec.submodule_search_locations:
             path = Path(list(spec.submodule_search_locations)[0]) / subdir
             if _is_model_dir(path):
-                return path
+                return _from_onnx(path, source.onnx) if source.onnx else path
             tried.append(f"package {module} has no model files under {subdir!r}")
         else:
             pip_name = source.package_pip or module.replace("_", "-")
@@ -69,6 +70,30 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
         f"no weights found for {card.id}: " + "; ".join(tried),
         details={"model": card.id, "tried": tried},
     )
+
+
+ONNX_CACHE_DIR = Path("~/.cache/shoal/onnx")
+
+
+def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
+    """The folder with its ONNX model's weights dequantised into model.safetensors, built once
+    into a cache keyed by the file's name, size and modification time."""
+    from ..weights_onnx import convert
+
+    path = folder / onnx
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    out = (cache_dir or ONNX_CACHE_DIR).expanduser() / f"{folder.name}-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (out / "model.safetensors").is_file():
+        return out
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    convert(path, staging, source_dir=folder)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out
 
 
 def _is_model_dir(path: Path) -> bool:
