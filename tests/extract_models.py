@@ -42,6 +42,27 @@ def unigram_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
+def sentencepiece_backbone(directory: Path) -> int:
+    """A folder laid out as microsoft/deberta-v3-* are: spm.model and tokenizer_config.json, no
+    tokenizer.json (a SentencePiece Unigram model trained on the repo's docs). Returns its size."""
+    import io
+
+    import sentencepiece
+
+    corpus = [line for path in sorted((REPO / "docs").glob("*.md")) for line in path.read_text().splitlines()
+              if line.strip()]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=1200, model_type="unigram",
+        character_coverage=1.0, pad_id=0, unk_id=3, bos_id=1, eos_id=2, pad_piece="[PAD]", unk_piece="[UNK]",
+        bos_piece="[CLS]", eos_piece="[SEP]", user_defined_symbols=["[MASK]"], minloglevel=2)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "spm.model").write_bytes(model.getvalue())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"do_lower_case": False, "vocab_type": "spm", "tokenizer_class": "DebertaV2Tokenizer"}))
+    return len(transformers.AutoTokenizer.from_pretrained(str(directory)))
+
+
 def wordpiece_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(minilm_dir() / "tokenizer.json"), cls_token="[CLS]", sep_token="[SEP]",
@@ -88,13 +109,19 @@ def build_gliner(directory: Path, backbone: str = "deberta-v3", seed: int = 0, h
 
     base = directory.parent / f"{directory.name}-backbone"
     sizes = {**SMALL, **(backbone_sizes or {})}
-    kind = tokenizer_kind or {"deberta-v3": "unigram", "bert": "wordpiece"}.get(backbone)
-    if kind not in ("unigram", "wordpiece"):
-        raise ValueError(tokenizer_kind)
-    if backbone not in ("deberta-v3", "bert"):
-        raise ValueError(backbone)
-    tokenizer = unigram_tokenizer(base) if kind == "unigram" else wordpiece_tokenizer(base)
-    if backbone == "deberta-v3":
+    if backbone == "deberta-v3-spm":  # as microsoft/deberta-v3-* ship: spm.model, no tokenizer.json
+        deberta_v3_config(sentencepiece_backbone(base), **sizes).save_pretrained(base)
+        backbone = kind = "spm"
+    else:
+        kind = tokenizer_kind or {"deberta-v3": "unigram", "bert": "wordpiece"}.get(backbone)
+        if kind not in ("unigram", "wordpiece"):
+            raise ValueError(tokenizer_kind)
+        if backbone not in ("deberta-v3", "bert"):
+            raise ValueError(backbone)
+        tokenizer = unigram_tokenizer(base) if kind == "unigram" else wordpiece_tokenizer(base)
+    if backbone == "spm":
+        pass
+    elif backbone == "deberta-v3":
         deberta_v3_config(len(tokenizer), **sizes).save_pretrained(base)
     else:
         transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **sizes).save_pretrained(base)

@@ -85,7 +85,7 @@ def test_entities_equal_gliner_predict_entities(tmp_path, deberta_gliner, flat_n
     assert found > 50  # the comparison covers many entities, not empty lists
 
 
-@pytest.mark.parametrize("layout", ["bert", "legacy"])
+@pytest.mark.parametrize("layout", ["bert", "legacy", "legacy-spm"])
 def test_bert_backbone_and_the_published_layout_equal_gliner(tmp_path, layout):
     """A BERT backbone (WordPiece, learned positions, a projection to a wider GLiNER hidden size);
     and the layout of the published v2.1 checkpoints: no encoder_config, no tokenizer in the
@@ -94,8 +94,11 @@ def test_bert_backbone_and_the_published_layout_equal_gliner(tmp_path, layout):
     if layout == "bert":
         reference = build_gliner(directory, "bert", seed=5, hidden_size=48)
         card = gliner_card(directory)
-    else:
-        reference = build_gliner(directory, "deberta-v3", seed=3, legacy_layout=True, embed_ent_token=False)
+    else:  # the legacy-spm backbone is as microsoft/deberta-v3-* ship: spm.model, no tokenizer.json
+        if layout == "legacy-spm":
+            pytest.importorskip("sentencepiece")
+        backbone = "deberta-v3-spm" if layout == "legacy-spm" else "deberta-v3"
+        reference = build_gliner(directory, backbone, seed=3, legacy_layout=True, embed_ent_token=False)
         card = gliner_card(directory, backbone=tmp_path / "model-backbone")
     catalog = catalog_with(tmp_path, card)
     labels = LABEL_SETS[1]

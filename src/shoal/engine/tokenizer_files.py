@@ -5,7 +5,9 @@ transformers 5, `add_bos_token` / `add_eos_token` in tokenizer_config.json are d
 tokenizer.json exists, so the file's post-processor alone decides (Qwen3-Embedding's appends
 `<|endoftext|>`, which its last-token pooling reads; SmolLM2's adds nothing).
 
-Older BERT-family repos ship only `vocab.txt`: a WordPiece tokenizer is built from it the way
+Repos with only a SentencePiece model (DeBERTa-v3's `spm.model`) are converted by transformers,
+as its AutoTokenizer converts them (an optional dependency). Older BERT-family repos ship only
+`vocab.txt`: a WordPiece tokenizer is built from it the way
 transformers' `BertTokenizer` builds one, with `do_lower_case`, `strip_accents`,
 `tokenize_chinese_chars` and the special tokens from tokenizer_config.json (falling back to
 special_tokens_map.json, then BERT's defaults), framed `[CLS] A [SEP]` / `[CLS] A [SEP] B [SEP]`.
@@ -33,8 +35,30 @@ def load_tokenizer(directory: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     if (directory / "vocab.txt").is_file():
         return wordpiece_from_vocab(directory)
-    raise ModelLoadError(f"{directory}: no tokenizer.json or vocab.txt to build a tokenizer from",
+    if any((directory / name).is_file() for name in _SENTENCEPIECE):
+        return from_sentencepiece(directory)
+    raise ModelLoadError(f"{directory}: no tokenizer.json, vocab.txt or SentencePiece model to build a tokenizer from",
                          details={"directory": str(directory)})
+
+
+# SentencePiece models of repos without a tokenizer.json (microsoft/deberta-v3-*: spm.model).
+_SENTENCEPIECE = ("spm.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def from_sentencepiece(directory: Path) -> Tokenizer:
+    """The fast tokenizer transformers converts from the folder's SentencePiece model (as its
+    AutoTokenizer does for such repos), which needs transformers and sentencepiece."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ModelLoadError(f"{directory} has only a SentencePiece model; converting it needs transformers and "
+                             "sentencepiece: pip install 'shoal[sentencepiece]'") from None
+    try:
+        converted = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        return Tokenizer.from_str(converted.backend_tokenizer.to_str())
+    except Exception as exc:  # a missing sentencepiece/protobuf, or a model transformers cannot read
+        raise ModelLoadError(f"{directory}: cannot convert its SentencePiece model ({type(exc).__name__}: {exc}); "
+                             "pip install 'shoal[sentencepiece]'") from None
 
 
 def wordpiece_from_vocab(directory: Path) -> Tokenizer:
