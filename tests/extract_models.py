@@ -125,8 +125,8 @@ def build_gliner(directory: Path, backbone: str = "deberta-v3", seed: int = 0, h
         deberta_v3_config(len(tokenizer), **sizes).save_pretrained(base)
     else:
         transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **sizes).save_pretrained(base)
-    config = GLiNERConfig(model_name=str(base), hidden_size=hidden_size, max_width=12, span_mode="markerV0",
-                          dropout=0.0, **gliner_config)
+    gliner_config = {"max_width": 12, "span_mode": "markerV0", **gliner_config}
+    config = GLiNERConfig(model_name=str(base), hidden_size=hidden_size, dropout=0.0, **gliner_config)
     torch.manual_seed(seed)
     model = GLiNER.from_config(config, backbone_from_pretrained=False, local_files_only=True)
     spread(model.model, seed)

@@ -111,6 +111,51 @@ def test_bert_backbone_and_the_published_layout_equal_gliner(tmp_path, layout):
     assert total > 5
 
 
+def test_marker_span_mode_with_one_word_spans_equals_gliner(tmp_path):
+    """span_mode marker (NuNER Zero's layout: one-word spans, a linear out_project)."""
+    directory = tmp_path / "model"
+    reference = build_gliner(directory, "deberta-v3", seed=6, span_mode="marker", max_width=1)
+    catalog = catalog_with(tmp_path, gliner_card(directory))
+    labels = LABEL_SETS[1]
+    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=0.5))
+    total = 0
+    for i, (item, text) in enumerate(zip(result.items, TEXTS)):
+        expected = reference.predict_entities(text, labels, threshold=0.5)
+        assert_same(expected, item.entities, f"text {i}")
+        total += len(expected)
+    assert total > 5
+
+
+def nuner_merge(text: str, entities: list[dict]) -> list[dict]:
+    """NuNER Zero's model card's `merge_entities`: consecutive entities of one label, next to each
+    other or one character apart, become one (the first's score)."""
+    merged = []
+    for entity in entities:
+        last = merged[-1] if merged else None
+        if last and last["label"] == entity["label"] and entity["start"] in (last["end"], last["end"] + 1):
+            last.update(end=entity["end"], text=text[last["start"]:entity["end"]].strip())
+        else:
+            merged.append(dict(entity))
+    return merged
+
+
+def test_nuner_zero_lowercases_labels_and_merges_adjacent_words(tmp_path):
+    directory = tmp_path / "model"
+    reference = build_gliner(directory, "deberta-v3", seed=6, span_mode="marker", max_width=1)
+    catalog = catalog_with(tmp_path, gliner_card(directory, lowercase_labels="true", merge_adjacent="true"))
+    labels = ["Person", "Location", "Organization"]
+    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=0.3))
+    merged_any = False
+    for i, (item, text) in enumerate(zip(result.items, TEXTS)):
+        raw = reference.predict_entities(text, [label.lower() for label in labels], threshold=0.3)
+        expected = nuner_merge(text, raw)
+        merged_any |= len(expected) < len(raw)
+        for e in expected:
+            e["label"] = labels[[label.lower() for label in labels].index(e["label"])]  # the labels as sent
+        assert_same(expected, item.entities, f"text {i}")
+    assert merged_any
+
+
 def test_max_span_width_keeps_shorter_spans_only(tmp_path, deberta_gliner):
     directory, _ = deberta_gliner
     catalog = catalog_with(tmp_path, gliner_card(directory))

@@ -137,7 +137,9 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     A text is split into words, read in windows of at most `max_words` words (unset: the model's
     `max_len`) that fit the backbone's max_length next to the label prompt; consecutive windows
     share `window_overlap_words` words, and entities are merged across them. `lowercase_labels`:
-    labels are lowercased before prompting (NuNER Zero was trained so).
+    labels are lowercased before prompting; `merge_adjacent`: consecutive entities of one label at
+    most one character apart become one, keeping the first's score (both as NuNER Zero's model
+    card uses its one-word spans).
 
     token_class: a token classifier (BIO/IOB2 tags from config.json's id2label), aggregated into
     entities as transformers' pipeline does with `aggregation`; long texts are read in windows of
@@ -159,6 +161,7 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_words: int | None = None
     window_overlap_words: int = 64
     lowercase_labels: bool = False
+    merge_adjacent: bool = False
     aggregation: Literal["simple", "first", "max", "average"] = "first"
     window_overlap_tokens: int = 64
     hypothesis_template: str = "This example is {}."

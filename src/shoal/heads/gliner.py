@@ -1,4 +1,4 @@
-"""GLiNER's span head (uni-encoder, `span_mode: markerV0`), over the packed backbone output.
+"""GLiNER's span head (uni-encoder, `span_mode` markerV0 or marker), over the packed backbone output.
 
 One sequence is `[CLS] <<ENT>> label ... <<ENT>> label <<SEP>> word ... word [SEP]`, tokenized word
 by word. From the backbone's token states (projected to GLiNER's hidden size when they differ):
@@ -8,14 +8,16 @@ by word. From the backbone's token states (projected to GLiNER's hidden size whe
     words     the state of each text word's first (or last) token, through a bidirectional
               LSTM                                                               -> h   [W, H]
     spans     for a start i and width k < K: out_project(relu([start(h_i), end(h_i+k)])), where
-              start, end and out_project are two-layer ReLU MLPs
+              start and end are two-layer ReLU MLPs, and out_project is one too (markerV0) or a
+              single linear layer (marker: NuNER Zero, K = 1)
     logits    span . p for every span and label                                   -> [W, K, C]
 
 The first layer of out_project acts on the two halves of the concatenation separately, and the
 span's score is linear in its out_project output, so both fold: per word a = relu(start(h)) A
 and b = relu(end(h)) B once, the hidden layer of span (i, k) is relu(a_i + b_(i+k) + bias), and
-its scores are that times (W2^T p) plus W2's bias . p. The [W, K, H] span tensor of the reference is
-never built; the scores are the same up to float rounding.
+its scores are that times (W2^T p) plus W2's bias . p (marker: a_i (A^T p) + b_(i+k) (B^T p) +
+bias . p, no hidden layer). The [W, K, H] span tensor of the reference is never built; the scores
+are the same up to float rounding.
 
 `run` returns, per sequence, the candidates whose sigmoid score passes the spec's threshold as
 numpy arrays (start, width, label, score) in (start, width, label) order; decoding them is
@@ -40,6 +42,7 @@ from ..weights import load_tensors
 CONFIG_FILE = "gliner_config.json"
 BACKBONE_PREFIX = "token_rep_layer.bert_layer.model."
 POOLINGS = ("first", "last")
+SPAN_MODES = ("markerV0", "marker")
 
 
 def read_gliner_config(directory: Path) -> dict[str, Any]:
@@ -56,8 +59,8 @@ def check_gliner_config(config: dict[str, Any], where: str) -> None:
                              details={"file": CONFIG_FILE, "field": field})
 
     span_mode = config.get("span_mode", "markerV0")
-    if span_mode != "markerV0":
-        refuse("span_mode", span_mode, "span_mode markerV0, the uni-encoder span models")
+    if span_mode not in SPAN_MODES:
+        refuse("span_mode", span_mode, "span_mode markerV0 or marker, the uni-encoder span models")
     for field in ("labels_encoder", "labels_decoder", "relations_layer"):
         if config.get(field):
             refuse(field, config[field], "uni-encoder span models")
@@ -104,18 +107,27 @@ class GlinerHead:
         self.prompt = _Mlp(t, "prompt_rep_layer")
         self.start = _Mlp(t, "span_rep_layer.span_rep_layer.project_start")
         self.end = _Mlp(t, "span_rep_layer.span_rep_layer.project_end")
-        out = _Mlp(t, "span_rep_layer.span_rep_layer.out_project")
         h = self.hidden_size
-        self.out_start, self.out_end = out.w1[:, :h], out.w1[:, h:]  # [4H, H] each
-        self.out_b1, self.out_w2, self.out_b2 = out.b1, out.w2, out.b2
+        self.mlp_out = config.get("span_mode", "markerV0") == "markerV0"
+        if self.mlp_out:
+            out = _Mlp(t, "span_rep_layer.span_rep_layer.out_project")
+            self.out_start, self.out_end = out.w1[:, :h], out.w1[:, h:]  # [4H, H] each
+            self.out_b1, self.out_w2, self.out_b2 = out.b1, out.w2, out.b2
+        else:  # marker: out_project is one Linear(2H, H)
+            w, b = t["span_rep_layer.span_rep_layer.out_project.weight"], t["span_rep_layer.span_rep_layer.out_project.bias"]
+            self.out_start, self.out_end, self.out_bias = w[:, :h], w[:, h:], b  # [H, H] each, [H]
 
     @classmethod
     def build(cls, ctx) -> "GlinerHead":
         config = read_gliner_config(ctx.directory)
         check_gliner_config(config, str(ctx.directory))
         names = [*_Mlp.names("prompt_rep_layer")]
-        for part in ("project_start", "project_end", "out_project"):
+        for part in ("project_start", "project_end"):
             names += _Mlp.names(f"span_rep_layer.span_rep_layer.{part}")
+        if config.get("span_mode", "markerV0") == "markerV0":
+            names += _Mlp.names("span_rep_layer.span_rep_layer.out_project")
+        else:
+            names += [f"span_rep_layer.span_rep_layer.out_project.{kind}" for kind in ("weight", "bias")]
         layers = int(config.get("num_rnn_layers", 1))
         lstm_names = [f"rnn.lstm.{kind}_l{i}{rev}" for i in range(layers) for rev in ("", "_reverse")
                       for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
@@ -164,15 +176,20 @@ class GlinerHead:
     def _candidates(self, h: torch.Tensor, prompts: torch.Tensor, spec) -> tuple[np.ndarray, ...]:
         num_words, num_labels = h.shape[0], prompts.shape[0]
         width = min(self.max_width, spec.max_width)
-        a = F.linear(F.relu(self.start(h)), self.out_start)  # [W, 4H]
-        b = F.linear(F.relu(self.end(h)), self.out_end)  # [W, 4H]
+        a = F.linear(F.relu(self.start(h)), self.out_start)  # [W, 4H] (marker: [W, H])
+        b = F.linear(F.relu(self.end(h)), self.out_end)
         p = self.prompt(prompts)  # [C, H]
-        label_rows = p @ self.out_w2  # [C, 4H]
-        label_bias = p @ self.out_b2  # [C]
         logits = torch.full((num_words, self.max_width, num_labels), float("-inf"), device=h.device)
-        for k in range(min(width, num_words)):  # spans (i, i + k) that end inside the text
-            span_hidden = F.relu(a[: num_words - k] + b[k:] + self.out_b1)  # [W - k, 4H]
-            logits[: num_words - k, k] = (span_hidden @ label_rows.T + label_bias).float()
+        if self.mlp_out:
+            label_rows = p @ self.out_w2  # [C, 4H]
+            label_bias = p @ self.out_b2  # [C]
+            for k in range(min(width, num_words)):  # spans (i, i + k) that end inside the text
+                span_hidden = F.relu(a[: num_words - k] + b[k:] + self.out_b1)  # [W - k, 4H]
+                logits[: num_words - k, k] = (span_hidden @ label_rows.T + label_bias).float()
+        else:
+            starts, ends, bias = a @ p.T, b @ p.T, p @ self.out_bias  # [W, C], [W, C], [C]
+            for k in range(min(width, num_words)):
+                logits[: num_words - k, k] = (starts[: num_words - k] + ends[k:] + bias).float()
         probs = torch.sigmoid(logits)
         s, k, c = torch.nonzero(probs > spec.threshold, as_tuple=True)
         scores = probs[s, k, c]

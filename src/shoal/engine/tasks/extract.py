@@ -228,6 +228,7 @@ class ExtractTask:
 
     def _collect_gliner(self, plan: ExtractPlan, outputs: list) -> list:
         call, n = plan.call, len(plan.call.texts)
+        merge = plan.card.extract.merge_adjacent
         found: list[list] = [[] for _ in range(n)]
         for owner, (first_word, (lo, hi)), (s, k, c, p) in zip(plan.owners, plan.windows, outputs):
             s = s.astype(np.int64) + first_word
@@ -242,6 +243,10 @@ class ExtractTask:
                 s, k, c, p = (np.concatenate(column) for column in zip(*parts))
                 for start, end, label, score in decode_spans(s, k, c, p, call.flat_ner, call.multi_label):
                     a, b = int(starts[start]), int(ends[end])
+                    if (merge and entities and entities[-1].label == plan.labels[label]
+                            and a - entities[-1].end <= 1):
+                        first = entities.pop()
+                        a, score = first.start, first.score
                     entities.append(Entity(text=text[a:b], label=plan.labels[label], score=score, start=a, end=b))
             items.append((entities, None))
         return items
