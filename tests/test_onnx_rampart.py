@@ -257,8 +257,9 @@ def test_a_graph_without_bert_weights_is_refused_with_the_missing_tensors(tmp_pa
 @needs_package
 def test_the_packaged_card_extracts_the_entities_transformers_pipeline_finds(converted, tmp_path, monkeypatch):
     """The catalog card end to end on the real weights: resolved from the installed package, its
-    ONNX dequantised once into the cache, served by the extract verb; the entities (aggregation
-    first) equal transformers' token-classification pipeline on the same weights."""
+    ONNX dequantised once into the cache, served by the extract verb. Without merging, the
+    entities (aggregation first) equal transformers' token-classification pipeline on the same
+    weights; the card's merge_adjacent joins them into fewer entities over the same characters."""
     import asyncio
 
     import transformers
@@ -268,26 +269,37 @@ def test_the_packaged_card_extracts_the_entities_transformers_pipeline_finds(con
     from shoal.engine import Engine, ExtractCall
 
     monkeypatch.setattr(resolve, "ONNX_CACHE_DIR", tmp_path / "onnx-cache")
-    catalog = Catalog.load()
-    card = catalog.get("arcjet/sensitive-info-rampart")
-    assert card.verified == "real_weights"
+    card = Catalog.load().get("arcjet/sensitive-info-rampart")
+    assert card.verified == "real_weights" and card.extract.merge_adjacent
+    cards = tmp_path / "cards"
+    cards.mkdir()
+    (cards / "unmerged.yaml").write_text(f"""
+id: test/rampart-unmerged
+tasks: [extract]
+extract: {{kind: token_class, aggregation: first}}
+source: {{package: {card.source.package}, onnx: {card.source.onnx}}}
+architecture: bert
+max_length: 512
+""")
+    catalog = Catalog.load(extra_dirs=(cards,))
 
     async def go():
         engine = Engine(EngineSettings(), catalog, allow_download=False)
         await engine.start()
         try:
-            return await engine.run(ExtractCall(model=card.id, texts=TEXTS))
+            return [await engine.run(ExtractCall(model=m, texts=TEXTS)) for m in ("test/rampart-unmerged", card.id)]
         finally:
             await engine.stop()
 
-    result = asyncio.run(go())
-    assert (tmp_path / "onnx-cache").is_dir()
+    unmerged, merged = asyncio.run(go())
+    assert len(list((tmp_path / "onnx-cache").iterdir())) == 1  # converted once, for both cards
     model = transformers.BertForTokenClassification.from_pretrained(str(converted)).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(converted))
     pipe = transformers.pipeline("token-classification", model=model, tokenizer=tokenizer,
                                  aggregation_strategy="first", device="cpu")
     labels = set()
-    for text, item in zip(TEXTS, result.items):
+    fewer = False
+    for text, item, joined in zip(TEXTS, unmerged.items, merged.items):
         expected = pipe(text)
         assert [(e["start"], e["end"], e["entity_group"]) for e in expected] == \
             [(e.start, e.end, e.label) for e in item.entities], text
@@ -295,4 +307,11 @@ def test_the_packaged_card_extracts_the_entities_transformers_pipeline_finds(con
             assert abs(float(e["score"]) - g.score) <= 1e-4
             assert g.text == text[g.start:g.end]
         labels.update(e.label for e in item.entities)
+
+        def covered(entities):
+            return {(i, e.label) for e in entities for i in range(e.start, e.end) if not text[i].isspace()}
+
+        assert covered(joined.entities) == covered(item.entities), text
+        fewer |= len(joined.entities) < len(item.entities)
     assert {"GIVEN_NAME", "SURNAME", "EMAIL", "PHONE"} <= labels
+    assert fewer

@@ -114,6 +114,22 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_extract(args: argparse.Namespace) -> int:
+    from .engine import ExtractCall
+
+    result = _run_once(args, ExtractCall(model=args.model, texts=args.text, labels=args.label or [],
+                                         threshold=args.threshold, multi_label=args.multi_label))
+    for text, item in zip(args.text, result.items):
+        out: dict = {"text": text}
+        if item.entities is not None:
+            out["entities"] = [{"text": e.text, "label": e.label, "score": round(e.score, 6), "start": e.start,
+                                "end": e.end} for e in item.entities]
+        if item.labels is not None:
+            out["labels"] = [{"label": s.label, "score": round(s.score, 6)} for s in item.labels]
+        print(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve small models: encode, score, extract.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--top-k", type=int)
     score.add_argument("--raw-scores", action="store_true", help="rerankers: the logit, no activation")
     score.set_defaults(func=cmd_score)
+
+    extract = sub.add_parser("extract", help="extract entities (or zero-shot labels) in-process and print JSON lines")
+    common(extract)
+    extract.add_argument("model")
+    extract.add_argument("text", nargs="+")
+    extract.add_argument("--label", action="append", metavar="LABEL",
+                         help="an entity type or class to look for (repeat; token classifiers need none)")
+    extract.add_argument("--threshold", type=float)
+    extract.add_argument("--multi-label", action="store_true")
+    extract.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    extract.set_defaults(func=cmd_extract)
     return parser
 
 

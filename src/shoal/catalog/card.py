@@ -143,7 +143,9 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     token_class: a token classifier (BIO/IOB2 tags from config.json's id2label), aggregated into
     entities as transformers' pipeline does with `aggregation`; long texts are read in windows of
-    max_length tokens sharing `window_overlap_tokens`.
+    max_length tokens sharing `window_overlap_tokens`. `merge_adjacent`: consecutive entities of one
+    label with only whitespace between them become one, scored by their mean (for taggers that
+    begin every piece with B-, as Rampart does).
 
     zero_shot: an NLI cross-encoder scores (text, hypothesis_template with the label) per label:
     the entailment logit (`entailment_label`, unset: the config.json label that starts with

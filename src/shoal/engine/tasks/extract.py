@@ -268,6 +268,8 @@ class ExtractTask:
             logits = stitched[index]
             groups = aggregate_entities(logits, id2label, offsets, word_ids, call.texts[index], strategy) \
                 if logits is not None and len(logits) else []
+            if card.extract.merge_adjacent:
+                groups = _merge_runs(groups, call.texts[index])
             entities = [Entity(**g) for g in groups
                         if (plan.threshold is None or g["score"] >= plan.threshold)
                         and (not plan.labels or g["label"] in plan.labels)]
@@ -293,6 +295,23 @@ class ExtractTask:
                       if plan.threshold is None or scores[i] >= plan.threshold]
             items.append((None, labels))
         return items
+
+
+def _merge_runs(groups: list[dict], text: str) -> list[dict]:
+    """Consecutive entities of one label with only whitespace between them, as one (mean score)."""
+    merged: list[dict] = []
+    counts: list[int] = []
+    for g in groups:
+        last = merged[-1] if merged else None
+        if last and last["label"] == g["label"] and not text[last["end"]:g["start"]].strip():
+            last["score"] = (last["score"] * counts[-1] + g["score"]) / (counts[-1] + 1)
+            counts[-1] += 1
+            last["end"] = g["end"]
+            last["text"] = text[last["start"]:g["end"]]
+        else:
+            merged.append(dict(g))
+            counts.append(1)
+    return merged
 
 
 def _labels(labels: list, required: bool) -> list[str]:
