@@ -229,3 +229,27 @@ def test_a_5000_word_text_is_read_in_windows_and_merged(tmp_path, deberta_gliner
     for where, word in places.items():  # entities found at the start, in the middle and at the end
         lo, hi = starts[max(0, word - 30)], ends[min(word + 37, len(words) - 1)]
         assert any(lo <= e.start < hi for e in item.entities), where
+
+
+def test_a_heavy_decoding_runs_beside_the_event_loop(tmp_path, deberta_gliner, monkeypatch):
+    """Threshold 0 on a long text: every span is a candidate; decoding them runs in a worker
+    thread (the event loop keeps serving), a small request's on the loop."""
+    import threading
+
+    from shoal.engine.tasks.extract import ExtractTask
+
+    directory, _ = deberta_gliner
+    catalog = catalog_with(tmp_path, gliner_card(directory))
+    threads = []
+    collect = ExtractTask.collect
+
+    def spy(self, *args):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return collect(self, *args)
+
+    monkeypatch.setattr(ExtractTask, "collect", spy)
+    heavy, light = run(catalog,
+                       ExtractCall(model="test/gliner", texts=[long_text(600)[0]], labels=LABEL_SETS[1], threshold=0.0),
+                       ExtractCall(model="test/gliner", texts=TEXTS[:1], labels=LABEL_SETS[0], threshold=0.9))
+    assert threads == [False, True]
+    assert len(heavy.items[0].entities) > 100

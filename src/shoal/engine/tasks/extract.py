@@ -31,6 +31,9 @@ MAX_LABELS = 100
 MAX_LABEL_CHARS = 200
 # A GLiNER window keeps at least this many tokens for text next to the label prompt.
 MIN_TEXT_TOKENS = 16
+# Beyond these, a request's decoding runs in a worker thread instead of on the event loop.
+OFF_LOOP_CANDIDATES = 4096
+OFF_LOOP_TOKENS = 16384
 
 
 @dataclass
@@ -211,6 +214,15 @@ class ExtractTask:
 
     def check_size(self, plan: ExtractPlan, seqs: list, max_result_bytes: int) -> None:
         return None  # entities are bounded by the text's words; labels by the request's
+
+    def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
+        """Whether decoding is heavy enough to run in a thread: many span candidates (a low
+        threshold, many labels, long texts) or many tokens to aggregate."""
+        if plan.kind == "gliner":
+            return sum(len(out[0]) for out in outputs) > OFF_LOOP_CANDIDATES
+        if plan.kind == "token_class":
+            return sum(len(out) for out in outputs) > OFF_LOOP_TOKENS
+        return False
 
     def collect(self, plan: ExtractPlan, seqs: list, outputs: list, timings: dict[str, float]) -> ExtractResult:
         n = len(plan.call.texts)
