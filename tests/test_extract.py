@@ -154,7 +154,7 @@ def test_zero_shot_scores_equal_the_pipeline(tmp_path, nli, multi_label):
         for item, exp in zip(result.items, want):
             assert [s.label for s in item.labels] == exp["labels"]
             np.testing.assert_allclose([s.score for s in item.labels], exp["scores"], atol=1e-4)
-            assert item.entities is None
+            assert item.entities is None and item.num_windows == 1
 
 
 def test_zero_shot_cuts_a_long_text_and_says_so(tmp_path, nli):
@@ -183,12 +183,16 @@ def test_bad_calls_are_refused_naming_the_problem(tmp_path, tagger, nli):
         "hypothesis_template must contain {}": dict(labels=["a"], hypothesis_template="no slot"),
         "max_span_width applies to gliner": dict(labels=["a"], max_span_width=3),
         "aggregation applies to token_class": dict(labels=["a"], aggregation="first"),
+        "flat_ner applies to gliner": dict(labels=["a"], flat_ner=False),
+        "as a format string; got 'It is {{}}'": dict(labels=["a"], hypothesis_template="It is {{}}"),
     }
     calls = [ExtractCall(model="test/nli", texts=["some text"], **kw) for kw in nli_calls.values()]
     calls.append(ExtractCall(model="test/tagger", texts=["x"], aggregation="best"))
     calls.append(ExtractCall(model="test/nli", texts=[], labels=["a"]))
+    calls.append(ExtractCall(model="test/tagger", texts=["x"], multi_label=True))
     results = run(catalog, *calls)
-    for expected, got in zip([*nli_calls, "aggregation must be one of", "no items"], results):
+    for expected, got in zip([*nli_calls, "aggregation must be one of", "no items", "multi_label applies to gliner and"],
+                             results):
         assert isinstance(got, InvalidRequest), (expected, got)
         assert expected in got.message, (expected, got.message)
 
@@ -206,3 +210,30 @@ def test_extract_cards_are_checked():
         parse_card({**base, "tasks": ["extract"], "extract": {"kind": "gliner", "threshold": 2}}, "card.yaml")
     card = parse_card({**base, "tasks": ["extract"], "extract": {"kind": "token_class"}}, "card.yaml")
     assert card.extract.aggregation == "first"
+
+
+def test_a_positional_template_is_filled_as_the_pipeline_fills_it(tmp_path, nli):
+    directory, model, tokenizer = nli
+    pipe = transformers.pipeline("zero-shot-classification", model=model, tokenizer=tokenizer, device="cpu")
+    catalog = catalog_with(tmp_path, extract_card(directory, "test/nli", "zero_shot"))
+    (result,) = run(catalog, ExtractCall(model="test/nli", texts=TEXTS[:1], labels=["food", "sports"],
+                                         hypothesis_template="About {0}."))
+    exp = pipe(TEXTS[0], candidate_labels=["food", "sports"], hypothesis_template="About {0}.")
+    np.testing.assert_allclose([s.score for s in result.items[0].labels], exp["scores"], atol=1e-4)
+
+
+def test_shoal_extract_prints_json_lines(tmp_path, tagger, capsys):
+    from shoal.cli import main
+
+    directory, _, _ = tagger
+    cards = tmp_path / "cards"
+    cards.mkdir()
+    (cards / "tagger.yaml").write_text(extract_card(directory, "test/tagger", "token_class"))
+    assert main(["extract", "--models-dir", str(cards), "test/tagger", TEXTS[0], TEXTS[1]]) == 0
+    import json
+
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["text"] for line in lines] == TEXTS[:2]
+    assert all(TEXTS[i][e["start"]:e["end"]] == e["text"] for i, line in enumerate(lines) for e in line["entities"])
+    assert main(["extract", "--models-dir", str(cards), "test/tagger", "x", "--label", "nope"]) == 2
+    assert "does not tag 'nope'" in capsys.readouterr().err

@@ -19,6 +19,7 @@ TEXTS = [
     "naïve café owners in Zürich — ☕ — said “no”.",
 ]
 LABELS = ["person", "city", "organization"]
+MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,9 @@ def test_token_class_and_zero_shot_over_http(url):
     ({"labels": ["person"], "options": {"aggregation": "first"}}, 400, "aggregation applies to token_class"),
     ({"labels": ["person"], "options": {"colour": 1}}, 400, "colour"),
     ({"labels": "person"}, 400, "labels"),
+    ({"labels": ["<<SEP>>"]}, 400, "one of the model's prompt tokens"),
+    ({"labels": [f"a rather long entity type description number {i}" for i in range(60)]}, 400,
+     "leaving too little for the text"),
     ({"labels": ["person"], "items": []}, 400, "items"),
 ])
 def test_bad_extract_requests_are_4xx_naming_the_problem(url, body, status, needle):
@@ -119,10 +123,13 @@ def test_bad_extract_requests_are_4xx_naming_the_problem(url, body, status, need
 
 
 def test_extract_on_a_model_that_cannot_lists_its_tasks(url):
-    response = post(url, {"model": "sentence-transformers/all-MiniLM-L6-v2", "labels": ["person"],
+    response = post(url, {"model": MODEL_ID, "labels": ["person"],
                           "items": [{"text": "hello"}]})
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "does not extract" in message and "encode" in message and "score" in message
     unknown = post(url, {"model": "nobody/none", "labels": ["x"], "items": [{"text": "hello"}]})
     assert unknown.status_code == 404
+    listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert listed["test/gliner"]["tasks"] == ["extract"] and listed["test/gliner"]["extract"] == "gliner"
+    assert listed["test/nli"]["extract"] == "zero_shot" and "extract" not in listed[MODEL_ID]

@@ -87,12 +87,13 @@ def test_entities_equal_gliner_predict_entities(tmp_path, deberta_gliner, flat_n
 
 @pytest.mark.parametrize("layout", ["bert", "legacy", "legacy-spm"])
 def test_bert_backbone_and_the_published_layout_equal_gliner(tmp_path, layout):
-    """A BERT backbone (WordPiece, learned positions, a projection to a wider GLiNER hidden size);
+    """A BERT backbone (WordPiece, learned positions, a projection to a wider GLiNER hidden size,
+    last-subtoken word pooling);
     and the layout of the published v2.1 checkpoints: no encoder_config, no tokenizer in the
     folder, the backbone's config and tokenizer found through the card's extract.backbone."""
     directory = tmp_path / "model"
     if layout == "bert":
-        reference = build_gliner(directory, "bert", seed=5, hidden_size=48)
+        reference = build_gliner(directory, "bert", seed=5, hidden_size=48, subtoken_pooling="last")
         card = gliner_card(directory)
     else:  # the legacy-spm backbone is as microsoft/deberta-v3-* ship: spm.model, no tokenizer.json
         if layout == "legacy-spm":
@@ -117,10 +118,10 @@ def test_marker_span_mode_with_one_word_spans_equals_gliner(tmp_path):
     reference = build_gliner(directory, "deberta-v3", seed=6, span_mode="marker", max_width=1)
     catalog = catalog_with(tmp_path, gliner_card(directory))
     labels = LABEL_SETS[1]
-    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=0.5))
+    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=0.3))
     total = 0
     for i, (item, text) in enumerate(zip(result.items, TEXTS)):
-        expected = reference.predict_entities(text, labels, threshold=0.5)
+        expected = reference.predict_entities(text, labels, threshold=0.3)
         assert_same(expected, item.entities, f"text {i}")
         total += len(expected)
     assert total > 5
@@ -253,3 +254,35 @@ def test_a_heavy_decoding_runs_beside_the_event_loop(tmp_path, deberta_gliner, m
                        ExtractCall(model="test/gliner", texts=TEXTS[:1], labels=LABEL_SETS[0], threshold=0.9))
     assert threads == [False, True]
     assert len(heavy.items[0].entities) > 100
+
+
+def test_texts_without_words_and_a_word_longer_than_the_window(tmp_path, deberta_gliner):
+    """An empty text, whitespace and punctuation; a 3,000-character word (its first tokens fill a
+    window of its own, and the words around it are read once, not re-read around it)."""
+    directory, reference = deberta_gliner
+    catalog = catalog_with(tmp_path, gliner_card(directory))
+    giant = "short words here " * 4 + "x" * 3000 + " Angela Merkel met Obama."
+    texts = ["", "   \n\t ", "?! ...", giant]
+    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=texts, labels=LABEL_SETS[0], threshold=0.5))
+    empty, blank, punct, long = result.items
+    assert empty.entities == [] and empty.num_windows == 0 and blank.entities == [] and blank.num_windows == 0
+    assert punct.num_windows == 1
+    assert [(e.start, e.end, e.label) for e in punct.entities] == \
+        [(e["start"], e["end"], e["label"]) for e in reference.predict_entities(texts[2], LABEL_SETS[0], threshold=0.5)]
+    assert long.num_windows == 3  # the words before it, the word alone, the words after it
+    assert all(giant[e.start:e.end] == e.text for e in long.entities)
+
+
+def test_a_word_the_tokenizer_drops_is_never_an_entity_edge(tmp_path):
+    """BERT's normaliser drops a soft hyphen entirely: no token reads it, so no span starts or
+    ends on it (gliner instead shifts every later word's vector by one)."""
+    directory = tmp_path / "model"
+    build_gliner(directory, "bert", seed=5, hidden_size=48)
+    catalog = catalog_with(tmp_path, gliner_card(directory))
+    text = "Angela Merkel \u00ad met Barack Obama \u00ad in Berlin"
+    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=[text], labels=LABEL_SETS[1], threshold=0.1,
+                                         flat_ner=False))
+    entities = result.items[0].entities
+    assert entities
+    soft = {i for i, ch in enumerate(text) if ch == "\u00ad"}
+    assert all(e.start not in soft and e.end - 1 not in soft for e in entities)

@@ -140,3 +140,27 @@ def test_entity_text_is_the_slice_of_non_ascii_text(bio_model):
         assert entities, strategy
         for e in entities:
             assert NON_ASCII[e["start"]:e["end"]] == e["text"] and e["text"].strip()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_word_windows_cover_fit_and_own_every_start_once(seed):
+    """Random token counts (some words longer than a window): the windows cover every word in
+    order, each fits (a word alone always does), overlaps are at most the asked words and half a
+    window, no window is inside the one before, and the owned starts split the words exactly once
+    each, inside their own window."""
+    from shoal.spans import owned_starts, word_windows
+
+    rng = np.random.default_rng(seed)
+    n, room, max_words, overlap = int(rng.integers(1, 400)), int(rng.integers(8, 60)), int(rng.integers(2, 50)), \
+        int(rng.integers(0, 20))
+    counts = np.minimum(rng.choice([1, 1, 1, 2, 3, 90], size=n), room)
+    windows = word_windows(counts, room, max_words, overlap)
+    assert windows[0][0] == 0 and windows[-1][1] == n
+    for a, b in windows:
+        assert b > a and b - a <= max_words and (b - a == 1 or counts[a:b].sum() <= room)
+    for (a0, b0), (a1, b1) in zip(windows, windows[1:]):
+        assert a0 < a1 <= b0 < b1 and b0 - a1 <= min(overlap, (b0 - a0) // 2)
+    owned = owned_starts(windows)
+    assert owned[0][0] == 0 and owned[-1][1] == n
+    assert all(lo1 == hi0 for (_, hi0), (lo1, _) in zip(owned, owned[1:]))
+    assert all(a <= lo <= hi <= b for (a, b), (lo, hi) in zip(windows, owned))

@@ -84,8 +84,8 @@ class ExtractCall(Call, frozen=True, tag="extract"):
     texts: list[str]
     labels: list[str] = []
     threshold: float | None = None  # minimum score of an entity (or, multi_label, of a label)
-    flat_ner: bool = True  # gliner: no overlapping entities; False: nested ones are kept
-    multi_label: bool = False  # gliner: a span may carry several labels; zero_shot: labels scored independently
+    flat_ner: bool | None = None  # gliner (default true): no overlapping entities; false: nested ones are kept
+    multi_label: bool | None = None  # gliner: a span may carry several labels; zero_shot: labels scored on their own
     max_span_width: int | None = None  # gliner: longest entity in words
     hypothesis_template: str | None = None  # zero_shot: "{}" is replaced by the label
     aggregation: str | None = None  # token_class: simple | first | max | average

@@ -118,7 +118,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from .engine import ExtractCall
 
     result = _run_once(args, ExtractCall(model=args.model, texts=args.text, labels=args.label or [],
-                                         threshold=args.threshold, multi_label=args.multi_label))
+                                         threshold=args.threshold, multi_label=args.multi_label or None))
     for text, item in zip(args.text, result.items):
         out: dict = {"text": text}
         if item.entities is not None:

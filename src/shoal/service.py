@@ -28,6 +28,7 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     pooling: str | None = None
     prompts: tuple[str, ...] = ()
     description: str = ""
+    extract: str | None = None  # an extraction model's kind: gliner, token_class or zero_shot
 
 
 class Capacity(msgspec.Struct, frozen=True):

@@ -127,6 +127,9 @@ def word_windows(token_counts: np.ndarray, room: int, max_words: int, overlap: i
         while end < n and end - start < max_words and (end == start or used + int(token_counts[end]) <= room):
             used += int(token_counts[end])
             end += 1
+        if windows and end <= windows[-1][1]:  # no word the last window lacked (a long word next):
+            start = windows[-1][1]  # begin at it instead of re-reading the overlap
+            continue
         windows.append((start, end))
         if end >= n:
             break
@@ -152,21 +155,27 @@ def decode_spans(starts: np.ndarray, widths: np.ndarray, classes: np.ndarray, sc
     when nested, an overlap where neither span contains the other.
     """
     order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")  # ties keep tensor order
+    widest = int(np.max(widths)) + 1 if len(widths) else 1
     kept: list[tuple[int, int, int, float]] = []
     # Flat: kept spans never overlap (but for one span's several labels), so the span holding each
-    # word decides a clash in O(width).
+    # word decides a clash in O(width). Nested: a kept span that overlaps (s, e) starts at most
+    # `widest` words before it, so kept spans indexed by start decide in O(width^2).
     holder: dict[int, tuple[int, int]] = {}
+    ends_at: dict[int, set[int]] = {}
     for i in order.tolist():
         s, e = int(starts[i]), int(starts[i]) + int(widths[i])
         if flat_ner:
             clash = any((held := holder.get(w)) is not None and (held != (s, e) or not multi_label)
                         for w in range(s, e + 1))
         else:
-            clash = any(_clash(s, e, ks, ke, multi_label) for ks, ke, _, _ in kept)
+            clash = any(_clash(s, e, ks, ke, multi_label) for ks in range(s - widest + 1, e + 1)
+                        for ke in ends_at.get(ks, ()))
         if not clash:
             kept.append((s, e, int(classes[i]), float(scores[i])))
             if flat_ner:
                 holder.update((w, (s, e)) for w in range(s, e + 1))
+            else:
+                ends_at.setdefault(s, set()).add(e)
     kept.sort(key=lambda span: span[0])
     return kept
 

@@ -149,6 +149,7 @@ async def models(ctx: Context) -> dict:
             "verified": status.verified,
             "loaded": status.loaded,
             "description": status.description,
+            **({"extract": status.extract} if status.extract else {}),
         })
     return {"object": "list", "data": data}
 

@@ -278,13 +278,26 @@ def _check(card: ModelCard, origin: str) -> None:
             fail("extract.max_words", "must be >= 1")
         if ex.window_overlap_words < 0 or ex.window_overlap_tokens < 0:
             fail("extract", "window overlaps must be >= 0")
-        if ex.hypothesis_template.count("{}") != 1:
+        try:
+            placed = ex.hypothesis_template.format("\x00").count("\x00")
+        except (IndexError, KeyError, ValueError):
+            placed = 0
+        if placed != 1:
             fail("extract.hypothesis_template", "must contain {} exactly once (where the label goes)")
+        if ex.backbone is not None:
+            b = ex.backbone
+            if not (b.hub or b.path) or b.package or b.package_parts or b.onnx:
+                fail("extract.backbone", "takes hub (and revision) or path: where the backbone's config.json and "
+                     "tokenizer are")
+        if ex.kind != "gliner" and (ex.backbone is not None or ex.lowercase_labels):
+            fail("extract", "backbone and lowercase_labels apply to kind gliner")
     if "dense" in card.outputs and "encode" in card.tasks:
         if card.pooling is None:
             fail("pooling", "is required when outputs has dense (cls, mean or last)")
         if card.dimensions is None:
             fail("dimensions", "is required when outputs has dense")
+    if card.source.onnx and not (card.source.package or card.source.path):
+        fail("source.onnx", "applies to a package or path source (a folder that holds the ONNX file)")
     if card.dimensions is not None and card.dimensions < 1:
         fail("dimensions", "must be >= 1")
     if "multivector" in card.outputs and card.multivector is None:

@@ -25,7 +25,7 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
         base = Path(card.card_path).parent if card.card_path else Path.cwd()
         path = (base / source.path).expanduser()
         if _is_model_dir(path):
-            return path
+            return _from_onnx(path, source.onnx) if source.onnx else path
         tried.append(f"path {path} has no config.json")
 
     if source.hub:
@@ -76,23 +76,35 @@ ONNX_CACHE_DIR = Path("~/.cache/shoal/onnx")
 
 
 def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
-    """The folder with its ONNX model's weights dequantised into model.safetensors, built once
-    into a cache keyed by the file's name, size and modification time."""
+    """The folder (if it has safetensors already), else a copy with its ONNX model's weights
+    dequantised into model.safetensors, built once into a cache keyed by the file's name, size and
+    modification time. Processes that build it at once each stage their own and the first wins."""
+    import tempfile
+
     from ..weights_onnx import convert
 
+    if any(folder.glob("*.safetensors")):
+        return folder
     path = folder / onnx
     try:
         stat = path.stat()
+        out = (cache_dir or ONNX_CACHE_DIR).expanduser() / f"{folder.name}-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+        if (out / "model.safetensors").is_file():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        try:
+            convert(path, staging, source_dir=folder)
+            try:
+                staging.rename(out)
+            except OSError:  # another process finished first
+                if not (out / "model.safetensors").is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from None
-    out = (cache_dir or ONNX_CACHE_DIR).expanduser() / f"{folder.name}-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (out / "model.safetensors").is_file():
-        return out
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    convert(path, staging, source_dir=folder)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+        raise ModelLoadError(f"cannot dequantise {path} into {cache_dir or ONNX_CACHE_DIR}: {exc}",
+                             details={"file": str(path)}) from None
     return out
 
 

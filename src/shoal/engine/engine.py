@@ -105,7 +105,7 @@ class Engine:
                 max_length=card.max_length,
                 verified=card.verified, loaded=self.cache.is_loaded(card.id), architecture=card.architecture,
                 dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
-                description=card.description,
+                description=card.description, extract=card.extract.kind if card.extract else None,
             )
             for card in self.catalog
         ]

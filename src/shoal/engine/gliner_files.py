@@ -21,13 +21,13 @@ from .tokenizer import TextTokenizer
 from .tokenizer_files import load_tokenizer
 
 
-def load_gliner_backbone(card: ModelCard, directory: Path, device: str):
+def load_gliner_backbone(card: ModelCard, directory: Path, device: str, allow_download: bool = True):
     config = read_gliner_config(directory)
     check_gliner_config(config, str(directory))
     backbone_dir = None
     encoder = config.get("encoder_config")
     if not encoder:
-        backbone_dir = _backbone_dir(card, config)
+        backbone_dir = _backbone_dir(card, config, allow_download)
         encoder = read_config(backbone_dir)
     encoder = dict(encoder)
     rows = tensor_shape(directory, BACKBONE_PREFIX + "embeddings.word_embeddings.weight")
@@ -41,7 +41,7 @@ def load_gliner_backbone(card: ModelCard, directory: Path, device: str):
     if (directory / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(directory)
     else:
-        backbone_dir = backbone_dir or _backbone_dir(card, config)
+        backbone_dir = backbone_dir or _backbone_dir(card, config, allow_download)
         tokenizer = load_tokenizer(backbone_dir)
         tokenizer.add_special_tokens(["[FLERT]", config.get("ent_token", "<<ENT>>"), config.get("sep_token", "<<SEP>>")])
     max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
@@ -59,11 +59,11 @@ def load_gliner_backbone(card: ModelCard, directory: Path, device: str):
     return model, TextTokenizer(tokenizer, max_length)
 
 
-def _backbone_dir(card: ModelCard, config: dict) -> Path:
+def _backbone_dir(card: ModelCard, config: dict, allow_download: bool) -> Path:
     source = card.extract.backbone if card.extract is not None else None
     if source is None:
         raise ModelLoadError(
             f"{card.id}: {CONFIG_FILE} has no encoder_config and the folder no tokenizer.json; the card's "
             f"extract.backbone must say where the backbone ({config.get('model_name', '?')}) config and "
             "tokenizer are", details={"model": card.id, "field": "extract.backbone"})
-    return resolve_source(source, f"the backbone of {card.id}", card.card_path)
+    return resolve_source(source, f"the backbone of {card.id}", card.card_path, allow_download)

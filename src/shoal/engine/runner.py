@@ -37,14 +37,14 @@ class ModelRunner:
     @classmethod
     def load(cls, card: ModelCard, device: str, allow_download: bool = True) -> "ModelRunner":
         directory = resolve_weights(card, allow_download=allow_download)
-        return cls.from_dir(card, directory, device)
+        return cls.from_dir(card, directory, device, allow_download)
 
     @classmethod
-    def from_dir(cls, card: ModelCard, directory: Path, device: str) -> "ModelRunner":
+    def from_dir(cls, card: ModelCard, directory: Path, device: str, allow_download: bool = True) -> "ModelRunner":
         if card.extract is not None and card.extract.kind == "gliner":
             from .gliner_files import load_gliner_backbone
 
-            model, tokenizer = load_gliner_backbone(card, directory, device)
+            model, tokenizer = load_gliner_backbone(card, directory, device, allow_download)
             return cls(card, model, tokenizer, device, estimate_bytes(directory, card.dtype), directory)
         model = build_model(directory, card.architecture, device, card.dtype)
         # Models with a learned position table cannot take more tokens than it has rows.

@@ -44,7 +44,8 @@ class ExtractSpec:
 
     entities (GLiNER): positions in the sequence of each text word's first (or last) token
     (`word_tokens` `[w]`) and of each label's prompt token (`prompt_tokens` `[c]`); the head
-    returns the candidate spans scoring above `threshold` no wider than `max_width` words.
+    returns the candidate spans scoring above `threshold` no wider than `max_width` words that
+    start in `owned`.
     token_logits (token classifiers) and nli (zero-shot classification) need nothing more.
     """
 
@@ -53,6 +54,7 @@ class ExtractSpec:
     prompt_tokens: np.ndarray | None = None
     threshold: float = 0.5
     max_width: int = 12
+    owned: tuple[int, int] | None = None  # gliner: the span starts (words) this window answers for
     is_query: bool = False
 
 

@@ -190,6 +190,10 @@ class GlinerHead:
             starts, ends, bias = a @ p.T, b @ p.T, p @ self.out_bias  # [W, C], [W, C], [C]
             for k in range(min(width, num_words)):
                 logits[: num_words - k, k] = (starts[: num_words - k] + ends[k:] + bias).float()
+        if spec.owned is not None:  # spans another window answers for are not candidates here
+            lo, hi = spec.owned
+            logits[:lo] = float("-inf")
+            logits[hi:] = float("-inf")
         probs = torch.sigmoid(logits)
         s, k, c = torch.nonzero(probs > spec.threshold, as_tuple=True)
         scores = probs[s, k, c]

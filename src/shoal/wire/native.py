@@ -150,8 +150,8 @@ class ExtractItem(msgspec.Struct, forbid_unknown_fields=True):
 
 class ExtractOptions(msgspec.Struct, forbid_unknown_fields=True):
     threshold: float | None = None  # 0..1; unset: the card's (GLiNER: 0.5)
-    flat_ner: bool = True
-    multi_label: bool = False
+    flat_ner: bool | None = None  # gliner; default true
+    multi_label: bool | None = None  # gliner and zero_shot; default false
     max_span_width: int | None = None
     hypothesis_template: str | None = None
     aggregation: str | None = None

@@ -34,6 +34,9 @@ MIN_TEXT_TOKENS = 16
 # Beyond these, a request's decoding runs in a worker thread instead of on the event loop.
 OFF_LOOP_CANDIDATES = 4096
 OFF_LOOP_TOKENS = 16384
+# Span candidates one request may decode (a low threshold with many labels on long texts makes
+# millions): beyond it, a 400 that says what to change.
+MAX_CANDIDATES = 262_144
 
 
 @dataclass
@@ -48,7 +51,8 @@ class ExtractPlan:
     # (gliner: first word, owned span starts; token_class: first token, owned tokens).
     owners: list[int] = field(default_factory=list)
     windows: list[tuple] = field(default_factory=list)
-    # Per text: gliner (word starts, word ends); token_class (offsets, word ids) of the whole text.
+    # Per text: gliner (word starts, word ends, words without tokens); token_class (offsets, word
+    # ids) of the whole text.
     texts: list[tuple] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     gliner_specs: list[ExtractSpec] = field(default_factory=list)
@@ -70,14 +74,16 @@ class ExtractTask:
         if not call.texts:
             raise InvalidRequest("no items to extract from", details={"option": "items"})
         check_texts(call.texts, "items")
-        labels = _labels(call.labels, required=kind != "token_class")
+        labels = _labels(call.labels, required=kind != "token_class",
+                         fold=card.extract.lowercase_labels and kind == "gliner")
         threshold = call.threshold if call.threshold is not None else card.extract.threshold
         if threshold is None and kind == "gliner":
             threshold = 0.5
         if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
             raise InvalidRequest(f"threshold must be between 0 and 1, not {threshold!r}", details={"option": "threshold"})
         for option, kinds in (("max_span_width", ("gliner",)), ("hypothesis_template", ("zero_shot",)),
-                              ("aggregation", ("token_class",))):
+                              ("aggregation", ("token_class",)), ("flat_ner", ("gliner",)),
+                              ("multi_label", ("gliner", "zero_shot"))):
             if getattr(call, option) is not None and kind not in kinds:
                 raise InvalidRequest(f"{option} applies to {' and '.join(kinds)} models; model {card.id} is {kind}",
                                      details={"option": option})
@@ -114,6 +120,10 @@ class ExtractTask:
             raise InvalidRequest(f"max_span_width {call.max_span_width} is wider than the model's spans "
                                  f"({head.max_width} words)", details={"option": "max_span_width", "max": head.max_width})
         labels = [label.lower() for label in plan.labels] if ex.lowercase_labels else plan.labels
+        for index, label in enumerate(labels):
+            if label.strip() in (head.ent_token, head.sep_token, "[FLERT]"):
+                raise InvalidRequest(f"labels[{index}] {label!r} is one of the model's prompt tokens; name an entity "
+                                     "type", details={"option": "labels", "index": index})
         prompt = [w for label in labels for w in (head.ent_token, label)] + [head.sep_token]
         prompt_tokens = int(tok.word_token_counts(prompt).sum())
         room = tok.max_length - 2 - prompt_tokens
@@ -134,7 +144,8 @@ class ExtractTask:
                 seqs = tok.encode_words([prompt + words[a:b] for a, b in spans]) if spans else []
                 read = [_window(seq, b - a, len(prompt), room if counts[a:b].max() > room else None, last)
                         for seq, (a, b) in zip(seqs, spans)]
-                out.append(((starts, ends), list(zip(read, [a for a, _ in spans], owned_starts(spans) if spans else []))))
+                out.append(((starts, ends, counts == 0),
+                            list(zip(read, [a for a, _ in spans], owned_starts(spans) if spans else []))))
             return out
 
         per_text = await pool.map(windows_of, call.texts)
@@ -147,7 +158,7 @@ class ExtractTask:
                 plan.windows.append((first_word, own))
                 plan.gliner_specs.append(ExtractSpec(("entities",), word_tokens=word_tokens,
                                                      prompt_tokens=prompt_positions + skip, threshold=plan.threshold,
-                                                     max_width=width))
+                                                     max_width=width, owned=(own[0] - first_word, own[1] - first_word)))
         plan.truncated = [False] * len(call.texts)
         return seqs
 
@@ -226,20 +237,28 @@ class ExtractTask:
 
     def collect(self, plan: ExtractPlan, seqs: list, outputs: list, timings: dict[str, float]) -> ExtractResult:
         n = len(plan.call.texts)
-        windows = np.bincount(np.asarray(plan.owners, dtype=np.int64), minlength=n) if plan.owners else np.zeros(n, int)
+        if plan.kind == "zero_shot":  # one sequence per label, one reading of the text
+            windows = np.ones(n, dtype=np.int64)
+        else:  # 0: a text without words (GLiNER reads nothing)
+            windows = np.bincount(np.asarray(plan.owners, dtype=np.int64), minlength=n)
         if plan.kind == "gliner":
             items = self._collect_gliner(plan, outputs)
         elif plan.kind == "token_class":
             items = self._collect_token_class(plan, seqs, outputs)
         else:
             items = self._collect_zero_shot(plan, outputs, seqs)
-        items = [ExtractedItem(entities=item[0], labels=item[1], num_windows=int(max(1, windows[i])),
+        items = [ExtractedItem(entities=item[0], labels=item[1], num_windows=int(windows[i]),
                                truncated=plan.truncated[i]) for i, item in enumerate(items)]
         return ExtractResult(items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
                              **timings)
 
     def _collect_gliner(self, plan: ExtractPlan, outputs: list) -> list:
         call, n = plan.call, len(plan.call.texts)
+        candidates = sum(len(out[0]) for out in outputs)
+        if candidates > MAX_CANDIDATES:
+            raise InvalidRequest(f"{candidates} candidate spans score above threshold {plan.threshold}, more than one "
+                                 f"request may decode ({MAX_CANDIDATES}): raise the threshold, or send fewer labels "
+                                 "or shorter texts", details={"option": "threshold", "candidates": candidates})
         merge = plan.card.extract.merge_adjacent
         found: list[list] = [[] for _ in range(n)]
         for owner, (first_word, (lo, hi)), (s, k, c, p) in zip(plan.owners, plan.windows, outputs):
@@ -248,15 +267,19 @@ class ExtractTask:
             found[owner].append((s[keep], k[keep], c[keep], p[keep]))
         items = []
         for index, parts in enumerate(found):
-            starts, ends = plan.texts[index]
+            starts, ends, dropped = plan.texts[index]
             text = call.texts[index]
             entities = []
             if parts:
                 s, k, c, p = (np.concatenate(column) for column in zip(*parts))
-                for start, end, label, score in decode_spans(s, k, c, p, call.flat_ner, call.multi_label):
+                if dropped.any():  # no span starts or ends on a word the tokenizer drops (a lone accent, ZWSP)
+                    keep = ~(dropped[s] | dropped[s + k])
+                    s, k, c, p = s[keep], k[keep], c[keep], p[keep]
+                for start, end, label, score in decode_spans(s, k, c, p, call.flat_ner is not False,
+                                                                     bool(call.multi_label)):
                     a, b = int(starts[start]), int(ends[end])
                     if (merge and entities and entities[-1].label == plan.labels[label]
-                            and a - entities[-1].end <= 1):
+                            and 0 <= a - entities[-1].end <= 1):
                         first = entities.pop()
                         a, score = first.start, first.score
                     entities.append(Entity(text=text[a:b], label=plan.labels[label], score=score, start=a, end=b))
@@ -294,7 +317,7 @@ class ExtractTask:
         items = []
         for index in range(len(call.texts)):
             logits = np.stack(outputs[index * k:(index + 1) * k]).astype(np.float64)  # [labels, nli labels]
-            if call.multi_label or k == 1:
+            if bool(call.multi_label) or k == 1:
                 pair = logits[:, [head.contradiction_id, head.entailment_id]]
                 pair = np.exp(pair - pair.max(axis=1, keepdims=True))
                 scores = pair[:, 1] / pair.sum(axis=1)
@@ -326,7 +349,7 @@ def _merge_runs(groups: list[dict], text: str) -> list[dict]:
     return merged
 
 
-def _labels(labels: list, required: bool) -> list[str]:
+def _labels(labels: list, required: bool, fold: bool = False) -> list[str]:
     if not isinstance(labels, list):
         raise InvalidRequest("labels must be a list of strings", details={"option": "labels"})
     if required and not labels:
@@ -342,18 +365,26 @@ def _labels(labels: list, required: bool) -> list[str]:
         if len(label) > MAX_LABEL_CHARS:
             raise InvalidRequest(f"labels[{index}] is {len(label)} characters long; a label may have at most "
                                  f"{MAX_LABEL_CHARS}", details={"option": "labels", "index": index, "max": MAX_LABEL_CHARS})
+    if fold:  # labels that lowercase alike are one prompt: the first as sent is kept
+        first: dict[str, str] = {}
+        for label in labels:
+            first.setdefault(label.lower(), label)
+        return list(first.values())
     return list(dict.fromkeys(labels))
 
 
 def _hypotheses(template: str, labels: list[str]) -> list[str]:
-    if not isinstance(template, str) or template.count("{}") != 1:
-        raise InvalidRequest(f"hypothesis_template must contain {{}} exactly once (where the label goes); got "
-                             f"{template!r}", details={"option": "hypothesis_template"})
+    """`template.format(label)` per label (as transformers' pipeline fills it), once the template is
+    known to place the label exactly once."""
+    sentinel = "\x00label\x00"
     try:
-        return [template.format(label) for label in labels]
-    except (IndexError, KeyError, ValueError) as exc:
-        raise InvalidRequest(f"hypothesis_template {template!r} is not a format string with one {{}}: {exc}",
-                             details={"option": "hypothesis_template"}) from None
+        placed = template.format(sentinel).count(sentinel) if isinstance(template, str) else 0
+    except (IndexError, KeyError, ValueError, AttributeError):
+        placed = 0
+    if placed != 1:
+        raise InvalidRequest(f"hypothesis_template must contain {{}} exactly once (where the label goes), as a "
+                             f"format string; got {template!r}", details={"option": "hypothesis_template"})
+    return [template.format(label) for label in labels]
 
 
 def _window(seq, num_words: int, num_prompt_words: int, cap: int | None, last: bool):
