@@ -169,27 +169,40 @@ class GlinerHead:
             packed, _ = self.lstm(pack_sequence(words, enforce_sorted=False))
             padded, _ = pad_packed_sequence(packed, batch_first=True)  # [n, W, H]
             words = [padded[j, : len(w)] for j, w in enumerate(words)]
+        # The per-word and per-label projections for the whole batch at once, then each sequence's spans.
+        a = F.linear(F.relu(self.start(torch.cat(words))), self.out_start)  # [sum W, 4H] (marker: H)
+        b = F.linear(F.relu(self.end(torch.cat(words))), self.out_end)
+        p = self.prompt(torch.cat(prompts))  # [sum C, H]
+        if self.mlp_out:
+            label_rows, label_bias = p @ self.out_w2, p @ self.out_b2  # [sum C, 4H], [sum C]
+        else:
+            label_rows, label_bias = p, p @ self.out_bias  # [sum C, H], [sum C]
+        w0 = c0 = 0
         for j, i in enumerate(mine):
-            out[i] = self._candidates(words[j], prompts[j], specs[i])
+            w, c = len(words[j]), len(prompts[j])
+            out[i] = self._candidates(a[w0:w0 + w], b[w0:w0 + w], label_rows[c0:c0 + c], label_bias[c0:c0 + c],
+                                      specs[i])
+            w0, c0 = w0 + w, c0 + c
         return out
 
-    def _candidates(self, h: torch.Tensor, prompts: torch.Tensor, spec) -> tuple[np.ndarray, ...]:
-        num_words, num_labels = h.shape[0], prompts.shape[0]
-        width = min(self.max_width, spec.max_width)
-        a = F.linear(F.relu(self.start(h)), self.out_start)  # [W, 4H] (marker: [W, H])
-        b = F.linear(F.relu(self.end(h)), self.out_end)
-        p = self.prompt(prompts)  # [C, H]
-        logits = torch.full((num_words, self.max_width, num_labels), float("-inf"), device=h.device)
-        if self.mlp_out:
-            label_rows = p @ self.out_w2  # [C, 4H]
-            label_bias = p @ self.out_b2  # [C]
-            for k in range(min(width, num_words)):  # spans (i, i + k) that end inside the text
-                span_hidden = F.relu(a[: num_words - k] + b[k:] + self.out_b1)  # [W - k, 4H]
-                logits[: num_words - k, k] = (span_hidden @ label_rows.T + label_bias).float()
-        else:
-            starts, ends, bias = a @ p.T, b @ p.T, p @ self.out_bias  # [W, C], [W, C], [C]
-            for k in range(min(width, num_words)):
-                logits[: num_words - k, k] = (starts[: num_words - k] + ends[k:] + bias).float()
+    def _candidates(self, a: torch.Tensor, b: torch.Tensor, label_rows: torch.Tensor, label_bias: torch.Tensor,
+                    spec) -> tuple[np.ndarray, ...]:
+        """One sequence's spans: a, b `[W, R]` (the start and end words' parts of each span's hidden
+        layer, or of its score for marker), label_rows `[C, R]`, label_bias `[C]`."""
+        num_words, num_labels = a.shape[0], label_rows.shape[0]
+        width = min(self.max_width, spec.max_width, num_words)
+        starts = torch.arange(num_words, device=a.device)[:, None]  # [W, 1]
+        ends = starts + torch.arange(width, device=a.device)[None, :]  # [W, k]
+        inside = ends < num_words
+        ends = ends.clamp(max=num_words - 1)
+        if self.mlp_out:  # span (i, i + k): relu(a_i + b_(i+k) + bias), times each label's row
+            hidden = F.relu(a[:, None, :] + b[ends] + self.out_b1)  # [W, k, 4H]
+            scores = hidden @ label_rows.T + label_bias  # [W, k, C]
+        else:  # marker: a_i . p + b_(i+k) . p + bias . p
+            per_start, per_end = a @ label_rows.T, b @ label_rows.T  # [W, C]
+            scores = per_start[:, None, :] + per_end[ends] + label_bias  # [W, k, C]
+        logits = torch.full((num_words, self.max_width, num_labels), float("-inf"), device=a.device)
+        logits[:, :width] = scores.float().masked_fill(~inside[:, :, None], float("-inf"))
         if spec.owned is not None:  # spans another window answers for are not candidates here
             lo, hi = spec.owned
             logits[:lo] = float("-inf")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,12 +106,25 @@ class RelativeIndex:
 
     c2p: torch.Tensor  # [L(i), L(j)] long: row of distance i - j, for query i against key j
     p2c: torch.Tensor  # [L(j), L(i)] long: row of distance -(j - i), for key j against query i
+    _windows: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, L: int, cfg: DebertaV2Config, device: torch.device) -> "RelativeIndex":
         """Row r of a `[2S, ...]` position table holds distance r - S; farther distances are clamped."""
         rel, span = relative_positions(L, cfg, device), cfg.position_span  # [L, L], S
         return cls((rel + span).clamp(0, 2 * span - 1), (span - rel).clamp(0, 2 * span - 1))
+
+    def window(self, L: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """For sequences of at most L tokens: the rows [lo, hi) of the position tables they read
+        (2L - 1 of the 2S, unless distances are bucketed or clamped) and the c2p / p2c indices into
+        that slice. Scoring q against those rows only, not all 2S, is what keeps short sequences
+        cheap: the reference scores every one (S = 256 for DeBERTa-v3) and then gathers."""
+        if L not in self._windows:
+            c2p, p2c = self.c2p[:L, :L], self.p2c[:L, :L]
+            lo = int(torch.minimum(c2p.min(), p2c.min()))
+            hi = int(torch.maximum(c2p.max(), p2c.max())) + 1
+            self._windows[L] = (lo, hi, c2p - lo, p2c - lo)
+        return self._windows[L]
 
 
 def disentangled_attention(
@@ -139,12 +152,13 @@ def _disentangled_group(g: LengthGroup, q, k, v, *, pos_key, pos_query, index: R
     qp, kp, vp = (g.pad(x).transpose(1, 2) for x in (q, k, v))  # [ng, H, Lg, D]
     qp, ks = qp * scale, kp * scale
     scores = qp @ kp.transpose(-1, -2)  # [ng, H, Lg, Lg] content -> content
+    lo, hi, c2p_index, p2c_index = index.window(L)  # the R = hi - lo distance rows these lengths read
     if pos_key is not None:  # content -> position: query i against the embedding of distance i - j
-        c2p = qp @ pos_key.permute(1, 2, 0)  # [ng, H, Lg, 2S]
-        scores = scores + c2p.gather(-1, index.c2p[:L, :L].expand(n, H, L, L))
+        c2p = qp @ pos_key[lo:hi].permute(1, 2, 0)  # [ng, H, Lg, R]
+        scores = scores + c2p.gather(-1, c2p_index.expand(n, H, L, L))
     if pos_query is not None:  # position -> content: key j against the embedding of distance j - i, negated
-        p2c = ks @ pos_query.permute(1, 2, 0)  # [ng, H, Lg(j), 2S]
-        scores = scores + p2c.gather(-1, index.p2c[:L, :L].expand(n, H, L, L)).transpose(-1, -2)
+        p2c = ks @ pos_query[lo:hi].permute(1, 2, 0)  # [ng, H, Lg(j), R]
+        scores = scores + p2c.gather(-1, p2c_index.expand(n, H, L, L)).transpose(-1, -2)
     if g.key_mask is not None:
         scores = scores.where(g.key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
     out = scores.softmax(-1) @ vp  # [ng, H, Lg, D]
