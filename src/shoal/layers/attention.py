@@ -135,12 +135,25 @@ class AttentionMeta:
         """Sequences sorted by length and cut where the length more than doubles (and grows by
         more than 32 tokens): each group pads to at most about twice its shortest member. A single
         group keeps the packed order, so attention over it needs no gather."""
+        return self.groups_within(2.0, 32)
+
+    def groups_within(self, ratio: float, slack: int) -> tuple[LengthGroup, ...]:
+        """Length groups cut where the length grows past `ratio` times the group's shortest (and
+        by more than `slack` tokens); built once per (ratio, slack). Attention whose padded work
+        costs more than its kernel calls (DeBERTa's three score terms) asks for tighter groups."""
+        key = (ratio, slack)
+        cache = self.__dict__.setdefault("_groups_within", {})
+        if key not in cache:
+            cache[key] = self._length_groups(ratio, slack)
+        return cache[key]
+
+    def _length_groups(self, ratio: float, slack: int) -> tuple[LengthGroup, ...]:
         bounds = self.cu_seqlens.cpu().numpy().astype(np.int64)
         lengths = np.diff(bounds)
         order = np.argsort(lengths, kind="stable")
         cuts, first = [], int(lengths[order[0]])
         for rank, seq in enumerate(order):
-            if lengths[seq] > max(2 * first, first + 32):
+            if lengths[seq] > max(ratio * first, first + slack):
                 cuts.append(rank)
                 first = int(lengths[seq])
         if not cuts:
@@ -162,13 +175,16 @@ class AttentionMeta:
             ))
         return tuple(groups)
 
-    def per_group(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-        """`fn(group, *rows)` for each length group, on that group's rows of each packed `[T, ...]`
-        tensor in `xs`; the results `[Tg, ...]` are put back in packed order `[T, ...]`."""
-        if len(self.groups) == 1:  # the group is the batch, in packed order
-            return fn(self.groups[0], *xs)
+    def per_group(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor,
+                  groups: tuple[LengthGroup, ...] | None = None) -> torch.Tensor:
+        """`fn(group, *rows)` for each length group (`groups`, default `self.groups`), on that
+        group's rows of each packed `[T, ...]` tensor in `xs`; the results `[Tg, ...]` are put back
+        in packed order `[T, ...]`."""
+        groups = self.groups if groups is None else groups
+        if len(groups) == 1:  # the group is the batch, in packed order
+            return fn(groups[0], *xs)
         out = None
-        for g in self.groups:
+        for g in groups:
             rows = fn(g, *(x[g.tokens] for x in xs))
             if out is None:
                 out = rows.new_empty(xs[0].shape[0], *rows.shape[1:])
