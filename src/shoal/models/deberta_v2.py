@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..layers import AttentionMeta, FusedLinear, activation, varlen_attention
@@ -153,21 +154,25 @@ def disentangled_attention(
 
 
 def _disentangled_group(g: LengthGroup, q, k, v, *, pos_key, pos_query, index: RelativeIndex, scale: float):
-    """One length group: q, k, v `[Tg, H, D]` -> `[Tg, H, D]`."""
+    """One length group: q, k, v `[Tg, H, D]` -> `[Tg, H, D]`. The two position terms are summed
+    into one additive bias `[ng, H, Lg, Lg]` (padded keys at -inf) for a fused attention kernel,
+    which adds the content scores and softmaxes without materialising them."""
     n, H, L = g.num_seqs, q.shape[1], g.max_seqlen
     qp, kp, vp = (g.pad(x).transpose(1, 2) for x in (q, k, v))  # [ng, H, Lg, D]
-    qp, ks = qp * scale, kp * scale
-    scores = qp @ kp.transpose(-1, -2)  # [ng, H, Lg, Lg] content -> content
     lo, hi, c2p_index, p2c_index = index.window(L)  # the R = hi - lo distance rows these lengths read
+    bias = None
     if pos_key is not None:  # content -> position: query i against the embedding of distance i - j
-        c2p = qp @ pos_key[lo:hi].permute(1, 2, 0)  # [ng, H, Lg, R]
-        scores = scores + c2p.gather(-1, c2p_index.expand(n, H, L, L))
+        c2p = (qp * scale) @ pos_key[lo:hi].permute(1, 2, 0)  # [ng, H, Lg, R]
+        bias = c2p.gather(-1, c2p_index.expand(n, H, L, L))
     if pos_query is not None:  # position -> content: key j against the embedding of distance j - i, negated
-        p2c = ks @ pos_query[lo:hi].permute(1, 2, 0)  # [ng, H, Lg(j), R]
-        scores = scores + p2c.gather(-1, p2c_index.expand(n, H, L, L)).transpose(-1, -2)
+        p2c = (kp * scale) @ pos_query[lo:hi].permute(1, 2, 0)  # [ng, H, Lg(j), R]
+        term = p2c.gather(-1, p2c_index.expand(n, H, L, L)).transpose(-1, -2)
+        bias = term if bias is None else bias.add_(term)
     if g.key_mask is not None:
-        scores = scores.where(g.key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
-    out = scores.softmax(-1) @ vp  # [ng, H, Lg, D]
+        keys = g.key_mask[:, None, None, :]
+        bias = torch.zeros(n, 1, 1, L, dtype=q.dtype, device=q.device).masked_fill(~keys, float("-inf")) \
+            if bias is None else bias.masked_fill_(~keys, float("-inf"))
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=bias, scale=scale)  # [ng, H, Lg, D]
     return g.unpad(out.transpose(1, 2))  # [Tg, H, D]
 
 
