@@ -113,16 +113,21 @@ def build_gliner(directory: Path, backbone: str = "deberta-v3", seed: int = 0, h
         deberta_v3_config(sentencepiece_backbone(base), **sizes).save_pretrained(base)
         backbone = kind = "spm"
     else:
-        kind = tokenizer_kind or {"deberta-v3": "unigram", "bert": "wordpiece"}.get(backbone)
+        kind = tokenizer_kind or {"deberta-v3": "unigram", "bert": "wordpiece", "modernbert": "wordpiece"}.get(backbone)
         if kind not in ("unigram", "wordpiece"):
-            raise ValueError(tokenizer_kind)
-        if backbone not in ("deberta-v3", "bert"):
-            raise ValueError(backbone)
+            raise ValueError(f"tokenizer_kind {tokenizer_kind!r} for backbone {backbone!r}")
+        if backbone not in ("deberta-v3", "bert", "modernbert"):
+            raise ValueError(f"backbone {backbone!r}")
         tokenizer = unigram_tokenizer(base) if kind == "unigram" else wordpiece_tokenizer(base)
     if backbone == "spm":
         pass
     elif backbone == "deberta-v3":
         deberta_v3_config(len(tokenizer), **sizes).save_pretrained(base)
+    elif backbone == "modernbert":
+        transformers.ModernBertConfig(
+            vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=0, cls_token_id=101, sep_token_id=102,
+            bos_token_id=101, eos_token_id=102, global_attn_every_n_layers=2, local_attention=16,
+            **sizes).save_pretrained(base)
     else:
         transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **sizes).save_pretrained(base)
     gliner_config = {"max_width": 12, "span_mode": "markerV0", **gliner_config}

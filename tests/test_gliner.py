@@ -85,7 +85,7 @@ def test_entities_equal_gliner_predict_entities(tmp_path, deberta_gliner, flat_n
     assert found > 50  # the comparison covers many entities, not empty lists
 
 
-@pytest.mark.parametrize("layout", ["bert", "legacy", "legacy-spm"])
+@pytest.mark.parametrize("layout", ["bert", "modernbert", "legacy", "legacy-spm"])
 def test_bert_backbone_and_the_published_layout_equal_gliner(tmp_path, layout):
     """A BERT backbone (WordPiece, learned positions, a projection to a wider GLiNER hidden size,
     last-subtoken word pooling);
@@ -94,6 +94,9 @@ def test_bert_backbone_and_the_published_layout_equal_gliner(tmp_path, layout):
     directory = tmp_path / "model"
     if layout == "bert":
         reference = build_gliner(directory, "bert", seed=5, hidden_size=48, subtoken_pooling="last")
+        card = gliner_card(directory)
+    elif layout == "modernbert":  # rotary positions, alternating local and global attention
+        reference = build_gliner(directory, "modernbert", seed=5)
         card = gliner_card(directory)
     else:  # the legacy-spm backbone is as microsoft/deberta-v3-* ship: spm.model, no tokenizer.json
         if layout == "legacy-spm":

@@ -30,10 +30,10 @@ def load_gliner_backbone(card: ModelCard, directory: Path, device: str, allow_do
         backbone_dir = _backbone_dir(card, config, allow_download)
         encoder = read_config(backbone_dir)
     encoder = dict(encoder)
-    rows = tensor_shape(directory, BACKBONE_PREFIX + "embeddings.word_embeddings.weight")
+    rows = next((shape for name in _EMBEDDINGS if (shape := tensor_shape(directory, BACKBONE_PREFIX + name))), None)
     if rows is None:
-        raise ModelLoadError(f"{directory}: the checkpoint has no {BACKBONE_PREFIX}embeddings.word_embeddings.weight; "
-                             "is this a GLiNER checkpoint?", details={"file": CONFIG_FILE})
+        raise ModelLoadError(f"{directory}: the checkpoint has no {BACKBONE_PREFIX}embeddings.word_embeddings.weight "
+                             "(or its ModernBERT name); is this a GLiNER checkpoint?", details={"file": CONFIG_FILE})
     encoder["vocab_size"] = rows[0]  # resized for GLiNER's added tokens
     model = build_model(directory, card.architecture or encoder.get("model_type"), device, card.dtype,
                         config=encoder, prefixes=(BACKBONE_PREFIX,))
@@ -57,6 +57,10 @@ def load_gliner_backbone(card: ModelCard, directory: Path, device: str, allow_do
         raise ModelLoadError(f"{directory}: class_token_index {index} is not the tokenizer's id {ent_id} for "
                              f"{config.get('ent_token', '<<ENT>>')!r}", details={"file": CONFIG_FILE})
     return model, TextTokenizer(tokenizer, max_length)
+
+
+# The backbone's token embeddings (resized for GLiNER's added tokens): BERT/DeBERTa, ModernBERT.
+_EMBEDDINGS = ("embeddings.word_embeddings.weight", "embeddings.tok_embeddings.weight")
 
 
 def _backbone_dir(card: ModelCard, config: dict, allow_download: bool) -> Path:
