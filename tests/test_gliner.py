@@ -5,7 +5,6 @@ both checkpoint layouts; long texts in word windows."""
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 import pytest
@@ -14,9 +13,8 @@ pytest.importorskip("gliner")
 
 from extract_models import build_gliner, gliner_card  # noqa: E402
 
-from shoal.catalog import Catalog  # noqa: E402
-from shoal.config import EngineSettings  # noqa: E402
-from shoal.engine import Engine, ExtractCall  # noqa: E402
+from engine_calls import catalog_with, run  # noqa: E402
+from shoal.engine import ExtractCall  # noqa: E402
 from shoal.spans import owned_starts, split_words, word_windows  # noqa: E402
 
 TEXTS = [
@@ -31,25 +29,6 @@ LABEL_SETS = [
     ["person", "location", "date", "company", "money", "product"],
     ["country"],
 ]
-
-
-def run(catalog: Catalog, *calls):
-    async def go():
-        engine = Engine(EngineSettings(), catalog, allow_download=False)
-        await engine.start()
-        try:
-            return [await engine.run(call) for call in calls]
-        finally:
-            await engine.stop()
-
-    return asyncio.run(go())
-
-
-def catalog_with(tmp_path, card_yaml: str) -> Catalog:
-    cards = tmp_path / "cards"
-    cards.mkdir(exist_ok=True)
-    (cards / "card.yaml").write_text(card_yaml)
-    return Catalog.load(extra_dirs=(cards,))
 
 
 def assert_same(expected: list[dict], got, where: str) -> None:

@@ -14,6 +14,8 @@ import transformers
 from sentence_transformers import CrossEncoder
 
 from rerankers import build_minilm_reranker, minilm_dir
+from engine_calls import catalog_with, run
+
 from shoal.catalog import Catalog
 from shoal.config import EngineSettings
 from shoal.engine import EncodeCall, Engine, ScoreCall
@@ -29,25 +31,6 @@ DOCUMENTS = [
     "around the attacker before closing again behind it. " * 6,  # longer than max_length: truncated
     "Predators.",
 ]
-
-
-def run(catalog: Catalog, *calls):
-    async def go():
-        engine = Engine(EngineSettings(), catalog, allow_download=False)
-        await engine.start()
-        try:
-            return [await engine.run(call) for call in calls]
-        finally:
-            await engine.stop()
-
-    return asyncio.run(go())
-
-
-def catalog_with(tmp_path, card_yaml: str) -> Catalog:
-    cards = tmp_path / "cards"
-    cards.mkdir(exist_ok=True)
-    (cards / "card.yaml").write_text(card_yaml)
-    return Catalog.load(extra_dirs=(cards,))
 
 
 def reranker_card(directory, max_length: int, **score) -> str:
