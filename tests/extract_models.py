@@ -15,17 +15,25 @@ import transformers
 
 from rerankers import minilm_dir
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def training_corpus() -> list[str]:
+    """Fixed English text to train test tokenizers on: the Lee corpus gensim's wheel ships (the
+    repo's own docs change, and with them every random model built on such a tokenizer)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gensim")
+    path = Path(next(iter(spec.submodule_search_locations))) / "test" / "test_data" / "lee_background.cor"
+    return [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
 
 
 def unigram_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     """A SentencePiece-style Unigram tokenizer (Metaspace "▁" word prefixes, [CLS] A [SEP]), as
-    DeBERTa-v3's is, trained on the repo's docs so that words split into several pieces."""
+    DeBERTa-v3's is, trained on a small fixed corpus so that words split into several pieces."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    corpus = [line for path in sorted((REPO / "docs").glob("*.md")) for line in path.read_text().splitlines()
-              if line.strip()] + [line for line in (REPO / "README.md").read_text().splitlines() if line.strip()]
+    corpus = training_corpus()
     tok = Tokenizer(models.Unigram())
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
@@ -44,13 +52,12 @@ def unigram_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
 
 def sentencepiece_backbone(directory: Path) -> int:
     """A folder laid out as microsoft/deberta-v3-* are: spm.model and tokenizer_config.json, no
-    tokenizer.json (a SentencePiece Unigram model trained on the repo's docs). Returns its size."""
+    tokenizer.json (a SentencePiece Unigram model trained on a fixed corpus). Returns its size."""
     import io
 
     import sentencepiece
 
-    corpus = [line for path in sorted((REPO / "docs").glob("*.md")) for line in path.read_text().splitlines()
-              if line.strip()]
+    corpus = training_corpus()
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus), model_writer=model, vocab_size=1200, model_type="unigram",
@@ -102,7 +109,7 @@ def build_gliner(directory: Path, backbone: str = "deberta-v3", seed: int = 0, h
     `directory.parent / (directory.name + "-backbone")` for the card's extract.backbone.
     `backbone_sizes`: overrides of the backbone's SMALL sizes (hidden_size, num_hidden_layers,
     num_attention_heads, intermediate_size), for benchmarks of a realistic size. `tokenizer_kind`:
-    "unigram" (the DeBERTa-v3-style one trained on the docs, 1,500 pieces) or "wordpiece" (MiniLM's
+    "unigram" (the DeBERTa-v3-style one trained on the Lee corpus, 1,500 pieces) or "wordpiece" (MiniLM's
     30k English vocabulary); unset: unigram for deberta-v3, wordpiece for bert."""
     from gliner import GLiNER
     from gliner.config import GLiNERConfig
