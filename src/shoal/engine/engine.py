@@ -186,7 +186,7 @@ class Engine:
         m = self.metrics
         for phase, seconds in timings.items():
             m.phase_seconds.labels(phase.removesuffix("_s"), card.id).observe(seconds)
-        if getattr(task, "collect_off_loop", None) and task.collect_off_loop(plan, outputs):
+        if task.collect_off_loop(plan, outputs):
             # A heavy decoding (thousands of span candidates) runs beside the event loop, not on it.
             return await asyncio.to_thread(task.collect, plan, seqs, outputs, timings)
         return task.collect(plan, seqs, outputs, timings)

@@ -151,57 +151,33 @@ class TextTokenizer:
 
     def _encode_pairs(self, firsts: list[str], seconds: list[str], truncate: bool, with_offsets: bool,
                       first_index: int, cut_first: bool = False) -> list[Encoded]:
-        if cut_first:
-            return self._encode_cut_first(firsts, seconds, truncate, first_index)
-        tokenizer = self._pair_variant()
+        """Pairs truncated from their second text (from their first, `cut_first`)."""
+        cut = 0 if cut_first else 1  # which text of the pair is truncated
+        tokenizer = self._pair_variant(strategy="only_first" if cut_first else "only_second")
         bound = self.max_chars
+        texts = (firsts, seconds)
         inputs = [(a if len(a) <= bound else _cut(a, bound), b if len(b) <= bound else _cut(b, bound))
                   for a, b in zip(firsts, seconds)]
         try:
             encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
-            for index, (a, b) in enumerate(inputs):
-                # As for single texts: a cut second text whose kept tokens may differ from the whole
+            for index, pair in enumerate(inputs):
+                # As for single texts: a cut text whose kept tokens may differ from the whole
                 # text's is tokenized again from a wider cut.
-                limit = bound * WIDEN_LIMIT
-                wider = bound
-                while b is not seconds[index] and _needs_wider(b, encodings[index], sequence=1) and wider < limit:
-                    wider *= 4
-                    b = seconds[index] if len(seconds[index]) <= wider else _cut(seconds[index], wider)
-                    inputs[index] = (a, b)
-                    encodings[index] = tokenizer.encode(a, b, add_special_tokens=True)
-        except Exception as exc:  # tokenizers refuses when the first text alone is too long
-            raise InputTooLong(f"a first text of a pair leaves no room for the second within "
-                               f"{self.max_length} tokens: shorten it ({exc})",
-                               details={"max_length": self.max_length}) from None
-        if not truncate:
-            self._refuse_overflow(encodings, "documents", first_index)
-        return [self._shape(enc, with_offsets, pair=True, truncated=bool(enc.overflowing) or b is not second)
-                for enc, (_, b), second in zip(encodings, inputs, seconds)]
-
-    def _encode_cut_first(self, firsts: list[str], seconds: list[str], truncate: bool,
-                          first_index: int) -> list[Encoded]:
-        """Pairs truncated from their first text (widened like single texts when a cut first text
-        may tokenize differently from the whole)."""
-        tokenizer = self._pair_variant(strategy="only_first")
-        bound = self.max_chars
-        inputs = [(a if len(a) <= bound else _cut(a, bound), b) for a, b in zip(firsts, seconds)]
-        try:
-            encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
-            for index, (a, b) in enumerate(inputs):
-                wider = bound
-                while a is not firsts[index] and _needs_wider(a, encodings[index], sequence=0) \
+                whole, wider, pair = texts[cut][index], bound, list(pair)
+                while pair[cut] is not whole and _needs_wider(pair[cut], encodings[index], sequence=cut) \
                         and wider < bound * WIDEN_LIMIT:
                     wider *= 4
-                    a = firsts[index] if len(firsts[index]) <= wider else _cut(firsts[index], wider)
-                    inputs[index] = (a, b)
-                    encodings[index] = tokenizer.encode(a, b, add_special_tokens=True)
-        except Exception as exc:  # tokenizers refuses when the second text alone is too long
-            raise InputTooLong(f"a hypothesis leaves no room for the text within {self.max_length} tokens: "
+                    pair[cut] = whole if len(whole) <= wider else _cut(whole, wider)
+                    inputs[index] = tuple(pair)
+                    encodings[index] = tokenizer.encode(*pair, add_special_tokens=True)
+        except Exception as exc:  # tokenizers refuses when the text kept whole alone is too long
+            kept = "hypothesis" if cut_first else "first text"
+            raise InputTooLong(f"a {kept} of a pair leaves no room for the other within {self.max_length} tokens: "
                                f"shorten it ({exc})", details={"max_length": self.max_length}) from None
         if not truncate:
-            self._refuse_overflow(encodings, "texts", first_index)
-        return [self._shape(enc, False, pair=True, truncated=bool(enc.overflowing) or a is not first)
-                for enc, (a, _), first in zip(encodings, inputs, firsts)]
+            self._refuse_overflow(encodings, "texts" if cut_first else "documents", first_index)
+        return [self._shape(enc, with_offsets, pair=True, truncated=bool(enc.overflowing) or pair[cut] is not whole)
+                for enc, pair, whole in zip(encodings, inputs, texts[cut])]
 
     def window_room(self, first: str) -> int:
         """Tokens of a pair's second text that fit in one sequence next to `first` (whole)."""

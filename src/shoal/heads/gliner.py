@@ -170,8 +170,9 @@ class GlinerHead:
             padded, _ = pad_packed_sequence(packed, batch_first=True)  # [n, W, H]
             words = [padded[j, : len(w)] for j, w in enumerate(words)]
         # The per-word and per-label projections for the whole batch at once, then each sequence's spans.
-        a = F.linear(F.relu(self.start(torch.cat(words))), self.out_start)  # [sum W, 4H] (marker: H)
-        b = F.linear(F.relu(self.end(torch.cat(words))), self.out_end)
+        all_words = torch.cat(words)  # [sum W, H]
+        a = F.linear(F.relu(self.start(all_words)), self.out_start)  # [sum W, 4H] (marker: H)
+        b = F.linear(F.relu(self.end(all_words)), self.out_end)
         p = self.prompt(torch.cat(prompts))  # [sum C, H]
         if self.mlp_out:
             label_rows, label_bias = p @ self.out_w2, p @ self.out_b2  # [sum C, 4H], [sum C]

@@ -4,6 +4,7 @@
     tokenize(plan, runner, pool) -> sequences (Encoded), one per device item
     specs(plan, seqs)           one head spec per sequence
     check_size(plan, seqs, limit)  refuse before compute a result larger than the limit
+    collect_off_loop(plan, outputs) whether collecting is heavy enough for a worker thread
     collect(plan, seqs, outputs, timings) -> the verb's Result
 
 The engine does everything the verbs share (admission, deadlines, the cache, the device).
@@ -29,6 +30,8 @@ class Task(Protocol):
     def specs(self, plan: Any, seqs: list) -> list: ...
 
     def check_size(self, plan: Any, seqs: list, max_result_bytes: int) -> None: ...
+
+    def collect_off_loop(self, plan: Any, outputs: list) -> bool: ...
 
     def collect(self, plan: Any, seqs: list, outputs: list, timings: dict[str, float]) -> Any: ...
 

@@ -71,6 +71,9 @@ class EncodeTask:
             details={"estimated_bytes": int(total), "max_result_bytes": max_result_bytes, "max_items": fits},
         )
 
+    def collect_off_loop(self, plan: EncodePlan, outputs: list) -> bool:
+        return False  # vectors and scores: collecting them is cheap
+
     def collect(self, plan: EncodePlan, seqs: list, outputs: list, timings: dict[str, float]) -> EncodeResult:
         return EncodeResult(items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
                             **timings)

@@ -24,6 +24,7 @@ from ...calls import Entity, ExtractCall, ExtractedItem, ExtractResult, LabelSco
 from ...catalog import ModelCard
 from ...errors import InvalidRequest
 from ...spans import STRATEGIES, aggregate_entities, decode_spans, owned_starts, split_words, word_windows
+from ..tokenizer import Encoded
 from ..types import ExtractSpec
 from .encode import check_texts, estimate_tokens
 
@@ -54,7 +55,7 @@ class ExtractPlan:
     # Per text: gliner (word starts, word ends, words without tokens); token_class (offsets, word
     # ids) of the whole text.
     texts: list[tuple] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)  # zero_shot: texts cut to fit
     gliner_specs: list[ExtractSpec] = field(default_factory=list)
     head: Any = None  # the model's head (token_class: its id2label; zero_shot: its label ids)
 
@@ -159,7 +160,6 @@ class ExtractTask:
                 plan.gliner_specs.append(ExtractSpec(("entities",), word_tokens=word_tokens,
                                                      prompt_tokens=prompt_positions + skip, threshold=plan.threshold,
                                                      max_width=width, owned=(own[0] - first_word, own[1] - first_word)))
-        plan.truncated = [False] * len(call.texts)
         return seqs
 
     async def _token_class(self, plan: ExtractPlan, runner, pool) -> list:
@@ -176,23 +176,15 @@ class ExtractTask:
             out = []
             for text in chunk:
                 whole, lead, trail = tok.encode_whole(text)
-                n = len(whole) - lead - trail
-                size = tok.max_length - lead - trail
-                overlap = min(ex.window_overlap_tokens, size // 2)
-                spans, a = [], 0
-                while True:
-                    b = min(n, a + size)
-                    spans.append((a, b))
-                    if b >= n:
-                        break
-                    a = b - overlap
+                inner = slice(lead, len(whole) - trail)
+                n, size = inner.stop - lead, tok.max_length - lead - trail
+                # Token windows as GLiNER's word windows, each token one "word" of one token; an
+                # empty text is one window of its special tokens alone.
+                spans = word_windows(np.ones(n, dtype=np.int64), size, size, ex.window_overlap_tokens) or [(0, 0)]
                 ids = whole.ids
-                head_ids, tail_ids = ids[:lead], ids[len(ids) - trail:]
-                inner = ids[lead:len(ids) - trail]
-                seqs = [_encoded(np.concatenate([head_ids, inner[a:b], tail_ids])) for a, b in spans]
-                inner_slice = slice(lead, len(ids) - trail)
-                out.append(((whole.offsets[inner_slice], whole.word_ids[inner_slice]),
-                            list(zip(seqs, spans, _owned_tokens(spans))), lead))
+                seqs = [Encoded(np.concatenate([ids[:lead], ids[inner][a:b], ids[inner.stop:]])) for a, b in spans]
+                out.append(((whole.offsets[inner], whole.word_ids[inner]),
+                            list(zip(seqs, spans, owned_starts(spans))), lead))
             return out
 
         per_text = await pool.map(windows_of, plan.call.texts)
@@ -203,7 +195,6 @@ class ExtractTask:
                 seqs.append(seq)
                 plan.owners.append(index)
                 plan.windows.append((a, own, lead))
-        plan.truncated = [False] * len(plan.call.texts)
         return seqs
 
     async def _zero_shot(self, plan: ExtractPlan, runner, pool) -> list:
@@ -244,11 +235,12 @@ class ExtractTask:
         if plan.kind == "gliner":
             items = self._collect_gliner(plan, outputs)
         elif plan.kind == "token_class":
-            items = self._collect_token_class(plan, seqs, outputs)
+            items = self._collect_token_class(plan, outputs)
         else:
-            items = self._collect_zero_shot(plan, outputs, seqs)
+            items = self._collect_zero_shot(plan, outputs)
+        truncated = plan.truncated or [False] * n  # only zero-shot cuts texts
         items = [ExtractedItem(entities=item[0], labels=item[1], num_windows=int(windows[i]),
-                               truncated=plan.truncated[i]) for i, item in enumerate(items)]
+                               truncated=truncated[i]) for i, item in enumerate(items)]
         return ExtractResult(items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
                              **timings)
 
@@ -286,7 +278,7 @@ class ExtractTask:
             items.append((entities, None))
         return items
 
-    def _collect_token_class(self, plan: ExtractPlan, seqs: list, outputs: list) -> list:
+    def _collect_token_class(self, plan: ExtractPlan, outputs: list) -> list:
         call, card = plan.call, plan.card
         strategy = call.aggregation or card.extract.aggregation
         n = len(call.texts)
@@ -311,7 +303,7 @@ class ExtractTask:
             items.append((entities, None))
         return items
 
-    def _collect_zero_shot(self, plan: ExtractPlan, outputs: list, seqs: list) -> list:
+    def _collect_zero_shot(self, plan: ExtractPlan, outputs: list) -> list:
         call, k = plan.call, len(plan.labels)
         head = plan.head
         items = []
@@ -410,15 +402,4 @@ def _window(seq, num_words: int, num_prompt_words: int, cap: int | None, last: b
     for pos, w in enumerate(word_ids.tolist()):
         first.setdefault(w, pos)
     prompt_positions = np.asarray([first[w] for w in range(0, num_prompt_words - 1, 2)], dtype=np.int64)
-    return _encoded(ids), word_tokens, prompt_positions
-
-
-def _owned_tokens(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Token windows' owned ranges: overlaps split at their middle."""
-    return owned_starts(spans)
-
-
-def _encoded(ids: np.ndarray):
-    from ..tokenizer import Encoded
-
-    return Encoded(np.asarray(ids, dtype=np.int64))
+    return Encoded(np.asarray(ids, dtype=np.int64)), word_tokens, prompt_positions

@@ -147,6 +147,9 @@ class ScoreTask:
     def check_size(self, plan: ScorePlan, seqs: list, max_result_bytes: int) -> None:
         return None  # a score per document: always small
 
+    def collect_off_loop(self, plan: ScorePlan, outputs: list) -> bool:
+        return False  # vectors and scores: collecting them is cheap
+
     def collect(self, plan: ScorePlan, seqs: list, outputs: list, timings: dict[str, float]) -> ScoreResult:
         n = len(plan.call.documents)
         if plan.mode in _PAIRED:
