@@ -146,13 +146,15 @@ def _copy(model: nn.Module, param: torch.Tensor, param_name: str, shard: int | N
     dest.copy_(tensor)
 
 
-def tensor_shape(directory: Path, name: str) -> tuple[int, ...] | None:
-    """The shape of one checkpoint tensor (read from headers where the format allows), or None."""
+def tensor_shape(directory: Path, names: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The shape of the first of `names` the checkpoint holds (in one pass over it, read from
+    headers where the format allows), or None."""
+    found: dict[str, tuple[int, ...]] = {}
     for path in _checkpoint_files(directory):
         for key, _, shape in _tensors(path):
-            if key == name:
-                return shape
-    return None
+            if key in names:
+                found[key] = shape
+    return next((found[name] for name in names if name in found), None)
 
 
 def estimate_bytes(directory: Path, dtype: str = "float32") -> int:

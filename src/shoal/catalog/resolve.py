@@ -22,8 +22,7 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
     source = card.source
 
     if source.path:
-        base = Path(card.card_path).parent if card.card_path else Path.cwd()
-        path = (base / source.path).expanduser()
+        path = _local_path(source, card.card_path)
         if _is_model_dir(path):
             return _from_onnx(path, source.onnx) if source.onnx else path
         tried.append(f"path {path} has no config.json")
@@ -72,6 +71,12 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
     )
 
 
+def _local_path(source, card_path: str | None) -> Path:
+    """A source's `path`, relative to the card's file (else to the working directory)."""
+    base = Path(card_path).parent if card_path else Path.cwd()
+    return (base / source.path).expanduser()
+
+
 ONNX_CACHE_DIR = Path("~/.cache/shoal/onnx")
 
 
@@ -117,8 +122,7 @@ def resolve_source(source, what: str, card_path: str | None, allow_download: boo
     the Hugging Face cache, then a download of its config and tokenizer files only."""
     tried: list[str] = []
     if source.path:
-        base = Path(card_path).parent if card_path else Path.cwd()
-        path = (base / source.path).expanduser()
+        path = _local_path(source, card_path)
         if _is_model_dir(path):
             return path
         tried.append(f"path {path} has no config.json")

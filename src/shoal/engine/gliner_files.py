@@ -30,7 +30,7 @@ def load_gliner_backbone(card: ModelCard, directory: Path, device: str, allow_do
         backbone_dir = _backbone_dir(card, config, allow_download)
         encoder = read_config(backbone_dir)
     encoder = dict(encoder)
-    rows = next((shape for name in _EMBEDDINGS if (shape := tensor_shape(directory, BACKBONE_PREFIX + name))), None)
+    rows = tensor_shape(directory, tuple(BACKBONE_PREFIX + name for name in _EMBEDDINGS))
     if rows is None:
         raise ModelLoadError(f"{directory}: the checkpoint has no {BACKBONE_PREFIX}embeddings.word_embeddings.weight "
                              "(or its ModernBERT name); is this a GLiNER checkpoint?", details={"file": CONFIG_FILE})
