@@ -16,45 +16,89 @@ from ..catalog import ModelCard, resolve_weights
 from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta
 from ..weights import build_model, estimate_bytes
+from .lora import AdapterTable, read_adapter
+from .measure import tensor_bytes, workspace_bytes
 from .tokenizer import TextTokenizer
 from .types import Batch, EncodeSpec, ExtractSpec, ScoreSpec
+
+# Heads that read only the encoder's states: LoRA targets outside the encoder (a pooler, an MLM head)
+# are never run under them, so an adapter's tensors for those are dropped rather than refused.
+_ENCODER_ONLY_HEADS = frozenset({"dense", "multivector"})
 
 
 class ModelRunner:
     def __init__(self, card: ModelCard, model: torch.nn.Module, tokenizer: TextTokenizer, device: str,
-                 num_bytes: int, directory: Path | None = None) -> None:
+                 directory: Path | None = None, max_batch_tokens: int = 16384) -> None:
         self.card = card
         self.model = model
         self.device = torch.device(device)
-        self.num_bytes = num_bytes
         self.tokenizer = self.document_tokenizer = self.query_tokenizer = tokenizer
         dtype = next(model.parameters()).dtype
         self.heads = build_heads(BuildContext(card, model, directory, tokenizer, dict(device=self.device, dtype=dtype)))
         for head in self.heads.values():  # late-interaction heads mark queries and documents
             if hasattr(head, "tokenizers"):
                 self.query_tokenizer, self.document_tokenizer = head.tokenizers()
+        self._adapters = AdapterTable()  # PEFT LoRA adapters by slot (engine/lora.py)
+        # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
+        self.num_bytes = tensor_bytes([model, *self.heads.values()])
+        self.workspace_bytes = workspace_bytes(model, self.heads.values(), max_batch_tokens, tokenizer.max_length,
+                                               self.device, flash=self.device.type == "cuda")
 
     @classmethod
-    def load(cls, card: ModelCard, device: str, allow_download: bool = True) -> "ModelRunner":
+    def load(cls, card: ModelCard, device: str, allow_download: bool = True,
+             max_batch_tokens: int = 16384) -> "ModelRunner":
         directory = resolve_weights(card, allow_download=allow_download)
-        return cls.from_dir(card, directory, device, allow_download)
+        return cls.from_dir(card, directory, device, allow_download, max_batch_tokens)
 
     @classmethod
-    def from_dir(cls, card: ModelCard, directory: Path, device: str, allow_download: bool = True) -> "ModelRunner":
+    def from_dir(cls, card: ModelCard, directory: Path, device: str, allow_download: bool = True,
+                 max_batch_tokens: int = 16384) -> "ModelRunner":
         if card.extract is not None and card.extract.kind == "gliner":
             from .gliner_files import load_gliner_backbone
 
             model, tokenizer = load_gliner_backbone(card, directory, device, allow_download)
-            return cls(card, model, tokenizer, device, estimate_bytes(directory, card.dtype), directory)
+            return cls(card, model, tokenizer, device, directory, max_batch_tokens)
         model = build_model(directory, card.architecture, device, card.dtype)
         # Models with a learned position table cannot take more tokens than it has rows.
         max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
         tokenizer = TextTokenizer.from_dir(directory, max_length)
-        return cls(card, model, tokenizer, device, estimate_bytes(directory, card.dtype), directory)
+        return cls(card, model, tokenizer, device, directory, max_batch_tokens)
 
     @staticmethod
     def estimate_bytes(card: ModelCard, allow_download: bool = True) -> int:
+        """Before a load: the bytes its checkpoint's tensors take in the card's dtype (the cache
+        measures the loaded model after)."""
         return estimate_bytes(resolve_weights(card, allow_download=allow_download), card.dtype)
+
+    def add_adapter(self, name: str, directory: Path) -> int:
+        """Load the PEFT LoRA adapter in `directory` onto this model (tensors on its device, in its
+        dtype) and install it under `name`; returns its slot, stable while it is installed.
+
+        Safe from a loader thread while the device thread runs `forward`: everything is built off to
+        the side and installed in one swap, so a forward sees the adapter whole or not at all.
+        """
+        dtype = next(self.model.parameters()).dtype
+        adapter = read_adapter(name, directory, self.model, device=self.device, dtype=dtype,
+                               drop_head_targets=set(self.heads) <= _ENCODER_ONLY_HEADS)
+        if self.device.type == "cuda":  # the copies are complete before any forward can read them
+            torch.cuda.synchronize(self.device)
+        return self._adapters.install(adapter)
+
+    def remove_adapter(self, name: str) -> None:
+        """Uninstall `name` (the caller guarantees no queued or running batch uses it); its slot is
+        free for the next adapter."""
+        self._adapters.remove(name)
+
+    def adapter_slot(self, name: str) -> int | None:
+        return self._adapters.slot(name)
+
+    def adapter_bytes(self, name: str) -> int:
+        """Bytes the installed adapter's tensors take on the device (measured)."""
+        return self._adapters.get(name).num_bytes
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return self._adapters.names
 
     @torch.inference_mode()
     def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec | ExtractSpec]) -> list:
@@ -65,7 +109,13 @@ class ModelRunner:
         key_lengths = None if batch.key_lengths is None else torch.from_numpy(batch.key_lengths).to(**to)  # [n]
         meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths)
         token_type_ids = None if batch.token_type_ids is None else torch.from_numpy(batch.token_type_ids).to(**to)
-        states = self.model(input_ids, position_ids, meta, token_type_ids)  # [T, hidden]
+        routing = (None if batch.adapter_slots is None
+                   else self._adapters.routing(batch.cu_seqlens, batch.adapter_slots, self.device))
+        if routing is None:
+            states = self.model(input_ids, position_ids, meta, token_type_ids)  # [T, hidden]
+        else:  # each sequence's tokens get its adapter's deltas (layers/lora.py)
+            with routing.applied(self.model):
+                states = self.model(input_ids, position_ids, meta, token_type_ids)  # [T, hidden]
         hidden = Hidden(states, input_ids, meta)
 
         wanted = {name for spec in specs for name in spec.outputs}

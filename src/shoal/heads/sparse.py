@@ -84,6 +84,10 @@ class _SparseHead:
     def weights(self, hidden) -> torch.Tensor:  # [n, V]
         raise NotImplementedError
 
+    def workspace_bytes(self, num_tokens: int, max_items: int = 256) -> int:
+        """Scratch of one batch: the `[n, V]` float weights (engine/measure.py)."""
+        return max_items * self.tokenizer.vocab_size * 4
+
     def run(self, hidden, specs) -> list[SparseVector | None]:
         rows = self.weights(hidden).float().cpu().numpy()
         out: list[SparseVector | None] = []
@@ -106,6 +110,10 @@ class SpladeHead(_SparseHead):
     def build(cls, ctx) -> SpladeHead:
         return cls(_mlm_head(ctx.model, ctx.directory, ctx.to), _skip_ids(ctx), ctx.tokenizer,
                    ctx.card.sparse_spec.top_k)
+
+    def workspace_bytes(self, num_tokens: int, max_items: int = 256) -> int:
+        """Also the chunk of `[t, V]` logits `splade` holds, twice (the logits and their log1p)."""
+        return super().workspace_bytes(num_tokens, max_items) + 2 * min(num_tokens, 2048) * self.tokenizer.vocab_size * 4
 
     def weights(self, hidden) -> torch.Tensor:
         out = splade(hidden.states, hidden.meta, self.mlm)  # [n, V]

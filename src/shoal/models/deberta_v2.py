@@ -266,6 +266,14 @@ class DebertaV2Model(nn.Module):
         return "cls", [("linear", "pooler.dense"), ("act", config.get("pooler_hidden_act", "gelu")),
                        ("linear", "classifier")]
 
+    def shared_linears(self) -> tuple[str, ...]:
+        """Linears that also project the relative-position table, which all sequences of a batch
+        share: a per-sequence LoRA adapter cannot target them (engine/lora.py refuses one that does)."""
+        if not self.config.relative_attention:
+            return ()
+        names = ("qkv",) if self.config.share_att_key else ("pos_key_proj", "pos_query_proj")
+        return tuple(f"layers.{i}.{name}" for i in range(len(self.layers)) for name in names)
+
     def __init__(self, cfg: DebertaV2Config) -> None:
         super().__init__()
         h, e = cfg.hidden_size, cfg.embedding_size or cfg.hidden_size
