@@ -161,8 +161,9 @@ def _wait_ready(url: str, thread: threading.Thread) -> None:
 
 @pytest.fixture(scope="session")
 def serve():
-    """`serve(server=..., engine=..., wrap_runner=..., preload=..., cards_dirs=...)` -> base URL of a
-    new server with the MiniLM model preloaded (and the cards in `cards_dirs` added);
+    """`serve(server=..., engine=..., wrap_runner=..., preload=..., cards_dirs=..., auth=..., models=...)`
+    -> base URL of a new server with the MiniLM model preloaded (and the cards in `cards_dirs` added
+    and watched; `auth` an api.auth.Auth; `models` the `--models` patterns);
     `serve.engines[url]` is its Engine.
 
     Each call builds its own Settings, Engine and app; all of them stop when the session ends.
@@ -178,15 +179,17 @@ def serve():
 
         def start(server: ServerSettings | None = None, engine: EngineSettings | None = None,
                   wrap_runner: Callable | None = None, preload: tuple[str, ...] = (MODEL_ID,),
-                  cards_dirs: tuple[Path, ...] = ()) -> str:
+                  cards_dirs: tuple[Path, ...] = (), auth=None, models: tuple[str, ...] = ()) -> str:
             settings = Settings(server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False)
             load = None
             if wrap_runner is not None:
                 def load(card):
                     return wrap_runner(ModelRunner.load(card, settings.engine.device, allow_download=False))
-            eng = Engine(settings.engine, Catalog.load(extra_dirs=cards_dirs), allow_download=False, load_runner=load,
-                         estimate_bytes=(lambda card: ModelRunner.estimate_bytes(card, False)) if load else None)
-            app = create_app(settings, eng, preload=preload)
+            catalog = Catalog.load(extra_dirs=cards_dirs, strict=False).restrict(models)
+            eng = Engine(settings.engine, catalog, allow_download=False, load_runner=load,
+                         estimate_bytes=(lambda card: ModelRunner.estimate_bytes(card, False)) if load else None,
+                         models_dirs=cards_dirs)
+            app = create_app(settings, eng, preload=preload, auth=auth)
             url = servers.enter_context(running_server(app))
             start.engines[url] = eng
             return url

@@ -26,7 +26,7 @@ import numpy as np
 from shoal.calls import AnyCall, AnyResult, EncodeCall, EncodedItem, EncodeResult, ScoreCall, ScoredItem, ScoreResult
 from shoal.errors import InputTooLong, InvalidRequest, UnknownModel
 from shoal.metrics import Metrics
-from shoal.service import Capacity, ModelStatus
+from shoal.service import Capacity, CardProblem, ModelStatus
 from shoal.vectors import OUTPUT_DTYPES, finish
 
 RERANK_MODEL = "standin/rerank"
@@ -93,10 +93,27 @@ class StandIn:
     # --- Service ---------------------------------------------------------------------------------
 
     def models(self) -> list[ModelStatus]:
-        return [msgspec.structs.replace(status, loaded=status.id in self.warmed) for status in MODELS]
+        return [msgspec.structs.replace(status, loaded=status.id in self.warmed,
+                                        state="loaded" if status.id in self.warmed else "not_loaded")
+                for status in MODELS]
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self._models
+
+    def model(self, model_id: str) -> ModelStatus:
+        self._status(model_id)
+        return next(status for status in self.models() if status.id == model_id)
+
+    def problems(self) -> list[CardProblem]:
+        return []
+
+    async def admin(self, model_id: str, action: str) -> ModelStatus:
+        self._status(model_id)
+        if action == "load" and model_id not in self.warmed:
+            self.warmed.append(model_id)
+        elif action == "unload" and model_id in self.warmed:
+            self.warmed.remove(model_id)
+        return self.model(model_id)
 
     def capacity(self) -> Capacity:
         return Capacity(queued_tokens=0, max_queued_tokens=MAX_QUEUED_TOKENS, tokens_per_s=None)

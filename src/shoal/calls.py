@@ -29,6 +29,7 @@ from .errors import ShoalError, error_from_code
 class Call(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
     request_id: str | None = None
     timeout_s: float | None = None  # None: the server's default deadline
+    adapter: str | None = None  # a LoRA adapter of the model (its card's `adapters`); None: the base model
 
 
 class EncodeCall(Call, frozen=True, tag="encode"):

@@ -27,11 +27,18 @@ def _settings(args: argparse.Namespace):
         engine = replace(engine, memory_budget_bytes=args.memory_budget_bytes)
     if getattr(args, "pin", None):
         engine = replace(engine, pinned_models=tuple(args.pin))
+    if getattr(args, "auth_tokens_file", None):
+        server = replace(server, auth_tokens_file=Path(args.auth_tokens_file))
+    if getattr(args, "no_auth", False):
+        server = replace(server, no_auth=True)
+    models = tuple(m for spec in (getattr(args, "models", None) or []) for m in spec.split(",") if m)
     dirs = settings.models_dirs + tuple(Path(d) for d in (args.models_dir or []))
-    return replace(settings, server=server, engine=engine, models_dirs=dirs)
+    return replace(settings, server=server, engine=engine, models_dirs=dirs, models=models or settings.models)
 
 
-def _engine(settings):
+def _engine(settings, *, strict: bool = True):
+    """The in-process engine over the catalog `settings` admit. `strict`: a broken card in a
+    models directory is an error (one-shot commands); a server logs and lists it instead."""
     from .catalog import Catalog
     from .errors import ConfigError
 
@@ -40,21 +47,27 @@ def _engine(settings):
     except ImportError as exc:  # a torch-free install: the API and wire types only
         raise ConfigError(f"the in-process engine needs {exc.name}; install it with: pip install 'shoal[engine]'") from None
 
-    return Engine(settings.engine, Catalog.load(settings.models_dirs), allow_download=settings.allow_download)
+    catalog = Catalog.load(settings.models_dirs, strict=strict).restrict(settings.models)
+    return Engine(settings.engine, catalog, allow_download=settings.allow_download, models_dirs=settings.models_dirs)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api import create_app
+    from .api.auth import Auth, check_bind
     from .api.server import serve
 
     settings = _settings(args)
     limits = {name: getattr(args, name, None) for name in _SERVE_LIMIT_FLAGS}
     limits = {name: value for name, value in limits.items() if value is not None}
     settings = replace(settings, server=replace(settings.server, **limits))
-    engine = _engine(settings)
-    for model_id in args.preload or []:
+    server = settings.server
+    auth = Auth.from_sources(server.auth_tokens_file, server.auth_tokens, server.admin_tokens)  # fails closed
+    check_bind(server.host, auth, server.no_auth)
+    engine = _engine(settings, strict=False)
+    preload = tuple(dict.fromkeys([*(args.preload or []), *engine.fleet.preload_ids]))
+    for model_id in preload:
         engine.catalog.get(model_id)  # fail fast on a typo, before binding the port
-    app = create_app(settings, engine, preload=tuple(args.preload or ()))
+    app = create_app(settings, engine, preload=preload, auth=auth)
     serve(app, settings.server, log_level=args.log_level)
     return 0
 
@@ -74,10 +87,14 @@ def cmd_models(args: argparse.Namespace) -> int:
     from .catalog import Catalog
 
     settings = _settings(args)
-    for card in Catalog.load(settings.models_dirs):
+    catalog = Catalog.load(settings.models_dirs, strict=False).restrict(settings.models)
+    for card in catalog:
         outputs = ",".join(card.outputs) if "encode" in card.tasks else (card.score.kind if card.score else "-")
-        print(f"{card.id:48} {card.architecture or '-':12} {','.join(card.tasks):13} {outputs:24} {card.verified}")
-    return 0
+        adapters = f" adapters: {','.join(sorted(card.adapters))}" if card.adapters else ""
+        print(f"{card.id:48} {card.architecture or '-':12} {','.join(card.tasks):13} {outputs:24} {card.verified}{adapters}")
+    for file, error in sorted(catalog.broken.items()):
+        print(f"broken: {error}", file=sys.stderr)
+    return 1 if catalog.broken else 0
 
 
 def _run_once(args: argparse.Namespace, call):
@@ -135,16 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--models-dir", action="append", metavar="DIR", help="add the model cards (*.yaml) in DIR")
+        p.add_argument("--models-dir", action="append", metavar="DIR",
+                       help="add the model cards (*.yaml) and adapters (DIR/adapters/NAME) in DIR; a server watches it")
+        p.add_argument("--models", action="append", metavar="IDS",
+                       help="serve only these model ids or globs (comma-separated, repeatable)")
 
     serve = sub.add_parser("serve", help="run the HTTP server")
     common(serve)
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8080)")
     serve.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
-    serve.add_argument("--memory-budget-bytes", type=int, help="bytes of weights to keep loaded before evicting")
+    serve.add_argument("--memory-budget-bytes", type=int,
+                       help="bytes resident models may hold before the least recently used are evicted "
+                            "(default: 80%% of the RAM or VRAM free at start)")
     serve.add_argument("--pin", action="append", metavar="MODEL", help="never evict MODEL")
     serve.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before accepting requests")
+    serve.add_argument("--auth-tokens-file", metavar="FILE", help="bearer tokens (YAML; see docs/operations.md)")
+    serve.add_argument("--no-auth", action="store_true", help="serve a non-loopback address without tokens")
     serve.add_argument("--log-level", default="info")
     for name, (kind, help_text) in _SERVE_LIMIT_FLAGS.items():
         serve.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)

@@ -36,12 +36,19 @@ class EngineSettings:
     device_restart_delay_s: float = 1.0
     stop_timeout_s: float = 60.0
     tokenizer_threads: int = 2
-    # Memory budget for loaded weights on the device; None means no limit.
+    # Memory budget on the device (resident models, their adapters and the batch workspace);
+    # None: 80 % of the RAM (or VRAM) free when the engine starts (engine/memory.py).
     memory_budget_bytes: int | None = None
     # How long a request waits for a cold model to load before 503 + Retry-After.
-    load_timeout_s: float = 120.0
-    # Model ids that are never evicted.
+    load_timeout_s: float = 30.0
+    # After a failed load, requests get the failure (502) without a new attempt for this long,
+    # doubling per failure up to 60 s.
+    load_backoff_s: float = 1.0
+    # Model ids that are never evicted (cards may also say `pin: true`).
     pinned_models: tuple[str, ...] = ()
+    # How often the models directories are checked for new, changed or removed cards and adapters;
+    # None: never (no hot add).
+    watch_interval_s: float | None = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,13 @@ class ServerSettings:
     max_connections: int = 1000
     # Connections the kernel queues before the server accepts them.
     listen_backlog: int = 2048
+    # Bearer tokens (api/auth.py): a YAML file, and comma-separated tokens (SHOAL_AUTH_TOKENS) and
+    # admin tokens (SHOAL_ADMIN_TOKENS). None of them: no auth (loopback only, unless `no_auth`).
+    auth_tokens_file: Path | None = None
+    auth_tokens: str = field(default="", repr=False)
+    admin_tokens: str = field(default="", repr=False)
+    # Serve a non-loopback address without tokens (`--no-auth`).
+    no_auth: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,8 @@ class Settings:
     models_dirs: tuple[Path, ...] = ()
     # Whether model weights may be fetched from the Hugging Face Hub when not found locally.
     allow_download: bool = True
+    # `--models`: the ids or globs of the cards this server serves (lists, loads); () all.
+    models: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -90,6 +106,10 @@ class Settings:
             keep_alive_timeout_s=float(env.get("SHOAL_KEEP_ALIVE_TIMEOUT_S", ServerSettings.keep_alive_timeout_s)),
             max_connections=int(env.get("SHOAL_MAX_CONNECTIONS", ServerSettings.max_connections)),
             listen_backlog=int(env.get("SHOAL_LISTEN_BACKLOG", ServerSettings.listen_backlog)),
+            auth_tokens_file=Path(env["SHOAL_AUTH_TOKENS_FILE"]) if env.get("SHOAL_AUTH_TOKENS_FILE") else None,
+            auth_tokens=env.get("SHOAL_AUTH_TOKENS", ""),
+            admin_tokens=env.get("SHOAL_ADMIN_TOKENS", ""),
+            no_auth=env.get("SHOAL_NO_AUTH", "0") not in ("0", "", "false"),
         )
         budget = env.get("SHOAL_MEMORY_BUDGET_BYTES")
         engine = EngineSettings(
@@ -106,7 +126,8 @@ class Settings:
         )
         dirs = tuple(Path(p) for p in env.get("SHOAL_MODELS_DIRS", "").split(os.pathsep) if p)
         offline = env.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-        return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline)
+        models = tuple(m for m in env.get("SHOAL_MODELS", "").split(",") if m)
+        return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline, models=models)
 
 
 def _optional_float(value: str | None, default: float | None) -> float | None:

@@ -7,13 +7,15 @@
     │   ├── PayloadTooLarge         the body exceeds the server's limit
     │   ├── ResultTooLarge          the response would exceed the server's limit; split the request
     │   └── InputTooLong            an item has more tokens than the model takes (truncate: false)
+    ├── Unauthorized                no bearer token, or one this server does not know (401)
+    ├── Forbidden                   the token may not do this: an admin route, a model off its list (403)
     ├── Overloaded                  the queue is full, a model is loading, the device restarts; retry later
     ├── DeadlineExceeded            the call's deadline passed before it was served; names the phase
     ├── Cancelled                   the caller went away; its remaining work was dropped
     ├── InferenceFailed             the model failed on some items (the server log has the traceback)
     ├── ConfigError                 the settings ask for something this machine lacks (a GPU)
     ├── CardError                   a model card (YAML) is malformed; names the file and field
-    └── ModelLoadError              weights or tokenizer could not be found or loaded
+    └── ModelLoadError              weights or tokenizer could not be found or loaded (502; back off)
 
 Each error carries a stable `code` (a short snake_case string), optional `details` and, for
 Overloaded, `retry_after_s`. `error_from_code` rebuilds the same class from those fields, so an
@@ -23,6 +25,7 @@ status lives in exactly one place: `shoal.api.errors`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -64,6 +67,14 @@ class InputTooLong(InvalidRequest):
     code = "input_too_long"
 
 
+class Unauthorized(ShoalError):
+    code = "unauthorized"
+
+
+class Forbidden(ShoalError):
+    code = "forbidden"
+
+
 class Overloaded(ShoalError):
     code = "overloaded"
 
@@ -97,7 +108,24 @@ class CardError(ShoalError):
 
 
 class ModelLoadError(ShoalError):
+    """`public_message` is what a client sees: the message with the server's file paths cut to
+    their last part (the log gets the whole message). `retry_after_s`: when the next attempt is."""
+
     code = "model_load_failed"
+
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None, public_message: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message, details=details)
+        self.public_message = public_message or _PATH.sub(lambda m: m.group(0).rsplit("/", 1)[-1], message)
+        self._retry_after_s = retry_after_s
+
+    @property
+    def retry_after_s(self) -> float | None:
+        return self._retry_after_s
+
+
+# An absolute path (or ~/...) in a message: a server's internals, not for its clients.
+_PATH = re.compile(r"(?<![\w.])~?/[^\s:;,'\"()]+")
 
 
 def _all_classes(cls: type[ShoalError]) -> list[type[ShoalError]]:
@@ -113,6 +141,8 @@ def error_from_code(code: str, message: str, details: dict[str, Any] | None = No
     cls = _BY_CODE.get(code, ShoalError)
     if issubclass(cls, Overloaded):
         error: ShoalError = cls(message, retry_after_s=retry_after_s or 1.0, details=details)
+    elif issubclass(cls, ModelLoadError):
+        error = cls(message, details=details, retry_after_s=retry_after_s)
     else:
         error = cls(message, details=details)
     if cls is ShoalError:

@@ -11,6 +11,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -45,7 +46,23 @@ class Metrics:
         self.failed_items = Counter("shoal_failed_items", "Items whose forward pass failed", ["model"], registry=r)
         self.device_restarts = Counter("shoal_device_restarts", "Times a dead device thread was restarted", registry=r)
         self.loaded_models = Gauge("shoal_loaded_models", "Models loaded on this process", registry=r)
-        self.loaded_bytes = Gauge("shoal_loaded_model_bytes", "Bytes of weights loaded", registry=r)
+        self.loaded_bytes = Gauge("shoal_loaded_model_bytes", "Bytes held by resident models (measured tensors, "
+                                  "adapters, and the largest one's batch workspace)", registry=r)
+        # Residency (engine/cache.py).
+        self.memory_budget_bytes = Gauge("shoal_memory_budget_bytes", "The device's memory budget", ["device"], registry=r)
+        self.device_bytes = Gauge("shoal_device_resident_bytes", "Bytes resident on the device", ["device"], registry=r)
+        self.model_bytes = Gauge("shoal_model_resident_bytes", "Bytes one resident model holds (with its adapters)",
+                                 ["model"], registry=r)
+        self.loads = Counter("shoal_model_loads", "Model loads by outcome (ok, failed, no_room)", ["model", "outcome"],
+                             registry=r)
+        self.load_seconds = Histogram("shoal_model_load_seconds", "Seconds a successful model load took (fetch and "
+                                      "materialize)", ["model"], buckets=_LOAD_BUCKETS, registry=r)
+        self.evictions = Counter("shoal_model_evictions", "Models unloaded, by reason (evicted, unload, changed)",
+                                 ["model", "reason"], registry=r)
+        self.cold_start_wait_seconds = Histogram(
+            "shoal_cold_start_wait_seconds", "Seconds a request waited for its model to load", ["model"],
+            buckets=_LOAD_BUCKETS, registry=r)
+        self.adapters_resident = Gauge("shoal_adapters_resident", "LoRA adapters resident on the device", registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

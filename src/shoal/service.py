@@ -29,6 +29,25 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     prompts: tuple[str, ...] = ()
     description: str = ""
     extract: str | None = None  # an extraction model's kind: gliner, token_class or zero_shot
+    # Residency: not_loaded, loading, loaded or failed (then `error` says why, as a client sees it).
+    state: str = "not_loaded"
+    bytes: int | None = None  # measured bytes while loaded (its tensors and resident adapters)
+    pinned: bool = False
+    device: str | None = None
+    adapters: tuple[str, ...] = ()  # the adapters a request may name
+    adapters_loaded: tuple[str, ...] = ()
+    error: str | None = None
+
+
+class CardProblem(msgspec.Struct, frozen=True):
+    """A card or adapter folder that could not be read: it is not served; the others are."""
+
+    file: str
+    error: str
+
+
+# What an operator may do to a model (`POST /v1/models/{id}/<action>`).
+ADMIN_ACTIONS = ("load", "unload", "pin", "unpin")
 
 
 class Capacity(msgspec.Struct, frozen=True):
@@ -58,6 +77,18 @@ class Service(Protocol):
     async def run(self, call: AnyCall) -> AnyResult: ...
 
     def models(self) -> list[ModelStatus]: ...
+
+    def model(self, model_id: str) -> ModelStatus:
+        """One model's status; UnknownModel if it is not served here."""
+        ...
+
+    def problems(self) -> list[CardProblem]:
+        """Cards and adapters that could not be read."""
+        ...
+
+    async def admin(self, model_id: str, action: str) -> ModelStatus:
+        """One of ADMIN_ACTIONS on a model, then its status."""
+        ...
 
     def has_model(self, model_id: str) -> bool: ...
 

@@ -27,6 +27,7 @@ from ..config import Settings
 from ..errors import Cancelled, Overloaded, PayloadTooLarge, ShoalError
 from ..service import Service
 from . import routes
+from .auth import Auth
 from .errors import error_response, http_error
 
 log = logging.getLogger("shoal.api")
@@ -37,8 +38,11 @@ _REQUEST_ID = re.compile(r"[\w.:/-]{1,128}")
 _OFF_LOOP_BYTES = 1 << 20
 
 
-def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...] = ()) -> Starlette:
-    """The ASGI app; its lifespan starts the service and loads `preload` models before serving."""
+def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...] = (),
+               auth: Auth | None = None) -> Starlette:
+    """The ASGI app; its lifespan starts the service and loads `preload` models before serving.
+    `auth`: the bearer tokens it accepts (None or none: open, as on loopback)."""
+    auth = auth or Auth([])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -52,7 +56,8 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
     server = settings.server
     metrics = service.metrics
 
-    def endpoint(name: str, handler: Handler, *, reads_body: bool = True) -> Callable[[Request], Awaitable[Response]]:
+    def endpoint(name: str, handler: Handler, *, reads_body: bool = True,
+                 admin: bool = False) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             started = time.perf_counter()
             request_id = _request_id(request)
@@ -61,9 +66,12 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
             try:
                 fmt_in = wire.format_of_content_type(request.headers.get("content-type")) if reads_body else wire.Format.JSON
                 fmt_out = wire.format_of_accept(request.headers.get("accept"), fmt_in)
+                principal = auth.authenticate(request.headers.get("authorization"))  # before reading a body
+                if admin:
+                    auth.check_admin(principal)
                 body = await _read_body(request, server.max_body_bytes) if reads_body else b""
                 ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id,
-                                     preload=preload)
+                                     preload=preload, principal=principal)
                 result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
                 if isinstance(getattr(result, "timings", None), wire.Timings):
                     result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
@@ -118,6 +126,10 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
             Route("/v2/rerank", endpoint("rerank_v2", routes.rerank_v2), methods=["POST"]),
             Route("/rerank", endpoint("tei_rerank", routes.tei_rerank), methods=["POST"]),
             Route("/v1/models", endpoint("models", routes.models, reads_body=False), methods=["GET"]),
+            # Model ids contain "/": the rest of the path is the id (then, for POST, the action).
+            Route("/v1/models/{model_path:path}", endpoint("model", routes.model, reads_body=False), methods=["GET"]),
+            Route("/v1/models/{model_path:path}", endpoint("model_admin", routes.model_admin, reads_body=False,
+                                                           admin=True), methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),

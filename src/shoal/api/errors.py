@@ -14,6 +14,7 @@ from .. import wire
 from ..errors import (
     Cancelled,
     DeadlineExceeded,
+    Forbidden,
     InferenceFailed,
     InputTooLong,
     InvalidRequest,
@@ -21,6 +22,7 @@ from ..errors import (
     Overloaded,
     PayloadTooLarge,
     ShoalError,
+    Unauthorized,
     UnknownModel,
     UnsupportedMediaType,
 )
@@ -32,13 +34,15 @@ _STATUS: tuple[tuple[type[ShoalError], int], ...] = (
     (PayloadTooLarge, 413),
     (InputTooLong, 422),
     (InvalidRequest, 400),
+    (Unauthorized, 401),
+    (Forbidden, 403),
     (Overloaded, 503),
     (DeadlineExceeded, 504),
     (Cancelled, 499),  # nginx's code: the client went away before its answer (nobody reads it)
     (InferenceFailed, 500),
-    # The model exists in the catalog but its weights cannot be had here: not the caller's fault,
-    # and not a crash either. No Retry-After: retrying will not help until an operator acts.
-    (ModelLoadError, 503),
+    # The model is served but loading it failed (weights missing or broken): an upstream failure,
+    # not the caller's fault; Retry-After says when the next attempt is (engine/cache.py backs off).
+    (ModelLoadError, 502),
     (ShoalError, 500),
 )
 
@@ -50,6 +54,8 @@ def status_of(error: ShoalError) -> int:
 def error_response(error: ShoalError, fmt: wire.Format = wire.Format.JSON) -> Response:
     body = wire.ErrorResponse(wire.ErrorBody(code=error.code, message=error.message, details=error.details))
     headers = {}
+    if isinstance(error, Unauthorized):
+        headers["WWW-Authenticate"] = 'Bearer realm="shoal"'
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     return Response(wire.encode(body, fmt), status_code=status_of(error), media_type=fmt.value, headers=headers)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from .. import wire
-from ..calls import EncodeCall, EncodeResult, ExtractResult, ScoreResult
-from ..errors import InvalidRequest
-from ..service import Service
+from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractResult, ScoreResult
+from ..errors import InvalidRequest, UnknownModel
+from ..service import ADMIN_ACTIONS, ModelStatus, Service
+from .auth import ANONYMOUS, Principal
 
 
 @dataclass
@@ -27,9 +28,15 @@ class Context:
     model: str | None = None  # set once known, for metric labels
     result_bytes: int = 0  # array bytes in the response, to encode large ones off the event loop
     preload: tuple[str, ...] = ()  # the server's preloaded models, in order
+    principal: Principal = ANONYMOUS  # who is calling (api/auth.py)
 
     def decode(self, typ: type):
         return wire.decode(self.body, self.fmt_in, typ)
+
+    async def run(self, call: AnyCall) -> AnyResult:
+        """The service's answer, if this caller may use the call's model (else 403)."""
+        self.principal.check_model(call.model)
+        return await self.service.run(call)
 
     def scoring_model(self, named: str | None = None) -> str:
         """The model a score route uses: the body's, else `?model=`, else the `X-Shoal-Model`
@@ -61,7 +68,7 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
     req: wire.EncodeRequest = ctx.decode(wire.EncodeRequest)
     ctx.model = req.model
     ctx.check_count(len(req.items))
-    result: EncodeResult = await ctx.service.run(wire.native.encode_call(req, ctx.request_id))
+    result: EncodeResult = await ctx.run(wire.native.encode_call(req, ctx.request_id))
     ctx.result_bytes = _array_bytes(result)
     items = [_item(item.id, out) for item, out in zip(req.items, result.items)]
     return wire.EncodeResponse(
@@ -76,7 +83,7 @@ async def extract(ctx: Context) -> wire.ExtractResponse:
     req: wire.ExtractRequest = ctx.decode(wire.ExtractRequest)
     ctx.model = req.model
     ctx.check_count(len(req.items))
-    result: ExtractResult = await ctx.service.run(wire.native.extract_call(req, ctx.request_id))
+    result: ExtractResult = await ctx.run(wire.native.extract_call(req, ctx.request_id))
     return wire.native.extract_response(req, result)
 
 
@@ -84,7 +91,7 @@ async def score(ctx: Context) -> wire.ScoreResponse:
     req: wire.ScoreRequest = ctx.decode(wire.ScoreRequest)
     ctx.model = req.model
     ctx.check_count(len(req.items))
-    result: ScoreResult = await ctx.service.run(wire.native.score_call(req, ctx.request_id))
+    result: ScoreResult = await ctx.run(wire.native.score_call(req, ctx.request_id))
     return wire.native.score_response(req, result)
 
 
@@ -94,7 +101,7 @@ async def rerank(ctx: Context) -> wire.cohere.RerankResponse:
     ctx.model = model = ctx.scoring_model(req.model)
     ctx.check_count(len(req.documents))
     texts = wire.cohere.texts_of(req.documents, req.rank_fields)
-    result: ScoreResult = await ctx.service.run(wire.cohere.score_call(req, model, texts, ctx.request_id))
+    result: ScoreResult = await ctx.run(wire.cohere.score_call(req, model, texts, ctx.request_id))
     return wire.cohere.rerank_response(req, model, result, ctx.request_id)
 
 
@@ -104,7 +111,7 @@ async def rerank_v2(ctx: Context) -> wire.cohere.RerankV2Response:
     req.check()
     ctx.check_count(len(req.documents))
     texts = wire.cohere.texts_of(req.documents)
-    result: ScoreResult = await ctx.service.run(wire.cohere.score_call(req, req.model, texts, ctx.request_id))
+    result: ScoreResult = await ctx.run(wire.cohere.score_call(req, req.model, texts, ctx.request_id))
     return wire.cohere.rerank_v2_response(req, result, ctx.request_id)
 
 
@@ -113,7 +120,7 @@ async def tei_rerank(ctx: Context) -> list[wire.tei.Rank]:
     req: wire.tei.RerankRequest = ctx.decode(wire.tei.RerankRequest)
     ctx.model = model = ctx.scoring_model()
     ctx.check_count(len(req.texts))
-    result: ScoreResult = await ctx.service.run(wire.tei.score_call(req, model, ctx.request_id))
+    result: ScoreResult = await ctx.run(wire.tei.score_call(req, model, ctx.request_id))
     return wire.tei.ranks(req, result)
 
 
@@ -123,7 +130,7 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     ctx.model = req.model
     texts = req.texts()
     ctx.check_count(len(texts))
-    result: EncodeResult = await ctx.service.run(
+    result: EncodeResult = await ctx.run(
         EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",), request_id=ctx.request_id)
     )
     ctx.result_bytes = _array_bytes(result) * (1 if req.encoding_format == "base64" else 4)
@@ -133,25 +140,54 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
 
 
 async def models(ctx: Context) -> dict:
-    data = []
-    for status in ctx.service.models():
-        data.append({
-            "id": status.id,
-            "object": "model",
-            "owned_by": "shoal",
-            "architecture": status.architecture,
-            "tasks": list(status.tasks),
-            "outputs": list(status.outputs),
-            "dimensions": status.dimensions,
-            "max_length": status.max_length,
-            "pooling": status.pooling,
-            "prompts": list(status.prompts),
-            "verified": status.verified,
-            "loaded": status.loaded,
-            "description": status.description,
-            **({"extract": status.extract} if status.extract else {}),
-        })
-    return {"object": "list", "data": data}
+    """OpenAI's list shape; only the models this caller may use; cards that could not be read."""
+    data = [_model_entry(status) for status in ctx.service.models() if ctx.principal.may_use(status.id)]
+    problems = [{"file": p.file, "error": p.error} for p in ctx.service.problems()]
+    return {"object": "list", "data": data, **({"errors": problems} if problems else {})}
+
+
+async def model(ctx: Context) -> dict:
+    """`GET /v1/models/{id}` (what the OpenAI client's `models.retrieve` calls)."""
+    model_id = ctx.request.path_params["model_path"]
+    ctx.model = model_id
+    ctx.principal.check_model(model_id)
+    return _model_entry(ctx.service.model(model_id))
+
+
+async def model_admin(ctx: Context) -> dict:
+    """`POST /v1/models/{id}/load|unload|pin|unpin` (admin scope): the action, then the status."""
+    model_id, _, action = ctx.request.path_params["model_path"].rpartition("/")
+    if action not in ADMIN_ACTIONS or not model_id:
+        raise UnknownModel(f"POST /v1/models/{{id}}/ACTION: ACTION is one of {', '.join(ADMIN_ACTIONS)}, "
+                           f"not {action!r}", details={"actions": list(ADMIN_ACTIONS)})
+    ctx.model = model_id
+    return _model_entry(await ctx.service.admin(model_id, action))
+
+
+def _model_entry(status: ModelStatus) -> dict:
+    return {
+        "id": status.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "shoal",
+        "architecture": status.architecture,
+        "tasks": list(status.tasks),
+        "outputs": list(status.outputs),
+        "dimensions": status.dimensions,
+        "max_length": status.max_length,
+        "pooling": status.pooling,
+        "prompts": list(status.prompts),
+        "verified": status.verified,
+        "loaded": status.loaded,
+        "state": status.state,
+        "bytes": status.bytes,
+        "pinned": status.pinned,
+        "device": status.device,
+        "adapters": [{"id": name, "loaded": name in status.adapters_loaded} for name in status.adapters],
+        "description": status.description,
+        **({"extract": status.extract} if status.extract else {}),
+        **({"error": status.error} if status.error else {}),
+    }
 
 
 def _array_bytes(result: EncodeResult) -> int:

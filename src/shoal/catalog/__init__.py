@@ -1,37 +1,95 @@
-"""The catalog: model cards by id, from the built-in cards and any directories the user adds."""
+"""The catalog: model cards by id, from the built-in cards and any directories the user adds.
+
+A user's directory may also hold an `adapters/` folder of PEFT LoRA adapters (one folder each,
+with `adapter_config.json`); each is added to the card its `base_model_name_or_path` names, under
+its folder's name. A card or adapter that cannot be read does not stop the others: it is listed
+in `broken` (file -> what is wrong) for the log and `/v1/models`. Built-in cards must all parse.
+"""
 
 from __future__ import annotations
 
 import difflib
+import fnmatch
+import json
 from importlib import resources
 from pathlib import Path
 
-from ..errors import CardError, UnknownModel
+import msgspec
+
+from ..errors import CardError, ConfigError, UnknownModel
 from .card import ModelCard, load_card, parse_card
 from .resolve import resolve_weights
 
 __all__ = ["Catalog", "ModelCard", "load_card", "parse_card", "resolve_weights"]
 
+ADAPTERS_DIR = "adapters"
+
 
 class Catalog:
     """Cards by model id. Later directories override earlier ones (a user may re-card a model)."""
 
-    def __init__(self, cards: list[ModelCard]) -> None:
+    def __init__(self, cards: list[ModelCard], broken: dict[str, str] | None = None,
+                 patterns: tuple[str, ...] = ()) -> None:
         self._cards: dict[str, ModelCard] = {}
         for card in cards:
             self._cards[card.id] = card
+        self.broken: dict[str, str] = dict(broken or {})
+        self.patterns = patterns  # `--models`: the ids (or globs) this server serves; () all
 
     @classmethod
-    def load(cls, extra_dirs: tuple[Path, ...] = (), include_builtin: bool = True) -> "Catalog":
-        paths: list[Path] = []
+    def load(cls, extra_dirs: tuple[Path, ...] = (), include_builtin: bool = True, *, strict: bool = True) -> "Catalog":
+        """The built-in cards and those in `extra_dirs`. `strict`: a broken user card raises
+        CardError; otherwise it is recorded in `broken` and skipped."""
+        cards: list[ModelCard] = []
+        broken: dict[str, str] = {}
         if include_builtin:
             builtin = resources.files(__package__) / "cards"
-            paths += sorted(Path(str(p)) for p in builtin.iterdir() if p.name.endswith((".yaml", ".yml")))
+            cards += [load_card(Path(str(p))) for p in sorted(builtin.iterdir(), key=lambda p: p.name)
+                      if p.name.endswith((".yaml", ".yml"))]
         for directory in extra_dirs:
             if not directory.is_dir():
                 raise CardError(f"{directory}: models directory does not exist")
-            paths += sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml"))
-        return cls([load_card(p) for p in paths])
+            for path in sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml")):
+                try:
+                    cards.append(load_card(path))
+                except CardError as exc:
+                    if strict:
+                        raise
+                    broken[str(path)] = exc.message
+        catalog = cls(cards, broken)
+        for directory in extra_dirs:
+            catalog._add_adapters(directory / ADAPTERS_DIR, strict)
+        return catalog
+
+    def _add_adapters(self, directory: Path, strict: bool) -> None:
+        if not directory.is_dir():
+            return
+        for folder in sorted(p for p in directory.iterdir() if p.is_dir()):
+            try:
+                base = _adapter_base(folder)
+                card = self._cards.get(base) or next((c for c in self._cards.values() if c.source.hub == base), None)
+                if card is None:
+                    raise CardError(f"{folder}: adapter for {base!r}, which no card serves "
+                                    "(set base_model_name_or_path in adapter_config.json to a model id)")
+            except CardError as exc:
+                if strict:
+                    raise
+                self.broken[str(folder)] = exc.message
+                continue
+            adapters = {**card.adapters, folder.name: str(folder.resolve())}
+            self._cards[card.id] = msgspec.structs.replace(card, adapters=adapters)
+
+    def restrict(self, patterns: tuple[str, ...], *, strict: bool = True) -> "Catalog":
+        """Only the cards whose id matches one of `patterns` (ids or globs); () keeps all.
+        `strict`: a pattern that matches no card is a ConfigError (a typo in `--models`)."""
+        if not patterns:
+            return self
+        if strict:
+            for pattern in patterns:
+                if not any(fnmatch.fnmatchcase(card_id, pattern) for card_id in self._cards):
+                    raise ConfigError(f"--models {pattern!r} matches no model card (`shoal models` lists them)")
+        kept = [c for c in self._cards.values() if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
+        return Catalog(kept, self.broken, patterns)
 
     def get(self, model_id: str) -> ModelCard:
         try:
@@ -41,7 +99,7 @@ class Catalog:
             close = difflib.get_close_matches(model_id[:200], list(self._cards), n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UnknownModel(
-                f"unknown model {shown!r}{hint} (GET /v1/models lists the models this server has)",
+                f"unknown model {shown!r}{hint} (GET /v1/models lists the models this server serves)",
                 details={"model": shown, **({"suggestions": close} if close else {})},
             ) from None
 
@@ -53,3 +111,16 @@ class Catalog:
 
     def __contains__(self, model_id: str) -> bool:
         return model_id in self._cards
+
+
+def _adapter_base(folder: Path) -> str:
+    """The base model an adapter folder names (`base_model_name_or_path`)."""
+    path = folder / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CardError(f"{path}: cannot read the adapter's config: {exc}", details={"file": str(path)}) from None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(base, str) or not base:
+        raise CardError(f"{path}: `base_model_name_or_path` must name the base model's id", details={"file": str(path)})
+    return base

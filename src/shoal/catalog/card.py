@@ -200,8 +200,21 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     batching: dict[str, Batching] = {}
     verified: Verified = "unverified"
     description: str = ""
+    # Residency: load before serving (`preload`), never evict (`pin`) — on a server whose
+    # `--models` admits the card (built-in cards set neither).
+    preload: bool = False
+    pin: bool = False
+    # PEFT LoRA adapters a request may select (`adapter: NAME`): name -> adapter folder (holding
+    # adapter_config.json), relative to the card's file. Adapter folders found under a server's
+    # adapters directories are added to these.
+    adapters: dict[str, str] = {}
     # The file this card was read from (filled in by the loader).
     card_path: str | None = None
+
+    def adapter_dirs(self) -> dict[str, Path]:
+        """The card's adapters: name -> folder (relative paths resolved against the card's file)."""
+        base = Path(self.card_path).parent if self.card_path else Path.cwd()
+        return {name: (base / path).expanduser() for name, path in self.adapters.items()}
 
     def batching_for(self, hardware: str) -> Batching:
         """Limits for `hardware` ("cuda:H200"), else for its kind ("cuda"), else none set."""

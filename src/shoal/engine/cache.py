@@ -1,21 +1,49 @@
-"""Loaded models by id: lazy loading, LRU eviction by bytes, pins, in-flight refcounts.
+"""Resident models (and their LoRA adapters) on one device, within one memory budget.
 
-- A cold model loads on first use, in a loader thread; concurrent requests share that one load.
-- Before a load, least-recently-used models are evicted until the new one fits the memory budget.
-  Pinned models and models with requests in flight are never evicted.
-- A request waits up to `load_timeout_s` for a load, then gets Overloaded (503 + Retry-After);
-  the load goes on, and the retry finds the model warm.
+- A cold model loads on first use; concurrent requests share that one load. Its weights are
+  fetched first (a Hub download, a package assembled) in a pool of fetch threads, outside the
+  lock that serializes materializing weights: one slow download never holds up other cold loads.
+- Each load makes room knowing every byte already committed: least-recently-used idle models are
+  evicted (idle adapters first), never a pinned one and never one with work in flight (while
+  only work in flight stands in the way, the load waits for it to end, within `load_timeout_s`). The bytes
+  a model holds are **measured** once it is loaded (its tensors, not its files), and the device's
+  workspace (one batch runs at a time, so the largest model's workspace, counted once) comes on
+  top; the budget is checked again against the measured figure.
+- A request waits up to `load_timeout_s` for a load, then gets Overloaded (503) with a
+  Retry-After from the model's measured load time; the load goes on and the retry finds it warm.
+- A failed load answers ModelLoadError (502) to every waiter and, for a back-off that doubles per
+  failure (1 s up to 60 s), to every new request without another attempt; then it is tried again.
+- Pins (settings, cards, admin calls) and unloads by an operator; a model whose card changed is
+  dropped once its in-flight work is done, so the next request loads the new card.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ..catalog import ModelCard
-from ..errors import ModelLoadError, Overloaded
+from ..errors import InvalidRequest, ModelLoadError, Overloaded
+from ..metrics import Metrics
+
+log = logging.getLogger("shoal.cache")
+
+MAX_BACKOFF_S = 60.0
+_DEFAULT_LOAD_S = 5.0  # the Retry-After guess before any load was measured
+
+
+@dataclass
+class _Failure:
+    error: ModelLoadError
+    attempts: int
+    retry_at: float  # time.monotonic()
 
 
 class ModelCache:
@@ -26,22 +54,57 @@ class ModelCache:
         *,
         memory_budget_bytes: int | None,
         pinned: frozenset[str] = frozenset(),
-        load_timeout_s: float = 120.0,
+        load_timeout_s: float = 30.0,
+        fetch: Callable[[ModelCard], Any] | None = None,
+        load_backoff_s: float = 1.0,
+        metrics: Metrics | None = None,
+        device: str = "cpu",
     ) -> None:
         self._load_fn = load
         self._estimate_fn = estimate_bytes
-        self._budget = memory_budget_bytes
-        self._pinned = pinned
+        self._fetch_fn = fetch
+        self.budget_bytes = memory_budget_bytes
+        self._pinned: set[str] = set(pinned)
         self._load_timeout_s = load_timeout_s
+        self._backoff_s = load_backoff_s
+        self._metrics = metrics
+        self._device = device
         self._loaded: OrderedDict[str, Any] = OrderedDict()  # least recently used first
         self._loading: dict[str, asyncio.Task] = {}
+        self._loading_since: dict[str, float] = {}
         self._inflight: Counter[str] = Counter()
+        self._failures: dict[str, _Failure] = {}
+        self._load_s: dict[str, float] = {}  # measured seconds of each model's last load
+        self._measured: dict[str, int] = {}  # measured bytes of each model's last load
+        self._drop_when_idle: dict[str, str] = {}  # model id -> why (unload, changed)
+        # Adapters: (model id, adapter name) least recently used first; in-flight counts.
+        self._adapters: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._adapter_inflight: Counter[tuple[str, str]] = Counter()
+        self._adapter_loading: dict[tuple[str, str], asyncio.Task] = {}
+        self._adapter_stale: set[tuple[str, str]] = set()  # changed on disk: dropped once idle
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-load")
-        # One load at a time: each load makes room knowing every byte already committed.
+        self._fetchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shoal-fetch")
+        # One materialization at a time: each makes room knowing every byte already committed.
         self._load_lock = asyncio.Lock()
+        self._released = asyncio.Event()  # set when a model or adapter's last work in flight ends
+
+    # --- what is resident -----------------------------------------------------------------------
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded
+
+    def is_loading(self, model_id: str) -> bool:
+        return model_id in self._loading
+
+    def runner(self, model_id: str) -> Any | None:
+        return self._loaded.get(model_id)
+
+    def is_pinned(self, model_id: str) -> bool:
+        return model_id in self._pinned
+
+    def failure(self, model_id: str) -> ModelLoadError | None:
+        failure = self._failures.get(model_id)
+        return failure.error if failure else None
 
     @property
     def num_loaded(self) -> int:
@@ -49,7 +112,24 @@ class ModelCache:
 
     @property
     def loaded_bytes(self) -> int:
-        return sum(r.num_bytes for r in self._loaded.values())
+        """Bytes held now: each model's measured tensors and its resident adapters, plus the
+        workspace of the largest (counted once: the device runs one batch at a time)."""
+        return sum(self.model_bytes(m) for m in self._loaded) + self._workspace(self._loaded.values())
+
+    def model_bytes(self, model_id: str) -> int:
+        runner = self._loaded.get(model_id)
+        if runner is None:
+            return 0
+        return runner.num_bytes + sum(self._adapters[key] for key in self._adapters if key[0] == model_id)
+
+    def adapters_of(self, model_id: str) -> tuple[str, ...]:
+        return tuple(name for m, name in self._adapters if m == model_id)
+
+    @staticmethod
+    def _workspace(runners) -> int:
+        return max((getattr(r, "workspace_bytes", 0) for r in runners), default=0)
+
+    # --- requests -------------------------------------------------------------------------------
 
     async def acquire(self, card: ModelCard) -> Any:
         """The loaded model, counted in flight until `release(card.id)`."""
@@ -57,15 +137,9 @@ class ModelCache:
         try:
             runner = self._loaded.get(card.id)
             if runner is None:
-                task = self._loading.get(card.id)
-                if task is None:
-                    task = self._loading[card.id] = asyncio.create_task(self._load(card))
-                runner = await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
+                runner = await self._wait_for_load(card)
             self._loaded.move_to_end(card.id)
             return runner
-        except asyncio.TimeoutError:
-            self.release(card.id)
-            raise Overloaded(f"model {card.id} is still loading; retry shortly", retry_after_s=5.0) from None
         except BaseException:
             self.release(card.id)
             raise
@@ -74,41 +148,291 @@ class ModelCache:
         self._inflight[model_id] -= 1
         if self._inflight[model_id] <= 0:
             del self._inflight[model_id]
+            self._released.set()
+            if model_id in self._drop_when_idle:
+                self._evict(model_id, self._drop_when_idle[model_id])
+
+    async def _wait_for_load(self, card: ModelCard) -> Any:
+        failure = self._failures.get(card.id)
+        if failure is not None and time.monotonic() < failure.retry_at and card.id not in self._loading:
+            raise _retry_later(failure)
+        task = self._loading.get(card.id)
+        if task is None:
+            task = self._loading[card.id] = asyncio.create_task(self._load(card))
+            self._loading_since[card.id] = time.monotonic()
+        started = time.perf_counter()
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
+        except asyncio.TimeoutError:
+            raise Overloaded(
+                f"model {card.id} is still loading; retry in {self._retry_after_s(card.id):.0f} s",
+                retry_after_s=self._retry_after_s(card.id), details={"model": card.id, "state": "loading"},
+            ) from None
+        finally:
+            if self._metrics is not None:
+                self._metrics.cold_start_wait_seconds.labels(card.id).observe(time.perf_counter() - started)
+
+    def _retry_after_s(self, model_id: str) -> float:
+        """Seconds until the load under way should be done, from the measured load time."""
+        expected = self._load_s.get(model_id)
+        if expected is None:
+            expected = sum(self._load_s.values()) / len(self._load_s) if self._load_s else _DEFAULT_LOAD_S
+        elapsed = time.monotonic() - self._loading_since.get(model_id, time.monotonic())
+        return min(MAX_BACKOFF_S, max(1.0, expected - elapsed))
+
+    # --- loading --------------------------------------------------------------------------------
 
     async def _load(self, card: ModelCard) -> Any:
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         try:
+            if self._fetch_fn is not None:  # downloads: concurrent, outside the lock
+                await loop.run_in_executor(self._fetchers, self._fetch_fn, card)
             async with self._load_lock:
-                if self._budget is not None:
-                    needed = await loop.run_in_executor(self._executor, self._estimate_fn, card)
-                    self._make_room(card.id, needed)
+                if self.budget_bytes is not None:
+                    needed = self._measured.get(card.id)
+                    if needed is None:
+                        needed = await loop.run_in_executor(self._executor, self._estimate_fn, card)
+                    await self._make_room(card.id, needed)
                 runner = await loop.run_in_executor(self._executor, self._load_fn, card)
+                self._measured[card.id] = runner.num_bytes
+                if self.budget_bytes is not None:  # the measured figure may pass the estimate
+                    try:
+                        await self._make_room(card.id, runner.num_bytes, getattr(runner, "workspace_bytes", 0))
+                    except BaseException:
+                        runner.close()
+                        raise
                 self._loaded[card.id] = runner
-                return runner
+            self._failures.pop(card.id, None)
+            self._load_s[card.id] = seconds = time.perf_counter() - started
+            self._count_load(card.id, "ok", seconds)
+            log.info("loaded %s in %.2f s (%d bytes measured)", card.id, seconds, runner.num_bytes)
+            return runner
+        except Overloaded:
+            self._count_load(card.id, "no_room", None)
+            raise
+        except Exception as exc:
+            failure = self._record_failure(card.id, exc)
+            self._count_load(card.id, "failed", None)
+            raise _retry_later(failure) from None
         finally:
             del self._loading[card.id]
+            self._loading_since.pop(card.id, None)
+            self._record()
 
-    def _make_room(self, model_id: str, needed: int) -> None:
-        assert self._budget is not None
-        if needed > self._budget:
+    def _record_failure(self, model_id: str, exc: Exception) -> _Failure:
+        previous = self._failures.get(model_id)
+        attempts = previous.attempts + 1 if previous else 1
+        backoff_s = min(MAX_BACKOFF_S, self._backoff_s * 2 ** (attempts - 1))
+        if isinstance(exc, ModelLoadError):
+            log.error("loading %s failed (attempt %d; next try in %.1f s): %s", model_id, attempts, backoff_s, exc.message)
+            cause = exc.public_message
+        else:
+            log.exception("loading %s failed (attempt %d; next try in %.1f s)", model_id, attempts, backoff_s)
+            cause = f"{type(exc).__name__} while loading (the server log has the traceback)"
+        numbers = {k: v for k, v in getattr(exc, "details", {}).items() if isinstance(v, (int, float))}
+        error = ModelLoadError(f"model {model_id} could not be loaded: {cause}",
+                               details={**numbers, "model": model_id, "attempts": attempts})
+        failure = self._failures[model_id] = _Failure(error, attempts, time.monotonic() + backoff_s)
+        return failure
+
+    async def _make_room(self, subject: str, needed: int, workspace: int = 0) -> None:
+        """Evict idle adapters, then idle unpinned models, least recently used first, until `needed`
+        more bytes fit the budget beside what is resident (with the workspace of the largest of
+        the resident models and `workspace`). `subject` (the model loading) is not yet resident.
+        While only work in flight stands in the way, wait (up to `load_timeout_s`) for it to end."""
+        assert self.budget_bytes is not None
+        budget = self.budget_bytes
+        if needed + workspace > budget:
             raise ModelLoadError(
-                f"model {model_id} needs {needed} bytes, more than the memory budget of {self._budget}",
-                details={"model": model_id, "needed_bytes": needed, "memory_budget_bytes": self._budget},
+                f"model {subject} needs {needed + workspace} bytes, more than the memory budget of {budget}",
+                details={"model": subject, "needed_bytes": needed + workspace, "memory_budget_bytes": budget},
             )
-        used = self.loaded_bytes
-        for victim in list(self._loaded):
-            if used + needed <= self._budget:
-                break
-            if victim in self._pinned or self._inflight[victim] > 0:
-                continue
-            runner = self._loaded.pop(victim)
-            used -= runner.num_bytes
-            runner.close()
-        if used + needed > self._budget:
-            raise Overloaded(f"no room to load {model_id}: the models in memory are pinned or busy", retry_after_s=2.0)
+
+        def fits() -> bool:
+            used = sum(self.model_bytes(m) for m in self._loaded) + max(workspace, self._workspace(self._loaded.values()))
+            return used + needed <= budget
+
+        give_up_at = time.monotonic() + self._load_timeout_s
+        while True:
+            for key in [k for k in self._adapters if self._adapter_inflight[k] == 0]:
+                if fits():
+                    return
+                self._drop_adapter(key, "evicted")
+            for victim in list(self._loaded):
+                if fits():
+                    return
+                if victim not in self._pinned and self._inflight[victim] == 0:
+                    self._evict(victim, "evicted")
+            if fits():
+                return
+            busy = any(m not in self._pinned for m in self._loaded) or bool(self._adapters)
+            remaining = give_up_at - time.monotonic()
+            if not busy or remaining <= 0:
+                raise Overloaded(f"no room to load {subject}: the models in memory are pinned or busy; retry shortly",
+                                 retry_after_s=2.0, details={"model": subject, "needed_bytes": needed,
+                                                             "resident_bytes": self.loaded_bytes,
+                                                             "memory_budget_bytes": budget})
+            self._released.clear()  # wait for some work in flight to end, then look again
+            try:
+                await asyncio.wait_for(self._released.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def _evict(self, model_id: str, reason: str) -> None:
+        self._drop_when_idle.pop(model_id, None)
+        runner = self._loaded.pop(model_id, None)
+        if runner is None:
+            return
+        for key in [k for k in self._adapters if k[0] == model_id]:
+            del self._adapters[key]
+        runner.close()
+        log.info("unloaded %s (%s)", model_id, reason)
+        if self._metrics is not None:
+            self._metrics.evictions.labels(model_id, reason).inc()
+            with contextlib.suppress(KeyError):  # the gauge had no sample for it yet
+                self._metrics.model_bytes.remove(model_id)
+        self._record()
+
+    # --- adapters -------------------------------------------------------------------------------
+
+    async def acquire_adapter(self, model_id: str, runner: Any, name: str, directory: Path) -> int:
+        """The adapter's slot on `runner` (loading it if needed), counted in flight until
+        `release_adapter`. The caller holds the model itself (`acquire`)."""
+        key = (model_id, name)
+        self._adapter_inflight[key] += 1
+        try:
+            if key not in self._adapters:
+                task = self._adapter_loading.get(key)
+                if task is None:
+                    task = self._adapter_loading[key] = asyncio.create_task(self._load_adapter(key, runner, directory))
+                await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
+            self._adapters.move_to_end(key)
+            slot = runner.adapter_slot(name)
+            assert slot is not None
+            return slot
+        except asyncio.TimeoutError:
+            self.release_adapter(model_id, name)
+            raise Overloaded(f"adapter {name} of {model_id} is still loading; retry shortly", retry_after_s=2.0,
+                             details={"model": model_id, "adapter": name}) from None
+        except BaseException:
+            self.release_adapter(model_id, name)
+            raise
+
+    def release_adapter(self, model_id: str, name: str) -> None:
+        key = (model_id, name)
+        self._adapter_inflight[key] -= 1
+        if self._adapter_inflight[key] <= 0:
+            del self._adapter_inflight[key]
+            self._released.set()
+            if key in self._adapter_stale:
+                self._adapter_stale.discard(key)
+                self._drop_adapter(key, "changed")
+
+    def invalidate_adapter(self, model_id: str, name: str) -> None:
+        """The adapter's files changed: drop its resident copy once idle (the next request loads it)."""
+        key = (model_id, name)
+        if key not in self._adapters:
+            return
+        if self._adapter_inflight[key] > 0:
+            self._adapter_stale.add(key)
+        else:
+            self._drop_adapter(key, "changed")
+
+    async def _load_adapter(self, key: tuple[str, str], runner: Any, directory: Path) -> None:
+        loop = asyncio.get_running_loop()
+        model_id, name = key
+        try:
+            async with self._load_lock:
+                num_bytes = await loop.run_in_executor(self._executor, runner.add_adapter, name, directory)
+                if self.budget_bytes is not None:
+                    try:
+                        await self._make_room(f"{model_id} (adapter {name})", num_bytes)
+                    except BaseException:
+                        runner.remove_adapter(name)
+                        raise
+                self._adapters[key] = num_bytes
+            log.info("loaded adapter %s of %s (%d bytes)", name, model_id, num_bytes)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"adapter {name} of {model_id} could not be loaded: {exc.public_message}",
+                                 details={"model": model_id, "adapter": name}) from None
+        finally:
+            del self._adapter_loading[key]
+            self._record()
+
+    def _drop_adapter(self, key: tuple[str, str], reason: str) -> None:
+        if self._adapters.pop(key, None) is None:
+            return
+        runner = self._loaded.get(key[0])
+        if runner is not None:
+            runner.remove_adapter(key[1])
+        log.info("unloaded adapter %s of %s (%s)", key[1], key[0], reason)
+        self._record()
+
+    # --- operators ------------------------------------------------------------------------------
+
+    def pin(self, model_id: str) -> None:
+        self._pinned.add(model_id)
+
+    def unpin(self, model_id: str) -> None:
+        self._pinned.discard(model_id)
+
+    def unload(self, model_id: str) -> str:
+        """Unload now ("unloaded"), after the work in flight ("unloading"), or "not_loaded".
+        A pinned model is refused (unpin it first)."""
+        if model_id in self._pinned:
+            raise InvalidRequest(f"model {model_id} is pinned: unpin it first (POST /v1/models/{model_id}/unpin)",
+                                 details={"model": model_id})
+        if model_id not in self._loaded:
+            return "not_loaded"
+        if self._inflight[model_id] > 0:
+            self._drop_when_idle[model_id] = "unload"
+            return "unloading"
+        self._evict(model_id, "unload")
+        return "unloaded"
+
+    def invalidate(self, model_id: str) -> None:
+        """The model's card changed: drop it once idle (now, if it is), so the next request loads
+        the new card; a recorded failure is forgotten."""
+        self._failures.pop(model_id, None)
+        self._measured.pop(model_id, None)
+        if model_id not in self._loaded:
+            return
+        if self._inflight[model_id] > 0:
+            self._drop_when_idle[model_id] = "changed"
+        else:
+            self._evict(model_id, "changed")
+
+    def _count_load(self, model_id: str, outcome: str, seconds: float | None) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.loads.labels(model_id, outcome).inc()
+        if seconds is not None:
+            self._metrics.load_seconds.labels(model_id).observe(seconds)
+
+    def _record(self) -> None:
+        m = self._metrics
+        if m is None:
+            return
+        m.loaded_models.set(len(self._loaded))
+        m.loaded_bytes.set(self.loaded_bytes)
+        m.device_bytes.labels(self._device).set(self.loaded_bytes)
+        for model_id in self._loaded:
+            m.model_bytes.labels(model_id).set(self.model_bytes(model_id))
+        m.adapters_resident.set(len(self._adapters))
 
     def close(self) -> None:
         for runner in self._loaded.values():
             runner.close()
         self._loaded.clear()
+        self._adapters.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
+
+
+def _retry_later(failure: _Failure) -> ModelLoadError:
+    """The failure's error again, with the seconds until the next attempt."""
+    wait_s = max(1.0, failure.retry_at - time.monotonic())
+    details = {**failure.error.details, "retry_after_s": round(wait_s, 1)}
+    return ModelLoadError(f"{failure.error.message}; the next attempt is in {wait_s:.0f} s", details=details,
+                          retry_after_s=wait_s)

@@ -38,8 +38,9 @@ class Pending:
 
     def __init__(self, model_id: str, runner: Any, seqs: Sequence, specs: Sequence, *, deadline: float,
                  request_id: str | None, future: asyncio.Future,
-                 on_released: Callable[[], None] | None = None) -> None:
+                 on_released: Callable[[], None] | None = None, adapter_slot: int = -1) -> None:
         self.model_id = model_id
+        self.adapter_slot = adapter_slot  # the runner's slot of the request's LoRA adapter; -1: the base model
         self.runner = runner  # held (refcounted by the cache) until the device lets go of it
         # Called on the loop once the device will never touch this request again (done, dropped
         # or failed): only then may the cache evict its model.
@@ -257,6 +258,10 @@ class DeviceWorker:
 
     def _run(self, slots: list[Slot]) -> None:
         runner = slots[0][0].runner
+        if any(p.adapter_slot >= 0 for p, _ in slots):
+            # Each adapter's sequences side by side (the base's first): its LoRA delta is then one
+            # slice of the batch's tokens, not a gather and scatter (layers/lora.py).
+            slots = sorted(slots, key=lambda slot: slot[0].adapter_slot)
         started = time.perf_counter()
         try:
             outputs: list[Any] = self._forward(runner, slots)
@@ -307,7 +312,7 @@ class DeviceWorker:
 
     @staticmethod
     def _forward(runner: Any, slots: list[Slot]) -> list[Any]:
-        batch = Batch.pack([p.seqs[i] for p, i in slots])
+        batch = Batch.pack([p.seqs[i] for p, i in slots], [p.adapter_slot for p, _ in slots])
         outputs = runner.forward(batch, [p.specs[i] for p, i in slots])
         if len(outputs) != len(slots):
             raise RuntimeError(f"the backend returned {len(outputs)} outputs for {len(slots)} sequences")

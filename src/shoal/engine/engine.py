@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult
@@ -22,10 +23,11 @@ from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
-from ..service import Capacity, ModelStatus
+from ..service import Capacity, CardProblem, ModelStatus
 from . import memory
 from .cache import ModelCache
 from .device import DeviceWorker, Pending
+from .fleet import Fleet
 from .scheduler import BatchLimits
 from .tasks import TASKS
 from .tokenizer import TokenizerPool
@@ -43,23 +45,39 @@ class Engine:
         allow_download: bool = True,
         load_runner: Callable[[ModelCard], Any] | None = None,
         estimate_bytes: Callable[[ModelCard], int] | None = None,
+        models_dirs: tuple[Path, ...] = (),
     ) -> None:
         self.settings = settings
-        self.catalog = catalog
         self.metrics = metrics or Metrics()
+        self._hardware = hardware_class(settings.device)
+        fetch = None
         if load_runner is None or estimate_bytes is None:
+            from ..catalog import resolve_weights
             from .runner import ModelRunner  # torch is imported here, not at `import shoal`
 
-            load_runner = load_runner or (lambda card: ModelRunner.load(card, settings.device, allow_download))
+            def max_batch_tokens(card: ModelCard) -> int:
+                return card.batching_for(self._hardware).max_batch_tokens or settings.max_batch_tokens
+
+            load_runner = load_runner or (lambda card: ModelRunner.load(card, settings.device, allow_download,
+                                                                         max_batch_tokens(card)))
             estimate_bytes = estimate_bytes or (lambda card: ModelRunner.estimate_bytes(card, allow_download))
-        self.cache = ModelCache(
-            load_runner, estimate_bytes,
-            memory_budget_bytes=settings.memory_budget_bytes,
+            if allow_download:  # a download happens outside the lock that materializes weights
+                fetch = lambda card: resolve_weights(card, allow_download=True)  # noqa: E731
+        budget = settings.memory_budget_bytes
+        if budget is None:
+            budget = memory.default_budget_bytes(settings.device)
+        self.metrics.memory_budget_bytes.labels(settings.device).set(budget or 0)
+        cache = ModelCache(
+            load_runner, estimate_bytes, fetch=fetch,
+            memory_budget_bytes=budget,
             pinned=frozenset(settings.pinned_models),
             load_timeout_s=settings.load_timeout_s,
+            load_backoff_s=settings.load_backoff_s,
+            metrics=self.metrics, device=settings.device,
         )
+        self.fleet = Fleet(catalog, cache, device=settings.device, models_dirs=models_dirs,
+                           watch_interval_s=settings.watch_interval_s)
         self._tokenizers = TokenizerPool(settings.tokenizer_threads)
-        self._hardware = hardware_class(settings.device)
         self._device = DeviceWorker(
             self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s,
             small_request_tokens=4 * settings.min_batch_tokens, min_rate_tokens=settings.min_batch_tokens // 2,
@@ -74,19 +92,26 @@ class Engine:
     async def start(self) -> None:
         memory.tune_allocator()  # before the engine's threads exist (see engine/memory.py)
         self._device.start()
+        self.fleet.start()
         self._started = True
 
+    @property
+    def catalog(self) -> Catalog:
+        return self.fleet.catalog
+
+    @property
+    def cache(self) -> ModelCache:
+        return self.fleet.cache
+
     async def warm(self, model_ids: list[str]) -> None:
-        """Load models now rather than on first request."""
-        for model_id in model_ids:
-            card = self.catalog.get(model_id)
-            await self.cache.acquire(card)
-            self.cache.release(card.id)
-        self._record_cache()
+        """Load models now rather than on first request: `model_ids`, then the cards that ask for it."""
+        for model_id in dict.fromkeys([*model_ids, *self.fleet.preload_ids]):
+            await self.fleet.admin(model_id, "load")
 
     async def stop(self) -> None:
         """Refuse new calls, finish the admitted ones, then free the models (never under a batch)."""
         self._stopping = True
+        await self.fleet.stop()
         finished = await self._device.stop(self.settings.stop_timeout_s)
         self._tokenizers.close()
         if finished:
@@ -99,16 +124,16 @@ class Engine:
     # --- Service --------------------------------------------------------------------------------
 
     def models(self) -> list[ModelStatus]:
-        return [
-            ModelStatus(
-                id=card.id, tasks=card.tasks, outputs=card.outputs if "encode" in card.tasks else (),
-                max_length=card.max_length,
-                verified=card.verified, loaded=self.cache.is_loaded(card.id), architecture=card.architecture,
-                dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
-                description=card.description, extract=card.extract.kind if card.extract else None,
-            )
-            for card in self.catalog
-        ]
+        return self.fleet.statuses()
+
+    def model(self, model_id: str) -> ModelStatus:
+        return self.fleet.status(self.catalog.get(model_id))
+
+    def problems(self) -> list[CardProblem]:
+        return self.fleet.problems()
+
+    async def admin(self, model_id: str, action: str) -> ModelStatus:
+        return await self.fleet.admin(model_id, action)
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self.catalog
@@ -142,7 +167,7 @@ class Engine:
         tokens = plan.estimated_tokens
         self._admit(card.id, plan.num_items, tokens)
         try:
-            runner = await self._acquire(card, deadline)
+            runner, adapter_slot = await _within(self.fleet.acquire(card, call.adapter), deadline, "load")
             handed_over = False  # once submitted, the device releases the model when done with it
             try:
                 started = time.perf_counter()
@@ -167,13 +192,14 @@ class Engine:
                 tokens = real
                 pending = Pending(card.id, runner, seqs, task.specs(plan, seqs), deadline=deadline,
                                   request_id=call.request_id, future=asyncio.get_running_loop().create_future(),
-                                  on_released=lambda: self.cache.release(card.id))
+                                  on_released=lambda: self.fleet.release(card.id, call.adapter),
+                                  adapter_slot=adapter_slot)
                 self._device.submit(pending)
                 handed_over = True
                 outputs = await self._outcome(pending, deadline)
             finally:
                 if not handed_over:
-                    self.cache.release(card.id)
+                    self.fleet.release(card.id, call.adapter)
         except DeadlineExceeded as exc:
             exc.details.setdefault("request_id", call.request_id)
             self.metrics.deadline_exceeded.labels(card.id, exc.details.get("phase", "-")).inc()
@@ -245,20 +271,15 @@ class Engine:
         to_drain = max(over_tokens, over_items * tokens_per_item, 0)
         return min(60.0, max(1.0, to_drain / rate))
 
-    async def _acquire(self, card: ModelCard, deadline: float) -> Any:
-        was_loaded = self.cache.is_loaded(card.id)
-        runner = await _within(self.cache.acquire(card), deadline, "load")
-        if not was_loaded:  # a load (and maybe evictions) happened: refresh the cache gauges
-            self._record_cache()
-        return runner
-
     def _limits_for(self, model_id: str) -> BatchLimits:
         """The card's (or the settings') limits. While small and large requests share the device, the
         token budget is also cut to about `target_batch_s` of device time at the model's measured
         rate (until a rate is measured, 4 x `min_batch_tokens`); otherwise batches get the full budget.
         Called by the scheduler on the device thread, once per batch."""
         s = self.settings
-        batching = self.catalog.get(model_id).batching_for(self._hardware)
+        # The loaded model's card: the catalog may have changed (hot add) while its work is queued.
+        card = getattr(self.cache.runner(model_id), "card", None) or self.catalog.get(model_id)
+        batching = card.batching_for(self._hardware)
         max_tokens = batching.max_batch_tokens or s.max_batch_tokens
         if s.target_batch_s and self._device.contended:
             rate = self._device.tokens_per_s_of(model_id)
@@ -269,10 +290,6 @@ class Engine:
     def _record_queue(self) -> None:
         self.metrics.queue_depth.set(self._admitted_items)
         self.metrics.queue_tokens.set(self._admitted_tokens)
-
-    def _record_cache(self) -> None:
-        self.metrics.loaded_models.set(self.cache.num_loaded)
-        self.metrics.loaded_bytes.set(self.cache.loaded_bytes)
 
 
 _PHASE_WORDS = {"load": "waiting for the model to load", "tokenize": "being tokenized",

@@ -84,3 +84,49 @@ def trim() -> bool:
     """Return freed heap memory to the OS; True if some was."""
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+# The share of the memory free at start that the default budget takes: the rest is for the
+# process itself (Python, tokenizers, request and response buffers) and whatever else runs there.
+DEFAULT_BUDGET_FRACTION = 0.8
+
+
+def default_budget_bytes(device: str) -> int | None:
+    """The default memory budget: a share of the VRAM free on a CUDA device, else of the RAM this
+    process may still take (MemAvailable, lowered to a cgroup's remaining limit in a container).
+    None where neither can be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * DEFAULT_BUDGET_FRACTION)
+    free = _mem_available_bytes()
+    limit = _cgroup_free_bytes()
+    if limit is not None:
+        free = limit if free is None else min(free, limit)
+    return None if free is None else int(free * DEFAULT_BUDGET_FRACTION)
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_free_bytes() -> int | None:
+    """A cgroup v2 memory limit less what the cgroup already uses; None without a limit."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        return max(0, int(limit) - current)
+    except (OSError, ValueError):
+        return None

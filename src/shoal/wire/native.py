@@ -70,6 +70,7 @@ class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: NonEmpty
     items: Annotated[list[EncodeItem], msgspec.Meta(min_length=1)]
     options: EncodeOptions = msgspec.field(default_factory=EncodeOptions)
+    adapter: NonEmpty | None = None  # a LoRA adapter of the model (GET /v1/models/{id} lists them)
 
 
 class SparseOut(msgspec.Struct, omit_defaults=True):
@@ -119,6 +120,7 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     items: Annotated[list[ScoreItem], msgspec.Meta(min_length=1)]
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
     options: ScoreOptions = msgspec.field(default_factory=ScoreOptions)
+    adapter: NonEmpty | None = None
 
     @property
     def query_text(self) -> str:
@@ -163,6 +165,7 @@ class ExtractRequest(msgspec.Struct, forbid_unknown_fields=True):
     items: Annotated[list[ExtractItem], msgspec.Meta(min_length=1)]
     labels: list[str] = []
     options: ExtractOptions = msgspec.field(default_factory=ExtractOptions)
+    adapter: NonEmpty | None = None
 
 
 class ExtractedItem(msgspec.Struct, omit_defaults=True):
@@ -187,7 +190,7 @@ def extract_call(req: ExtractRequest, request_id: str | None = None) -> ExtractC
         model=req.model, texts=[item.text for item in req.items], labels=req.labels, threshold=opts.threshold,
         flat_ner=opts.flat_ner, multi_label=opts.multi_label, max_span_width=opts.max_span_width,
         hypothesis_template=opts.hypothesis_template, aggregation=opts.aggregation,
-        request_id=request_id, timeout_s=opts.timeout_s,
+        request_id=request_id, timeout_s=opts.timeout_s, adapter=req.adapter,
     )
 
 
@@ -215,6 +218,7 @@ def encode_call(req: EncodeRequest, request_id: str | None = None) -> EncodeCall
         return_tokens=opts.return_tokens,
         request_id=request_id,
         timeout_s=opts.timeout_s,
+        adapter=req.adapter,
     )
 
 
@@ -232,6 +236,7 @@ def score_call(req: ScoreRequest, request_id: str | None = None) -> ScoreCall:
         instruction=opts.instruction,
         request_id=request_id,
         timeout_s=opts.timeout_s,
+        adapter=req.adapter,
     )
 
 

@@ -1,0 +1,165 @@
+"""Bearer-token auth: who may call, which models, and who may run the admin routes.
+
+Tokens come from a file (`--auth-tokens-file`, SHOAL_AUTH_TOKENS_FILE) and/or the environment
+(SHOAL_AUTH_TOKENS and SHOAL_ADMIN_TOKENS, comma-separated). The file is YAML (JSON is YAML):
+
+    tokens:
+      - token: "a-long-random-secret"      # or sha256: "<hex digest of the token>"
+        name: search-team                  # for the log; never the token itself
+        models: ["BAAI/*", "intfloat/e5-small-v2"]   # optional allow-list (ids or globs)
+      - token: "another-secret"
+        name: ops
+        scopes: [admin]                     # may call POST /v1/models/{id}/load|unload|pin|unpin
+
+It fails closed: a file that cannot be read or parsed stops the server with one line (ConfigError).
+Only SHA-256 digests are kept in memory, compared in constant time (`hmac.compare_digest`)
+against every known token. No tokens at all means auth is off, which `shoal serve` allows only
+on a loopback address unless `--no-auth` says so; admin routes are off unless an admin token exists.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..errors import ConfigError, Forbidden, Unauthorized
+
+ADMIN = "admin"
+_SCOPES = (ADMIN,)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request is: a token's name, scopes and model allow-list (None: every model)."""
+
+    name: str
+    scopes: frozenset[str] = frozenset()
+    models: tuple[str, ...] | None = None
+
+    def may_use(self, model_id: str) -> bool:
+        return self.models is None or any(fnmatch.fnmatchcase(model_id, p) for p in self.models)
+
+    def check_model(self, model_id: str) -> None:
+        if not self.may_use(model_id):
+            raise Forbidden(f"this token may not use model {model_id!r} (its models: {', '.join(self.models or ())})",
+                            details={"model": model_id})
+
+
+ANONYMOUS = Principal("anonymous")  # auth off: every model, no admin scope
+
+
+@dataclass(frozen=True)
+class _Token:
+    digest: bytes
+    principal: Principal
+
+
+class Auth:
+    def __init__(self, tokens: list[_Token]) -> None:
+        self._tokens = tokens
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tokens)
+
+    @property
+    def has_admin(self) -> bool:
+        return any(ADMIN in t.principal.scopes for t in self._tokens)
+
+    @classmethod
+    def from_sources(cls, file: Path | None = None, tokens: str = "", admin_tokens: str = "") -> "Auth":
+        entries = _read_file(file) if file is not None else []
+        entries += [_Token(_digest(t), Principal(f"env-token-{i}")) for i, t in enumerate(_split(tokens))]
+        entries += [_Token(_digest(t), Principal(f"env-admin-{i}", frozenset({ADMIN})))
+                    for i, t in enumerate(_split(admin_tokens))]
+        return cls(entries)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal of an `Authorization: Bearer <token>` header; Unauthorized if none matches."""
+        if not self._tokens:
+            return ANONYMOUS
+        scheme, _, presented = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise Unauthorized("this server needs a bearer token: send `Authorization: Bearer <token>`")
+        digest = _digest(presented.strip())
+        found = None
+        for token in self._tokens:  # every token is compared, so the time says nothing about which
+            if hmac.compare_digest(token.digest, digest):
+                found = token.principal
+        if found is None:
+            raise Unauthorized("the bearer token is not valid on this server")
+        return found
+
+    def check_admin(self, principal: Principal) -> None:
+        if not self.has_admin:
+            raise Forbidden("admin routes are off: this server has no admin token (give one the `admin` scope "
+                            "in the tokens file, or set SHOAL_ADMIN_TOKENS)")
+        if ADMIN not in principal.scopes:
+            raise Forbidden("this route needs a token with the `admin` scope")
+
+
+def check_bind(host: str, auth: Auth, no_auth: bool) -> None:
+    """Refuse to serve a non-loopback address without tokens unless `--no-auth` says so."""
+    if auth.enabled or no_auth or host in _LOOPBACK or host.startswith("127."):
+        return
+    raise ConfigError(f"refusing to serve {host} without auth: give tokens (--auth-tokens-file, SHOAL_AUTH_TOKENS) "
+                      "or pass --no-auth to serve it open")
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _split(tokens: str) -> list[str]:
+    return [t.strip() for t in tokens.split(",") if t.strip()]
+
+
+def _read_file(path: Path) -> list[_Token]:
+    def fail(why: str) -> ConfigError:
+        return ConfigError(f"auth tokens file {path}: {why}")
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise fail(f"cannot be read ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise fail(f"is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or not data["tokens"]:
+        raise fail("must be a mapping with a non-empty `tokens` list")
+    entries, names = [], set()
+    for i, entry in enumerate(data["tokens"]):
+        where = f"tokens[{i}]"
+        if not isinstance(entry, dict):
+            raise fail(f"{where} must be a mapping")
+        unknown = set(entry) - {"token", "sha256", "name", "scopes", "models"}
+        if unknown:
+            raise fail(f"{where} has unknown fields: {', '.join(sorted(unknown))}")
+        token, sha = entry.get("token"), entry.get("sha256")
+        if (token is None) == (sha is None):
+            raise fail(f"{where} needs exactly one of `token` or `sha256`")
+        if token is not None and (not isinstance(token, str) or len(token) < 16):
+            raise fail(f"{where}.token must be a string of at least 16 characters")
+        if sha is not None and not (isinstance(sha, str) and _HEX64.fullmatch(sha.lower())):
+            raise fail(f"{where}.sha256 must be 64 hex digits")
+        name = entry.get("name", f"token-{i}")
+        if not isinstance(name, str) or name in names:
+            raise fail(f"{where}.name must be a string, unique in the file")
+        names.add(name)
+        scopes = entry.get("scopes", [])
+        if not isinstance(scopes, list) or any(s not in _SCOPES for s in scopes):
+            raise fail(f"{where}.scopes must be a list of: {', '.join(_SCOPES)}")
+        models = entry.get("models")
+        if models is not None and (not isinstance(models, list) or not models
+                                   or not all(isinstance(m, str) and m for m in models)):
+            raise fail(f"{where}.models must be a non-empty list of model ids or globs")
+        digest = _digest(token) if token is not None else bytes.fromhex(sha.lower())
+        entries.append(_Token(digest, Principal(name, frozenset(scopes), tuple(models) if models else None)))
+    return entries

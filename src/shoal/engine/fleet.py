@@ -1,0 +1,208 @@
+"""The fleet of one engine: which models (and adapters) it serves, which are resident, and hot add.
+
+`Fleet` owns the catalog (restricted to `--models`) and the `ModelCache` (engine/cache.py). The
+engine asks it for a model (and adapter) per call; operators ask it to load, unload, pin and
+unpin; `/v1/models` asks it for statuses. `watch` is the hot-add loop: it checks the models
+directories' files every `watch_interval_s` and, when something changed, reloads the catalog off
+the event loop and swaps it in: new cards and adapters are served from then on, a changed card's
+resident model is dropped once its in-flight work is done (the next request loads the new card),
+a removed card stops being served, and a broken file is logged and listed, taking nothing down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..catalog import ADAPTERS_DIR, Catalog, ModelCard
+from ..errors import InvalidRequest, ModelLoadError
+from ..service import ADMIN_ACTIONS, CardProblem, ModelStatus
+from .cache import ModelCache
+
+log = logging.getLogger("shoal.fleet")
+
+
+class Fleet:
+    def __init__(self, catalog: Catalog, cache: ModelCache, *, device: str, models_dirs: tuple[Path, ...] = (),
+                 watch_interval_s: float | None = None) -> None:
+        self.catalog = catalog
+        self.cache = cache
+        self._device = device
+        self._dirs = models_dirs
+        self._watch_interval_s = watch_interval_s
+        self._fingerprint = _fingerprint(models_dirs)
+        self._watcher: asyncio.Task | None = None
+        for problem in self.problems():
+            log.error("not serving %s: %s", problem.file, problem.error)
+        for card in catalog:
+            if card.pin:
+                cache.pin(card.id)
+
+    @property
+    def preload_ids(self) -> list[str]:
+        """Cards that ask to be loaded before serving."""
+        return [card.id for card in self.catalog if card.preload]
+
+    # --- per call -------------------------------------------------------------------------------
+
+    async def acquire(self, card: ModelCard, adapter: str | None) -> tuple[Any, int]:
+        """(runner, adapter slot or -1), both counted in flight until `release`."""
+        directory = None
+        if adapter is not None:
+            directory = card.adapter_dirs().get(adapter)
+            if directory is None:
+                have = ", ".join(sorted(card.adapters)) or "none"
+                raise InvalidRequest(f"model {card.id} has no adapter {adapter!r} (its adapters: {have}; "
+                                     f"GET /v1/models/{card.id} lists them)",
+                                     details={"model": card.id, "adapter": adapter, "adapters": sorted(card.adapters)})
+        runner = await self.cache.acquire(card)
+        if directory is None:
+            return runner, -1
+        try:
+            return runner, await self.cache.acquire_adapter(card.id, runner, adapter, directory)
+        except BaseException:
+            self.cache.release(card.id)
+            raise
+
+    def release(self, model_id: str, adapter: str | None) -> None:
+        if adapter is not None:
+            self.cache.release_adapter(model_id, adapter)
+        self.cache.release(model_id)
+
+    # --- statuses and operators -----------------------------------------------------------------
+
+    def statuses(self) -> list[ModelStatus]:
+        return [self.status(card) for card in self.catalog]
+
+    def status(self, card: ModelCard) -> ModelStatus:
+        cache = self.cache
+        failure = cache.failure(card.id)
+        loaded = cache.is_loaded(card.id)
+        state = ("loaded" if loaded else "loading" if cache.is_loading(card.id)
+                 else "failed" if failure is not None else "not_loaded")
+        return ModelStatus(
+            id=card.id, tasks=card.tasks, outputs=card.outputs if "encode" in card.tasks else (),
+            max_length=card.max_length, verified=card.verified, loaded=loaded, architecture=card.architecture,
+            dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
+            description=card.description, extract=card.extract.kind if card.extract else None,
+            state=state, bytes=cache.model_bytes(card.id) if loaded else None, pinned=cache.is_pinned(card.id),
+            device=self._device, adapters=tuple(sorted(card.adapters)), adapters_loaded=cache.adapters_of(card.id),
+            error=failure.message if failure is not None and not loaded else None,
+        )
+
+    def problems(self) -> list[CardProblem]:
+        return [CardProblem(file=os.path.basename(file.rstrip("/")), error=_public(error))
+                for file, error in sorted(self.catalog.broken.items())]
+
+    async def admin(self, model_id: str, action: str) -> ModelStatus:
+        if action not in ADMIN_ACTIONS:
+            raise InvalidRequest(f"unknown model action {action!r}: use one of {', '.join(ADMIN_ACTIONS)}")
+        card = self.catalog.get(model_id)
+        if action == "load":
+            await self.cache.acquire(card)
+            self.cache.release(card.id)
+        elif action == "unload":
+            self.cache.unload(card.id)
+        elif action == "pin":
+            self.cache.pin(card.id)
+        else:
+            self.cache.unpin(card.id)
+        log.info("admin: %s %s", action, card.id)
+        return self.status(card)
+
+    # --- hot add --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._watch_interval_s and self._dirs and self._watcher is None:
+            self._watcher = asyncio.create_task(self.watch(self._watch_interval_s), name="shoal-watch-models")
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            try:
+                await self._watcher
+            except asyncio.CancelledError:
+                pass
+            self._watcher = None
+
+    async def watch(self, interval_s: float) -> None:
+        """Check the models directories every `interval_s`; reload the catalog when they changed."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # a reload that fails keeps the catalog that works
+                log.exception("reloading the model cards failed; still serving the previous ones")
+
+    async def refresh(self) -> bool:
+        """Reload the catalog if the directories' files changed since the last look; True if so."""
+        fingerprint = await asyncio.to_thread(_fingerprint, self._dirs)
+        if fingerprint == self._fingerprint:
+            return False
+        changed_files = {entry[0] for entry in set(fingerprint) ^ set(self._fingerprint)}
+        self._fingerprint = fingerprint
+        catalog = await asyncio.to_thread(self._reload)
+        self._swap(catalog, changed_files)
+        return True
+
+    def _reload(self) -> Catalog:
+        return Catalog.load(self._dirs, strict=False).restrict(self.catalog.patterns, strict=False)
+
+    def _swap(self, new: Catalog, changed_files: set[str]) -> None:
+        old = self.catalog
+        old_ids = {card.id for card in old}
+        for card in new:
+            if card.id not in old_ids:
+                log.info("serving new model %s (from %s)", card.id, card.card_path)
+                if card.pin:
+                    self.cache.pin(card.id)
+                continue
+            before = old.get(card.id)
+            if _without_adapters(before) != _without_adapters(card):
+                log.info("the card of %s changed: it reloads once its work in flight is done", card.id)
+                self.cache.invalidate(card.id)
+            for name, folder in card.adapter_dirs().items():
+                if name not in before.adapters:
+                    log.info("serving new adapter %s of %s", name, card.id)
+                elif before.adapter_dirs()[name] != folder or any(
+                        Path(f).parent == folder for f in changed_files):
+                    log.info("adapter %s of %s changed: it reloads once its work in flight is done", name, card.id)
+                    self.cache.invalidate_adapter(card.id, name)
+        for card_id in sorted(old_ids - {card.id for card in new}):
+            log.info("model %s is no longer served (its card is gone)", card_id)
+            self.cache.invalidate(card_id)
+        for file, error in new.broken.items():
+            if old.broken.get(file) != error:
+                log.error("not serving %s: %s", file, error)
+        self.catalog = new
+
+
+def _without_adapters(card: ModelCard) -> ModelCard:
+    return msgspec.structs.replace(card, adapters={})
+
+
+def _public(error: str) -> str:
+    """A card error without the server's directories (the log has them)."""
+    return ModelLoadError(error).public_message
+
+
+def _fingerprint(dirs: tuple[Path, ...]) -> tuple:
+    """(path, mtime, size) of every card file and adapter file under `dirs`: what hot add watches."""
+    entries = []
+    for directory in dirs:
+        candidates = list(directory.glob("*.y*ml"))
+        adapters = directory / ADAPTERS_DIR
+        if adapters.is_dir():
+            candidates += [p for p in adapters.glob("*/*") if p.is_file()]
+        for path in candidates:
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            entries.append((str(path), stat.st_mtime_ns, stat.st_size))
+    return tuple(sorted(entries))
