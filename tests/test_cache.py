@@ -493,7 +493,7 @@ def test_measured_bytes_above_the_estimate_still_keep_the_budget():
     asyncio.run(main())
     assert cache.loaded_bytes <= 100 and built["a"].closed and cache.is_loaded("b")
     # The next load of a model uses its measured size, not the estimate.
-    assert cache._measured == {"a": 50, "b": 60}
+    assert cache._measured == {"a": (50, 0), "b": (60, 0)}  # (bytes, workspace)
 
 
 def test_unload_waits_for_work_in_flight_and_refuses_a_pinned_model():
@@ -580,3 +580,108 @@ def test_idle_adapters_are_evicted_before_models_and_count_against_the_budget():
 
     asyncio.run(main())
     assert runners["base"].slots == {}  # every evicted adapter was taken off its runner
+
+
+def adapted_cache(sizes: dict[str, int], budget: int, adapter_size: int = 10, **kwargs):
+    runners: dict[str, AdaptedWeights] = {}
+    loads: Counter[str] = Counter()
+
+    def load(c: ModelCard) -> AdaptedWeights:
+        loads[c.id] += 1
+        runners[c.id] = AdaptedWeights(c.id, sizes[c.id], adapter_size)
+        return runners[c.id]
+
+    return ModelCache(load, lambda c: sizes[c.id], memory_budget_bytes=budget, **kwargs), runners, loads
+
+
+def test_an_adapter_that_cannot_fit_beside_its_own_model_is_a_load_error_at_once_never_an_eviction_of_it():
+    cache, runners, _ = adapted_cache({"a": 100}, budget=105, load_timeout_s=5.0)
+
+    async def main():
+        runner = await cache.acquire(card("a"))
+        started = time.monotonic()
+        with pytest.raises(ModelLoadError, match="beside a") as first:
+            await cache.acquire_adapter("a", runner, "x", Path("/unused"))
+        with pytest.raises(ModelLoadError):  # within the back-off: the same answer
+            await cache.acquire_adapter("a", runner, "x", Path("/unused"))
+        cache.release("a")
+        return time.monotonic() - started, first.value
+
+    elapsed, error = asyncio.run(main())
+    assert elapsed < 1.0  # no wait for room that could never come
+    assert cache.is_loaded("a") and not runners["a"].closed and runners["a"].slots == {}
+    assert error.retry_after_s is not None
+
+
+def test_an_adapter_of_a_busy_model_loads_while_another_models_load_waits_for_room():
+    cache, runners, _ = adapted_cache({"a": 50, "b": 60}, budget=100, load_timeout_s=5.0)
+
+    async def main():
+        a = await cache.acquire(card("a"))  # busy: b cannot evict it
+        b_load = asyncio.ensure_future(cache.acquire(card("b")))
+        await asyncio.sleep(0.1)
+        assert not b_load.done()
+        started = time.monotonic()
+        slot = await cache.acquire_adapter("a", a, "x", Path("/unused"))  # not stuck behind b's wait
+        took = time.monotonic() - started
+        cache.release_adapter("a", "x")
+        cache.release("a")
+        b = await asyncio.wait_for(b_load, 2.0)
+        cache.release("b")
+        return slot, took, b
+
+    slot, took, b = asyncio.run(main())
+    assert slot == 0 and took < 1.0 and b.model_id == "b"
+    assert not cache.is_loaded("a")  # idle at last, and evicted for b with its adapter
+
+
+def test_a_broken_adapter_is_a_load_error_with_back_off_not_an_internal_error():
+    class Broken(AdaptedWeights):
+        attempts = 0
+
+        def add_adapter(self, name, directory) -> int:
+            Broken.attempts += 1
+            raise ValueError("adapter_config.json: r is null")
+
+    cache = ModelCache(lambda c: Broken(c.id, 10, 1), lambda c: 10, memory_budget_bytes=100, load_backoff_s=5.0)
+
+    async def main():
+        runner = await cache.acquire(card("a"))
+        for _ in range(3):
+            with pytest.raises(ModelLoadError, match="adapter x of a could not be loaded"):
+                await cache.acquire_adapter("a", runner, "x", Path("/unused"))
+        cache.release("a")
+
+    asyncio.run(main())
+    assert Broken.attempts == 1  # the back-off spared the next two
+
+
+def test_a_changed_card_under_load_serves_new_requests_from_the_new_model_after_the_old_drains():
+    cache, loads, built = sized_cache({"m": 10}, budget=100)
+
+    async def main():
+        old = await cache.acquire(card("m"))  # work in flight on the old card
+        cache.invalidate("m")
+        newer = asyncio.ensure_future(cache.acquire(card("m")))
+        await asyncio.sleep(0.05)
+        assert not newer.done()  # new requests do not join the old model
+        cache.release("m")  # the old work ends: the old model goes, the new one loads
+        new = await asyncio.wait_for(newer, 2.0)
+        cache.release("m")
+        return old, new
+
+    old, new = asyncio.run(main())
+    assert old is not new and old.closed and not new.closed and loads["m"] == 2
+
+
+def test_pinning_cancels_an_unload_waiting_for_work_in_flight():
+    cache, _, built = sized_cache({"m": 10}, budget=100)
+
+    async def main():
+        await cache.acquire(card("m"))
+        assert cache.unload("m") == "unloading"
+        cache.pin("m")
+        cache.release("m")
+
+    asyncio.run(main())
+    assert cache.is_loaded("m") and not built["m"].closed

