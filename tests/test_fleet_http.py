@@ -169,7 +169,8 @@ def test_a_failing_load_is_502_with_the_cause_backs_off_and_recovers(fleet):
     assert first.status_code == 502, first.text
     error = first.json()["error"]
     assert error["code"] == "model_load_failed" and "fleet/late" in error["message"]
-    assert str(empty) not in first.text and "retry-after" in first.headers
+    assert str(empty) not in first.text and empty.name not in first.text and "retry-after" in first.headers
+    assert "no weights found for fleet/late on this server" in error["message"]
     again = encode(url, "fleet/late")  # within the back-off: the same answer, no second attempt
     assert again.status_code == 502 and "next attempt" in again.json()["error"]["message"]
     assert metric(url, "shoal_model_loads_total", model="fleet/late", outcome="failed") == 1

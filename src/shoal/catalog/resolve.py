@@ -68,6 +68,8 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
     raise ModelLoadError(
         f"no weights found for {card.id}: " + "; ".join(tried),
         details={"model": card.id, "tried": tried},
+        # Clients learn that, not where this server looked (its paths, packages, cache): the log has it.
+        public_message=f"no weights found for {card.id} on this server (its log lists where it looked)",
     )
 
 

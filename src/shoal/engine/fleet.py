@@ -54,6 +54,9 @@ class Fleet:
         """(runner, adapter slot or -1), both counted in flight until `release`."""
         directory = None
         if adapter is not None:
+            if card.extract is not None and card.extract.kind == "gliner":
+                raise InvalidRequest(f"model {card.id} is a GLiNER span model: LoRA adapters are not supported for "
+                                     "those yet", details={"model": card.id, "adapter": adapter})
             directory = card.adapter_dirs().get(adapter)
             if directory is None:
                 have = ", ".join(sorted(card.adapters)) or "none"
