@@ -143,12 +143,17 @@ def test_extract_with_an_adapter_equals_the_merged_token_classifier(fleet):
     assert adapted != entities(TAGGER)  # the adapter changes what the base tags
 
 
-def test_models_lists_adapters_and_an_unknown_adapter_is_400_naming_them(fleet):
+def test_models_lists_adapters_and_an_unknown_adapter_is_400_naming_them(fleet, serve):
     url, _, _, _ = fleet
     encode(url, ["warm"], adapter="ft-dir")
     entry = httpx.get(f"{url}/v1/models/{MODEL}").json()
     assert {a["id"] for a in entry["adapters"]} >= {"ft-card", "ft-dir", "ft-two"}
     assert next(a for a in entry["adapters"] if a["id"] == "ft-dir")["loaded"] is True
+    engine = serve.engines[url]  # the bytes counted are the adapters' measured tensors
+    runner = engine.cache.runner(MODEL)
+    adapter_bytes = sum(runner.adapter_bytes(n) for n in engine.cache.adapters_of(MODEL))
+    assert adapter_bytes >= 6 * 6 * 8 * 384 * 4  # 6 layers x 6 targets x r=8 x at least 384 wide, fp32
+    assert entry["bytes"] == runner.num_bytes + adapter_bytes
     response = httpx.post(f"{url}/v1/encode", json={"model": MODEL, "items": [{"text": "x"}], "adapter": "nope"})
     assert response.status_code == 400 and "ft-card" in response.json()["error"]["message"]
     assert "shoal_adapters_resident" in httpx.get(f"{url}/metrics").text

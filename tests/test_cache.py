@@ -539,7 +539,11 @@ class AdaptedWeights(Weights):
         self.slots: dict[str, int] = {}
 
     def add_adapter(self, name: str, directory) -> int:
-        self.slots[name] = len(self.slots)
+        """As ModelRunner.add_adapter: the slot (the cache asks `adapter_bytes` for the size)."""
+        self.slots[name] = slot = len(self.slots)
+        return slot
+
+    def adapter_bytes(self, name: str) -> int:
         return self.adapter_size
 
     def remove_adapter(self, name: str) -> None:
@@ -685,3 +689,63 @@ def test_pinning_cancels_an_unload_waiting_for_work_in_flight():
 
     asyncio.run(main())
     assert cache.is_loaded("m") and not built["m"].closed
+
+
+def test_idle_adapters_of_the_model_itself_make_room_for_its_next_adapter():
+    cache, runners, _ = adapted_cache({"m": 30}, budget=100, adapter_size=30, load_timeout_s=1.0)
+
+    async def main():
+        runner = await cache.acquire(card("m"))
+        for name in ("a", "b", "c"):  # 30 + 3 x 30 > 100: the least recent idle adapter (a) goes
+            await cache.acquire_adapter("m", runner, name, Path("/unused"))
+            cache.release_adapter("m", name)
+        cache.release("m")
+
+    asyncio.run(main())
+    assert cache.adapters_of("m") == ("b", "c") and cache.loaded_bytes == 90
+
+
+def test_a_card_that_changes_while_its_model_loads_is_not_served_from_the_old_load():
+    gate = threading.Event()
+    loads = Counter()
+
+    def load(c: ModelCard) -> Weights:
+        loads[c.id] += 1
+        if loads[c.id] == 1:
+            gate.wait(10)
+        return Weights(c.id, 10)
+
+    cache = ModelCache(load, lambda c: 10, memory_budget_bytes=100, load_timeout_s=0.1)
+
+    async def main():
+        with pytest.raises(Overloaded):  # the waiter gives up; the load of the old card goes on
+            await cache.acquire(card("m"))
+        cache.invalidate("m")
+        gate.set()
+        while cache.is_loading("m"):
+            await asyncio.sleep(0.01)
+        assert not cache.is_loaded("m")  # the old card's load was dropped, nothing left marked
+        return await use(cache, card("m"))
+
+    runner = asyncio.run(main())
+    assert runner.model_id == "m" and loads["m"] == 2 and cache.is_loaded("m")
+
+
+def test_a_changed_adapter_under_steady_traffic_drains_then_reloads():
+    cache, runners, _ = adapted_cache({"m": 10}, budget=100, load_timeout_s=2.0)
+
+    async def main():
+        runner = await cache.acquire(card("m"))
+        await cache.acquire_adapter("m", runner, "a", Path("/unused"))  # work in flight on the old files
+        cache.invalidate_adapter("m", "a")
+        newer = asyncio.ensure_future(cache.acquire_adapter("m", runner, "a", Path("/unused")))
+        await asyncio.sleep(0.05)
+        assert not newer.done()  # a new request does not join the old copy
+        cache.release_adapter("m", "a")  # the old work ends: the old copy goes, the new one loads
+        slot = await asyncio.wait_for(newer, 2.0)
+        cache.release_adapter("m", "a")
+        cache.release("m")
+        return slot
+
+    assert asyncio.run(main()) is not None
+    assert cache.adapters_of("m") == ("a",)

@@ -87,7 +87,10 @@ class ModelCache:
         self._fetchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shoal-fetch")
         # One materialization at a time: each makes room knowing every byte already committed.
         self._load_lock = asyncio.Lock()
-        self._released = asyncio.Event()  # set when a model or adapter's last work in flight ends
+        # Set (and replaced by a fresh one) when a model or adapter's last work in flight ends, a
+        # model leaves or a pin goes: a waiter takes the current event before it looks at the state.
+        self._released = asyncio.Event()
+        self._generation: Counter[str] = Counter()  # bumped when a model's card changes
 
     # --- what is resident -----------------------------------------------------------------------
 
@@ -126,6 +129,13 @@ class ModelCache:
     def adapters_of(self, model_id: str) -> tuple[str, ...]:
         return tuple(name for m, name in self._adapters if m == model_id)
 
+    def _fixed_bytes(self, model_id: str) -> int:
+        """What a resident model holds that no eviction of idle adapters frees: its tensors and its
+        busy adapters."""
+        runner = self._loaded[model_id]
+        return runner.num_bytes + sum(size for key, size in self._adapters.items()
+                                      if key[0] == model_id and self._adapter_inflight[key] > 0)
+
     @staticmethod
     def _workspace(runners) -> int:
         return max((getattr(r, "workspace_bytes", 0) for r in runners), default=0)
@@ -156,18 +166,24 @@ class ModelCache:
             reason = self._drop_when_idle.get(model_id)
             if reason == "changed" or (reason == "unload" and model_id not in self._pinned):
                 self._evict(model_id, reason)
-            self._released.set()
+            self._notify()
+
+    def _notify(self) -> None:
+        event, self._released = self._released, asyncio.Event()
+        event.set()
 
     async def _until(self, done: Callable[[], bool], timeout_s: float | None, message: str) -> None:
         """Wait for `done()`, re-checked whenever work in flight ends; Overloaded after `timeout_s`."""
         give_up_at = None if timeout_s is None else time.monotonic() + timeout_s
-        while not done():
-            self._released.clear()
+        while True:
+            event = self._released  # taken before the look: a change after it sets this one
+            if done():
+                return
             remaining = None if give_up_at is None else give_up_at - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise Overloaded(message, retry_after_s=2.0)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._released.wait(), remaining)
+                await asyncio.wait_for(event.wait(), remaining)
 
     async def _wait_for_load(self, card: ModelCard, patient: bool = False) -> Any:
         failure = self._failures.get(card.id)
@@ -202,6 +218,7 @@ class ModelCache:
     async def _load(self, card: ModelCard) -> Any:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        generation = self._generation[card.id]
         try:
             if self._fetch_fn is not None:  # downloads: concurrent, outside the lock
                 await loop.run_in_executor(self._fetchers, self._fetch_fn, card)
@@ -211,12 +228,19 @@ class ModelCache:
             async with self._room(card.id, needed or 0, workspace):
                 runner = await loop.run_in_executor(self._executor, self._load_fn, card)
                 measured = (runner.num_bytes, getattr(runner, "workspace_bytes", 0))
-                self._measured[card.id] = measured
-                # The measured figure may pass the estimate: room again, now without waiting.
-                if self.budget_bytes is not None and not self._evict_for(card.id, *measured):
+                try:
+                    if self._generation[card.id] != generation:  # its card changed while it loaded
+                        raise Overloaded(f"the card of {card.id} changed while it loaded; retry", retry_after_s=1.0,
+                                         details={"model": card.id})
+                    self._measured[card.id] = measured
+                    # The measured figure may pass the estimate: room again, now without waiting.
+                    if self.budget_bytes is not None and not self._evict_for(card.id, *measured):
+                        raise Overloaded(f"no room for {card.id}: it measured {measured[0]} bytes and the models "
+                                         "in memory are busy; retry shortly", retry_after_s=2.0,
+                                         details={"model": card.id})
+                except BaseException:
                     runner.close()
-                    raise Overloaded(f"no room for {card.id}: it measured {measured[0]} bytes and the models in "
-                                     "memory are busy; retry shortly", retry_after_s=2.0, details={"model": card.id})
+                    raise
                 self._loaded[card.id] = runner
             self._failures.pop(card.id, None)
             self._load_s[card.id] = seconds = time.perf_counter() - started
@@ -262,7 +286,7 @@ class ModelCache:
         give_up_at = time.monotonic() + self._load_timeout_s
         while True:
             async with self._load_lock:
-                self._released.clear()  # a release from now on wakes the wait below
+                event = self._released  # a release from now on wakes the wait below
                 if self.budget_bytes is None or self._evict_for(subject, needed, workspace, keep):
                     yield
                     return
@@ -272,7 +296,7 @@ class ModelCache:
                                  retry_after_s=2.0, details={"needed_bytes": needed, "resident_bytes": self.loaded_bytes,
                                                              "memory_budget_bytes": self.budget_bytes})
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._released.wait(), remaining)
+                await asyncio.wait_for(event.wait(), remaining)
 
     def _evict_for(self, subject: str, needed: int, workspace: int = 0, keep: str | None = None) -> bool:
         """Evict idle adapters, then idle unpinned models (never `keep`), least recently used first,
@@ -282,17 +306,18 @@ class ModelCache:
         assert self.budget_bytes is not None
         budget = self.budget_bytes
 
-        def used(models) -> int:
+        def used(models, fixed: bool = False) -> int:
             runners = [self._loaded[m] for m in models]
-            return sum(self.model_bytes(m) for m in models) + max(workspace, self._workspace(runners))
+            held = sum(self._fixed_bytes(m) if fixed else self.model_bytes(m) for m in models)
+            return held + max(workspace, self._workspace(runners))
 
-        staying = [m for m in self._loaded if m == keep]  # what stays whatever happens
-        if used(staying) + needed > budget:
+        staying = [m for m in self._loaded if m == keep]  # what stays whatever happens (less idle adapters)
+        if used(staying, fixed=True) + needed > budget:
             raise ModelLoadError(
                 f"{subject} needs {needed + workspace} bytes"
                 + (f" beside {keep}" if keep else "") + f", more than the memory budget of {budget}",
                 details={"needed_bytes": needed + workspace, "memory_budget_bytes": budget})
-        if used([m for m in self._loaded if m == keep or m in self._pinned]) + needed > budget:
+        if used([m for m in self._loaded if m == keep or m in self._pinned], fixed=True) + needed > budget:
             raise Overloaded(f"no room to load {subject}: pinned models hold the memory budget; unpin one",
                              retry_after_s=2.0, details={"needed_bytes": needed, "memory_budget_bytes": budget})
 
@@ -311,14 +336,16 @@ class ModelCache:
         return fits()
 
     def _evict(self, model_id: str, reason: str) -> None:
-        self._drop_when_idle.pop(model_id, None)
         runner = self._loaded.pop(model_id, None)
         if runner is None:
             return
+        self._drop_when_idle.pop(model_id, None)
         for key in [k for k in self._adapters if k[0] == model_id]:
             del self._adapters[key]
+        for key in [k for k in self._adapter_stale if k[0] == model_id]:
+            self._adapter_stale.discard(key)
         runner.close()
-        self._released.set()
+        self._notify()
         log.info("unloaded %s (%s)", model_id, reason)
         if self._metrics is not None:
             self._metrics.evictions.labels(model_id, reason).inc()
@@ -332,6 +359,9 @@ class ModelCache:
         """The adapter's slot on `runner` (loading it if needed), counted in flight until
         `release_adapter`. The caller holds the model itself (`acquire`)."""
         key = (model_id, name)
+        if key in self._adapter_stale and key in self._adapters:  # the old files' copy drains first
+            await self._until(lambda: key not in self._adapter_stale, self._load_timeout_s,
+                              f"adapter {name} of {model_id} is reloading its changed files; retry shortly")
         self._adapter_inflight[key] += 1
         try:
             if key in self._adapters and runner.adapter_slot(name) is None:  # recorded for a runner since gone
@@ -362,10 +392,10 @@ class ModelCache:
         self._adapter_inflight[key] -= 1
         if self._adapter_inflight[key] <= 0:
             del self._adapter_inflight[key]
-            self._released.set()
-            if key in self._adapter_stale:
+            if key in self._adapter_stale and key not in self._adapter_loading:
                 self._adapter_stale.discard(key)
                 self._drop_adapter(key, "changed")
+            self._notify()
 
     def invalidate_adapter(self, model_id: str, name: str) -> None:
         """The adapter's files changed: drop its resident copy once idle (the next request loads it)."""
@@ -385,7 +415,8 @@ class ModelCache:
             async with self._room(what, _adapter_file_bytes(directory), keep=model_id):
                 if self._loaded.get(model_id) is not runner:
                     raise Overloaded(f"model {model_id} was unloaded while {what} waited; retry", retry_after_s=1.0)
-                num_bytes = await loop.run_in_executor(self._executor, runner.add_adapter, name, directory)
+                await loop.run_in_executor(self._executor, runner.add_adapter, name, directory)
+                num_bytes = runner.adapter_bytes(name)  # measured: its stacked factors on the device
                 try:
                     if self.budget_bytes is not None and not self._evict_for(what, num_bytes, keep=model_id):
                         raise Overloaded(f"no room for {what}: the models in memory are busy; retry shortly",
@@ -399,9 +430,15 @@ class ModelCache:
         except Overloaded:
             raise
         except Exception as exc:  # a broken adapter: a clear 502 and a back-off, never a 500
+            if key in self._adapter_stale:  # its files changed meanwhile: the next try reads the new ones
+                self._adapter_stale.discard(key)
+                raise ModelLoadError(f"{what} changed while it loaded; retry", retry_after_s=1.0) from None
             raise _retry_later(self._record_failure(self._adapter_failures, key, what, exc)) from None
         finally:
             del self._adapter_loading[key]
+            if key in self._adapter_stale and self._adapter_inflight[key] == 0:  # changed, and nobody waits
+                self._adapter_stale.discard(key)
+                self._drop_adapter(key, "changed")
             self.release(model_id)
             self._record()
 
@@ -423,7 +460,7 @@ class ModelCache:
 
     def unpin(self, model_id: str) -> None:
         self._pinned.discard(model_id)
-        self._released.set()  # a load waiting for room may now find some
+        self._notify()  # a load waiting for room may now find some
 
     def unload(self, model_id: str) -> str:
         """Unload now ("unloaded"), after the work in flight ("unloading"), or "not_loaded".
@@ -444,7 +481,10 @@ class ModelCache:
         the new card; a recorded failure is forgotten."""
         self._failures.pop(model_id, None)
         self._measured.pop(model_id, None)
-        if model_id in self._loading or (model_id in self._loaded and self._inflight[model_id] > 0):
+        self._generation[model_id] += 1  # a load under way of the old card is not kept
+        for key in [k for k in self._adapter_failures if k[0] == model_id]:
+            del self._adapter_failures[key]
+        if model_id in self._loaded and self._inflight[model_id] > 0:
             self._drop_when_idle[model_id] = "changed"  # new requests wait for the old model to drain
         elif model_id in self._loaded:
             self._evict(model_id, "changed")

@@ -39,9 +39,20 @@ class Fleet:
         self._watcher: asyncio.Task | None = None
         for problem in self.problems():
             log.error("not serving %s: %s", problem.file, problem.error)
+        self._card_pins: set[str] = set()  # pins that came from cards (a reload may take them back)
         for card in catalog:
             if card.pin:
-                cache.pin(card.id)
+                self._pin_from_card(card.id)
+
+    def _pin_from_card(self, model_id: str) -> None:
+        if not self.cache.is_pinned(model_id):
+            self._card_pins.add(model_id)
+            self.cache.pin(model_id)
+
+    def _unpin_from_card(self, model_id: str) -> None:
+        if model_id in self._card_pins:  # a pin from the settings or an operator stays
+            self._card_pins.discard(model_id)
+            self.cache.unpin(model_id)
 
     @property
     def preload_ids(self) -> list[str]:
@@ -156,9 +167,9 @@ class Fleet:
         if fingerprint == self._fingerprint:
             return False
         changed_files = {entry[0] for entry in set(fingerprint) ^ set(self._fingerprint)}
-        self._fingerprint = fingerprint
         catalog = await asyncio.to_thread(self._reload)
         self._swap(catalog, changed_files)
+        self._fingerprint = fingerprint  # only now: a reload that failed is tried again
         return True
 
     def _reload(self) -> Catalog:
@@ -172,14 +183,16 @@ class Fleet:
             if card.id not in old_ids:
                 log.info("serving new model %s (from %s)", card.id, card.card_path)
                 if card.pin:
-                    self.cache.pin(card.id)
+                    self._pin_from_card(card.id)
                 continue
             before = old.get(card.id)
-            if _without_adapters(before) != _without_adapters(card):
+            if _what_loads(before) != _what_loads(card):
                 log.info("the card of %s changed: it reloads once its work in flight is done", card.id)
                 self.cache.invalidate(card.id)
-                if before.pin != card.pin:
-                    (self.cache.pin if card.pin else self.cache.unpin)(card.id)
+            if card.pin and not before.pin:
+                self._pin_from_card(card.id)
+            elif before.pin and not card.pin:
+                self._unpin_from_card(card.id)
             old_dirs = before.adapter_dirs()
             for name, folder in card.adapter_dirs().items():
                 if name not in old_dirs:
@@ -192,7 +205,7 @@ class Fleet:
                 self.cache.invalidate_adapter(card.id, name)
         for card_id in sorted(old_ids - {card.id for card in new}):
             log.info("model %s is no longer served (its card is gone)", card_id)
-            self.cache.unpin(card_id)
+            self._unpin_from_card(card_id)
             self.cache.invalidate(card_id)
         for file, error in new.broken.items():
             if old.broken.get(file) != error:
@@ -200,8 +213,9 @@ class Fleet:
         self.catalog = new
 
 
-def _without_adapters(card: ModelCard) -> ModelCard:
-    return msgspec.structs.replace(card, adapters={})
+def _what_loads(card: ModelCard) -> ModelCard:
+    """The card less what does not change the loaded model (its adapters, pin and preload)."""
+    return msgspec.structs.replace(card, adapters={}, pin=False, preload=False)
 
 
 def _public(error: str) -> str:
@@ -226,6 +240,6 @@ def _fingerprint(dirs: tuple[Path, ...], adapter_dirs: tuple[Path, ...] = ()) ->
             stat = path.stat()
         except OSError:
             continue
-        if path.is_file():
-            entries.add((str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+        if path.is_file():  # its folder resolved, not the file: a symlinked file stays in its folder
+            entries.add((str(path.parent.resolve() / path.name), stat.st_mtime_ns, stat.st_size))
     return tuple(sorted(entries))
