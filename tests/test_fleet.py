@@ -94,3 +94,22 @@ def test_broken_cards_and_adapter_folders_are_listed_and_the_rest_is_served(tmp_
     engine = Engine(EngineSettings(watch_interval_s=None), catalog, allow_download=False)
     problems = {p.file: p.error for p in engine.problems()}
     assert set(problems) == {"bad.yaml", "orphan"} and str(tmp_path) not in " ".join(problems.values())
+
+
+def test_the_watch_sees_a_retargeted_symlink_in_its_adapter_folder(tmp_path):
+    from shoal.engine.fleet import _fingerprint
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "v1.safetensors").write_bytes(b"v1")
+    (store / "v2.safetensors").write_bytes(b"v2-longer")
+    folder = tmp_path / "models" / "adapters" / "tuned"
+    folder.mkdir(parents=True)
+    link = folder / "adapter_model.safetensors"
+    link.symlink_to(store / "v1.safetensors")
+    before = _fingerprint((tmp_path / "models",))
+    link.unlink()
+    link.symlink_to(store / "v2.safetensors")
+    after = _fingerprint((tmp_path / "models",))
+    changed = {Path(entry[0]).parent for entry in set(before) ^ set(after)}
+    assert changed == {folder.resolve()}  # the change is seen in the adapter's folder, not the store's
