@@ -400,6 +400,6 @@ def test_a_request_without_a_model_on_a_server_with_no_scorer_is_told_how_to_pic
     r = httpx.post(url_without_scorer + path, json=body, timeout=30.0)
     assert r.status_code == 400
     error = r.json()["error"]
-    assert "no preloaded model scores" in error["message"]
+    assert "no default or preloaded model scores" in error["message"]
     assert "?model=ID" in error["message"] and "X-Shoal-Model" in error["message"]
-    assert error["details"] == {"preloaded": [DENSE]}
+    assert error["details"] == {"preloaded": [DENSE], "default_model": None}

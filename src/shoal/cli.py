@@ -31,6 +31,8 @@ def _settings(args: argparse.Namespace):
         server = replace(server, auth_tokens_file=Path(args.auth_tokens_file))
     if getattr(args, "no_auth", False):
         server = replace(server, no_auth=True)
+    if getattr(args, "default_model", None):
+        server = replace(server, default_model=args.default_model)
     models = tuple(m for spec in (getattr(args, "models", None) or []) for m in spec.split(",") if m)
     dirs = settings.models_dirs + tuple(Path(d) for d in (args.models_dir or []))
     return replace(settings, server=server, engine=engine, models_dirs=dirs, models=models or settings.models)
@@ -65,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(server.host, auth, server.no_auth)
     engine = _engine(settings, strict=False)
     preload = tuple(dict.fromkeys([*(args.preload or []), *engine.fleet.preload_ids]))
-    for model_id in preload:
+    for model_id in preload + ((server.default_model,) if server.default_model else ()):
         engine.catalog.get(model_id)  # fail fast on a typo, before binding the port
     app = create_app(settings, engine, preload=preload, auth=auth)
     serve(app, settings.server, log_level=args.log_level)
@@ -169,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before accepting requests")
     serve.add_argument("--auth-tokens-file", metavar="FILE", help="bearer tokens (YAML; see docs/operations.md)")
     serve.add_argument("--no-auth", action="store_true", help="serve a non-loopback address without tokens")
+    serve.add_argument("--default-model", metavar="MODEL",
+                       help="the model of routes whose bodies name none (TEI's), unless ?model= or X-Shoal-Model says")
     serve.add_argument("--log-level", default="info")
     for name, (kind, help_text) in _SERVE_LIMIT_FLAGS.items():
         serve.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)

@@ -78,6 +78,9 @@ class ServerSettings:
     admin_tokens: str = field(default="", repr=False)
     # Serve a non-loopback address without tokens (`--no-auth`).
     no_auth: bool = False
+    # The model of routes whose bodies name none (TEI's) when the request picks none either
+    # (`--default-model`); None: the first preloaded model that serves the verb.
+    default_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Settings:
             auth_tokens=env.get("SHOAL_AUTH_TOKENS", ""),
             admin_tokens=env.get("SHOAL_ADMIN_TOKENS", ""),
             no_auth=env.get("SHOAL_NO_AUTH", "").strip().lower() in ("1", "true", "yes", "on"),
+            default_model=env.get("SHOAL_DEFAULT_MODEL") or None,
         )
         budget = env.get("SHOAL_MEMORY_BUDGET_BYTES")
         engine = EngineSettings(

@@ -26,7 +26,7 @@ from .. import wire
 from ..config import Settings
 from ..errors import Cancelled, Overloaded, PayloadTooLarge, ShoalError
 from ..service import Service
-from . import routes
+from . import routes, tei
 from .auth import Auth
 from .errors import error_response, http_error
 
@@ -71,7 +71,7 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
                     auth.check_admin(principal)
                 body = await _read_body(request, server.max_body_bytes) if reads_body else b""
                 ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id,
-                                     preload=preload, principal=principal)
+                                     preload=preload, principal=principal, default=server.default_model)
                 result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
                 if isinstance(getattr(result, "timings", None), wire.Timings):
                     result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
@@ -124,7 +124,17 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
             Route("/v1/embeddings", endpoint("embeddings", routes.embeddings), methods=["POST"]),
             Route("/v1/rerank", endpoint("rerank", routes.rerank), methods=["POST"]),
             Route("/v2/rerank", endpoint("rerank_v2", routes.rerank_v2), methods=["POST"]),
+            Route("/v2/embed", endpoint("embed_v2", routes.embed_v2), methods=["POST"]),
+            Route("/v1/embed", endpoint("cohere_embed_v1", routes.cohere_embed_v1), methods=["POST"]),
             Route("/rerank", endpoint("tei_rerank", routes.tei_rerank), methods=["POST"]),
+            # TEI (text-embeddings-inference): bodies name no model (api/tei.py).
+            Route("/embed", endpoint("tei_embed", tei.embed), methods=["POST"]),
+            Route("/embed_sparse", endpoint("tei_embed_sparse", tei.embed_sparse), methods=["POST"]),
+            Route("/similarity", endpoint("tei_similarity", tei.similarity), methods=["POST"]),
+            Route("/", endpoint("tei_root", tei.root), methods=["POST"]),
+            Route("/info", endpoint("tei_info", tei.info, reads_body=False), methods=["GET"]),
+            Route("/health", healthz, methods=["GET"]),
+            Route("/", healthz, methods=["GET"]),
             Route("/v1/models", endpoint("models", routes.models, reads_body=False), methods=["GET"]),
             # Model ids contain "/": the rest of the path is the id (then, for POST, the action).
             Route("/v1/models/{model_path:path}", endpoint("model", routes.model, reads_body=False), methods=["GET"]),

@@ -29,6 +29,7 @@ class Context:
     result_bytes: int = 0  # array bytes in the response, to encode large ones off the event loop
     preload: tuple[str, ...] = ()  # the server's preloaded models, in order
     principal: Principal = ANONYMOUS  # who is calling (api/auth.py)
+    default: str | None = None  # the server's `--default-model`
 
     def decode(self, typ: type):
         return wire.decode(self.body, self.fmt_in, typ)
@@ -40,20 +41,29 @@ class Context:
 
     def scoring_model(self, named: str | None = None) -> str:
         """The model a score route uses: the body's, else `?model=`, else the `X-Shoal-Model`
-        header, else the first preloaded reranker, else the first preloaded model that scores."""
+        header, else the server's default model if it scores, else the first preloaded reranker,
+        else the first preloaded model that scores."""
+        return self.default_model("score", named)
+
+    def default_model(self, task: str, named: str | None = None) -> str:
+        """The model a route whose body may name none uses (TEI's, Cohere v1 rerank): the body's,
+        `?model=`, the `X-Shoal-Model` header, the server's `--default-model` if it serves `task`,
+        else the first preloaded model that does (for score: a reranker before an embedder)."""
         model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
         if model:
             return model
         tasks = {status.id: status.tasks for status in self.service.models()}
-        scoring = [m for m in self.preload if "score" in tasks.get(m, ())]
-        rerankers = [m for m in scoring if "encode" not in tasks[m]]  # a reranker before an embedder
-        if rerankers or scoring:
-            return (rerankers or scoring)[0]
+        candidates = [m for m in (self.default, *self.preload) if m and task in tasks.get(m, ())]
+        if task == "score":  # a reranker before an embedder that scores by cosine
+            candidates = [m for m in candidates if "encode" not in tasks[m]] + candidates
+        if candidates:
+            return candidates[0]
+        verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
         raise InvalidRequest(
-            "this request names no model and no preloaded model scores: name one with `?model=ID` or the "
-            "`X-Shoal-Model: ID` header, or start the server with `--preload` of a reranker "
+            f"this request names no model and no default or preloaded model {verb}: name one with `?model=ID` "
+            "or the `X-Shoal-Model: ID` header, or start the server with `--default-model` or `--preload` "
             "(`GET /v1/models` lists each model's tasks)",
-            details={"preloaded": list(self.preload)},
+            details={"preloaded": list(self.preload), "default_model": self.default},
         )
 
     def check_count(self, num_items: int) -> None:
@@ -206,3 +216,29 @@ def _item(item_id, out) -> wire.EncodedItem:
     if out.sparse is not None:
         sparse = wire.SparseOut(indices=out.sparse.indices, values=out.sparse.values, tokens=out.sparse.tokens)
     return wire.EncodedItem(id=item_id, dense=out.dense, sparse=sparse, multivector=out.multivector)
+
+
+async def embed_v2(ctx: Context) -> wire.cohere.EmbedByTypeResponse:
+    """Cohere v2: every requested embedding type, derived from one float32 forward."""
+    req: wire.cohere.EmbedV2Request = ctx.decode(wire.cohere.EmbedV2Request)
+    ctx.model = req.model
+    texts = req.texts_of()
+    ctx.check_count(len(texts))
+    call = wire.cohere.encode_call(req, req.model, texts, ctx.request_id)
+    if req.max_tokens is not None:
+        ctx.principal.check_model(req.model)  # before the status names the model's max_length
+        req.check_max_tokens(ctx.service.model(req.model).max_length)
+    result: EncodeResult = await ctx.run(call)
+    ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
+    return wire.cohere.embed_response(req, "2", texts, result, ctx.request_id)
+
+
+async def cohere_embed_v1(ctx: Context) -> wire.cohere.EmbedByTypeResponse | wire.cohere.EmbedFloatsResponse:
+    """Cohere v1: floats by default, by type when `embedding_types` is sent."""
+    req: wire.cohere.EmbedRequest = ctx.decode(wire.cohere.EmbedRequest)
+    ctx.model = model = req.model_of()
+    texts = req.texts_of()
+    ctx.check_count(len(texts))
+    result: EncodeResult = await ctx.run(wire.cohere.encode_call(req, model, texts, ctx.request_id))
+    ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
+    return wire.cohere.embed_response(req, "1", texts, result, ctx.request_id)

@@ -1,7 +1,8 @@
-"""Hugging Face text-embeddings-inference (TEI) `/rerank`: its request and its bare-list response.
+"""Hugging Face text-embeddings-inference (TEI): `/rerank`, `/embed`, `/embed_sparse`, `/similarity`,
+`/` and `/info` — their requests and bare-list responses, as TEI's router defines them.
 
-TEI's body names no model: the route picks one (`?model=`, `X-Shoal-Model`, else the server's
-default scoring model). TEI's defaults hold: `truncate` false (a text longer than the model takes
+TEI's bodies name no model: the route picks one (`?model=`, `X-Shoal-Model`, else the server's
+default model for the verb). TEI's defaults hold: `truncate` false (a text longer than the model takes
 is an error), scores through the model's activation unless `raw_scores`. Only right truncation is
 served; `truncation_direction: "Left"` is refused.
 """
@@ -12,8 +13,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ..calls import ScoreCall, ScoreResult
+import numpy as np
+
+from ..calls import EncodeCall, EncodeResult, ScoreCall, ScoreResult
 from ..errors import InvalidRequest
+from ..service import ModelStatus
 
 
 class RerankRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -45,3 +49,114 @@ def ranks(req: RerankRequest, result: ScoreResult) -> list[Rank]:
     """Best first, as TEI sorts them."""
     return [Rank(index=item.index, score=item.score, text=req.texts[item.index] if req.return_text else None)
             for item in result.items]
+
+
+# --- embeddings: /embed, /embed_sparse, /similarity, / -------------------------------------------
+
+Inputs = str | Annotated[list[str], msgspec.Meta(min_length=1)]
+Direction = Literal["Right", "right", "Left", "left"]
+
+
+class EmbedRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`/embed` (and `/` on an embedder). `encoding_format` is what huggingface_hub may add."""
+
+    inputs: Inputs
+    truncate: bool | None = False  # TEI's default: a text longer than the model takes is an error
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+    normalize: bool = True
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    encoding_format: Literal["float"] | None = None
+
+
+class EmbedSparseRequest(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: Inputs
+    truncate: bool | None = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+
+
+class SparseValue(msgspec.Struct):
+    index: int
+    value: float
+
+
+class SimilarityInput(msgspec.Struct, forbid_unknown_fields=True):
+    source_sentence: str
+    sentences: Annotated[list[str], msgspec.Meta(min_length=1)]
+
+
+class SimilarityParameters(msgspec.Struct, forbid_unknown_fields=True):
+    truncate: bool | None = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+
+
+class SimilarityRequest(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+
+
+def texts_of(inputs: Inputs) -> list[str]:
+    return [inputs] if isinstance(inputs, str) else list(inputs)
+
+
+def check_direction(direction: str) -> None:
+    if direction.lower() == "left":
+        raise InvalidRequest("truncation_direction \"Left\" is not supported: shoal truncates on the right only; "
+                             "send \"Right\" or omit it", details={"path": "$.truncation_direction"})
+
+
+def embed_call(req: EmbedRequest, model: str, request_id: str | None = None) -> EncodeCall:
+    check_direction(req.truncation_direction)
+    return EncodeCall(model=model, texts=texts_of(req.inputs), normalize=req.normalize, dimensions=req.dimensions,
+                      prompt_name=req.prompt_name, truncate=bool(req.truncate), outputs=("dense",),
+                      request_id=request_id)
+
+
+def embed_sparse_call(req: EmbedSparseRequest, model: str, request_id: str | None = None) -> EncodeCall:
+    check_direction(req.truncation_direction)
+    return EncodeCall(model=model, texts=texts_of(req.inputs), prompt_name=req.prompt_name,
+                      truncate=bool(req.truncate), outputs=("sparse",), request_id=request_id)
+
+
+def similarity_call(req: SimilarityRequest, model: str, request_id: str | None = None) -> EncodeCall:
+    """The source sentence and the others in one call; `similarities` turns the vectors into scores."""
+    params = req.parameters or SimilarityParameters()
+    check_direction(params.truncation_direction)
+    return EncodeCall(model=model, texts=[req.inputs.source_sentence, *req.inputs.sentences], normalize=True,
+                      prompt_name=params.prompt_name, truncate=bool(params.truncate), outputs=("dense",),
+                      request_id=request_id)
+
+
+def similarities(result: EncodeResult) -> list[float]:
+    """Cosine of each sentence with the source sentence (the vectors come normalised)."""
+    vectors = np.stack(result.vectors).astype(np.float32)  # [1 + n, d]
+    return [float(x) for x in vectors[1:] @ vectors[0]]
+
+
+def sparse_values(result: EncodeResult) -> list[list[SparseValue]]:
+    return [[SparseValue(int(i), float(v)) for i, v in zip(item.sparse.indices, item.sparse.values)]
+            for item in result.items]
+
+
+# --- /info --------------------------------------------------------------------------------------
+
+
+def info(status: ModelStatus, *, max_batch_tokens: int, max_client_batch_size: int, tokenization_workers: int,
+         max_concurrent_requests: int, version: str) -> dict:
+    """TEI's `/info` for the model a request would use."""
+    if "encode" in status.tasks:
+        model_type: dict = {"embedding": {"pooling": "splade" if status.outputs == ("sparse",)
+                                          else status.pooling or "none"}}
+    elif "score" in status.tasks:
+        model_type = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+    else:
+        model_type = {"classifier": {"id2label": {}, "label2id": {}}}
+    return {
+        "model_id": status.id, "model_sha": None, "model_dtype": "float32", "served_model_name": status.id,
+        "model_type": model_type, "max_concurrent_requests": max_concurrent_requests,
+        "max_input_length": status.max_length, "max_batch_tokens": max_batch_tokens, "max_batch_requests": None,
+        "max_client_batch_size": max_client_batch_size, "auto_truncate": False,
+        "tokenization_workers": tokenization_workers, "version": version, "sha": None, "docker_label": None,
+    }

@@ -1,0 +1,65 @@
+"""Handlers of the TEI-compatible routes (text-embeddings-inference): `/embed`, `/embed_sparse`,
+`/similarity`, `/` (by its body: a similarity, a rerank or an embedding request), `/info`. `/rerank`
+lives with the other rerank routes (`routes.tei_rerank`). Bodies name no model: `?model=`, the
+`X-Shoal-Model` header, `--default-model`, else the first preloaded model that encodes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .. import __version__, wire
+from ..calls import EncodeResult
+from . import routes
+from .routes import Context
+
+
+async def embed(ctx: Context) -> list:
+    req: wire.tei.EmbedRequest = ctx.decode(wire.tei.EmbedRequest)
+    ctx.model = model = ctx.default_model("encode")
+    call = wire.tei.embed_call(req, model, ctx.request_id)
+    ctx.check_count(len(call.texts))
+    result: EncodeResult = await ctx.run(call)
+    ctx.result_bytes = sum(v.nbytes for v in result.vectors) * 4  # JSON floats
+    return result.vectors
+
+
+async def embed_sparse(ctx: Context) -> list:
+    req: wire.tei.EmbedSparseRequest = ctx.decode(wire.tei.EmbedSparseRequest)
+    ctx.model = model = ctx.default_model("encode")
+    call = wire.tei.embed_sparse_call(req, model, ctx.request_id)
+    ctx.check_count(len(call.texts))
+    return wire.tei.sparse_values(await ctx.run(call))
+
+
+async def similarity(ctx: Context) -> list[float]:
+    req: wire.tei.SimilarityRequest = ctx.decode(wire.tei.SimilarityRequest)
+    ctx.model = model = ctx.default_model("encode")
+    call = wire.tei.similarity_call(req, model, ctx.request_id)
+    ctx.check_count(len(call.texts))
+    return wire.tei.similarities(await ctx.run(call))
+
+
+async def root(ctx: Context):
+    """`POST /`: TEI serves its model's one verb here; shoal reads the body to tell which."""
+    try:
+        shape = msgspec.json.decode(ctx.body) if ctx.fmt_in is wire.Format.JSON else msgspec.msgpack.decode(ctx.body)
+    except msgspec.DecodeError:
+        shape = None  # `embed` reports the malformed body
+    if isinstance(shape, dict) and isinstance(shape.get("inputs"), dict):
+        return await similarity(ctx)
+    if isinstance(shape, dict) and "query" in shape and "texts" in shape:
+        return await routes.tei_rerank(ctx)
+    return await embed(ctx)
+
+
+async def info(ctx: Context) -> dict:
+    settings = ctx.request.app.state.settings
+    model = ctx.default_model("encode") if not ctx.request.query_params.get("task") else \
+        ctx.default_model(ctx.request.query_params["task"])
+    ctx.model = model
+    ctx.principal.check_model(model)
+    return wire.tei.info(ctx.service.model(model), max_batch_tokens=settings.engine.max_batch_tokens,
+                         max_client_batch_size=settings.server.max_items_per_request,
+                         tokenization_workers=settings.engine.tokenizer_threads,
+                         max_concurrent_requests=settings.server.max_connections, version=__version__)
