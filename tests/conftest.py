@@ -179,13 +179,14 @@ def serve():
 
         def start(server: ServerSettings | None = None, engine: EngineSettings | None = None,
                   wrap_runner: Callable | None = None, preload: tuple[str, ...] = (MODEL_ID,),
-                  cards_dirs: tuple[Path, ...] = (), auth=None, models: tuple[str, ...] = ()) -> str:
+                  cards_dirs: tuple[Path, ...] = (), auth=None, models: tuple[str, ...] = (),
+                  aliases: dict[str, str] | None = None) -> str:
             settings = Settings(server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False)
             load = None
             if wrap_runner is not None:
                 def load(card):
                     return wrap_runner(ModelRunner.load(card, settings.engine.device, allow_download=False))
-            catalog = Catalog.load(extra_dirs=cards_dirs, strict=False).restrict(models)
+            catalog = Catalog.load(extra_dirs=cards_dirs, strict=False).restrict(models).with_aliases(aliases or {})
             eng = Engine(settings.engine, catalog, allow_download=False, load_runner=load,
                          estimate_bytes=(lambda card: ModelRunner.estimate_bytes(card, False)) if load else None,
                          models_dirs=cards_dirs)

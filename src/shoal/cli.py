@@ -34,8 +34,17 @@ def _settings(args: argparse.Namespace):
     if getattr(args, "default_model", None):
         server = replace(server, default_model=args.default_model)
     models = tuple(m for spec in (getattr(args, "models", None) or []) for m in spec.split(",") if m)
+    aliases = list(settings.aliases)
+    for spec in getattr(args, "alias", None) or []:
+        name, sep, target = spec.partition("=")
+        if not (sep and name.strip() and target.strip()):
+            from .errors import ConfigError
+
+            raise ConfigError(f"--alias {spec!r}: write NAME=MODEL (e.g. text-embedding-3-small=BAAI/bge-small-en-v1.5)")
+        aliases.append((name.strip(), target.strip()))
     dirs = settings.models_dirs + tuple(Path(d) for d in (args.models_dir or []))
-    return replace(settings, server=server, engine=engine, models_dirs=dirs, models=models or settings.models)
+    return replace(settings, server=server, engine=engine, models_dirs=dirs, models=models or settings.models,
+                   aliases=tuple(aliases))
 
 
 def _engine(settings, *, strict: bool = True):
@@ -50,6 +59,7 @@ def _engine(settings, *, strict: bool = True):
         raise ConfigError(f"the in-process engine needs {exc.name}; install it with: pip install 'shoal[engine]'") from None
 
     catalog = Catalog.load(settings.models_dirs, strict=strict).restrict(settings.models)
+    catalog.with_aliases(dict(settings.aliases))
     return Engine(settings.engine, catalog, allow_download=settings.allow_download, models_dirs=settings.models_dirs)
 
 
@@ -158,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add the model cards (*.yaml) and adapters (DIR/adapters/NAME) in DIR; a server watches it")
         p.add_argument("--models", action="append", metavar="IDS",
                        help="serve only these model ids or globs (comma-separated, repeatable)")
+        p.add_argument("--alias", action="append", metavar="NAME=MODEL",
+                       help="let requests name MODEL as NAME too (e.g. an OpenAI model name; repeatable)")
 
     serve = sub.add_parser("serve", help="run the HTTP server")
     common(serve)

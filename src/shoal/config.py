@@ -93,6 +93,8 @@ class Settings:
     allow_download: bool = True
     # `--models`: the ids or globs of the cards this server serves (lists, loads); () all.
     models: tuple[str, ...] = ()
+    # `--alias NAME=MODEL` (SHOAL_ALIASES="NAME=MODEL,..."): more names for served models.
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -131,7 +133,10 @@ class Settings:
         dirs = tuple(Path(p) for p in env.get("SHOAL_MODELS_DIRS", "").split(os.pathsep) if p)
         offline = env.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         models = tuple(m for m in env.get("SHOAL_MODELS", "").split(",") if m)
-        return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline, models=models)
+        aliases = tuple((a.split("=", 1)[0].strip(), a.split("=", 1)[1].strip())
+                        for a in env.get("SHOAL_ALIASES", "").split(",") if "=" in a)
+        return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline, models=models,
+                   aliases=aliases)
 
 
 def _optional_float(value: str | None, default: float | None) -> float | None:

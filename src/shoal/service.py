@@ -37,6 +37,7 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     adapters: tuple[str, ...] = ()  # the adapters a request may name
     adapters_loaded: tuple[str, ...] = ()
     error: str | None = None
+    aliases: tuple[str, ...] = ()  # other names a request may use for it
 
 
 class CardProblem(msgspec.Struct, frozen=True):

@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from .. import wire
 from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractResult, ScoreResult
-from ..errors import InvalidRequest, UnknownModel
+from ..errors import InputTooLong, InvalidRequest, UnknownModel
 from ..service import ADMIN_ACTIONS, ModelStatus, Service
 from .auth import ANONYMOUS, Principal
 
@@ -35,8 +35,10 @@ class Context:
         return wire.decode(self.body, self.fmt_in, typ)
 
     async def run(self, call: AnyCall) -> AnyResult:
-        """The service's answer, if this caller may use the call's model (else 403)."""
-        self.principal.check_model(call.model)
+        """The service's answer, if this caller may use the call's model (else 403; an alias is
+        checked as the model it names)."""
+        self.principal.check_model(self.service.model(call.model).id if self.service.has_model(call.model)
+                                   else call.model)
         return await self.service.run(call)
 
     def scoring_model(self, named: str | None = None) -> str:
@@ -141,10 +143,11 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     texts = req.texts()
     ctx.check_count(len(texts))
     result: EncodeResult = await ctx.run(
-        EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",), request_id=ctx.request_id)
+        EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",), request_id=ctx.request_id,
+                   is_query=req.is_query, prompt_name=req.prompt_name)
     )
-    ctx.result_bytes = _array_bytes(result) * (1 if req.encoding_format == "base64" else 4)
-    data = [wire.openai_embedding(i, v, req.encoding_format) for i, v in enumerate(result.vectors)]
+    ctx.result_bytes = _array_bytes(result) * (1 if req.format == "base64" else 4)
+    data = [wire.openai_embedding(i, v, req.format) for i, v in enumerate(result.vectors)]
     usage = wire.EmbeddingsUsage(prompt_tokens=result.num_tokens, total_tokens=result.num_tokens)
     return wire.EmbeddingsResponse(data=data, model=req.model, usage=usage)
 
@@ -160,8 +163,9 @@ async def model(ctx: Context) -> dict:
     """`GET /v1/models/{id}` (what the OpenAI client's `models.retrieve` calls)."""
     model_id = ctx.request.path_params["model_path"]
     ctx.model = model_id
-    ctx.principal.check_model(model_id)
-    return _model_entry(ctx.service.model(model_id))
+    status = ctx.service.model(model_id)  # an alias answers as the model it names
+    ctx.principal.check_model(status.id)
+    return _model_entry(status)
 
 
 async def model_admin(ctx: Context) -> dict:
@@ -171,7 +175,7 @@ async def model_admin(ctx: Context) -> dict:
         raise UnknownModel(f"POST /v1/models/{{id}}/ACTION: ACTION is one of {', '.join(ADMIN_ACTIONS)}, "
                            f"not {action!r}", details={"actions": list(ADMIN_ACTIONS)})
     ctx.model = model_id
-    ctx.principal.check_model(model_id)  # an admin token's allow-list binds it too
+    ctx.principal.check_model(ctx.service.model(model_id).id)  # an admin token's allow-list binds it too
     return _model_entry(await ctx.service.admin(model_id, action))
 
 
@@ -195,6 +199,7 @@ def _model_entry(status: ModelStatus) -> dict:
         "pinned": status.pinned,
         "device": status.device,
         "adapters": [{"id": name, "loaded": name in status.adapters_loaded} for name in status.adapters],
+        "aliases": list(status.aliases),
         "description": status.description,
         **({"extract": status.extract} if status.extract else {}),
         **({"error": status.error} if status.error else {}),
@@ -228,7 +233,7 @@ async def embed_v2(ctx: Context) -> wire.cohere.EmbedByTypeResponse:
     if req.max_tokens is not None:
         ctx.principal.check_model(req.model)  # before the status names the model's max_length
         req.check_max_tokens(ctx.service.model(req.model).max_length)
-    result: EncodeResult = await ctx.run(call)
+    result = await _cohere_encode(ctx, call)
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
     return wire.cohere.embed_response(req, "2", texts, result, ctx.request_id)
 
@@ -239,6 +244,13 @@ async def cohere_embed_v1(ctx: Context) -> wire.cohere.EmbedByTypeResponse | wir
     ctx.model = model = req.model_of()
     texts = req.texts_of()
     ctx.check_count(len(texts))
-    result: EncodeResult = await ctx.run(wire.cohere.encode_call(req, model, texts, ctx.request_id))
+    result = await _cohere_encode(ctx, wire.cohere.encode_call(req, model, texts, ctx.request_id))
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
     return wire.cohere.embed_response(req, "1", texts, result, ctx.request_id)
+
+
+async def _cohere_encode(ctx: Context, call: EncodeCall) -> EncodeResult:
+    try:
+        return await ctx.run(call)
+    except InputTooLong as exc:  # the engine's words name its options; say it in Cohere's
+        raise wire.cohere.too_long(exc) from None

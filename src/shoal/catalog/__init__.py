@@ -35,6 +35,31 @@ class Catalog:
             self._cards[card.id] = card
         self.broken: dict[str, str] = dict(broken or {})
         self.patterns = patterns  # `--models`: the ids (or globs) this server serves; () all
+        self.extra_aliases: dict[str, str] = {}  # `--alias NAME=MODEL`
+        self._aliases: dict[str, str] = {}  # alias -> model id
+        self._index_aliases()
+
+    def _index_aliases(self) -> None:
+        self._aliases = {}
+        named = [(alias, card.id) for card in self._cards.values() for alias in card.aliases]
+        for alias, model_id in named + list(self.extra_aliases.items()):
+            if alias in self._cards and alias != model_id:
+                raise CardError(f"alias {alias!r} of {model_id} is already a model id; pick another name")
+            if self._aliases.get(alias, model_id) != model_id:
+                raise CardError(f"alias {alias!r} names both {self._aliases[alias]} and {model_id}")
+            self._aliases[alias] = model_id
+
+    def with_aliases(self, aliases: dict[str, str]) -> "Catalog":
+        """This catalog with `--alias NAME=MODEL` names added (each MODEL must be a served id)."""
+        for alias, model_id in aliases.items():
+            if model_id not in self._cards:
+                raise ConfigError(f"--alias {alias}={model_id}: no served model has that id")
+        self.extra_aliases = {**self.extra_aliases, **aliases}
+        self._index_aliases()
+        return self
+
+    def aliases_of(self, model_id: str) -> tuple[str, ...]:
+        return tuple(sorted(alias for alias, target in self._aliases.items() if target == model_id))
 
     @classmethod
     def load(cls, extra_dirs: tuple[Path, ...] = (), include_builtin: bool = True, *, strict: bool = True) -> "Catalog":
@@ -89,11 +114,13 @@ class Catalog:
                 if not any(fnmatch.fnmatchcase(card_id, pattern) for card_id in self._cards):
                     raise ConfigError(f"--models {pattern!r} matches no model card (`shoal models` lists them)")
         kept = [c for c in self._cards.values() if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
-        return Catalog(kept, self.broken, patterns)
+        restricted = Catalog(kept, self.broken, patterns)
+        return restricted.with_aliases({a: m for a, m in self.extra_aliases.items() if m in restricted})
 
     def get(self, model_id: str) -> ModelCard:
+        """The card of a model id or alias."""
         try:
-            return self._cards[model_id]
+            return self._cards[self._aliases.get(model_id, model_id)]
         except KeyError:
             shown = model_id if len(model_id) <= 200 else model_id[:200] + "…"
             close = difflib.get_close_matches(model_id[:200], list(self._cards), n=3, cutoff=0.6)
@@ -110,7 +137,7 @@ class Catalog:
         return len(self._cards)
 
     def __contains__(self, model_id: str) -> bool:
-        return model_id in self._cards
+        return model_id in self._cards or model_id in self._aliases
 
 
 def _adapter_base(folder: Path) -> str:

@@ -204,6 +204,9 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # `--models` admits the card (built-in cards set neither).
     preload: bool = False
     pin: bool = False
+    # Other names clients may send as `model` (e.g. an OpenAI model name for a client that only
+    # takes those); `--alias NAME=MODEL` adds more at start.
+    aliases: tuple[str, ...] = ()
     # PEFT LoRA adapters a request may select (`adapter: NAME`): name -> adapter folder (holding
     # adapter_config.json), relative to the card's file. Adapter folders found under a server's
     # adapters directories are added to these.

@@ -106,6 +106,7 @@ class Fleet:
             description=card.description, extract=card.extract.kind if card.extract else None,
             state=state, bytes=cache.model_bytes(card.id) if loaded else None, pinned=cache.is_pinned(card.id),
             device=self._device, adapters=tuple(sorted(card.adapters)), adapters_loaded=cache.adapters_of(card.id),
+            aliases=self.catalog.aliases_of(card.id),
             error=failure.message if failure is not None and not loaded else None,
         )
 
@@ -173,7 +174,8 @@ class Fleet:
         return True
 
     def _reload(self) -> Catalog:
-        return Catalog.load(self._dirs, strict=False).restrict(self.catalog.patterns, strict=False)
+        new = Catalog.load(self._dirs, strict=False).restrict(self.catalog.patterns, strict=False)
+        return new.with_aliases({a: m for a, m in self.catalog.extra_aliases.items() if m in new})
 
     def _swap(self, new: Catalog, changed_files: set[str]) -> None:
         old = self.catalog

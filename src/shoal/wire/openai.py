@@ -15,9 +15,22 @@ class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: Annotated[str, msgspec.Meta(min_length=1)]
     # Strings, or token ids (refused with a clear message): never arbitrarily nested.
     input: str | list[str | int | list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = "float"  # null: float
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: str | None = None
+    # shoal's own (send them with the openai client's `extra_body`): the card's query or document
+    # prompt (`input_type`: query, document, or Cohere's search_query, search_document), or a
+    # prompt by name; OpenAI has no such field, so without them texts go unprefixed.
+    input_type: Literal["query", "document", "search_query", "search_document"] | None = None
+    prompt_name: str | None = None
+
+    @property
+    def format(self) -> str:
+        return self.encoding_format or "float"
+
+    @property
+    def is_query(self) -> bool | None:
+        return None if self.input_type is None else self.input_type in ("query", "search_query")
 
     def texts(self) -> list[str]:
         texts = [self.input] if isinstance(self.input, str) else self.input
@@ -26,8 +39,10 @@ class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise InvalidRequest(
-                    f"`input[{i}]` is {type(text).__name__}: only text input is supported, "
-                    "send strings rather than token ids",
+                    f"`input[{i}]` is {'token ids' if isinstance(text, list) else type(text).__name__}: "
+                    "shoal takes text, not token ids, because each model has its own tokenizer. "
+                    "langchain-openai sends token ids unless told not to: construct "
+                    "`OpenAIEmbeddings(..., check_embedding_ctx_length=False)`; other clients: send strings",
                     details={"path": f"$.input[{i}]"},
                 )
         return texts

