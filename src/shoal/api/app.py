@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable
 
+import msgspec
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -26,7 +28,7 @@ from .. import wire
 from ..config import Settings
 from ..errors import Cancelled, Overloaded, PayloadTooLarge, ShoalError
 from ..service import Service
-from . import routes, tei
+from . import openapi, routes, tei
 from .auth import Auth
 from .errors import error_response, http_error
 
@@ -110,6 +112,12 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
     async def metrics_route(request: Request) -> Response:
         return Response(metrics.exposition(), media_type=metrics.content_type)
 
+    async def openapi_route(request: Request) -> Response:
+        return Response(app.state.openapi, media_type=wire.JSON)
+
+    async def docs_route(request: Request) -> Response:
+        return Response(openapi.DOCS_HTML, media_type="text/html")
+
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
@@ -143,12 +151,18 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
+            Route("/openapi.json", openapi_route, methods=["GET"]),
+            Route("/docs", docs_route, methods=["GET"]),
         ],
         exception_handlers={HTTPException: on_http_error},
         lifespan=lifespan,
     )
     app.state.service = service
     app.state.settings = settings
+    # Described from the wire types; an undescribed route stops the app here (api/openapi.py).
+    served = [(route.path.replace(":path}", "}"), method.lower())
+              for route in app.routes for method in route.methods if method != "HEAD"]
+    app.state.openapi = msgspec.json.encode(openapi.describe(served))
     return app
 
 

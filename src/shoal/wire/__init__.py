@@ -3,7 +3,7 @@
     codec     formats (Content-Type, Accept), encode/decode, array encoding, error bodies
     native    /v1/encode, /v1/score
     openai    /v1/embeddings
-    cohere    /v1/rerank (Cohere v1 and Jina), /v2/rerank
+    cohere    /v1/rerank (Cohere v1 and Jina), /v2/rerank, /v1/embed, /v2/embed
     tei       /rerank
 
 Each family translates its requests to `shoal.calls` and results back. No torch, no web framework

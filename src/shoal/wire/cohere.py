@@ -1,4 +1,5 @@
-"""Cohere `/v1/rerank` and `/v2/rerank`, and Jina's rerank shape (also served on `/v1/rerank`).
+"""Cohere `/v1/rerank` and `/v2/rerank`, Jina's rerank shape (also served on `/v1/rerank`), and
+Cohere `/v1/embed` and `/v2/embed` (the embed section at the end of this module).
 
 Jina's request is a subset of Cohere v1's, so one request type reads both; the one `/v1/rerank`
 response carries Cohere's fields (`id`, `results`, `meta`) and Jina's (`model`, `usage`, `results`)
@@ -14,13 +15,16 @@ chunked; the native `/v1/score` has `window_overlap_tokens` for that), v2 `prior
 
 from __future__ import annotations
 
+import base64
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
-from ..calls import ScoreCall, ScoreResult
-from ..errors import InvalidRequest
+from ..calls import EncodeCall, EncodeResult, ScoreCall, ScoreResult
+from ..errors import InputTooLong, InvalidRequest
+from ..vectors import finish
 
 Document = str | dict[str, str]
 DOCUMENTS_PER_SEARCH_UNIT = 100  # Cohere bills one search unit per query and up to 100 documents
@@ -151,3 +155,232 @@ def rerank_response(req: RerankRequest, model: str, result: ScoreResult, request
 
 def rerank_v2_response(req: RerankV2Request, result: ScoreResult, request_id: str) -> RerankV2Response:
     return RerankV2Response(id=request_id, results=_results(req, result), meta=_meta("2", len(req.documents)))
+
+
+# --- embed ---------------------------------------------------------------------------------------
+#
+# `/v2/embed` and `/v1/embed`: text only. `input_type` picks the card's prompt (search_query: the
+# query prompt, search_document: the document prompt, classification and clustering: none). Every
+# embedding type is derived from one float32 forward (the card's normalisation, `output_dimension`
+# applied), so the types of one request agree with each other:
+#
+#     float    the float32 vector
+#     int8     scaled per vector so its largest component is ±127 (shoal's int8; Cohere calibrates
+#              its own int8 per model, so values differ from Cohere's, cosines are kept)
+#     uint8    int8 + 128, as uint8 (1..255; 128 is zero)
+#     ubinary  sign bits (> 0) packed 8 to a byte, big-endian bit order (numpy packbits), as uint8
+#     binary   ubinary - 128, as int8 (Cohere's and sentence-transformers' signed binary)
+#     base64   base64 of the float32 little-endian bytes of the vector, one string per text
+#
+# `truncate`: END (the default) cuts a long text at the model's max_length, NONE refuses it (422),
+# START is refused (shoal cuts the end only). `max_tokens` at or over the model's max_length is
+# met by that cut; below it is refused (shoal does not cut encode inputs shorter). `priority` is
+# accepted and ignored.
+
+EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
+# input_type -> EncodeCall.is_query (None: no prompt)
+INPUT_TYPES: dict[str, bool | None] = {"search_query": True, "search_document": False,
+                                        "classification": None, "clustering": None}
+TRUNCATE_MODES = ("NONE", "START", "END")
+
+
+class EmbedContent(msgspec.Struct, forbid_unknown_fields=True):
+    """One part of a v2 input: `{"type": "text", "text"}` (an `image_url` part is refused)."""
+
+    type: str
+    text: str | None = None
+    image_url: dict[str, Any] | str | None = None
+
+
+class EmbedInput(msgspec.Struct, forbid_unknown_fields=True):
+    content: list[EmbedContent]
+
+
+class _EmbedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    texts: list[str] | None = None
+    images: list[str] | None = None  # the clients send it; non-empty is refused
+    input_type: str | None = None  # None: no prompt
+    embedding_types: list[str] | None = None  # None: ["float"]
+    truncate: str | None = None  # None: END
+
+    def texts_of(self) -> list[str]:
+        """The texts to embed; refuses images and an empty request."""
+        if self.images:
+            raise InvalidRequest("`images` is not supported: shoal embeds text only; send `texts`",
+                                 details={"path": "$.images"})
+        if self.texts is None:
+            raise InvalidRequest("no `texts`: send a non-empty list of strings", details={"path": "$.texts"})
+        if not self.texts:
+            raise InvalidRequest("`texts` is empty: send at least one string", details={"path": "$.texts"})
+        return self.texts
+
+    def types(self) -> tuple[str, ...]:
+        """The requested embedding types, in order, without repeats."""
+        if self.embedding_types is None:
+            return ("float",)
+        if not self.embedding_types:
+            raise InvalidRequest(f"`embedding_types` is empty: name one or more of {', '.join(EMBEDDING_TYPES)}",
+                                 details={"path": "$.embedding_types", "allowed": list(EMBEDDING_TYPES)})
+        for i, kind in enumerate(self.embedding_types):
+            if kind not in EMBEDDING_TYPES:
+                raise InvalidRequest(
+                    f"unknown embedding type {kind!r}: `embedding_types` takes {', '.join(EMBEDDING_TYPES)}",
+                    details={"path": f"$.embedding_types[{i}]", "allowed": list(EMBEDDING_TYPES)})
+        return tuple(dict.fromkeys(self.embedding_types))
+
+    def is_query(self) -> bool | None:
+        kind = self.input_type
+        if kind is None or kind in INPUT_TYPES:
+            return INPUT_TYPES.get(kind)
+        if kind == "image":
+            raise InvalidRequest("input_type 'image' is not supported: shoal embeds text only; send texts with "
+                                 f"input_type one of {', '.join(INPUT_TYPES)}", details={"path": "$.input_type"})
+        raise InvalidRequest(f"unknown input_type {kind!r}: send one of {', '.join(INPUT_TYPES)}",
+                             details={"path": "$.input_type", "allowed": list(INPUT_TYPES)})
+
+    def truncates(self) -> bool:
+        mode = self.truncate or "END"
+        if mode == "START":
+            raise InvalidRequest("truncate START is not supported: shoal cuts long texts at the end; send END "
+                                 "(the default) or NONE (a text too long for the model is then a 422)",
+                                 details={"path": "$.truncate", "allowed": ["NONE", "END"]})
+        if mode not in TRUNCATE_MODES:
+            raise InvalidRequest(f"unknown truncate {mode!r}: send NONE, START or END",
+                                 details={"path": "$.truncate", "allowed": list(TRUNCATE_MODES)})
+        return mode == "END"
+
+
+class EmbedRequest(_EmbedRequest, kw_only=True):
+    """`/v1/embed`. `model` is optional in Cohere's v1 but required here: shoal has no default embedder."""
+
+    model: str | None = None
+
+    def model_of(self) -> str:
+        if not self.model:
+            raise InvalidRequest("no `model`: name the embedding model to use (`GET /v1/models` lists them)",
+                                 details={"path": "$.model"})
+        return self.model
+
+
+class EmbedV2Request(_EmbedRequest, kw_only=True):
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    inputs: list[EmbedInput] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    output_dimension: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    priority: int | None = None  # accepted, ignored
+
+    def texts_of(self) -> list[str]:
+        """`texts`, or each of `inputs` as its text parts joined by newlines."""
+        if self.inputs is None and self.texts is None and not self.images:
+            raise InvalidRequest("nothing to embed: send `texts` (strings) or `inputs` (text content)",
+                                 details={"path": "$.texts"})
+        if self.inputs is None or self.images:
+            return super().texts_of()  # refuses images
+        if self.texts is not None:
+            raise InvalidRequest("send either `texts` or `inputs`, not both", details={"path": "$.inputs"})
+        if not self.inputs:
+            raise InvalidRequest("`inputs` is empty: send at least one input", details={"path": "$.inputs"})
+        return [_input_text(i, item) for i, item in enumerate(self.inputs)]
+
+    def check_max_tokens(self, max_length: int) -> None:
+        """`max_tokens` is met by the model's own cut when it is at least `max_length`; shorter is refused."""
+        if self.max_tokens is not None and self.max_tokens < max_length:
+            raise InvalidRequest(
+                f"max_tokens {self.max_tokens} is below model {self.model}'s max_length of {max_length} tokens: "
+                f"shoal cuts encode inputs at the model's max_length only; omit max_tokens or send at least "
+                f"{max_length}", details={"path": "$.max_tokens", "min": max_length})
+
+
+def _input_text(index: int, item: EmbedInput) -> str:
+    if not item.content:
+        raise InvalidRequest(f"inputs[{index}] has no content: send at least one text part",
+                             details={"path": f"$.inputs[{index}].content"})
+    parts = []
+    for j, part in enumerate(item.content):
+        path = f"$.inputs[{index}].content[{j}]"
+        if part.type == "image_url":
+            raise InvalidRequest(f"inputs[{index}].content[{j}] is an image: shoal embeds text only",
+                                 details={"path": path})
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(f"inputs[{index}].content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}",
+                                 details={"path": path})
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def encode_call(req: _EmbedRequest, model: str, texts: list[str], request_id: str | None = None) -> EncodeCall:
+    """One float32 dense forward; every embedding type is derived from it (`embeddings_by_type`).
+    Checks every option first, so a bad one costs no forward."""
+    req.types()
+    return EncodeCall(model=model, texts=texts, is_query=req.is_query(), truncate=req.truncates(),
+                      dimensions=getattr(req, "output_dimension", None), outputs=("dense",), request_id=request_id)
+
+
+def too_long(error: InputTooLong) -> InputTooLong:
+    """The engine's refusal of a too-long text, in this API's words (`truncate`: NONE, END)."""
+    index, max_length = error.details.get("index"), error.details.get("max_length")
+    if index is None or max_length is None:
+        return error
+    return InputTooLong(f"texts[{index}] is longer than the model's max_length of {max_length} tokens: shorten it, "
+                        "or send truncate END (the default) to cut it at the end", details=error.details)
+
+
+def embeddings_by_type(vectors: list[np.ndarray], types: tuple[str, ...]) -> dict[str, list[Any]]:
+    """Each requested type of every vector (float32 `[dims]` each), as the module's notes define them."""
+    out: dict[str, list[Any]] = {}
+    for kind in types:
+        if kind == "float":
+            out[kind] = [np.asarray(v, dtype=np.float32) for v in vectors]
+        elif kind in ("int8", "uint8"):
+            signed = [finish(v, dimensions=None, normalize=False, output_dtype="int8") for v in vectors]
+            out[kind] = signed if kind == "int8" else [(s.astype(np.int16) + 128).astype(np.uint8) for s in signed]
+        elif kind in ("binary", "ubinary"):
+            packed = [finish(v, dimensions=None, normalize=False, output_dtype="binary") for v in vectors]
+            out[kind] = packed if kind == "ubinary" else [(p.astype(np.int16) - 128).astype(np.int8) for p in packed]
+        elif kind == "base64":
+            out[kind] = [base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
+                         for v in vectors]
+        else:
+            raise ValueError(f"unknown embedding type {kind!r}")
+    return out
+
+
+class EmbedBilledUnits(msgspec.Struct):
+    input_tokens: int
+
+
+class EmbedMeta(msgspec.Struct):
+    api_version: ApiVersion
+    billed_units: EmbedBilledUnits
+
+
+class EmbedByTypeResponse(msgspec.Struct):
+    """v2, and v1 with `embedding_types`: `embeddings` maps each type to one array per text."""
+
+    id: str
+    embeddings: dict[str, list[Any]]
+    texts: list[str]
+    meta: EmbedMeta
+    response_type: str = "embeddings_by_type"
+
+
+class EmbedFloatsResponse(msgspec.Struct):
+    """v1 without `embedding_types`: one float array per text."""
+
+    id: str
+    embeddings: list[np.ndarray]
+    texts: list[str]
+    meta: EmbedMeta
+    response_type: str = "embeddings_floats"
+
+
+def embed_response(req: _EmbedRequest, version: str, texts: list[str], result: EncodeResult,
+                   request_id: str) -> EmbedByTypeResponse | EmbedFloatsResponse:
+    """v2 always answers by type; v1 answers floats unless `embedding_types` was sent."""
+    billed = EmbedBilledUnits(input_tokens=result.num_tokens)
+    meta = EmbedMeta(api_version=ApiVersion(version=version), billed_units=billed)
+    if version == "1" and req.embedding_types is None:
+        return EmbedFloatsResponse(id=request_id, embeddings=embeddings_by_type(result.vectors, ("float",))["float"],
+                                   texts=texts, meta=meta)
+    return EmbedByTypeResponse(id=request_id, embeddings=embeddings_by_type(result.vectors, req.types()),
+                               texts=texts, meta=meta)
