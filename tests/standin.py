@@ -26,7 +26,7 @@ import numpy as np
 from shoal.calls import AnyCall, AnyResult, EncodeCall, EncodedItem, EncodeResult, ScoreCall, ScoredItem, ScoreResult
 from shoal.errors import InputTooLong, InvalidRequest, UnknownModel
 from shoal.metrics import Metrics
-from shoal.service import Capacity, CardProblem, ModelStatus
+from shoal.service import Capacity, CardProblem, ModelStatus, Token
 from shoal.vectors import OUTPUT_DTYPES, finish
 
 RERANK_MODEL = "standin/rerank"
@@ -106,6 +106,23 @@ class StandIn:
 
     def problems(self) -> list[CardProblem]:
         return []
+
+    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
+                       prompt_name: str | None = None) -> list[list[Token]]:
+        """Whitespace words (the stand-in's "tokens"), ids from the word's hash, [CLS] ... [SEP]."""
+        self._status(model_id)
+        out = []
+        for text in texts:
+            tokens, start = [], 0
+            for word in text.split():
+                start = text.index(word, start)
+                tokens.append(Token(int(hashlib.sha256(word.encode()).hexdigest()[:6], 16), word, False, start,
+                                    start + len(word)))
+                start += len(word)
+            if add_special_tokens:
+                tokens = [Token(101, "[CLS]", True, None, None), *tokens, Token(102, "[SEP]", True, None, None)]
+            out.append(tokens)
+        return out
 
     async def admin(self, model_id: str, action: str) -> ModelStatus:
         self._status(model_id)

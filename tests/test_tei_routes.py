@@ -94,3 +94,35 @@ def test_bad_tei_requests_get_a_4xx_that_says_what_to_fix(base_url, path, body, 
     response = httpx.post(f"{base_url}{path}", json=body, timeout=60)
     assert response.status_code == status, response.text
     assert words in response.json()["error"]["message"]
+
+
+def test_embed_all_is_every_tokens_last_hidden_state_as_transformers_computes_it(base_url, model_dir):
+    import torch
+    import transformers
+
+    states = httpx.post(f"{base_url}/embed_all", json={"inputs": TEXTS[:2]}, timeout=60).json()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModel.from_pretrained(model_dir).eval()
+    for text, got in zip(TEXTS[:2], states):
+        with torch.no_grad():
+            expected = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].numpy()
+        assert np.array(got).shape == expected.shape
+        assert np.abs(np.array(got) - expected).max() <= 1e-4
+
+
+def test_tokenize_gives_ids_texts_and_offsets_as_the_models_tokenizer(base_url, model_dir):
+    import transformers
+
+    text = "Tokenize this, please: naïve café!"
+    got = httpx.post(f"{base_url}/tokenize", json={"inputs": [text]}).json()[0]
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)(
+        text, return_offsets_mapping=True, return_special_tokens_mask=True)
+    assert [t["id"] for t in got] == reference["input_ids"]
+    for token, (start, stop), special in zip(got, reference["offset_mapping"], reference["special_tokens_mask"]):
+        assert token["special"] == bool(special)
+        if special:
+            assert token["start"] is None and token["text"] in ("[CLS]", "[SEP]")
+        else:
+            assert (token["start"], token["stop"]) == (start, stop) and token["text"] == text[start:stop]
+    bare = httpx.post(f"{base_url}/tokenize", json={"inputs": text, "add_special_tokens": False}).json()[0]
+    assert [t["id"] for t in bare] == reference["input_ids"][1:-1]

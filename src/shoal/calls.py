@@ -104,6 +104,7 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     dense: np.ndarray | None = None  # [dims]
     sparse: SparseVector | None = None
     multivector: np.ndarray | None = None  # [tokens kept, dim]
+    token_states: np.ndarray | None = None  # [tokens, hidden]: the encoder's last states, unpooled
 
 
 class Result(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):

@@ -40,6 +40,16 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     aliases: tuple[str, ...] = ()  # other names a request may use for it
 
 
+class Token(msgspec.Struct, frozen=True):
+    """One token of a text: its id, its text (a special token's own), and its character span."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
 class CardProblem(msgspec.Struct, frozen=True):
     """A card or adapter folder that could not be read: it is not served; the others are."""
 
@@ -89,6 +99,11 @@ class Service(Protocol):
 
     async def admin(self, model_id: str, action: str) -> ModelStatus:
         """One of ADMIN_ACTIONS on a model, then its status."""
+        ...
+
+    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
+                       prompt_name: str | None = None) -> list[list[Token]]:
+        """Each text's tokens as the model's tokenizer cuts it (TEI's /tokenize)."""
         ...
 
     def has_model(self, model_id: str) -> bool: ...

@@ -138,6 +138,8 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
             # TEI (text-embeddings-inference): bodies name no model (api/tei.py).
             Route("/embed", endpoint("tei_embed", tei.embed), methods=["POST"]),
             Route("/embed_sparse", endpoint("tei_embed_sparse", tei.embed_sparse), methods=["POST"]),
+            Route("/embed_all", endpoint("tei_embed_all", tei.embed_all), methods=["POST"]),
+            Route("/tokenize", endpoint("tei_tokenize", tei.tokenize), methods=["POST"]),
             Route("/similarity", endpoint("tei_similarity", tei.similarity), methods=["POST"]),
             Route("/", endpoint("tei_root", tei.root), methods=["POST"]),
             Route("/info", endpoint("tei_info", tei.info, reads_body=False), methods=["GET"]),

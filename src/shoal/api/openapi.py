@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from .. import __version__, wire
+from ..service import Token
 
 ModelEntry = dict[str, Any]  # /v1/models entries: see routes._model_entry (an open object)
 
@@ -48,6 +49,8 @@ OPERATIONS = (
     Operation("/v2/embed", "post", "Cohere v2 embed", wire.cohere.EmbedV2Request, wire.cohere.EmbedByTypeResponse),
     Operation("/rerank", "post", "TEI rerank", wire.tei.RerankRequest, list[wire.tei.Rank]),
     Operation("/embed", "post", "TEI embed", wire.tei.EmbedRequest, list[list[float]]),
+    Operation("/embed_all", "post", "TEI token states (unpooled)", wire.tei.EmbedAllRequest, list[list[list[float]]]),
+    Operation("/tokenize", "post", "TEI tokenize", wire.tei.TokenizeRequest, list[list[Token]]),
     Operation("/embed_sparse", "post", "TEI sparse embed", wire.tei.EmbedSparseRequest,
               list[list[wire.tei.SparseValue]]),
     Operation("/similarity", "post", "TEI sentence similarity", wire.tei.SimilarityRequest, list[float]),

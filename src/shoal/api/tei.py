@@ -24,6 +24,26 @@ async def embed(ctx: Context) -> list:
     return result.vectors
 
 
+async def embed_all(ctx: Context) -> list:
+    req: wire.tei.EmbedAllRequest = ctx.decode(wire.tei.EmbedAllRequest)
+    ctx.model = model = ctx.default_model("encode")
+    call = wire.tei.embed_all_call(req, model, ctx.request_id)
+    ctx.check_count(len(call.texts))
+    result: EncodeResult = await ctx.run(call)
+    states = [item.token_states for item in result.items]
+    ctx.result_bytes = sum(s.nbytes for s in states) * 4  # JSON floats
+    return states
+
+
+async def tokenize(ctx: Context) -> list:
+    req: wire.tei.TokenizeRequest = ctx.decode(wire.tei.TokenizeRequest)
+    ctx.model = model = ctx.default_model("encode")
+    texts = wire.tei.texts_of(req.inputs)
+    ctx.check_count(len(texts))
+    ctx.principal.check_model(ctx.service.model(model).id)
+    return await ctx.service.tokenize(model, texts, req.add_special_tokens, req.prompt_name)
+
+
 async def embed_sparse(ctx: Context) -> list:
     req: wire.tei.EmbedSparseRequest = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode")

@@ -23,7 +23,7 @@ from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
-from ..service import Capacity, CardProblem, ModelStatus
+from ..service import Capacity, CardProblem, ModelStatus, Token
 from . import memory
 from .cache import ModelCache
 from .device import DeviceWorker, Pending
@@ -133,6 +133,22 @@ class Engine:
 
     async def admin(self, model_id: str, action: str) -> ModelStatus:
         return await self.fleet.admin(model_id, action)
+
+    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
+                       prompt_name: str | None = None) -> list[list[Token]]:
+        card = self.catalog.get(model_id)
+        if prompt_name is not None and prompt_name not in card.prompts:
+            raise InvalidRequest(f"model {card.id} has no prompt {prompt_name!r}; its prompts: "
+                                 f"{', '.join(sorted(card.prompts)) or 'none'}", details={"option": "prompt_name"})
+        prefix = card.prompts[prompt_name] if prompt_name else ""
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        runner, _ = await _within(self.fleet.acquire(card, None), deadline, "load")
+        try:
+            tokenizer = runner.tokenizer
+            cut = await asyncio.to_thread(lambda: [tokenizer.tokens(prefix + t, add_special_tokens) for t in texts])
+        finally:
+            self.fleet.release(card.id, None)
+        return [[Token(*token) for token in tokens] for tokens in cut]
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self.catalog

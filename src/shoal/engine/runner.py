@@ -121,8 +121,14 @@ class ModelRunner:
         wanted = {name for spec in specs for name in spec.outputs}
         per_head = {name: head.run(hidden, specs) for name, head in self.heads.items() if name in wanted}
         none = [None] * len(specs)
+        if "token_states" in wanted:  # the encoder's own states, per sequence (TEI's /embed_all)
+            states_np = states.float().cpu().numpy()
+            cu = batch.cu_seqlens
+            per_head["token_states"] = [states_np[cu[i]:cu[i + 1]] if "token_states" in spec.outputs else None
+                                        for i, spec in enumerate(specs)]
         return [EncodedItem(dense=per_head.get("dense", none)[i], sparse=per_head.get("sparse", none)[i],
-                            multivector=per_head.get("multivector", none)[i]) if isinstance(spec, EncodeSpec)
+                            multivector=per_head.get("multivector", none)[i],
+                            token_states=per_head.get("token_states", none)[i]) if isinstance(spec, EncodeSpec)
                 else per_head[spec.outputs[0]][i] for i, spec in enumerate(specs)]
 
     def close(self) -> None:

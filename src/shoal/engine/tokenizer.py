@@ -112,6 +112,19 @@ class TextTokenizer:
     def special_ids(self) -> list[int]:
         return sorted(i for i, tok in self._tokenizer.get_added_tokens_decoder().items() if tok.special)
 
+    def tokens(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, str, bool, int | None, int | None]]:
+        """(id, text, special, start, stop) per token of `text` (TEI's /tokenize): a special token's
+        text is the token itself and it has no offsets; another's text is its slice of `text`."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        out = []
+        for token_id, token, special, (start, stop) in zip(encoding.ids, encoding.tokens,
+                                                          encoding.special_tokens_mask, encoding.offsets):
+            if special:
+                out.append((int(token_id), token, True, None, None))
+            else:
+                out.append((int(token_id), text[start:stop], False, int(start), int(stop)))
+        return out
+
     # --- encoding -------------------------------------------------------------------------------
 
     def encode(self, texts: list[str], truncate: bool, *, pairs: list[str] | None = None,

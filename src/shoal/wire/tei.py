@@ -76,6 +76,26 @@ class EmbedSparseRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt_name: str | None = None
 
 
+class EmbedAllRequest(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: Inputs
+    truncate: bool | None = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+
+
+def embed_all_call(req: EmbedAllRequest, model: str, request_id: str | None = None) -> EncodeCall:
+    """Every token's last hidden state, unpooled and unnormalised."""
+    check_direction(req.truncation_direction)
+    return EncodeCall(model=model, texts=texts_of(req.inputs), prompt_name=req.prompt_name,
+                      truncate=bool(req.truncate), outputs=("token_states",), request_id=request_id)
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: Inputs
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+
+
 class SparseValue(msgspec.Struct):
     index: int
     value: float

@@ -11,6 +11,7 @@ from ...errors import InvalidRequest, ResultTooLarge
 from ..types import EncodeSpec
 
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}
+TOKEN_STATES = "token_states"
 
 
 def estimate_tokens(text: str, max_length: int) -> int:
@@ -129,6 +130,8 @@ def _item_bytes(card: ModelCard, spec: EncodeSpec, num_tokens: int) -> float:
         size += terms * (8 + (16 if spec.return_tokens else 0))
     if "multivector" in spec.outputs and card.multivector is not None:
         size += num_tokens * card.multivector.dim * 4
+    if TOKEN_STATES in spec.outputs:
+        size += num_tokens * (card.dimensions or 1024) * 4
     return size
 
 
@@ -148,7 +151,8 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
         if value is not None and (not isinstance(value, int) or value < 1):
             raise InvalidRequest(f"{option} must be an integer >= 1, not {value!r}", details={"option": option})
     outputs = tuple(dict.fromkeys(call.outputs)) if call.outputs else card.outputs[:1]
-    unsupported = [o for o in outputs if o not in card.outputs]
+    # Every encoder has its token states (TEI's /embed_all), whatever heads its card lists.
+    unsupported = [o for o in outputs if o not in card.outputs and o != TOKEN_STATES]
     if unsupported:
         raise InvalidRequest(
             f"model {card.id} cannot produce {', '.join(unsupported)} output; its card allows: {', '.join(card.outputs)}",
