@@ -96,3 +96,14 @@ def test_aliases_that_clash_or_name_nothing_are_refused(tmp_path):
         catalog.with_aliases({"gpt": "x/nope"})
     with pytest.raises(CardError, match="already a model id"):
         Catalog.load((tmp_path,)).with_aliases({"BAAI/bge-small-en-v1.5": "x/a"})
+
+
+def test_langchain_openai_embeds_through_an_alias_with_check_embedding_ctx_length_off(url, embed_reference):
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(model="text-embedding-3-small", base_url=f"{url}/v1", api_key=TOKEN,
+                                  check_embedding_ctx_length=False, max_retries=0)
+    documents = np.array(embeddings.embed_documents(TEXTS))
+    query = np.array(embeddings.embed_query(TEXTS[0]))
+    reference = embed_reference(TEXTS)
+    assert np.abs(documents - reference).max() <= 1e-5 and np.abs(query - reference[0]).max() <= 1e-5
