@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-LIGHT_MODULES = ["shoal", "shoal.wire", "shoal.config", "shoal.catalog", "shoal.api", "shoal.engine", "shoal.cli"]
+LIGHT_MODULES = ["shoal", "shoal.wire", "shoal.config", "shoal.catalog", "shoal.api", "shoal.engine", "shoal.cli",
+                 "shoal.sdk"]
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,34 @@
+"""A Python client of a shoal server, torch-free: `pip install 'shoal[sdk]'`.
+
+    from shoal.sdk import Client
+    with Client("http://127.0.0.1:8080") as client:
+        vectors = client.encode("sentence-transformers/all-MiniLM-L6-v2", texts).dense   # [n, 384]
+
+    client      AsyncClient: the one implementation (encode, score, extract, models, model)
+    sync        Client: the same methods, blocking; runs AsyncClient on a private event loop
+    http        the pooled connection: formats, auth, retries with back-off under the deadline
+    bulk        many texts as chunks of batch_size, `concurrency` at a time, order kept
+    results     Encoded, Sparse, Ranking of Scored(index, score); extract gives calls.ExtractedItem
+
+Errors raise as the server's own classes from `shoal.errors` (`Overloaded`, `UnknownModel`,
+`InvalidRequest`, ...), rebuilt from the error body's code.
+"""
+
+from __future__ import annotations
+
+from ..calls import Entity, ExtractedItem, LabelScore
+from .client import AsyncClient
+from .results import Encoded, Ranking, Scored, Sparse
+from .sync import Client
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Encoded",
+    "Entity",
+    "ExtractedItem",
+    "LabelScore",
+    "Ranking",
+    "Scored",
+    "Sparse",
+]

@@ -1,0 +1,61 @@
+"""Many texts as several requests: chunks of `batch_size`, at most `concurrency` in flight, answers
+kept in the order sent.
+
+Each chunk is its own request with its own retries (`http.Http.send`), so a chunk that meets a
+`503` is sent again alone while the others' answers are kept. A chunk that still fails fails the
+call: the chunks in flight are cancelled and the error is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DEFAULT_BATCH_SIZE = 256  # texts per request when a call sends more and names no batch_size
+
+
+def chunks_of(items: Sequence[T], batch_size: int | None) -> list[list[T]]:
+    """`items` cut into lists of `batch_size` (default: one list up to DEFAULT_BATCH_SIZE items,
+    else chunks of that many). An empty `items` is one empty chunk: the server says what is wrong."""
+    size = batch_size or DEFAULT_BATCH_SIZE
+    if size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    return [list(items[i:i + size]) for i in range(0, len(items), size)] or [[]]
+
+
+async def map_chunks(chunks: list[list[T]], send: Callable[[list[T]], Awaitable[R]], *, concurrency: int,
+                     show_progress: bool, desc: str) -> list[R]:
+    """`send(chunk)` for every chunk, `concurrency` at a time; the answers in chunk order."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+    gate = asyncio.Semaphore(concurrency)
+    bar = _progress_bar(sum(map(len, chunks)), desc) if show_progress else None
+
+    async def one(chunk: list[T]) -> R:
+        async with gate:
+            answer = await send(chunk)
+        if bar is not None:
+            bar.update(len(chunk))
+        return answer
+
+    tasks = [asyncio.ensure_future(one(chunk)) for chunk in chunks]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let the cancelled ones finish
+        if bar is not None:
+            bar.close()
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as exc:
+        raise ImportError("show_progress=True needs tqdm: pip install 'shoal[sdk]'") from exc
+    return tqdm(total=total, desc=desc, unit="text")

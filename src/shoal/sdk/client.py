@@ -1,0 +1,148 @@
+"""`AsyncClient`: encode, score and extract on a shoal server over one pooled HTTP connection.
+
+Requests are the wire's own Structs (`shoal.wire.native`), sent in msgpack (arrays as raw
+little-endian bytes) or JSON; answers come back as numpy arrays and small records
+(`shoal.sdk.results`). `deadline_s` bounds one method call, retries and chunks included: each
+request tells the server what is left of it (`options.timeout_s`), so the server drops work the
+caller no longer waits for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from .. import wire
+from ..calls import ExtractedItem
+from . import bulk, results
+from .http import Http
+from .results import Encoded, Ranking
+
+if TYPE_CHECKING:
+    import httpx
+    from typing_extensions import Self
+
+
+class AsyncClient:
+    """A client of one shoal server. Use it as `async with AsyncClient(url) as client:` or call
+    `aclose()`; one instance is safe to share between tasks of one event loop.
+
+    `timeout_s` bounds each HTTP request, `deadline_s` (None: no bound) each method call with its
+    retries and chunks; `max_retries` bounds the retries of each request (`shoal.sdk.http` says which
+    answers are retried). Errors raise as `shoal.errors` classes (`Overloaded`, `UnknownModel`, ...);
+    transport failures that outlast the retries raise as httpx's own errors. `transport` replaces
+    httpx's network transport (an `httpx.MockTransport` in tests).
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0, max_retries: int = 5,
+                 deadline_s: float | None = None, format: str = "msgpack",
+                 transport: httpx.AsyncBaseTransport | None = None, headers: dict[str, str] | None = None) -> None:
+        self.deadline_s = deadline_s
+        self._http = Http(base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries, format=format,
+                          transport=transport, headers=headers)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # --- verbs -----------------------------------------------------------------------------------
+
+    async def encode(self, model: str, texts: Sequence[str], *, adapter: str | None = None,
+                     normalize: bool | None = None, dimensions: int | None = None, output_dtype: wire.OutputDtype | None = None,
+                     is_query: bool | None = None, prompt_name: str | None = None, truncate: bool | None = None,
+                     outputs: Sequence[wire.OutputKind] | None = None, sparse_top_k: int | None = None,
+                     return_tokens: bool = False, batch_size: int | None = None, concurrency: int = 4,
+                     show_progress: bool = False) -> Encoded:
+        """Vectors for `texts`, one row each in the order sent (`docs/api.md`, `POST /v1/encode`,
+        says what each option does; None: the server's default).
+
+        More than `batch_size` texts (default 256) go as several requests, `concurrency` at once;
+        `show_progress` draws a tqdm bar of the texts done.
+        """
+        deadline = self._deadline()
+        dtype: wire.OutputDtype = output_dtype or "float32"
+
+        async def send(chunk: list[str]) -> wire.EncodeResponse:
+            def body(timeout_s: float | None) -> wire.EncodeRequest:
+                options = wire.EncodeOptions(
+                    normalize=normalize, dimensions=dimensions, output_dtype=dtype,
+                    is_query=is_query, prompt_name=prompt_name, truncate=True if truncate is None else truncate,
+                    outputs=list(outputs) if outputs else None, sparse_top_k=sparse_top_k,
+                    return_tokens=return_tokens, timeout_s=timeout_s)
+                return wire.EncodeRequest(model=model, items=[wire.EncodeItem(text=t) for t in chunk],
+                                          options=options, adapter=adapter)
+
+            return await self._http.post("/v1/encode", body, wire.EncodeResponse, deadline)
+
+        answers = await bulk.map_chunks(bulk.chunks_of(_texts(texts), batch_size), send, concurrency=concurrency,
+                                        show_progress=show_progress, desc="encode")
+        return results.encoded(answers, dtype)
+
+    async def score(self, model: str, query: str, documents: Sequence[str], *, top_k: int | None = None,
+                    adapter: str | None = None, raw_scores: bool | None = None, truncate: bool | None = None,
+                    max_tokens_per_doc: int | None = None, window_overlap_tokens: int | None = None,
+                    instruction: str | None = None) -> Ranking:
+        """`documents` ranked for `query`: `Scored(index, score)` best first, cut to `top_k`.
+        Cross-encoders and LLM rerankers score pairs; an embedder scores by cosine (`POST /v1/score`)."""
+        deadline = self._deadline()
+
+        def body(timeout_s: float | None) -> wire.ScoreRequest:
+            options = wire.ScoreOptions(
+                raw_scores=bool(raw_scores), truncate=True if truncate is None else truncate,
+                max_tokens_per_doc=max_tokens_per_doc, window_overlap_tokens=window_overlap_tokens,
+                instruction=instruction, timeout_s=timeout_s)
+            return wire.ScoreRequest(model=model, query=query, items=[wire.ScoreItem(text=d) for d in _texts(documents)],
+                                     top_k=top_k, options=options, adapter=adapter)
+
+        return results.ranking(await self._http.post("/v1/score", body, wire.ScoreResponse, deadline))
+
+    async def extract(self, model: str, texts: Sequence[str], labels: Sequence[str] = (), *,
+                      threshold: float | None = None, adapter: str | None = None, flat_ner: bool | None = None,
+                      multi_label: bool | None = None, max_span_width: int | None = None,
+                      hypothesis_template: str | None = None, aggregation: str | None = None,
+                      batch_size: int | None = None, concurrency: int = 4,
+                      show_progress: bool = False) -> list[ExtractedItem]:
+        """Each text's `entities` (span and token-class NER: text, label, score, start, end in
+        characters) or `labels` (zero-shot classification, best first), in the order sent;
+        chunked like `encode`. `labels`: the entity types or classes (`POST /v1/extract`)."""
+        deadline = self._deadline()
+
+        async def send(chunk: list[str]) -> wire.ExtractResponse:
+            def body(timeout_s: float | None) -> wire.ExtractRequest:
+                options = wire.native.ExtractOptions(
+                    threshold=threshold, flat_ner=flat_ner, multi_label=multi_label, max_span_width=max_span_width,
+                    hypothesis_template=hypothesis_template, aggregation=aggregation, timeout_s=timeout_s)
+                return wire.ExtractRequest(model=model, items=[wire.native.ExtractItem(text=t) for t in chunk],
+                                           labels=list(labels), options=options, adapter=adapter)
+
+            return await self._http.post("/v1/extract", body, wire.ExtractResponse, deadline)
+
+        answers = await bulk.map_chunks(bulk.chunks_of(_texts(texts), batch_size), send, concurrency=concurrency,
+                                        show_progress=show_progress, desc="extract")
+        return results.extracted(answers)
+
+    async def models(self) -> list[dict[str, Any]]:
+        """Every model the server serves to this caller (`GET /v1/models`), loaded or not."""
+        return (await self._http.get("/v1/models", self._deadline()))["data"]
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """One model's entry (`GET /v1/models/{id}`): tasks, outputs, dimensions, residency, adapters."""
+        return await self._http.get(f"/v1/models/{quote(model_id, safe='/')}", self._deadline())
+
+    def _deadline(self) -> float | None:
+        return None if self.deadline_s is None else time.monotonic() + self.deadline_s
+
+
+def _texts(texts: Sequence[str]) -> Sequence[str]:
+    if isinstance(texts, str):  # iterating a str would send one request item per character
+        raise TypeError("texts must be a sequence of strings, not one str: pass [text]")
+    return texts
