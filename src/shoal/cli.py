@@ -11,6 +11,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 
 def _settings(args: argparse.Namespace):
     from .config import Settings
@@ -109,54 +111,142 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 1 if catalog.broken else 0
 
 
-def _run_once(args: argparse.Namespace, call):
-    """One call through an in-process engine, started and stopped around it."""
-    settings = _settings(args)
+class _Backend:
+    """Where a one-shot command's calls go: a server (`--url`, through the SDK) or an in-process
+    engine started for the command. `run(call)` answers a shoal call either way."""
 
-    async def run():
-        engine = _engine(settings)
-        await engine.start()
-        try:
-            return await engine.run(call)
-        finally:
-            await engine.stop()
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
 
-    return asyncio.run(run())
+    async def __aenter__(self) -> "_Backend":
+        if self.args.url:
+            from .sdk import AsyncClient
+
+            self.client = AsyncClient(self.args.url, api_key=self.args.api_key)
+            self.engine = None
+        else:
+            self.engine = _engine(_settings(self.args))
+            await self.engine.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
+        else:
+            await self.client.aclose()
+
+    async def encode(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        a = self.args
+        if self.engine is None:
+            got = await self.client.encode(a.model, texts, dimensions=a.dimensions, is_query=a.query_prompt or None,
+                                           batch_size=len(texts))
+            return got.dense, got.num_tokens
+        from .calls import EncodeCall
+
+        result = await self.engine.run(EncodeCall(model=a.model, texts=texts, dimensions=a.dimensions,
+                                                  is_query=a.query_prompt or None))
+        return np.stack(result.vectors), result.num_tokens
+
+    async def score(self, documents: list[str]) -> tuple[list[tuple[int, float]], int]:
+        a = self.args
+        if self.engine is None:
+            ranking = await self.client.score(a.model, a.query, documents, raw_scores=a.raw_scores or None)
+            return [(s.index, s.score) for s in ranking], ranking.num_tokens
+        from .calls import ScoreCall
+
+        result = await self.engine.run(ScoreCall(model=a.model, query=a.query, documents=documents,
+                                                 raw_scores=a.raw_scores))
+        return [(item.index, item.score) for item in result.items], result.num_tokens
+
+    async def extract(self, texts: list[str]) -> tuple[list, int]:
+        a = self.args
+        if self.engine is None:
+            items = await self.client.extract(a.model, texts, a.label or [], threshold=a.threshold,
+                                              multi_label=a.multi_label or None, batch_size=len(texts))
+            return items, 0
+        from .calls import ExtractCall
+
+        result = await self.engine.run(ExtractCall(model=a.model, texts=texts, labels=a.label or [],
+                                                   threshold=a.threshold, multi_label=a.multi_label or None))
+        return result.items, result.num_tokens
+
+
+def _run_batch(args: argparse.Namespace, verb: str, work) -> int:
+    """Read the inputs, run `work(backend, records)` in chunks, write or print, and summarise."""
+    from . import batch
+
+    records = batch.records_of(args.text, args.input, args.field)
+    batch.check_output(args.output, verb)
+
+    async def main():
+        async with _Backend(args) as backend:
+            return await work(backend, records)
+
+    with batch.Timer() as timer:
+        rows, dense, num_tokens = asyncio.run(main())
+    if args.output is None:
+        for row in rows:
+            print(json.dumps(row, ensure_ascii=False))
+    else:
+        batch.write(args.output, verb, rows, dense)
+    print(batch.summary(verb, len(records), num_tokens, timer.seconds), file=sys.stderr)
+    return 0
+
+
+def _with_id(record, row: dict) -> dict:
+    return {"id": record.id, **row} if record.id is not None else row
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from .engine import EncodeCall
+    from . import batch
 
-    result = _run_once(args, EncodeCall(model=args.model, texts=args.text, dimensions=args.dimensions))
-    for text, vector in zip(args.text, result.vectors):
-        print(json.dumps({"text": text, "dense": [round(float(x), 6) for x in vector]}))
-    return 0
+    async def work(backend: _Backend, records):
+        chunks = await batch.in_chunks(records, args.batch_size, args.concurrency, backend.encode,
+                                       args.output is not None)
+        dense = np.concatenate([vectors for vectors, _ in chunks])
+        rows = [_with_id(r, {"text": r.text, "dense": [round(float(x), 6) for x in v]}) for r, v in zip(records, dense)]
+        return rows, dense, sum(tokens for _, tokens in chunks)
+
+    return _run_batch(args, "encode", work)
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from .engine import ScoreCall
+    from . import batch
 
-    result = _run_once(args, ScoreCall(model=args.model, query=args.query, documents=args.document,
-                                       top_k=args.top_k, raw_scores=args.raw_scores))
-    for item in result.items:
-        print(json.dumps({"index": item.index, "score": round(item.score, 6), "document": args.document[item.index]}))
-    return 0
+    async def work(backend: _Backend, records):
+        offsets = list(range(0, len(records), args.batch_size))
+        chunks = await batch.in_chunks(records, args.batch_size, args.concurrency, backend.score,
+                                       args.output is not None)
+        scored = sorted(((offset + index, score) for offset, (pairs, _) in zip(offsets, chunks)
+                         for index, score in pairs), key=lambda pair: (-pair[1], pair[0]))
+        if args.top_k:
+            scored = scored[:args.top_k]
+        rows = [_with_id(records[i], {"index": i, "score": round(score, 6), "document": records[i].text})
+                for i, score in scored]
+        return rows, None, sum(tokens for _, tokens in chunks)
+
+    return _run_batch(args, "score", work)
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from .engine import ExtractCall
+    from . import batch
 
-    result = _run_once(args, ExtractCall(model=args.model, texts=args.text, labels=args.label or [],
-                                         threshold=args.threshold, multi_label=args.multi_label or None))
-    for text, item in zip(args.text, result.items):
-        out: dict = {"text": text}
-        if item.entities is not None:
-            out["entities"] = [{"text": e.text, "label": e.label, "score": round(e.score, 6), "start": e.start,
-                                "end": e.end} for e in item.entities]
-        if item.labels is not None:
-            out["labels"] = [{"label": s.label, "score": round(s.score, 6)} for s in item.labels]
-        print(json.dumps(out, ensure_ascii=False))
-    return 0
+    async def work(backend: _Backend, records):
+        chunks = await batch.in_chunks(records, args.batch_size, args.concurrency, backend.extract,
+                                       args.output is not None)
+        items = [item for chunk, _ in chunks for item in chunk]
+        rows = []
+        for record, item in zip(records, items):
+            out: dict = {"text": record.text}
+            if item.entities is not None:
+                out["entities"] = [{"text": e.text, "label": e.label, "score": round(e.score, 6), "start": e.start,
+                                    "end": e.end} for e in item.entities]
+            if item.labels is not None:
+                out["labels"] = [{"label": s.label, "score": round(s.score, 6)} for s in item.labels]
+            rows.append(_with_id(record, out))
+        return rows, None, sum(tokens for _, tokens in chunks)
+
+    return _run_batch(args, "extract", work)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,33 +284,45 @@ def build_parser() -> argparse.ArgumentParser:
     common(models)
     models.set_defaults(func=cmd_models)
 
-    encode = sub.add_parser("encode", help="embed texts in-process and print JSON lines")
+    def batch_io(p: argparse.ArgumentParser, writes: str) -> None:
+        p.add_argument("--url", help="send to this shoal server (or gateway) instead of running a model in-process")
+        p.add_argument("--api-key", help="bearer token for --url")
+        p.add_argument("--input", "-i", type=Path, metavar="FILE", help="more texts: .txt (a line each), .jsonl, .parquet")
+        p.add_argument("--field", default="text", help="the text field of .jsonl/.parquet input (default text)")
+        p.add_argument("--output", "-o", type=Path, metavar="FILE",
+                       help=f"write {writes} instead of printing JSON lines (with a progress bar)")
+        p.add_argument("--batch-size", type=int, default=64, help="texts per request (default 64)")
+        p.add_argument("--concurrency", type=int, default=4, help="requests at once (default 4)")
+        p.add_argument("--device", help="in-process: cpu, cuda or cuda:N (default cpu)")
+
+    encode = sub.add_parser("encode", help="embed texts (arguments or --input FILE); print JSON lines or write a file")
     common(encode)
+    batch_io(encode, ".jsonl, .npy or .parquet")
     encode.add_argument("model")
-    encode.add_argument("text", nargs="+")
-    encode.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    encode.add_argument("text", nargs="*")
     encode.add_argument("--dimensions", type=int)
+    encode.add_argument("--query-prompt", action="store_true", help="encode as queries (the card's query prompt)")
     encode.set_defaults(func=cmd_encode)
 
-    score = sub.add_parser("score", help="rank documents against a query in-process and print JSON lines, best first")
+    score = sub.add_parser("score", help="rank documents (arguments or --input FILE) against a query, best first")
     common(score)
+    batch_io(score, ".jsonl or .parquet")
     score.add_argument("model")
     score.add_argument("query")
-    score.add_argument("document", nargs="+")
-    score.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    score.add_argument("text", nargs="*", metavar="document")
     score.add_argument("--top-k", type=int)
     score.add_argument("--raw-scores", action="store_true", help="rerankers: the logit, no activation")
     score.set_defaults(func=cmd_score)
 
-    extract = sub.add_parser("extract", help="extract entities (or zero-shot labels) in-process and print JSON lines")
+    extract = sub.add_parser("extract", help="extract entities (or zero-shot labels) from texts (arguments or --input)")
     common(extract)
+    batch_io(extract, ".jsonl or .parquet")
     extract.add_argument("model")
-    extract.add_argument("text", nargs="+")
+    extract.add_argument("text", nargs="*")
     extract.add_argument("--label", action="append", metavar="LABEL",
                          help="an entity type or class to look for (repeat; token classifiers need none)")
     extract.add_argument("--threshold", type=float)
     extract.add_argument("--multi-label", action="store_true")
-    extract.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
     extract.set_defaults(func=cmd_extract)
     return parser
 
