@@ -1,5 +1,10 @@
 """Adapters of shoal's SDK to the frameworks users already build with. Each module imports its
-framework on import (install it yourself); none imports torch.
+framework on import (install it yourself); none imports torch (haystack itself does, where installed).
 
     shoal.integrations.langchain   ShoalEmbeddings (Embeddings), ShoalRerank (BaseDocumentCompressor)
+    shoal.integrations.llamaindex  ShoalEmbedding (BaseEmbedding), ShoalRerank (BaseNodePostprocessor)
+    shoal.integrations.haystack    ShoalTextEmbedder, ShoalDocumentEmbedder, ShoalRanker (components)
+    shoal.integrations.chroma      ShoalEmbeddingFunction (chromadb EmbeddingFunction, registered as "shoal")
+    shoal.integrations.lancedb     ShoalEmbeddingFunction (LanceDB registry entry "shoal")
+    shoal.integrations.qdrant      ShoalHybrid: a dense + sparse collection, queries fused by RRF
 """

@@ -1,0 +1,116 @@
+"""LlamaIndex: `ShoalEmbedding` (a `BaseEmbedding`: texts and queries with the card's prompts) and
+`ShoalRerank` (a `BaseNodePostprocessor` that reorders nodes by shoal's `score`).
+
+    from llama_index.core import Settings, VectorStoreIndex
+    from shoal.integrations.llamaindex import ShoalEmbedding, ShoalRerank
+    Settings.embed_model = ShoalEmbedding(url="http://127.0.0.1:8080", model="BAAI/bge-small-en-v1.5")
+    index = VectorStoreIndex.from_documents(documents)
+    rerank = ShoalRerank(url="http://127.0.0.1:8080", model="BAAI/bge-reranker-base", top_n=3)
+    nodes = rerank.postprocess_nodes(index.as_retriever(similarity_top_k=10).retrieve(query), query_str=query)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from ..sdk import AsyncClient, Client, Ranking
+
+
+class ShoalEmbedding(BaseEmbedding):
+    """Dense vectors from a shoal server: texts go with `is_query=False` and queries with
+    `is_query=True`, so a card's document and query prompts (E5, BGE, Nomic...) apply.
+    LlamaIndex cuts texts into requests of `embed_batch_size`."""
+
+    url: str = Field(description="The shoal server's base URL.")
+    api_key: str | None = Field(default=None, description="Bearer token, if the server needs one.")
+    dimensions: int | None = Field(default=None, description="Matryoshka truncation; None: the model's own.")
+    adapter: str | None = Field(default=None, description="A LoRA adapter loaded on the server.")
+    embed_batch_size: int = Field(default=64, gt=0, description="Texts per request.")
+    _client: Client | None = PrivateAttr(default=None)
+
+    def __init__(self, url: str, model: str, **fields: Any) -> None:
+        super().__init__(url=url, model_name=model, **fields)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ShoalEmbedding"
+
+    def _options(self) -> dict[str, Any]:
+        return dict(dimensions=self.dimensions, adapter=self.adapter, batch_size=self.embed_batch_size)
+
+    def _encode(self, texts: list[str], is_query: bool) -> list[Embedding]:
+        if self._client is None:
+            self._client = Client(self.url, api_key=self.api_key)
+        result = self._client.encode(self.model_name, texts, is_query=is_query, **self._options())
+        return result.dense.astype(float).tolist()
+
+    async def _aencode(self, texts: list[str], is_query: bool) -> list[Embedding]:
+        async with AsyncClient(self.url, api_key=self.api_key) as client:  # one per event loop
+            result = await client.encode(self.model_name, texts, is_query=is_query, **self._options())
+        return result.dense.astype(float).tolist()
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        return self._encode([query], is_query=True)[0]
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return (await self._aencode([query], is_query=True))[0]
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return self._encode([text], is_query=False)[0]
+
+    async def _aget_text_embedding(self, text: str) -> Embedding:
+        return (await self._aencode([text], is_query=False))[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[Embedding]:
+        return self._encode(texts, is_query=False) if texts else []
+
+    async def _aget_text_embeddings(self, texts: list[str]) -> list[Embedding]:
+        return await self._aencode(texts, is_query=False) if texts else []
+
+
+class ShoalRerank(BaseNodePostprocessor):
+    """Nodes reordered by a shoal reranker (or any model that scores), best first, each
+    `NodeWithScore.score` set to shoal's score; `top_n` keeps the best n (None: all)."""
+
+    url: str = Field(description="The shoal server's base URL.")
+    model: str = Field(description="The model that scores: a reranker, or an embedder (cosine).")
+    top_n: int | None = Field(default=None, description="How many nodes to keep; None: all.")
+    api_key: str | None = Field(default=None, description="Bearer token, if the server needs one.")
+    _client: Client | None = PrivateAttr(default=None)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ShoalRerank"
+
+    @staticmethod
+    def _texts(nodes: list[NodeWithScore], query_bundle: QueryBundle | None) -> list[str]:
+        if query_bundle is None:
+            raise ValueError("ShoalRerank needs the query: pass query_str or query_bundle")
+        return [n.node.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes]
+
+    @staticmethod
+    def _ranked(nodes: list[NodeWithScore], ranking: Ranking) -> list[NodeWithScore]:
+        return [NodeWithScore(node=nodes[index].node, score=score) for index, score in ranking]
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore],
+                           query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+        texts = self._texts(nodes, query_bundle)
+        if not texts:
+            return []
+        if self._client is None:
+            self._client = Client(self.url, api_key=self.api_key)
+        return self._ranked(nodes, self._client.score(self.model, query_bundle.query_str, texts, top_k=self.top_n))
+
+    async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
+                                  query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+        texts = self._texts(nodes, query_bundle)
+        if not texts:
+            return []
+        async with AsyncClient(self.url, api_key=self.api_key) as client:
+            ranking = await client.score(self.model, query_bundle.query_str, texts, top_k=self.top_n)
+        return self._ranked(nodes, ranking)
