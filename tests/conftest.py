@@ -31,6 +31,22 @@ READY_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="session")
+def lee_documents() -> list[str]:
+    """Twelve news documents of the Lee corpus gensim's wheel ships (the integration tests index them)."""
+    import gensim
+
+    path = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
+    return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()][:12]
+
+
+def query_of(document: str) -> str:
+    """A question-like piece of one document: its second long sentence."""
+    sentences = [s for s in document.split(". ") if len(s.split()) > 6]
+    return sentences[1] if len(sentences) > 1 else sentences[0]
+
+
+
+@pytest.fixture(scope="session")
 def card():
     from shoal.catalog import Catalog
 

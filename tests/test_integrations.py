@@ -3,25 +3,13 @@ of Lee-corpus documents (gensim's wheel) and check a query retrieves the right o
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-from conftest import MODEL_ID
 
 
-@pytest.fixture(scope="module")
-def lee_documents() -> list[str]:
-    import gensim
-
-    path = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
-    return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()][:12]
+from conftest import MODEL_ID, query_of
 
 
-def query_of(document: str) -> str:
-    """A question-like piece of one document: its second sentence."""
-    sentences = [s for s in document.split(". ") if len(s.split()) > 6]
-    return sentences[1] if len(sentences) > 1 else sentences[0]
+
+
 
 
 def test_langchain_vector_store_with_shoal_embeddings_retrieves_the_right_document(base_url, lee_documents):

@@ -10,11 +10,8 @@ import os
 import numpy as np
 import pytest
 
-import test_integrations
-from conftest import MODEL_ID
+from conftest import MODEL_ID, query_of
 
-lee_documents = test_integrations.lee_documents  # the fixture: 12 Lee-corpus documents (gensim's wheel)
-query_of = test_integrations.query_of
 
 # Haystack reports pipeline runs to PostHog unless told not to; read once, when haystack is imported.
 os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")

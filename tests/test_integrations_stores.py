@@ -5,23 +5,15 @@ index twelve Lee-corpus documents through shoal, and a sentence of document k fi
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
 
-from conftest import MODEL_ID
-from test_integrations import query_of
+from conftest import MODEL_ID, query_of
 
 SPLADE = "rasyosef/splade-tiny"
 PROBES = (0, 5, 11)
 
 
-@pytest.fixture(scope="module")
-def lee_documents() -> list[str]:
-    import gensim
-
-    path = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
-    return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()][:12]
 
 
 # --- Chroma -------------------------------------------------------------------------------------

@@ -107,3 +107,14 @@ def test_langchain_openai_embeds_through_an_alias_with_check_embedding_ctx_lengt
     query = np.array(embeddings.embed_query(TEXTS[0]))
     reference = embed_reference(TEXTS)
     assert np.abs(documents - reference).max() <= 1e-5 and np.abs(query - reference[0]).max() <= 1e-5
+
+
+def test_chromas_openai_function_forwards_dimensions_through_an_openai_model_name(url, embed_reference):
+    from chromadb.utils.embedding_functions import OpenAIEmbeddingFunction
+
+    function = OpenAIEmbeddingFunction(api_key=TOKEN, model_name="text-embedding-3-small", api_base=f"{url}/v1",
+                                       dimensions=128)
+    got = np.array(function(TEXTS))
+    reference = embed_reference(TEXTS)[:, :128]
+    assert got.shape == (2, 128)
+    assert np.abs(got - reference / np.linalg.norm(reference, axis=1, keepdims=True)).max() <= 1e-5

@@ -126,3 +126,16 @@ def test_tokenize_gives_ids_texts_and_offsets_as_the_models_tokenizer(base_url, 
             assert (token["start"], token["stop"]) == (start, stop) and token["text"] == text[start:stop]
     bare = httpx.post(f"{base_url}/tokenize", json={"inputs": text, "add_special_tokens": False}).json()[0]
     assert [t["id"] for t in bare] == reference["input_ids"][1:-1]
+
+
+def test_llama_index_tei_embedder_and_chroma_hf_embedding_server_equal_the_reference(base_url, embed_reference):
+    from chromadb.utils.embedding_functions import HuggingFaceEmbeddingServer
+    from llama_index.embeddings.text_embeddings_inference import TextEmbeddingsInference
+
+    reference = embed_reference(TEXTS)
+    llama = TextEmbeddingsInference(model_name=MODEL_ID, base_url=base_url, timeout=60)  # model_name: informative
+    got = np.array(llama.get_text_embedding_batch(TEXTS))
+    assert np.abs(got - reference).max() <= 1e-5
+    assert np.abs(np.array(llama.get_query_embedding(TEXTS[0])) - reference[0]).max() <= 1e-5
+    chroma = HuggingFaceEmbeddingServer(url=f"{base_url}/embed")
+    assert np.abs(np.array(chroma(TEXTS)) - reference).max() <= 1e-5
