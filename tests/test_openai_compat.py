@@ -118,3 +118,25 @@ def test_chromas_openai_function_forwards_dimensions_through_an_openai_model_nam
     reference = embed_reference(TEXTS)[:, :128]
     assert got.shape == (2, 128)
     assert np.abs(got - reference / np.linalg.norm(reference, axis=1, keepdims=True)).max() <= 1e-5
+
+
+def test_lancedbs_openai_function_works_unmodified_through_an_openai_model_name(url, tmp_path, lee_documents):
+    import lancedb
+    from lancedb.embeddings import get_registry
+    from lancedb.pydantic import LanceModel, Vector
+
+    from conftest import query_of
+
+    registry = get_registry()
+    registry.set_var("shoal_compat_token", TOKEN)
+    function = registry.get("openai").create(name="text-embedding-3-small", dim=384, base_url=f"{url}/v1",
+                                             api_key="$var:shoal_compat_token")
+
+    class Doc(LanceModel):
+        text: str = function.SourceField()
+        vector: Vector(function.ndims()) = function.VectorField()
+
+    table = lancedb.connect(tmp_path / "lance").create_table("docs", schema=Doc)
+    table.add([{"text": text} for text in lee_documents])
+    for i in (2, 9):
+        assert table.search(query_of(lee_documents[i])).limit(1).to_list()[0]["text"] == lee_documents[i]
