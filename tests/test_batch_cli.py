@@ -94,3 +94,12 @@ def test_a_parquet_without_the_column_and_an_unknown_output_suffix_are_refused(t
     assert "no column 'text' (its columns: body)" in capsys.readouterr().err
     assert main(["score", MODEL_ID, "q", "doc", "-o", str(tmp_path / "out.npy")]) == 2
     assert "score writes .jsonl, .parquet" in capsys.readouterr().err
+
+
+def test_a_zero_batch_size_is_refused_and_an_unreachable_url_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["encode", MODEL_ID, "x", "--batch-size", "0"])
+    assert exit_info.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err
+    assert main(["encode", MODEL_ID, "x", "--url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shoal: cannot reach http://127.0.0.1:9") and "Traceback" not in err

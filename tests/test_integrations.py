@@ -48,3 +48,13 @@ def test_langchain_rerank_compressor_puts_the_right_document_first(base_url, lee
     assert len(ranked) == 3 and ranked[0].metadata["i"] == 7
     scores = [d.metadata["relevance_score"] for d in ranked]
     assert scores == sorted(scores, reverse=True)
+
+
+def test_tokens_stay_out_of_the_adapters_reprs_and_serialised_forms(base_url):
+    from shoal.integrations.langchain import ShoalRerank
+    from shoal.integrations.llamaindex import ShoalEmbedding
+
+    secret = "a-secret-token-0123456789"
+    rerank = ShoalRerank(url=base_url, model=MODEL_ID, api_key=secret)
+    embedding = ShoalEmbedding(url=base_url, model=MODEL_ID, api_key=secret)
+    assert secret not in repr(rerank) and secret not in repr(embedding) and secret not in embedding.to_json()

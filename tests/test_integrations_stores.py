@@ -107,3 +107,12 @@ def test_qdrant_hybrid_collection_holds_both_vectors_and_each_alone_finds_the_do
     for name in ("dense", "sparse"):
         best = hybrid.qdrant.query_points("lee", query=vectors[name], using=name, limit=1).points[0]
         assert best.id == 3, name
+
+
+def test_lancedb_never_stores_a_plain_api_key():
+    from lancedb.embeddings import get_registry
+
+    import shoal.integrations.lancedb  # noqa: F401  (registers "shoal")
+
+    with pytest.raises(ValueError):
+        get_registry().get("shoal").create(url="http://127.0.0.1:9", model=MODEL_ID, api_key="plain-secret-0123456789")

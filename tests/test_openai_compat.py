@@ -140,3 +140,18 @@ def test_lancedbs_openai_function_works_unmodified_through_an_openai_model_name(
     table.add([{"text": text} for text in lee_documents])
     for i in (2, 9):
         assert table.search(query_of(lee_documents[i])).limit(1).to_list()[0]["text"] == lee_documents[i]
+
+
+def test_tei_info_answers_for_an_alias_as_the_model_it_names(url):
+    info = httpx.get(f"{url}/info", params={"model": "text-embedding-3-small"},
+                     headers={"authorization": f"Bearer {TOKEN}"})
+    assert info.status_code == 200 and info.json()["model_id"] == MODEL_ID
+
+
+def test_a_clashing_alias_in_a_served_directory_is_reported_not_fatal(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text(f"id: x/{name}\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
+                                               "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n")
+    catalog = Catalog.load((tmp_path,), include_builtin=False, strict=False)
+    assert {"x/a", "x/b"} <= {card.id for card in catalog}
+    assert any("names both" in error for error in catalog.broken.values())

@@ -139,3 +139,17 @@ def test_llama_index_tei_embedder_and_chroma_hf_embedding_server_equal_the_refer
     assert np.abs(np.array(llama.get_query_embedding(TEXTS[0])) - reference[0]).max() <= 1e-5
     chroma = HuggingFaceEmbeddingServer(url=f"{base_url}/embed")
     assert np.abs(np.array(chroma(TEXTS)) - reference).max() <= 1e-5
+
+
+def test_info_with_an_unknown_task_and_a_deeply_nested_root_body_are_400s(base_url):
+    bogus = httpx.get(f"{base_url}/info", params={"task": "bogus"})
+    assert bogus.status_code == 400 and "encode, score, extract" in bogus.json()["error"]["message"]
+    nested = httpx.post(f"{base_url}/", content=b"[" * 100_000 + b"]" * 100_000,
+                        headers={"content-type": "application/json"})
+    assert nested.status_code == 400, nested.text
+
+
+def test_the_default_model_of_a_sparse_route_is_one_with_sparse_output(base_url):
+    response = httpx.post(f"{base_url}/embed_sparse", json={"inputs": "cat"})  # only a dense model is preloaded
+    assert response.status_code == 400
+    assert "no default or preloaded model encodes sparse vectors" in response.json()["error"]["message"]

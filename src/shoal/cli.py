@@ -291,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--field", default="text", help="the text field of .jsonl/.parquet input (default text)")
         p.add_argument("--output", "-o", type=Path, metavar="FILE",
                        help=f"write {writes} instead of printing JSON lines (with a progress bar)")
-        p.add_argument("--batch-size", type=int, default=64, help="texts per request (default 64)")
-        p.add_argument("--concurrency", type=int, default=4, help="requests at once (default 4)")
+        p.add_argument("--batch-size", type=_positive, default=64, help="texts per request (default 64)")
+        p.add_argument("--concurrency", type=_positive, default=4, help="requests at once (default 4)")
         p.add_argument("--device", help="in-process: cpu, cuda or cuda:N (default cpu)")
 
     encode = sub.add_parser("encode", help="embed texts (arguments or --input FILE); print JSON lines or write a file")
@@ -327,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .errors import ShoalError
@@ -335,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ShoalError as exc:
         print(f"shoal: {exc.message}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] not in ("httpx", "httpcore"):
+            raise
+        # --url unreachable after the SDK's retries: one line, not a traceback.
+        print(f"shoal: cannot reach {getattr(args, 'url', None)}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -133,8 +133,8 @@ class Settings:
         dirs = tuple(Path(p) for p in env.get("SHOAL_MODELS_DIRS", "").split(os.pathsep) if p)
         offline = env.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         models = tuple(m for m in env.get("SHOAL_MODELS", "").split(",") if m)
-        aliases = tuple((a.split("=", 1)[0].strip(), a.split("=", 1)[1].strip())
-                        for a in env.get("SHOAL_ALIASES", "").split(",") if "=" in a)
+        pairs = [a.split("=", 1) for a in env.get("SHOAL_ALIASES", "").split(",") if "=" in a]
+        aliases = tuple((name.strip(), target.strip()) for name, target in pairs if name.strip() and target.strip())
         return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline, models=models,
                    aliases=aliases)
 

@@ -47,20 +47,26 @@ class Context:
         else the first preloaded model that scores."""
         return self.default_model("score", named)
 
-    def default_model(self, task: str, named: str | None = None) -> str:
+    def default_model(self, task: str, named: str | None = None, output: str | None = None) -> str:
         """The model a route whose body may name none uses (TEI's, Cohere v1 rerank): the body's,
-        `?model=`, the `X-Shoal-Model` header, the server's `--default-model` if it serves `task`,
-        else the first preloaded model that does (for score: a reranker before an embedder)."""
+        `?model=`, the `X-Shoal-Model` header, the server's `--default-model` if it serves `task`
+        (and has `output`), else the first preloaded model that does (for score: a reranker before
+        an embedder)."""
         model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
         if model:
             return model
-        tasks = {status.id: status.tasks for status in self.service.models()}
-        candidates = [m for m in (self.default, *self.preload) if m and task in tasks.get(m, ())]
+        statuses = {status.id: status for status in self.service.models()}
+        default = self.service.model(self.default).id if self.default and self.service.has_model(self.default) \
+            else None  # an alias names its model
+        tasks = {m: s.tasks for m, s in statuses.items()}
+        candidates = [m for m in (default, *self.preload) if m and task in tasks.get(m, ())
+                      and (output is None or output in statuses[m].outputs)]
         if task == "score":  # a reranker before an embedder that scores by cosine
             candidates = [m for m in candidates if "encode" not in tasks[m]] + candidates
         if candidates:
             return candidates[0]
         verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
+        verb += f" {output} vectors" if output else ""
         raise InvalidRequest(
             f"this request names no model and no default or preloaded model {verb}: name one with `?model=ID` "
             "or the `X-Shoal-Model: ID` header, or start the server with `--default-model` or `--preload` "
@@ -231,7 +237,7 @@ async def embed_v2(ctx: Context) -> wire.cohere.EmbedByTypeResponse:
     ctx.check_count(len(texts))
     call = wire.cohere.encode_call(req, req.model, texts, ctx.request_id)
     if req.max_tokens is not None:
-        ctx.principal.check_model(req.model)  # before the status names the model's max_length
+        ctx.principal.check_model(ctx.service.model(req.model).id)  # before the status names its max_length
         req.check_max_tokens(ctx.service.model(req.model).max_length)
     result = await _cohere_encode(ctx, call)
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())

@@ -10,13 +10,14 @@ import msgspec
 
 from .. import __version__, wire
 from ..calls import EncodeResult
+from ..errors import InvalidRequest
 from . import routes
 from .routes import Context
 
 
 async def embed(ctx: Context) -> list:
     req: wire.tei.EmbedRequest = ctx.decode(wire.tei.EmbedRequest)
-    ctx.model = model = ctx.default_model("encode")
+    ctx.model = model = ctx.default_model("encode", output="dense")
     call = wire.tei.embed_call(req, model, ctx.request_id)
     ctx.check_count(len(call.texts))
     result: EncodeResult = await ctx.run(call)
@@ -46,7 +47,7 @@ async def tokenize(ctx: Context) -> list:
 
 async def embed_sparse(ctx: Context) -> list:
     req: wire.tei.EmbedSparseRequest = ctx.decode(wire.tei.EmbedSparseRequest)
-    ctx.model = model = ctx.default_model("encode")
+    ctx.model = model = ctx.default_model("encode", output="sparse")
     call = wire.tei.embed_sparse_call(req, model, ctx.request_id)
     ctx.check_count(len(call.texts))
     return wire.tei.sparse_values(await ctx.run(call))
@@ -54,9 +55,9 @@ async def embed_sparse(ctx: Context) -> list:
 
 async def similarity(ctx: Context) -> list[float]:
     req: wire.tei.SimilarityRequest = ctx.decode(wire.tei.SimilarityRequest)
-    ctx.model = model = ctx.default_model("encode")
+    ctx.model = model = ctx.default_model("encode", output="dense")
     call = wire.tei.similarity_call(req, model, ctx.request_id)
-    ctx.check_count(len(call.texts))
+    ctx.check_count(len(req.inputs.sentences))  # the source sentence rides along, as on TEI
     return wire.tei.similarities(await ctx.run(call))
 
 
@@ -64,7 +65,7 @@ async def root(ctx: Context):
     """`POST /`: TEI serves its model's one verb here; shoal reads the body to tell which."""
     try:
         shape = msgspec.json.decode(ctx.body) if ctx.fmt_in is wire.Format.JSON else msgspec.msgpack.decode(ctx.body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         shape = None  # `embed` reports the malformed body
     if isinstance(shape, dict) and isinstance(shape.get("inputs"), dict):
         return await similarity(ctx)
@@ -75,10 +76,11 @@ async def root(ctx: Context):
 
 async def info(ctx: Context) -> dict:
     settings = ctx.request.app.state.settings
-    model = ctx.default_model("encode") if not ctx.request.query_params.get("task") else \
-        ctx.default_model(ctx.request.query_params["task"])
-    ctx.model = model
-    ctx.principal.check_model(model)
+    task = ctx.request.query_params.get("task", "encode")
+    if task not in ("encode", "score", "extract"):
+        raise InvalidRequest(f"task {task!r} is not one of encode, score, extract", details={"option": "task"})
+    ctx.model = model = ctx.default_model(task)
+    ctx.principal.check_model(ctx.service.model(model).id)  # an alias is checked as the model it names
     return wire.tei.info(ctx.service.model(model), max_batch_tokens=settings.engine.max_batch_tokens,
                          max_client_batch_size=settings.server.max_items_per_request,
                          tokenization_workers=settings.engine.tokenizer_threads,

@@ -29,7 +29,7 @@ class Catalog:
     """Cards by model id. Later directories override earlier ones (a user may re-card a model)."""
 
     def __init__(self, cards: list[ModelCard], broken: dict[str, str] | None = None,
-                 patterns: tuple[str, ...] = ()) -> None:
+                 patterns: tuple[str, ...] = (), *, strict: bool = True) -> None:
         self._cards: dict[str, ModelCard] = {}
         for card in cards:
             self._cards[card.id] = card
@@ -37,17 +37,26 @@ class Catalog:
         self.patterns = patterns  # `--models`: the ids (or globs) this server serves; () all
         self.extra_aliases: dict[str, str] = {}  # `--alias NAME=MODEL`
         self._aliases: dict[str, str] = {}  # alias -> model id
+        self._strict = strict
         self._index_aliases()
 
     def _index_aliases(self) -> None:
+        """Index the cards' and `--alias` aliases. A clash is a CardError when strict; otherwise the
+        clashing alias is left out and recorded in `broken` under its card's file."""
         self._aliases = {}
         named = [(alias, card.id) for card in self._cards.values() for alias in card.aliases]
         for alias, model_id in named + list(self.extra_aliases.items()):
+            problem = None
             if alias in self._cards and alias != model_id:
-                raise CardError(f"alias {alias!r} of {model_id} is already a model id; pick another name")
-            if self._aliases.get(alias, model_id) != model_id:
-                raise CardError(f"alias {alias!r} names both {self._aliases[alias]} and {model_id}")
-            self._aliases[alias] = model_id
+                problem = f"alias {alias!r} of {model_id} is already a model id; pick another name"
+            elif self._aliases.get(alias, model_id) != model_id:
+                problem = f"alias {alias!r} names both {self._aliases[alias]} and {model_id}"
+            if problem is None:
+                self._aliases[alias] = model_id
+            elif self._strict:
+                raise CardError(problem)
+            else:
+                self.broken[self._cards[model_id].card_path or model_id] = problem
 
     def with_aliases(self, aliases: dict[str, str]) -> "Catalog":
         """This catalog with `--alias NAME=MODEL` names added (each MODEL must be a served id)."""
@@ -81,7 +90,7 @@ class Catalog:
                     if strict:
                         raise
                     broken[str(path)] = exc.message
-        catalog = cls(cards, broken)
+        catalog = cls(cards, broken, strict=strict)
         for directory in extra_dirs:
             catalog._add_adapters(directory / ADAPTERS_DIR, strict)
         return catalog
@@ -114,7 +123,7 @@ class Catalog:
                 if not any(fnmatch.fnmatchcase(card_id, pattern) for card_id in self._cards):
                     raise ConfigError(f"--models {pattern!r} matches no model card (`shoal models` lists them)")
         kept = [c for c in self._cards.values() if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
-        restricted = Catalog(kept, self.broken, patterns)
+        restricted = Catalog(kept, self.broken, patterns, strict=self._strict)
         return restricted.with_aliases({a: m for a, m in self.extra_aliases.items() if m in restricted})
 
     def get(self, model_id: str) -> ModelCard:

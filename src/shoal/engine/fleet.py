@@ -32,6 +32,7 @@ class Fleet:
                  watch_interval_s: float | None = None) -> None:
         self.catalog = catalog
         self.cache = cache
+        self._aliases = dict(catalog.extra_aliases)  # `--alias`: applied again on every reload
         self._device = device
         self._dirs = models_dirs
         self._watch_interval_s = watch_interval_s
@@ -175,7 +176,7 @@ class Fleet:
 
     def _reload(self) -> Catalog:
         new = Catalog.load(self._dirs, strict=False).restrict(self.catalog.patterns, strict=False)
-        return new.with_aliases({a: m for a, m in self.catalog.extra_aliases.items() if m in new})
+        return new.with_aliases({a: m for a, m in self._aliases.items() if m in new})
 
     def _swap(self, new: Catalog, changed_files: set[str]) -> None:
         old = self.catalog

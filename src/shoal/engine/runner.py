@@ -124,7 +124,7 @@ class ModelRunner:
         if "token_states" in wanted:  # the encoder's own states, per sequence (TEI's /embed_all)
             states_np = states.float().cpu().numpy()
             cu = batch.cu_seqlens
-            per_head["token_states"] = [states_np[cu[i]:cu[i + 1]] if "token_states" in spec.outputs else None
+            per_head["token_states"] = [states_np[cu[i]:cu[i + 1]].copy() if "token_states" in spec.outputs else None
                                         for i, spec in enumerate(specs)]
         return [EncodedItem(dense=per_head.get("dense", none)[i], sparse=per_head.get("sparse", none)[i],
                             multivector=per_head.get("multivector", none)[i],

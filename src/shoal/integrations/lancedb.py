@@ -35,6 +35,11 @@ class ShoalEmbeddingFunction(TextEmbeddingFunction):
     url: str
     model: str
     api_key: str | None = None
+
+    @staticmethod
+    def sensitive_keys() -> list[str]:
+        """LanceDB refuses to store these in a table's config unless given as `$var:NAME`."""
+        return ["api_key"]
     dimensions: int | None = None
     batch_size: int = 64
     adapter: str | None = None

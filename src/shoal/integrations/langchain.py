@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.embeddings import Embeddings
-from pydantic import ConfigDict, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
 from ..sdk import AsyncClient, Client
 
@@ -72,7 +72,8 @@ class ShoalRerank(BaseDocumentCompressor):
     url: str
     model: str
     top_n: int | None = None
-    api_key: str | None = None
+    # A secret: kept out of repr() and of serialised objects.
+    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
     _client: Client | None = PrivateAttr(default=None)
 
     def _ranked(self, documents: Sequence[Document], ranking) -> list[Document]:
@@ -88,7 +89,7 @@ class ShoalRerank(BaseDocumentCompressor):
         if not documents:
             return []
         if self._client is None:
-            self._client = Client(self.url, api_key=self.api_key)
+            self._client = Client(self.url, api_key=_secret(self.api_key))
         ranking = self._client.score(self.model, query, [d.page_content for d in documents], top_k=self.top_n)
         return self._ranked(documents, ranking)
 
@@ -96,6 +97,10 @@ class ShoalRerank(BaseDocumentCompressor):
                                   callbacks: Callbacks | None = None) -> Sequence[Document]:
         if not documents:
             return []
-        async with AsyncClient(self.url, api_key=self.api_key) as client:
+        async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:
             ranking = await client.score(self.model, query, [d.page_content for d in documents], top_k=self.top_n)
         return self._ranked(documents, ranking)
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return None if value is None else value.get_secret_value()

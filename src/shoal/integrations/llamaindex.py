@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
@@ -27,7 +27,9 @@ class ShoalEmbedding(BaseEmbedding):
     LlamaIndex cuts texts into requests of `embed_batch_size`."""
 
     url: str = Field(description="The shoal server's base URL.")
-    api_key: str | None = Field(default=None, description="Bearer token, if the server needs one.")
+    # A secret: kept out of repr() and of serialised objects.
+    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False,
+                                      description="Bearer token, if the server needs one.")
     dimensions: int | None = Field(default=None, description="Matryoshka truncation; None: the model's own.")
     adapter: str | None = Field(default=None, description="A LoRA adapter loaded on the server.")
     embed_batch_size: int = Field(default=64, gt=0, description="Texts per request.")
@@ -45,12 +47,12 @@ class ShoalEmbedding(BaseEmbedding):
 
     def _encode(self, texts: list[str], is_query: bool) -> list[Embedding]:
         if self._client is None:
-            self._client = Client(self.url, api_key=self.api_key)
+            self._client = Client(self.url, api_key=_secret(self.api_key))
         result = self._client.encode(self.model_name, texts, is_query=is_query, **self._options())
         return result.dense.astype(float).tolist()
 
     async def _aencode(self, texts: list[str], is_query: bool) -> list[Embedding]:
-        async with AsyncClient(self.url, api_key=self.api_key) as client:  # one per event loop
+        async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:  # one per event loop
             result = await client.encode(self.model_name, texts, is_query=is_query, **self._options())
         return result.dense.astype(float).tolist()
 
@@ -80,7 +82,9 @@ class ShoalRerank(BaseNodePostprocessor):
     url: str = Field(description="The shoal server's base URL.")
     model: str = Field(description="The model that scores: a reranker, or an embedder (cosine).")
     top_n: int | None = Field(default=None, description="How many nodes to keep; None: all.")
-    api_key: str | None = Field(default=None, description="Bearer token, if the server needs one.")
+    # A secret: kept out of repr() and of serialised objects.
+    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False,
+                                      description="Bearer token, if the server needs one.")
     _client: Client | None = PrivateAttr(default=None)
 
     @classmethod
@@ -103,7 +107,7 @@ class ShoalRerank(BaseNodePostprocessor):
         if not texts:
             return []
         if self._client is None:
-            self._client = Client(self.url, api_key=self.api_key)
+            self._client = Client(self.url, api_key=_secret(self.api_key))
         return self._ranked(nodes, self._client.score(self.model, query_bundle.query_str, texts, top_k=self.top_n))
 
     async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
@@ -111,6 +115,10 @@ class ShoalRerank(BaseNodePostprocessor):
         texts = self._texts(nodes, query_bundle)
         if not texts:
             return []
-        async with AsyncClient(self.url, api_key=self.api_key) as client:
+        async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:
             ranking = await client.score(self.model, query_bundle.query_str, texts, top_k=self.top_n)
         return self._ranked(nodes, ranking)
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return None if value is None else value.get_secret_value()

@@ -32,6 +32,7 @@ from ..errors import DeadlineExceeded, ShoalError, error_from_code
 RETRY_STATUSES = frozenset({429, 503})
 BACKOFF_BASE_S = 0.1  # the first wait without Retry-After; doubles per attempt
 BACKOFF_MAX_S = 10.0
+MAX_RETRY_AFTER_S = 60.0  # the longest Retry-After honoured
 JITTER = 0.25  # each wait is stretched by a random 0..25 %
 
 # A body that is not shoal's error shape (a proxy's 502 page): the code its status stands for.
@@ -117,8 +118,11 @@ def _left_s(deadline: float | None) -> float | None:
 
 
 def _backoff_s(attempt: int, retry_after_s: float | None) -> float:
+    """The wait before retry `attempt`: the server's Retry-After (at most MAX_RETRY_AFTER_S: a proxy
+    asking for an hour is not waited on), or a doubling back-off, with jitter."""
     backoff_s = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
-    return max(retry_after_s or 0.0, backoff_s) * (1.0 + random.uniform(0.0, JITTER))
+    asked_s = min(retry_after_s or 0.0, MAX_RETRY_AFTER_S)
+    return max(asked_s, backoff_s) * (1.0 + random.uniform(0.0, JITTER))
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:
