@@ -59,10 +59,14 @@ class Context:
         default = self.service.model(self.default).id if self.default and self.service.has_model(self.default) \
             else None  # an alias names its model
         tasks = {m: s.tasks for m, s in statuses.items()}
-        candidates = [m for m in (default, *self.preload) if m and task in tasks.get(m, ())
-                      and (output is None or output in statuses[m].outputs)]
-        if task == "score":  # a reranker before an embedder that scores by cosine
-            candidates = [m for m in candidates if "encode" not in tasks[m]] + candidates
+
+        def serves(m: str | None) -> bool:
+            return bool(m) and task in tasks.get(m, ()) and (output is None or output in statuses[m].outputs)
+
+        preloaded = [m for m in self.preload if serves(m)]
+        if task == "score":  # among preloaded models, a reranker before an embedder that scores by cosine
+            preloaded = [m for m in preloaded if "encode" not in tasks[m]] + preloaded
+        candidates = ([default] if serves(default) else []) + preloaded
         if candidates:
             return candidates[0]
         verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
