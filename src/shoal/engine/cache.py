@@ -4,17 +4,22 @@
   fetched first (a Hub download, a package assembled) in a pool of fetch threads, outside the
   lock that serializes materializing weights: one slow download never holds up other cold loads.
 - Each load makes room knowing every byte already committed: least-recently-used idle models are
-  evicted (idle adapters first), never a pinned one and never one with work in flight (while
-  only work in flight stands in the way, the load waits for it to end, within `load_timeout_s`). The bytes
-  a model holds are **measured** once it is loaded (its tensors, not its files), and the device's
-  workspace (one batch runs at a time, so the largest model's workspace, counted once) comes on
-  top; the budget is checked again against the measured figure.
+  evicted (idle adapters first), never a pinned one and never one with work in flight. While only
+  work in flight stands in the way, the load waits for it to end (outside the lock, within
+  `load_timeout_s`); when nothing that may ever leave would make room, it fails at once. The
+  bytes a model holds are **measured** once it is loaded (its tensors, not its files), and the
+  device's workspace (one batch runs at a time, so the largest model's workspace, counted once)
+  comes on top; the budget is checked again against the measured figure.
+- An adapter load holds its model (never evicts it), fails at once if the adapter cannot fit
+  beside it, and backs off after a failure as models do.
 - A request waits up to `load_timeout_s` for a load, then gets Overloaded (503) with a
   Retry-After from the model's measured load time; the load goes on and the retry finds it warm.
 - A failed load answers ModelLoadError (502) to every waiter and, for a back-off that doubles per
   failure (1 s up to 60 s), to every new request without another attempt; then it is tried again.
 - Pins (settings, cards, admin calls) and unloads by an operator; a model whose card changed is
-  dropped once its in-flight work is done, so the next request loads the new card.
+  dropped once its in-flight work is done (new requests wait for that, then load the new card; a
+  load of the old card still under way is dropped: each model has a generation). A changed
+  adapter drains the same way.
 """
 
 from __future__ import annotations
