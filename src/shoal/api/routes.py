@@ -34,11 +34,16 @@ class Context:
     def decode(self, typ: type):
         return wire.decode(self.body, self.fmt_in, typ)
 
+    def status(self, model_id: str) -> ModelStatus:
+        """The model's status if this caller may use it (UnknownModel, else Forbidden); an alias
+        answers, and is checked, as the model it names."""
+        status = self.service.model(model_id)
+        self.principal.check_model(status.id)
+        return status
+
     async def run(self, call: AnyCall) -> AnyResult:
-        """The service's answer, if this caller may use the call's model (else 403; an alias is
-        checked as the model it names)."""
-        self.principal.check_model(self.service.model(call.model).id if self.service.has_model(call.model)
-                                   else call.model)
+        """The service's answer, if this caller may use the call's model."""
+        self.status(call.model)
         return await self.service.run(call)
 
     def scoring_model(self, named: str | None = None) -> str:
@@ -173,9 +178,7 @@ async def model(ctx: Context) -> dict:
     """`GET /v1/models/{id}` (what the OpenAI client's `models.retrieve` calls)."""
     model_id = ctx.request.path_params["model_path"]
     ctx.model = model_id
-    status = ctx.service.model(model_id)  # an alias answers as the model it names
-    ctx.principal.check_model(status.id)
-    return _model_entry(status)
+    return _model_entry(ctx.status(model_id))
 
 
 async def model_admin(ctx: Context) -> dict:
@@ -185,7 +188,7 @@ async def model_admin(ctx: Context) -> dict:
         raise UnknownModel(f"POST /v1/models/{{id}}/ACTION: ACTION is one of {', '.join(ADMIN_ACTIONS)}, "
                            f"not {action!r}", details={"actions": list(ADMIN_ACTIONS)})
     ctx.model = model_id
-    ctx.principal.check_model(ctx.service.model(model_id).id)  # an admin token's allow-list binds it too
+    ctx.status(model_id)  # an admin token's allow-list binds it too
     return _model_entry(await ctx.service.admin(model_id, action))
 
 
@@ -241,8 +244,7 @@ async def embed_v2(ctx: Context) -> wire.cohere.EmbedByTypeResponse:
     ctx.check_count(len(texts))
     call = wire.cohere.encode_call(req, req.model, texts, ctx.request_id)
     if req.max_tokens is not None:
-        ctx.principal.check_model(ctx.service.model(req.model).id)  # before the status names its max_length
-        req.check_max_tokens(ctx.service.model(req.model).max_length)
+        req.check_max_tokens(ctx.status(req.model).max_length)
     result = await _cohere_encode(ctx, call)
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
     return wire.cohere.embed_response(req, "2", texts, result, ctx.request_id)

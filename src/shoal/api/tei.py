@@ -10,6 +10,7 @@ import msgspec
 
 from .. import __version__, wire
 from ..calls import EncodeResult
+from ..service import ModelStatus
 from ..errors import InvalidRequest
 from . import routes
 from .routes import Context
@@ -26,9 +27,9 @@ async def embed(ctx: Context) -> list:
 
 
 async def embed_all(ctx: Context) -> list:
-    req: wire.tei.EmbedAllRequest = ctx.decode(wire.tei.EmbedAllRequest)
+    req: wire.tei.EmbedSparseRequest = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode")
-    call = wire.tei.embed_all_call(req, model, ctx.request_id)
+    call = wire.tei.unpooled_call(req, model, "token_states", ctx.request_id)
     ctx.check_count(len(call.texts))
     result: EncodeResult = await ctx.run(call)
     states = [item.token_states for item in result.items]
@@ -41,14 +42,14 @@ async def tokenize(ctx: Context) -> list:
     ctx.model = model = ctx.default_model("encode")
     texts = wire.tei.texts_of(req.inputs)
     ctx.check_count(len(texts))
-    ctx.principal.check_model(ctx.service.model(model).id)
+    ctx.status(model)
     return await ctx.service.tokenize(model, texts, req.add_special_tokens, req.prompt_name)
 
 
 async def embed_sparse(ctx: Context) -> list:
     req: wire.tei.EmbedSparseRequest = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode", output="sparse")
-    call = wire.tei.embed_sparse_call(req, model, ctx.request_id)
+    call = wire.tei.unpooled_call(req, model, "sparse", ctx.request_id)
     ctx.check_count(len(call.texts))
     return wire.tei.sparse_values(await ctx.run(call))
 
@@ -80,8 +81,26 @@ async def info(ctx: Context) -> dict:
     if task not in ("encode", "score", "extract"):
         raise InvalidRequest(f"task {task!r} is not one of encode, score, extract", details={"option": "task"})
     ctx.model = model = ctx.default_model(task)
-    ctx.principal.check_model(ctx.service.model(model).id)  # an alias is checked as the model it names
-    return wire.tei.info(ctx.service.model(model), max_batch_tokens=settings.engine.max_batch_tokens,
-                         max_client_batch_size=settings.server.max_items_per_request,
-                         tokenization_workers=settings.engine.tokenizer_threads,
-                         max_concurrent_requests=settings.server.max_connections, version=__version__)
+    return _info(ctx.status(model), max_batch_tokens=settings.engine.max_batch_tokens,
+                 max_client_batch_size=settings.server.max_items_per_request,
+                 tokenization_workers=settings.engine.tokenizer_threads,
+                 max_concurrent_requests=settings.server.max_connections, version=__version__)
+
+
+def _info(status: ModelStatus, *, max_batch_tokens: int, max_client_batch_size: int, tokenization_workers: int,
+         max_concurrent_requests: int, version: str) -> dict:
+    """TEI's `/info` for the model a request would use."""
+    if "encode" in status.tasks:
+        model_type: dict = {"embedding": {"pooling": "splade" if status.outputs == ("sparse",)
+                                          else status.pooling or "none"}}
+    elif "score" in status.tasks:
+        model_type = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+    else:
+        model_type = {"classifier": {"id2label": {}, "label2id": {}}}
+    return {
+        "model_id": status.id, "model_sha": None, "model_dtype": "float32", "served_model_name": status.id,
+        "model_type": model_type, "max_concurrent_requests": max_concurrent_requests,
+        "max_input_length": status.max_length, "max_batch_tokens": max_batch_tokens, "max_batch_requests": None,
+        "max_client_batch_size": max_client_batch_size, "auto_truncate": False,
+        "tokenization_workers": tokenization_workers, "version": version, "sha": None, "docker_label": None,
+    }

@@ -116,10 +116,6 @@ class ModelCache:
         return failure.error if failure else None
 
     @property
-    def num_loaded(self) -> int:
-        return len(self._loaded)
-
-    @property
     def loaded_bytes(self) -> int:
         """Bytes held now: each model's measured tensors and its resident adapters, plus the
         workspace of the largest (counted once: the device runs one batch at a time)."""

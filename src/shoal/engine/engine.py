@@ -30,6 +30,7 @@ from .device import DeviceWorker, Pending
 from .fleet import Fleet
 from .scheduler import BatchLimits
 from .tasks import TASKS
+from .tasks.encode import prompt_of
 from .tokenizer import TokenizerPool
 
 log = logging.getLogger("shoal.engine")
@@ -137,15 +138,13 @@ class Engine:
     async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
                        prompt_name: str | None = None) -> list[list[Token]]:
         card = self.catalog.get(model_id)
-        if prompt_name is not None and prompt_name not in card.prompts:
-            raise InvalidRequest(f"model {card.id} has no prompt {prompt_name!r}; its prompts: "
-                                 f"{', '.join(sorted(card.prompts)) or 'none'}", details={"option": "prompt_name"})
-        prefix = card.prompts[prompt_name] if prompt_name else ""
+        prefix = prompt_of(card, prompt_name, None)
         deadline = time.monotonic() + self.settings.request_timeout_s
         runner, _ = await _within(self.fleet.acquire(card, None), deadline, "load")
         try:
             tokenizer = runner.tokenizer
-            cut = await asyncio.to_thread(lambda: [tokenizer.tokens(prefix + t, add_special_tokens) for t in texts])
+            cut = await self._tokenizers.map(
+                lambda chunk, _: [tokenizer.tokens(prefix + t, add_special_tokens) for t in chunk], texts)
         finally:
             self.fleet.release(card.id, None)
         return [[Token(*token) for token in tokens] for tokens in cut]

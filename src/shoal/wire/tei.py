@@ -1,5 +1,6 @@
 """Hugging Face text-embeddings-inference (TEI): `/rerank`, `/embed`, `/embed_sparse`, `/similarity`,
-`/` and `/info` — their requests and bare-list responses, as TEI's router defines them.
+`/` — their requests and bare-list responses, as TEI's router defines them (`/info` is built in
+`shoal.api.tei`).
 
 TEI's bodies name no model: the route picks one (`?model=`, `X-Shoal-Model`, else the server's
 default model for the verb). TEI's defaults hold: `truncate` false (a text longer than the model takes
@@ -17,7 +18,10 @@ import numpy as np
 
 from ..calls import EncodeCall, EncodeResult, ScoreCall, ScoreResult
 from ..errors import InvalidRequest
-from ..service import ModelStatus
+
+
+Inputs = str | Annotated[list[str], msgspec.Meta(min_length=1)]
+Direction = Literal["Right", "right", "Left", "left"]
 
 
 class RerankRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -27,7 +31,7 @@ class RerankRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_text: bool = False
     truncate: bool | None = False  # None: false, as TEI reads it
     # TEI's OpenAPI spells them "Left" / "Right"; its own default is written "right".
-    truncation_direction: Literal["Right", "right", "Left", "left"] = "Right"
+    truncation_direction: Direction = "Right"
 
 
 class Rank(msgspec.Struct, omit_defaults=True):
@@ -37,10 +41,7 @@ class Rank(msgspec.Struct, omit_defaults=True):
 
 
 def score_call(req: RerankRequest, model: str, request_id: str | None = None) -> ScoreCall:
-    if req.truncation_direction.lower() == "left":
-        raise InvalidRequest(
-            "truncation_direction \"Left\" is not supported: shoal truncates on the right only; "
-            "send \"Right\" or omit it", details={"path": "$.truncation_direction"})
+    check_direction(req.truncation_direction)
     return ScoreCall(model=model, query=req.query, documents=req.texts, raw_scores=req.raw_scores,
                      truncate=bool(req.truncate), request_id=request_id)
 
@@ -53,8 +54,6 @@ def ranks(req: RerankRequest, result: ScoreResult) -> list[Rank]:
 
 # --- embeddings: /embed, /embed_sparse, /similarity, / -------------------------------------------
 
-Inputs = str | Annotated[list[str], msgspec.Meta(min_length=1)]
-Direction = Literal["Right", "right", "Left", "left"]
 
 
 class EmbedRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -70,24 +69,12 @@ class EmbedRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class EmbedSparseRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`/embed_sparse`, and `/embed_all` (TEI's two requests have the same fields)."""
+
     inputs: Inputs
     truncate: bool | None = False
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
-
-
-class EmbedAllRequest(msgspec.Struct, forbid_unknown_fields=True):
-    inputs: Inputs
-    truncate: bool | None = False
-    truncation_direction: Direction = "Right"
-    prompt_name: str | None = None
-
-
-def embed_all_call(req: EmbedAllRequest, model: str, request_id: str | None = None) -> EncodeCall:
-    """Every token's last hidden state, unpooled and unnormalised."""
-    check_direction(req.truncation_direction)
-    return EncodeCall(model=model, texts=texts_of(req.inputs), prompt_name=req.prompt_name,
-                      truncate=bool(req.truncate), outputs=("token_states",), request_id=request_id)
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -134,10 +121,12 @@ def embed_call(req: EmbedRequest, model: str, request_id: str | None = None) -> 
                       request_id=request_id)
 
 
-def embed_sparse_call(req: EmbedSparseRequest, model: str, request_id: str | None = None) -> EncodeCall:
+def unpooled_call(req: EmbedSparseRequest, model: str, output: str, request_id: str | None = None) -> EncodeCall:
+    """`/embed_sparse` (`output` "sparse") or `/embed_all` ("token_states": every token's last
+    hidden state, unpooled and unnormalised)."""
     check_direction(req.truncation_direction)
     return EncodeCall(model=model, texts=texts_of(req.inputs), prompt_name=req.prompt_name,
-                      truncate=bool(req.truncate), outputs=("sparse",), request_id=request_id)
+                      truncate=bool(req.truncate), outputs=(output,), request_id=request_id)
 
 
 def similarity_call(req: SimilarityRequest, model: str, request_id: str | None = None) -> EncodeCall:
@@ -158,25 +147,3 @@ def similarities(result: EncodeResult) -> list[float]:
 def sparse_values(result: EncodeResult) -> list[list[SparseValue]]:
     return [[SparseValue(int(i), float(v)) for i, v in zip(item.sparse.indices, item.sparse.values)]
             for item in result.items]
-
-
-# --- /info --------------------------------------------------------------------------------------
-
-
-def info(status: ModelStatus, *, max_batch_tokens: int, max_client_batch_size: int, tokenization_workers: int,
-         max_concurrent_requests: int, version: str) -> dict:
-    """TEI's `/info` for the model a request would use."""
-    if "encode" in status.tasks:
-        model_type: dict = {"embedding": {"pooling": "splade" if status.outputs == ("sparse",)
-                                          else status.pooling or "none"}}
-    elif "score" in status.tasks:
-        model_type = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
-    else:
-        model_type = {"classifier": {"id2label": {}, "label2id": {}}}
-    return {
-        "model_id": status.id, "model_sha": None, "model_dtype": "float32", "served_model_name": status.id,
-        "model_type": model_type, "max_concurrent_requests": max_concurrent_requests,
-        "max_input_length": status.max_length, "max_batch_tokens": max_batch_tokens, "max_batch_requests": None,
-        "max_client_batch_size": max_client_batch_size, "auto_truncate": False,
-        "tokenization_workers": tokenization_workers, "version": version, "sha": None, "docker_label": None,
-    }

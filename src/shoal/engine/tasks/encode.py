@@ -44,7 +44,7 @@ class EncodeTask:
             raise InvalidRequest("no texts to encode", details={"option": "texts"})
         check_texts(call.texts)
         spec = _spec(card, call)
-        prefix = _prompt(card, call)
+        prefix = prompt_of(card, call.prompt_name, call.is_query)
         texts = [prefix + t for t in call.texts] if prefix else list(call.texts)
         estimated = sum(estimate_tokens(t, card.max_length) for t in texts)
         return EncodePlan(card, call, spec, texts, estimated, prefix)
@@ -170,11 +170,13 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
     )
 
 
-def _prompt(card: ModelCard, call: EncodeCall) -> str:
-    if call.prompt_name is not None and call.prompt_name not in card.prompts:
+def prompt_of(card: ModelCard, prompt_name: str | None, is_query: bool | None) -> str:
+    """The text prefix a request asks for (a prompt by name, or the query/document prompt); an
+    unknown name is an InvalidRequest listing the card's prompts."""
+    if prompt_name is not None and prompt_name not in card.prompts:
         allowed = ", ".join(sorted(card.prompts)) or "none"
         raise InvalidRequest(
-            f"model {card.id} has no prompt {call.prompt_name!r}; its prompts: {allowed}",
+            f"model {card.id} has no prompt {prompt_name!r}; its prompts: {allowed}",
             details={"model": card.id, "option": "prompt_name", "allowed": sorted(card.prompts)},
         )
-    return card.prompt_for(call.prompt_name, call.is_query)
+    return card.prompt_for(prompt_name, is_query)
