@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
     serve.set_defaults(func=cmd_serve)
 
+    from .cluster.cli import register as register_cluster
+
+    register_cluster(sub, common, sys.modules[__name__])
+
     models = sub.add_parser("models", help="list the model cards")
     common(models)
     models.set_defaults(func=cmd_models)

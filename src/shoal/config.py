@@ -84,6 +84,32 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class ClusterSettings:
+    """`shoal gateway` and `shoal worker` (shoal/cluster): the NATS JetStream work queue."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    # Workers serve the subjects `shoal.work.<pool>.<model>`; a gateway sends to any pool that serves a model.
+    pool: str = "default"
+    # A delivered call not acked (nor marked in progress) within this long is redelivered to another worker.
+    ack_wait_s: float = 30.0
+    # Deliveries of one call before it goes to the dead-letter stream and its caller gets a 5xx.
+    max_deliver: int = 5
+    # Workers announce themselves this often; one silent for `worker_ttl_s` serves nothing.
+    heartbeat_s: float = 1.0
+    worker_ttl_s: float = 5.0
+    # A worker keeps about this many seconds of work (at its measured tokens/s) pulled and in flight
+    # per device, and never less than `min_inflight_tokens`: more stays in the queue for its siblings.
+    prefetch_s: float = 0.5
+    min_inflight_tokens: int = 4096
+    # What a worker pulled beyond that comes back to the queue after this delay (nak).
+    nak_delay_s: float = 0.05
+    # A gateway answers 503 at once while NATS is unreachable; this long at most for a publish's ack.
+    publish_timeout_s: float = 5.0
+    # Calls and results larger than the server's message limit less this go through the Object Store.
+    payload_headroom_bytes: int = 64 * 1024
+
+
+@dataclass(frozen=True)
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -95,6 +121,7 @@ class Settings:
     models: tuple[str, ...] = ()
     # `--alias NAME=MODEL` (SHOAL_ALIASES="NAME=MODEL,..."): more names for served models.
     aliases: tuple[tuple[str, str], ...] = ()
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -135,8 +162,14 @@ class Settings:
         models = tuple(m for m in env.get("SHOAL_MODELS", "").split(",") if m)
         pairs = [a.split("=", 1) for a in env.get("SHOAL_ALIASES", "").split(",") if "=" in a]
         aliases = tuple((name.strip(), target.strip()) for name, target in pairs if name.strip() and target.strip())
+        cluster = ClusterSettings(
+            nats_url=env.get("SHOAL_NATS_URL", ClusterSettings.nats_url),
+            pool=env.get("SHOAL_POOL", ClusterSettings.pool),
+            ack_wait_s=float(env.get("SHOAL_ACK_WAIT_S", ClusterSettings.ack_wait_s)),
+            max_deliver=int(env.get("SHOAL_MAX_DELIVER", ClusterSettings.max_deliver)),
+        )
         return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline, models=models,
-                   aliases=aliases)
+                   aliases=aliases, cluster=cluster)
 
 
 def _optional_float(value: str | None, default: float | None) -> float | None:

@@ -10,12 +10,15 @@
     ├── Unauthorized                no bearer token, or one this server does not know (401)
     ├── Forbidden                   the token may not do this: an admin route, a model off its list (403)
     ├── Overloaded                  the queue is full, a model is loading, the device restarts; retry later
+    │   ├── NoWorker                no live worker of the cluster serves the model (yet: scale from zero)
+    │   └── QueueUnavailable        the cluster's work queue (NATS) is unreachable from the gateway
     ├── DeadlineExceeded            the call's deadline passed before it was served; names the phase
     ├── Cancelled                   the caller went away; its remaining work was dropped
     ├── InferenceFailed             the model failed on some items (the server log has the traceback)
     ├── ConfigError                 the settings ask for something this machine lacks (a GPU)
     ├── CardError                   a model card (YAML) is malformed; names the file and field
-    └── ModelLoadError              weights or tokenizer could not be found or loaded (502; back off)
+    ├── ModelLoadError              weights or tokenizer could not be found or loaded (502; back off)
+    └── DeadLetter                  the cluster delivered the call max_deliver times and no worker answered (502)
 
 Each error carries a stable `code` (a short snake_case string), optional `details` and, for
 Overloaded, `retry_after_s`. `error_from_code` rebuilds the same class from those fields, so an
@@ -87,6 +90,14 @@ class Overloaded(ShoalError):
         return self._retry_after_s
 
 
+class NoWorker(Overloaded):
+    code = "no_worker"
+
+
+class QueueUnavailable(Overloaded):
+    code = "queue_unavailable"
+
+
 class DeadlineExceeded(ShoalError):
     code = "deadline_exceeded"
 
@@ -122,6 +133,12 @@ class ModelLoadError(ShoalError):
     @property
     def retry_after_s(self) -> float | None:
         return self._retry_after_s
+
+
+class DeadLetter(ShoalError):
+    """Every delivery of the call ended without an answer (its workers died or timed out on it)."""
+
+    code = "dead_letter"
 
 
 # An absolute path (or ~/...) in a message: a server's internals, not for its clients.

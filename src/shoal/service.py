@@ -29,7 +29,8 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     prompts: tuple[str, ...] = ()
     description: str = ""
     extract: str | None = None  # an extraction model's kind: gliner, token_class or zero_shot
-    # Residency: not_loaded, loading, loaded or failed (then `error` says why, as a client sees it).
+    # Residency: not_loaded, loading, loaded or failed (then `error` says why, as a client sees it);
+    # on a cluster gateway also no_worker (no live worker serves it).
     state: str = "not_loaded"
     bytes: int | None = None  # measured bytes while loaded (its tensors and resident adapters)
     pinned: bool = False
@@ -38,6 +39,16 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     adapters_loaded: tuple[str, ...] = ()
     error: str | None = None
     aliases: tuple[str, ...] = ()  # other names a request may use for it
+
+
+def status_of_card(card, **residency) -> ModelStatus:
+    """A card's `ModelStatus`; `residency` sets the fields the server measures (state, bytes...)."""
+    return ModelStatus(
+        id=card.id, tasks=card.tasks, outputs=card.outputs if "encode" in card.tasks else (),
+        max_length=card.max_length, verified=card.verified, architecture=card.architecture,
+        dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
+        description=card.description, extract=card.extract.kind if card.extract else None,
+        adapters=tuple(sorted(card.adapters)), **{"loaded": False, **residency})
 
 
 class Token(msgspec.Struct, frozen=True):

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from .. import wire
 from ..errors import (
     Cancelled,
+    DeadLetter,
     DeadlineExceeded,
     Forbidden,
     InferenceFailed,
@@ -43,6 +44,7 @@ _STATUS: tuple[tuple[type[ShoalError], int], ...] = (
     # The model is served but loading it failed (weights missing or broken): an upstream failure,
     # not the caller's fault; Retry-After says when the next attempt is (engine/cache.py backs off).
     (ModelLoadError, 502),
+    (DeadLetter, 502),  # the workers failed on it: an upstream failure; the body has the request id
     (ShoalError, 500),
 )
 

@@ -21,7 +21,7 @@ import msgspec
 
 from ..catalog import ADAPTERS_DIR, Catalog, ModelCard
 from ..errors import InvalidRequest, ModelLoadError
-from ..service import ADMIN_ACTIONS, CardProblem, ModelStatus
+from ..service import ADMIN_ACTIONS, CardProblem, ModelStatus, status_of_card
 from .cache import ModelCache
 
 log = logging.getLogger("shoal.fleet")
@@ -100,15 +100,10 @@ class Fleet:
         loaded = cache.is_loaded(card.id)
         state = ("loaded" if loaded else "loading" if cache.is_loading(card.id)
                  else "failed" if failure is not None else "not_loaded")
-        return ModelStatus(
-            id=card.id, tasks=card.tasks, outputs=card.outputs if "encode" in card.tasks else (),
-            max_length=card.max_length, verified=card.verified, loaded=loaded, architecture=card.architecture,
-            dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
-            description=card.description, extract=card.extract.kind if card.extract else None,
-            state=state, bytes=cache.model_bytes(card.id) if loaded else None, pinned=cache.is_pinned(card.id),
-            device=self._device, adapters=tuple(sorted(card.adapters)), adapters_loaded=cache.adapters_of(card.id),
-            aliases=self.catalog.aliases_of(card.id),
-            error=failure.message if failure is not None and not loaded else None,
+        return status_of_card(
+            card, loaded=loaded, state=state, bytes=cache.model_bytes(card.id) if loaded else None,
+            pinned=cache.is_pinned(card.id), device=self._device, adapters_loaded=cache.adapters_of(card.id),
+            aliases=self.catalog.aliases_of(card.id), error=failure.message if failure is not None and not loaded else None,
         )
 
     def problems(self) -> list[CardProblem]:

@@ -1,0 +1,492 @@
+"""`RemoteService`: the `Service` a cluster gateway serves its HTTP routes over (torch-free).
+
+The gateway reads only a call's envelope: it resolves the model (an alias to its id; a typo is a
+404 from the catalog), picks a pool whose live workers serve it, and publishes the call, with a
+request id, a deadline and a token estimate in its headers, to `shoal.work.<pool>.<model>` on the
+JetStream work queue. It then awaits the worker's reply on its own inbox:
+
+    run(call) ─ resolve ─ no live worker? ─────────────── 503 no_worker + Retry-After, demand gauge
+              │                NATS down? ─────────────── 503 queue_unavailable
+              ├ larger than the message limit: body to the Object Store, the message names it
+              ├ publish (JetStream acks it: stored) ───── no ack in publish_timeout_s: 503
+              ├ await the reply (result, or an error result) until the deadline (+ a grace)
+              └ finally, unanswered (deadline, client gone): delete the message from the stream
+                (not yet delivered: never computed) and broadcast the request id on shoal.cancel
+                (delivered: the worker drops it); the call's object is deleted in every case
+
+Dead letters: JetStream publishes an advisory when a call has been delivered `max_deliver` times;
+the SHOAL_DEAD stream keeps those, and every gateway pulls from one shared durable consumer: it
+reads the call's headers from the work stream, answers its caller (on whichever gateway that is)
+with a 502 `dead_letter` naming the request id, and deletes the call.
+
+Heartbeats arrive on core NATS (`shoal.hb.<worker>`): a worker silent for `worker_ttl_s`, or
+draining, serves nothing. Core subscriptions come back by themselves after a reconnect, and a
+gateway asks for every heartbeat at once (`shoal.ping`) when it (re)connects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from prometheus_client import Counter, Gauge
+
+from .. import calls
+from ..calls import AnyCall, AnyResult, ErrorResult
+from ..catalog import Catalog
+from ..config import Settings
+from ..errors import DeadLetter, DeadlineExceeded, InvalidRequest, NoWorker, QueueUnavailable, UnknownModel
+from ..metrics import Metrics
+from ..service import Capacity, CardProblem, ModelStatus, Token, status_of_card
+from . import protocol as p
+
+log = logging.getLogger("shoal.gateway")
+
+# How long past a call's deadline the gateway still waits for a reply it may be computing.
+_REPLY_GRACE_S = 2.0
+# The demand gauge counts unserved requests over this window.
+_DEMAND_WINDOW_S = 60.0
+
+
+class GatewayMetrics:
+    def __init__(self, registry) -> None:
+        r = registry
+        self.inflight = Gauge("shoal_gateway_inflight_calls", "Calls published and not yet answered", ["model"],
+                              registry=r)
+        self.published = Counter("shoal_gateway_published_calls", "Calls published to the work queue", ["model", "pool"],
+                                 registry=r)
+        self.demand = Gauge("shoal_gateway_demand", "Requests in the last minute for a model no live worker serves "
+                            "(what scales a pool up from zero)", ["model"], registry=r)
+        self.unserved = Counter("shoal_gateway_unserved_requests", "Requests refused because no live worker serves "
+                                "the model", ["model"], registry=r)
+        self.dead_letters = Counter("shoal_dead_letters", "Calls delivered max_deliver times without an answer",
+                                    ["model"], registry=r)
+        self.objects = Counter("shoal_gateway_object_payloads", "Calls (sent) and results (received) that went through "
+                               "the Object Store", ["direction"], registry=r)
+        self.workers = Gauge("shoal_gateway_workers", "Live workers, by pool", ["pool"], registry=r)
+        self.connected = Gauge("shoal_gateway_nats_connected", "1 while the gateway is connected to NATS", registry=r)
+        self.abandoned = Counter("shoal_gateway_abandoned_calls", "Calls given up before their reply (deadline "
+                                 "or client gone): deleted from the queue or cancelled on their worker",
+                                 ["model", "reason"], registry=r)
+
+
+class RemoteService:
+    """Serves calls by the cluster's workers (see the module docstring)."""
+
+    def __init__(self, settings: Settings, catalog: Catalog, *, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.cluster = settings.cluster
+        self.catalog = catalog
+        self.metrics = metrics or Metrics()
+        self.gm = GatewayMetrics(self.metrics.registry)
+        self.id = f"gw-{uuid.uuid4().hex[:12]}"
+        self._inbox = f"_INBOX.shoal.{self.id}"
+        self._pending: dict[str, asyncio.Future] = {}
+        self._workers: dict[str, tuple[float, p.Heartbeat]] = {}  # id -> (monotonic time received, heartbeat)
+        self._demand: dict[str, collections.deque] = {}
+        self._nc: Any = None
+        self._js: Any = None
+        self._store: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self._queue_ready = False
+        self._started = False
+        self._stopping = False
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Returns at once: the connection is made (and remade) in the background, so a gateway
+        starts, and answers 503, while NATS is down."""
+        self._started = True
+        self._tasks.append(asyncio.create_task(self._connect(), name="gateway-connect"))
+        self._tasks.append(asyncio.create_task(self._tick(), name="gateway-tick"))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(QueueUnavailable("the gateway is shutting down; retry", retry_after_s=1.0))
+        if self._nc is not None:
+            await self._nc.close()
+
+    async def warm(self, model_ids: list[str]) -> None:
+        """Workers load their own models (`shoal worker --preload`); a gateway holds none."""
+
+    @property
+    def ready(self) -> bool:
+        return self._started and not self._stopping and self._connected()
+
+    def _connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected and self._queue_ready
+
+    async def _connect(self) -> None:
+        nc = await p.connect(self.cluster.nats_url, f"shoal-gateway {self.id}",
+                             on_disconnect=self._on_disconnect, on_reconnect=self._on_reconnect,
+                             quiet=lambda: self._stopping)
+        self._nc, self._js = nc, nc.jetstream()
+        await nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        await nc.subscribe(f"{p.HEARTBEAT_PREFIX}.>", cb=self._on_heartbeat)
+        await self._setup()
+        self._tasks.append(asyncio.create_task(self._read_dead_letters(), name="gateway-dead-letters"))
+
+    async def _setup(self) -> None:
+        """Streams and bucket (a NATS that lost its store gets them back), then every heartbeat."""
+        while not self._stopping:
+            try:
+                await p.ensure_queue(self._js, self.cluster)
+                self._store = await self._js.object_store(p.PAYLOADS)
+                self._queue_ready = True
+                self.gm.connected.set(1)
+                await self._nc.publish(p.PING_SUBJECT, b"")
+                return
+            except Exception as exc:  # noqa: BLE001 (NATS not up yet, JetStream starting)
+                log.warning("gateway: cannot set up the work queue yet (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+
+    async def _on_disconnect(self) -> None:
+        self._queue_ready = False
+        self.gm.connected.set(0)
+
+    async def _on_reconnect(self) -> None:
+        asyncio.get_running_loop().create_task(self._setup())
+
+    async def _tick(self) -> None:
+        """Keeps the gauges true: live workers per pool, demand over the last minute."""
+        while True:
+            await asyncio.sleep(1.0)
+            pools = collections.Counter(beat.pool for beat in self._live())
+            for pool in {beat.pool for _, beat in self._workers.values()} | set(pools):
+                self.gm.workers.labels(pool).set(pools.get(pool, 0))
+            for model_id in list(self._demand):
+                self._record_demand(model_id, add=False)
+
+    # --- heartbeats -----------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            beat = msgspec.msgpack.decode(msg.data, type=p.Heartbeat)
+        except msgspec.DecodeError:
+            log.warning("gateway: an undecodable heartbeat on %s", msg.subject)
+            return
+        self._workers[beat.worker] = (time.monotonic(), beat)
+
+    def _live(self) -> list[p.Heartbeat]:
+        horizon = time.monotonic() - self.cluster.worker_ttl_s
+        for worker, (seen, _) in list(self._workers.items()):
+            if seen < horizon - 60.0:  # long gone: forget it
+                del self._workers[worker]
+        return [beat for seen, beat in self._workers.values() if seen >= horizon and not beat.draining]
+
+    def _served(self) -> dict[str, list[tuple[p.Heartbeat, ModelStatus]]]:
+        """Model id -> the live workers serving it, with each one's status of the model."""
+        served: dict[str, list[tuple[p.Heartbeat, ModelStatus]]] = {}
+        for beat in self._live():
+            for status in beat.models:
+                served.setdefault(status.id, []).append((beat, status))
+        return served
+
+    def _resolve(self, model_id: str, served: dict | None = None) -> str:
+        """The served or catalogued model `model_id` names (an id or an alias); else UnknownModel."""
+        served = self._served() if served is None else served
+        if model_id in served:
+            return model_id
+        for mid, holders in served.items():
+            if any(model_id in status.aliases for _, status in holders):
+                return mid
+        return self.catalog.get(model_id).id  # UnknownModel (with suggestions) for a typo
+
+    def _holders(self, model_id: str) -> list[tuple[p.Heartbeat, ModelStatus]]:
+        """The live workers serving the model; NoWorker (503, demand counted) when there are none."""
+        if not self._connected():
+            raise QueueUnavailable("the cluster's work queue (NATS) is unreachable from this gateway; retry shortly",
+                                   retry_after_s=2.0)
+        holders = self._served().get(model_id)
+        if not holders:
+            self.gm.unserved.labels(model_id).inc()
+            self._record_demand(model_id, add=True)
+            raise NoWorker(f"no worker serves {model_id} right now; retry shortly (a pool that scaled to zero is "
+                           "being woken by this demand)", retry_after_s=max(2.0, self.cluster.worker_ttl_s),
+                           details={"model": model_id})
+        return holders
+
+    def _record_demand(self, model_id: str, *, add: bool) -> None:
+        times = self._demand.setdefault(model_id, collections.deque())
+        now = time.monotonic()
+        if add:
+            times.append(now)
+        while times and times[0] < now - _DEMAND_WINDOW_S:
+            times.popleft()
+        self.gm.demand.labels(model_id).set(len(times))
+
+    @staticmethod
+    def _pool_of(holders: list[tuple[p.Heartbeat, ModelStatus]]) -> str:
+        """The pool with the most free capacity among the model's workers (most have one pool)."""
+        free: dict[str, int] = collections.defaultdict(int)
+        for beat, _ in holders:
+            free[beat.pool] += beat.free_tokens + 1
+        return max(free, key=free.__getitem__)
+
+    # --- Service: statuses ----------------------------------------------------------------------
+
+    def models(self) -> list[ModelStatus]:
+        served = self._served()
+        statuses = {mid: _merge(holders) for mid, holders in served.items()}
+        for card in self.catalog:
+            if card.id not in statuses:
+                statuses[card.id] = status_of_card(card, state="no_worker", aliases=self.catalog.aliases_of(card.id))
+        return sorted(statuses.values(), key=lambda s: s.id)
+
+    def model(self, model_id: str) -> ModelStatus:
+        served = self._served()
+        mid = self._resolve(model_id, served)
+        if mid in served:
+            return _merge(served[mid])
+        return status_of_card(self.catalog.get(mid), state="no_worker", aliases=self.catalog.aliases_of(mid))
+
+    def has_model(self, model_id: str) -> bool:
+        try:
+            self._resolve(model_id)
+        except UnknownModel:
+            return False
+        return True
+
+    def problems(self) -> list[CardProblem]:
+        seen = {problem.file: problem for beat in self._live() for problem in beat.problems}
+        return sorted(seen.values(), key=lambda problem: problem.file)
+
+    def capacity(self) -> Capacity:
+        live = self._live()
+        rates = [beat.tokens_per_s for beat in live if beat.tokens_per_s]
+        return Capacity(sum(beat.inflight_tokens for beat in live),
+                        sum(beat.inflight_tokens + beat.free_tokens for beat in live), sum(rates) if rates else None)
+
+    # --- Service: calls -------------------------------------------------------------------------
+
+    async def run(self, call: AnyCall) -> AnyResult:
+        model_id = self._resolve(call.model)
+        holders = self._holders(model_id)
+        pool = self._pool_of(holders)
+        timeout_s = self.settings.engine.request_timeout_s if call.timeout_s is None else call.timeout_s
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise InvalidRequest(f"timeout_s must be a number of seconds > 0, not {timeout_s!r}",
+                                 details={"option": "timeout_s"})
+        deadline = time.monotonic() + timeout_s
+        key = uuid.uuid4().hex
+        request_id = call.request_id or key
+        call = msgspec.structs.replace(call, model=model_id, request_id=request_id, timeout_s=timeout_s)
+        data = calls.encode(call)
+        headers = {p.REQUEST_ID: request_id, p.DEADLINE: f"{p.now() + timeout_s:.6f}",
+                   p.TOKENS: str(p.estimate_tokens(call)), p.REPLY: f"{self._inbox}.{key}", p.MSG_ID: key}
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        inflight = self.gm.inflight.labels(model_id)
+        inflight.inc()
+        seq = None
+        obj = None
+        answered = False
+        reason = "deadline"
+        try:
+            if len(data) > self._nc.max_payload - self.cluster.payload_headroom_bytes:
+                obj = f"call-{key}"
+                await asyncio.wait_for(self._store.put(obj, data), self._remaining(deadline))
+                self.gm.objects.labels("call").inc()
+                headers[p.OBJECT] = obj
+                data = b""
+            try:
+                ack = await self._js.publish(p.work_subject(pool, model_id), data, headers=headers,
+                                             timeout=min(self.cluster.publish_timeout_s, self._remaining(deadline)))
+            except Exception as exc:  # noqa: BLE001 (timeout, no responders, disconnected)
+                raise QueueUnavailable(f"the work queue did not take the call ({type(exc).__name__}); retry shortly",
+                                       retry_after_s=2.0, details={"request_id": request_id}) from None
+            seq = ack.seq
+            self.gm.published.labels(model_id, pool).inc()
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(future), self._remaining(deadline) + _REPLY_GRACE_S)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(
+                    "the request's deadline passed before a worker answered (phase: queue); retry later or with "
+                    "a longer timeout_s", details={"phase": "queue", "request_id": request_id}) from None
+            answered = True
+            result = await self._read_result(reply)
+        except asyncio.CancelledError:
+            reason = "cancelled"  # the client went away (the API cancels its handler)
+            raise
+        finally:
+            self._pending.pop(key, None)
+            inflight.dec()
+            if not answered and seq is not None:
+                self.gm.abandoned.labels(model_id, reason).inc()
+                asyncio.get_running_loop().create_task(self._abandon(seq, request_id))
+            if obj is not None:
+                asyncio.get_running_loop().create_task(self._delete_object(obj))
+        if isinstance(result, ErrorResult):
+            error = result.error()
+            error.details.setdefault("request_id", request_id)
+            raise error
+        return result
+
+    @staticmethod
+    def _remaining(deadline: float) -> float:
+        return max(0.001, deadline - time.monotonic())
+
+    async def _on_reply(self, msg) -> None:
+        key = msg.subject.rsplit(".", 1)[-1]
+        future = self._pending.get(key)
+        if future is not None and not future.done():
+            future.set_result(msg)
+        elif msg.headers and msg.headers.get(p.OBJECT):  # a second answer (a redelivery) or a late one
+            await self._delete_object(msg.headers[p.OBJECT])
+
+    async def _read_result(self, msg) -> AnyResult:
+        data = msg.data
+        name = msg.headers.get(p.OBJECT) if msg.headers else None
+        if name:
+            data = (await self._store.get(name)).data
+            self.gm.objects.labels("result").inc()
+            await self._delete_object(name)
+        return calls.decode_result(data)
+
+    async def _abandon(self, seq: int, request_id: str) -> None:
+        """A call nobody waits for: out of the queue if no worker has it, dropped by the one that does."""
+        try:
+            await self._js.delete_msg(p.STREAM, seq)  # gone already once a worker acked it
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            await self._nc.publish(p.CANCEL_SUBJECT, request_id.encode())
+        except Exception:  # noqa: BLE001 (NATS down: the worker finds the deadline passed instead)
+            pass
+
+    async def _delete_object(self, name: str) -> None:
+        try:
+            await self._store.delete(name)
+        except Exception:  # noqa: BLE001 (deleted already, or NATS down: the bucket's TTL removes it)
+            log.debug("gateway: object %s not deleted", name)
+
+    # --- dead letters ---------------------------------------------------------------------------
+
+    async def _read_dead_letters(self) -> None:
+        """Pull max-deliveries advisories (shared by every gateway) and answer their callers."""
+        from nats.errors import TimeoutError as NatsTimeout
+
+        sub = None
+        while not self._stopping:
+            try:
+                if sub is None:
+                    sub = await self._js.pull_subscribe(p.DEAD_SUBJECT, durable="gateways", stream=p.DEAD_STREAM)
+                for msg in await sub.fetch(16, timeout=1.0):
+                    await self._dead_letter(msg)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (disconnected; stream being recreated)
+                log.debug("gateway: dead letters: %s", exc)
+                sub = None
+                await asyncio.sleep(1.0)
+
+    async def _dead_letter(self, advisory) -> None:
+        try:
+            event = json.loads(advisory.data)
+            seq = int(event["stream_seq"])
+            stored = await self._js.get_msg(p.STREAM, seq)
+        except Exception as exc:  # noqa: BLE001 (already deleted: its caller gave up, or another gateway)
+            log.debug("gateway: dead letter without its call: %s", exc)
+            await advisory.ack()
+            return
+        headers = stored.headers or {}
+        request_id = headers.get(p.REQUEST_ID, "?")
+        model_id = p.untoken(stored.subject.rsplit(".", 1)[-1])
+        deliveries = event.get("deliveries", self.cluster.max_deliver)
+        log.error("dead letter: request %s for %s was delivered %s times without an answer", request_id, model_id,
+                  deliveries)
+        self.gm.dead_letters.labels(model_id).inc()
+        error = DeadLetter(f"request {request_id} was delivered to workers {deliveries} times and none answered "
+                           "(they died or ran past their time on it); it was not retried again",
+                           details={"request_id": request_id, "deliveries": deliveries})
+        if headers.get(p.REPLY):
+            await self._nc.publish(headers[p.REPLY], calls.encode(ErrorResult.of(error, request_id)))
+        try:
+            await self._js.delete_msg(p.STREAM, seq)
+        except Exception:  # noqa: BLE001
+            pass
+        await advisory.ack()
+
+    # --- Service: control (over core NATS request/reply to the workers) --------------------------
+
+    async def admin(self, model_id: str, action: str) -> ModelStatus:
+        """The action on every live worker that serves the model; the merged status after it."""
+        model_id = self._resolve(model_id)
+        holders = self._holders(model_id)
+        replies = await self._rpc_all("admin", model_id, p.RpcRequest(model=model_id, action=action), len(holders),
+                                      {beat.pool for beat, _ in holders})
+        statuses = [(None, reply.status) for reply in replies if reply.status is not None]
+        errors = [reply.error for reply in replies if reply.error]
+        if errors and not statuses:
+            raise ErrorResult(**errors[0]).error()
+        if not statuses:
+            raise NoWorker(f"no worker answered for {model_id}; retry", retry_after_s=2.0)
+        return _merge(statuses)
+
+    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
+                       prompt_name: str | None = None) -> list[list[Token]]:
+        model_id = self._resolve(model_id)
+        holders = self._holders(model_id)
+        request = p.RpcRequest(model=model_id, texts=texts, add_special_tokens=add_special_tokens,
+                               prompt_name=prompt_name)
+        subject = p.rpc_subject("tokenize", self._pool_of(holders), model_id)
+        try:
+            msg = await self._nc.request(subject, msgspec.msgpack.encode(request),
+                                         timeout=self.cluster.publish_timeout_s * 2)
+        except Exception as exc:  # noqa: BLE001
+            raise NoWorker(f"no worker answered the tokenize request for {model_id} ({type(exc).__name__}); retry",
+                           retry_after_s=2.0) from None
+        reply = msgspec.msgpack.decode(msg.data, type=p.RpcReply)
+        if reply.error:
+            raise ErrorResult(**reply.error).error()
+        return [[Token(*t) for t in tokens] for tokens in reply.tokens or []]
+
+    async def _rpc_all(self, action: str, model_id: str, request: p.RpcRequest, expected: int,
+                       pools: set[str]) -> list[p.RpcReply]:
+        """Send to every worker of `pools` serving the model; the replies of up to `expected` of them."""
+        inbox = self._nc.new_inbox()
+        replies: list[p.RpcReply] = []
+        done = asyncio.Event()
+
+        async def collect(msg) -> None:
+            replies.append(msgspec.msgpack.decode(msg.data, type=p.RpcReply))
+            if len(replies) >= expected:
+                done.set()
+
+        sub = await self._nc.subscribe(inbox, cb=collect)
+        try:
+            for pool in pools:
+                await self._nc.publish(p.rpc_subject(action, pool, model_id), msgspec.msgpack.encode(request),
+                                       reply=inbox)
+            try:
+                # A load may take as long as the engine's load timeout.
+                await asyncio.wait_for(done.wait(), self.settings.engine.load_timeout_s + 5.0)
+            except asyncio.TimeoutError:
+                pass
+        finally:
+            await sub.unsubscribe()
+        return replies
+
+
+def _merge(holders: list[tuple[Any, ModelStatus]]) -> ModelStatus:
+    """One status of a model from its workers': loaded if any has it loaded (then that one's)."""
+    statuses = [status for _, status in holders]
+    order = {"loaded": 0, "loading": 1, "not_loaded": 2, "failed": 3}
+    best = min(statuses, key=lambda s: order.get(s.state, 4))
+    adapters_loaded = tuple(sorted({a for s in statuses for a in s.adapters_loaded}))
+    return msgspec.structs.replace(best, adapters_loaded=adapters_loaded, pinned=any(s.pinned for s in statuses))

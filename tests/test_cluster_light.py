@@ -1,0 +1,341 @@
+"""The cluster's gateway and worker loop over a real nats-server, with in-memory stand-in services
+(torch-free: CI also runs this file where only `pip install 'shoal[cluster]'` is installed).
+
+Each test runs a `RemoteService` (the gateway's service) and `Worker`s in one event loop, on its
+own pool of the module's nats-server, so tests never see each other's queue. What needs real
+models and real processes (kill -9, restarts, HTTP parity with `shoal serve`) is in
+tests/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from standin import RERANK_MODEL, StandIn  # noqa: E402
+
+from shoal import calls  # noqa: E402
+from shoal.calls import EncodeCall, ScoreCall  # noqa: E402
+from shoal.catalog import Catalog  # noqa: E402
+from shoal.cluster import protocol as p  # noqa: E402
+from shoal.cluster.cli import free_port, start_nats  # noqa: E402
+from shoal.cluster.gateway import RemoteService  # noqa: E402
+from shoal.cluster.worker import Worker  # noqa: E402
+from shoal.config import ClusterSettings, EngineSettings, Settings  # noqa: E402
+from shoal.errors import DeadLetter, DeadlineExceeded, NoWorker, UnknownModel  # noqa: E402
+from shoal.metrics import Metrics  # noqa: E402
+
+MODEL = "standin/dense-16"
+
+pytestmark = [pytest.mark.light, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    port = free_port()
+    process = start_nats(port, tmp_path_factory.mktemp("jetstream"))
+    yield f"nats://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(10)
+
+
+def sample(metrics: Metrics, name: str, **labels) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+class Slow(StandIn):
+    """A stand-in whose calls wait for `gate` (set: they run at once), counting the calls it starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.started: list[str] = []
+
+    async def run(self, call):
+        self.started.append(call.request_id)
+        await self.gate.wait()
+        return await super().run(call)
+
+
+@contextlib.asynccontextmanager
+async def cluster(nats_url: str, pool: str, services: list[list], **cluster_options):
+    """A gateway and one worker per entry of `services` (a worker's list: one service per device)."""
+    settings = ClusterSettings(nats_url=nats_url, pool=pool, heartbeat_s=0.2, worker_ttl_s=2.0, **cluster_options)
+    gateway = RemoteService(Settings(cluster=settings, engine=EngineSettings(request_timeout_s=30.0)),
+                            Catalog.load())
+    await gateway.start()
+    stop = asyncio.Event()
+    workers = [Worker(devices, settings, metrics=Metrics()) for devices in services]
+    tasks = [asyncio.create_task(worker.run(stop)) for worker in workers]
+    try:
+        deadline = time.monotonic() + 20
+        while not (gateway.ready and len({b.worker for b in gateway._live() if b.pool == pool}) == len(workers)):
+            assert time.monotonic() < deadline, "the gateway never saw its workers"
+            await asyncio.sleep(0.05)
+        yield gateway, workers
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        await gateway.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_every_verb_round_trips_and_equals_the_service_run_in_process(nats_url):
+    async def body():
+        reference = StandIn()
+        async with cluster(nats_url, "verbs", [[StandIn()], [StandIn()]]) as (gateway, _):
+            encode = EncodeCall(model=MODEL, texts=["a fish", "a shoal of fish", "ünïcödé 🐟"])
+            got = await gateway.run(encode)
+            want = await reference.run(encode)
+            assert np.array_equal(np.stack(got.vectors), np.stack(want.vectors))
+            assert got.num_tokens == want.num_tokens
+            score = ScoreCall(model=RERANK_MODEL, query="fish shoal", documents=["a shoal", "cake", "fish"])
+            got_s, want_s = await gateway.run(score), await reference.run(score)
+            assert [(i.index, i.score) for i in got_s.items] == [(i.index, i.score) for i in want_s.items]
+            # An error on the worker comes back as itself.
+            with pytest.raises(Exception) as caught:
+                await gateway.run(EncodeCall(model=MODEL, texts=["x"], dimensions=10_000))
+            assert type(caught.value).__name__ == "InvalidRequest" and "dimensions" in caught.value.message
+            # tokenize and admin travel to the workers too.
+            assert [t.text for t in (await gateway.tokenize(MODEL, ["two words"]))[0]] == ["[CLS]", "two", "words",
+                                                                                          "[SEP]"]
+            status = await gateway.admin(MODEL, "load")
+            assert status.loaded and status.state == "loaded"
+            # The workers' heartbeats carry it within a beat.
+            await asyncio.sleep(0.5)
+            assert gateway.model(MODEL).state == "loaded"
+
+    run(body())
+
+
+def test_a_model_no_worker_serves_is_503_with_retry_after_and_counts_as_demand(nats_url):
+    async def body():
+        async with cluster(nats_url, "demand", [[StandIn()]]) as (gateway, _):
+            known = "BAAI/bge-small-en-v1.5"  # a catalog card no worker here serves
+            assert gateway.model(known).state == "no_worker"
+            for _ in range(3):
+                with pytest.raises(NoWorker) as caught:
+                    await gateway.run(EncodeCall(model=known, texts=["x"]))
+            assert caught.value.retry_after_s >= 1
+            assert sample(gateway.metrics, "shoal_gateway_demand", model=known) == 3
+            assert sample(gateway.metrics, "shoal_gateway_unserved_requests_total", model=known) == 3
+            with pytest.raises(UnknownModel):
+                await gateway.run(EncodeCall(model="no/such-model", texts=["x"]))
+
+    run(body())
+
+
+def test_work_pulled_for_the_host_goes_to_the_device_that_is_free(nats_url):
+    """Two devices share one host queue: with one device stuck, every call is served by the other,
+    none goes back to NATS (no nak, no redelivery)."""
+    async def body():
+        stuck, free = Slow(), StandIn()
+        stuck.gate.clear()
+        # Budgets of one token: a device holds one call at a time, so the stuck one holds just its first.
+        async with cluster(nats_url, "host", [[stuck, free]], min_inflight_tokens=1) as (gateway, [worker]):
+            first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["held"])))
+            while not stuck.started:  # the stuck device took the first call
+                await asyncio.sleep(0.01)
+            results = await asyncio.gather(*[gateway.run(EncodeCall(model=MODEL, texts=[f"text {i}"]))
+                                             for i in range(20)])
+            assert len(results) == 20 and len(free.calls) == 20 and len(stuck.started) == 1
+            assert sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) == 0
+            stuck.gate.set()
+            await first
+            assert sample(worker.metrics, "shoal_worker_calls_total", model=MODEL, outcome="ok") == 21
+
+    run(body())
+
+
+def test_a_call_whose_deadline_passed_in_the_queue_is_never_computed(nats_url):
+    async def body():
+        service = Slow()
+        async with cluster(nats_url, "deadline", [[service]]) as (gateway, [worker]):
+            # A call left in the queue past its deadline (its gateway died before deleting it).
+            nc = gateway._nc
+            inbox = nc.new_inbox()
+            replies = await nc.subscribe(inbox)
+            call = EncodeCall(model=MODEL, texts=["too late"], request_id="late-1")
+            await gateway._js.publish(p.work_subject("deadline", MODEL), calls.encode(call), headers={
+                p.REQUEST_ID: "late-1", p.DEADLINE: f"{p.now() - 1:.3f}", p.TOKENS: "4", p.REPLY: inbox})
+            deadline = time.monotonic() + 10
+            while sample(worker.metrics, "shoal_worker_calls_total", model=MODEL, outcome="dropped_deadline") < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert "late-1" not in service.started
+            with pytest.raises(Exception):
+                await replies.next_msg(timeout=0.3)  # nobody is answered for it
+            # Through the gateway: while the device is busy with a call as large as its budget, the
+            # worker pulls nothing more; the second call's deadline passes in the queue, the gateway
+            # deletes it there, and it is never computed.
+            service.gate.clear()
+            busy = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["x " * 10_000], request_id="busy")))
+            while "busy" not in service.started:
+                await asyncio.sleep(0.01)
+            with pytest.raises(DeadlineExceeded):
+                await gateway.run(EncodeCall(model=MODEL, texts=["short"], timeout_s=0.5, request_id="short"))
+            service.gate.set()
+            await busy
+            await asyncio.sleep(0.5)
+            assert "short" not in service.started
+            assert sample(gateway.metrics, "shoal_gateway_abandoned_calls_total", model=MODEL, reason="deadline") == 1
+            info = await gateway._js.stream_info(p.STREAM)
+            assert info.state.messages == 0
+
+    run(body())
+
+
+def test_what_a_worker_pulled_beyond_its_room_goes_back_to_the_queue_and_is_served_later(nats_url):
+    async def body():
+        settings = ClusterSettings(nats_url=nats_url, pool="overpull", heartbeat_s=0.2)
+        async with cluster(nats_url, "overpull-gw", [[StandIn()]]) as (gateway, _):
+            nc, js = gateway._nc, gateway._js
+            await p.ensure_consumer(js, settings, "overpull", MODEL)
+            inbox = nc.new_inbox()
+            replies = await nc.subscribe(inbox, max_msgs=5)
+            # Five calls of ~1,500 tokens wait in the queue before the worker starts: its first pull
+            # takes them all, only two fit its 4,096-token room.
+            for i in range(5):
+                call = EncodeCall(model=MODEL, texts=["word " * 1_200], request_id=f"big{i}")
+                await js.publish(p.work_subject("overpull", MODEL), calls.encode(call), headers={
+                    p.REQUEST_ID: f"big{i}", p.DEADLINE: f"{p.now() + 60:.3f}",
+                    p.TOKENS: str(p.estimate_tokens(call)), p.REPLY: inbox})
+            service = StandIn()
+            worker = Worker([service], settings, metrics=Metrics())
+            stop = asyncio.Event()
+            task = asyncio.create_task(worker.run(stop))
+            answered = []
+            for _ in range(5):
+                answered.append(calls.decode_result((await replies.next_msg(timeout=20)).data).request_id)
+            assert sorted(answered) == [f"big{i}" for i in range(5)]
+            assert sample(worker.metrics, "shoal_worker_naks_total", model=MODEL, reason="over_pulled") >= 1
+            assert sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) >= 1
+            assert len(service.calls) == 5  # each computed once
+            stop.set()
+            await asyncio.wait_for(task, 20)
+
+    run(body())
+
+
+def test_a_caller_that_goes_away_has_its_held_call_dropped(nats_url):
+    async def body():
+        service = Slow()
+        async with cluster(nats_url, "cancel", [[service]], min_inflight_tokens=1_000_000) as (gateway, [worker]):
+            service.gate.clear()
+            first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["first"], request_id="first")))
+            while "first" not in service.started:
+                await asyncio.sleep(0.01)
+            # The device runs one call at a time only if its budget says so; here it takes both, so
+            # the second is running (held by the engine) when its caller goes away.
+            second = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["second"], request_id="second")))
+            while "second" not in service.started:
+                await asyncio.sleep(0.01)
+            second.cancel()
+            deadline = time.monotonic() + 10
+            while sample(worker.metrics, "shoal_worker_calls_total", model=MODEL, outcome="dropped_cancelled") < 1:
+                assert time.monotonic() < deadline, "the worker never dropped the cancelled call"
+                await asyncio.sleep(0.05)
+            service.gate.set()
+            await first
+            assert [c.request_id for c in service.calls] == ["first"]  # "second" never produced a result
+
+    run(body())
+
+
+def test_a_call_delivered_max_deliver_times_is_a_dead_letter_answered_with_its_request_id(nats_url):
+    """A worker that dies on a call (here: a pull consumer that never acks, as a killed process)
+    makes JetStream give up after max_deliver; the gateway answers the caller 5xx with the id."""
+    async def body():
+        settings = ClusterSettings(nats_url=nats_url, pool="dead", ack_wait_s=0.5, max_deliver=2, heartbeat_s=0.2)
+        gateway = RemoteService(Settings(cluster=settings), Catalog.load())
+        await gateway.start()
+        try:
+            while not gateway.ready:
+                await asyncio.sleep(0.05)
+            nc, js = gateway._nc, gateway._js
+            model = StandIn().models()[0]
+            await p.ensure_consumer(js, settings, "dead", model.id)
+            sub = await js.pull_subscribe(p.work_subject("dead", model.id), durable=p.consumer_name("dead", model.id),
+                                          stream=p.STREAM)
+            beat = p.Heartbeat(worker="dying", pool="dead", host="h", devices=("x",), models=[model], free_tokens=9)
+
+            async def heartbeats():
+                while True:
+                    await nc.publish(f"{p.HEARTBEAT_PREFIX}.dying", msgspec.msgpack.encode(beat))
+                    await asyncio.sleep(0.2)
+
+            beating = asyncio.create_task(heartbeats())
+            await asyncio.sleep(0.3)
+            call = asyncio.create_task(gateway.run(EncodeCall(model=model.id, texts=["poison"], request_id="doomed")))
+            deliveries = []
+
+            async def die_on_each():  # take it and "die" (never ack), as long as JetStream delivers it
+                while True:
+                    try:
+                        deliveries.extend(await sub.fetch(1, timeout=1))
+                    except Exception:  # noqa: BLE001 (nothing to fetch)
+                        pass
+
+            dying = asyncio.create_task(die_on_each())
+            with pytest.raises(DeadLetter) as caught:
+                await asyncio.wait_for(call, 15)
+            dying.cancel()
+            assert len(deliveries) == 2
+            assert caught.value.details["request_id"] == "doomed" and "doomed" in caught.value.message
+            assert sample(gateway.metrics, "shoal_dead_letters_total", model=model.id) == 1
+            beating.cancel()
+        finally:
+            await gateway.stop()
+
+    run(body())
+
+
+def test_a_draining_worker_pulls_no_more_finishes_what_it_runs_and_leaves_the_rest_to_a_sibling(nats_url):
+    async def body():
+        draining = Slow()
+        draining.gate.clear()
+        # A budget of one token: the worker holds one call at a time, the others wait in the queue.
+        async with cluster(nats_url, "drain", [], min_inflight_tokens=1) as (gateway, _):
+            settings = ClusterSettings(nats_url=nats_url, pool="drain", heartbeat_s=0.2, worker_ttl_s=2.0,
+                                       min_inflight_tokens=1)
+            stop = asyncio.Event()
+            worker = Worker([draining], settings, metrics=Metrics())
+            task = asyncio.create_task(worker.run(stop))
+            while not gateway.has_model(MODEL) or not gateway._served().get(MODEL):
+                await asyncio.sleep(0.05)
+            pending = [asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=[f"t{i}"], request_id=f"r{i}")))
+                       for i in range(12)]
+            while not draining.started:
+                await asyncio.sleep(0.01)
+            stop.set()  # what SIGTERM does in `shoal worker`
+            await asyncio.sleep(0.5)
+            assert not gateway._served().get(MODEL)  # it said it is draining: the gateway stops counting on it
+            draining.gate.set()  # the call it runs finishes during the drain
+            await asyncio.wait_for(task, 20)
+            assert draining.calls and [c.request_id for c in draining.calls] == draining.started
+            sibling = StandIn()
+            other = Worker([sibling], settings, metrics=Metrics())
+            sibling_stop = asyncio.Event()
+            sibling_task = asyncio.create_task(other.run(sibling_stop))
+            results = await asyncio.wait_for(asyncio.gather(*pending), 20)
+            assert [r.request_id for r in results] == [f"r{i}" for i in range(12)]
+            ran = [c.request_id for c in draining.calls] + [c.request_id for c in sibling.calls]
+            assert sorted(ran) == sorted(f"r{i}" for i in range(12))  # each once
+            sibling_stop.set()
+            await asyncio.wait_for(sibling_task, 20)
+
+    run(body())
