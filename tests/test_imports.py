@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 LIGHT_MODULES = ["shoal", "shoal.wire", "shoal.config", "shoal.catalog", "shoal.api", "shoal.engine", "shoal.cli",
-                 "shoal.sdk"]
+                 "shoal.sdk", "shoal.cluster.protocol", "shoal.cluster.gateway", "shoal.cluster.worker",
+                 "shoal.cluster.cli"]
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
