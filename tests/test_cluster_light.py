@@ -231,6 +231,24 @@ def test_what_a_worker_pulled_beyond_its_room_goes_back_to_the_queue_and_is_serv
     run(body())
 
 
+def test_a_call_running_longer_than_ack_wait_is_kept_by_in_progress_not_redelivered(nats_url):
+    async def body():
+        service = Slow()
+        async with cluster(nats_url, "long", [[service], [StandIn()]], ack_wait_s=0.5) as (gateway, workers):
+            service.gate.clear()
+            long = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["long"], request_id="long")))
+            while "long" not in service.started:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(2.0)  # four ack_waits
+            service.gate.set()
+            result = await long
+            assert result.request_id == "long" and service.started == ["long"]
+            for worker in workers:
+                assert sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) == 0
+
+    run(body())
+
+
 def test_a_caller_that_goes_away_has_its_held_call_dropped(nats_url):
     async def body():
         service = Slow()

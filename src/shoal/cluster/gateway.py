@@ -91,6 +91,7 @@ class RemoteService:
         self._pending: dict[str, asyncio.Future] = {}
         self._workers: dict[str, tuple[float, p.Heartbeat]] = {}  # id -> (monotonic time received, heartbeat)
         self._demand: dict[str, collections.deque] = {}
+        self._served_cache: tuple[float, dict] | None = None
         self._nc: Any = None
         self._js: Any = None
         self._store: Any = None
@@ -178,7 +179,10 @@ class RemoteService:
         except msgspec.DecodeError:
             log.warning("gateway: an undecodable heartbeat on %s", msg.subject)
             return
+        previous = self._workers.get(beat.worker)
         self._workers[beat.worker] = (time.monotonic(), beat)
+        if previous is None or previous[1].draining != beat.draining or previous[1].models != beat.models:
+            self._served_cache = None  # a worker came, went or changed what it serves
 
     def _live(self) -> list[p.Heartbeat]:
         horizon = time.monotonic() - self.cluster.worker_ttl_s
@@ -188,11 +192,16 @@ class RemoteService:
         return [beat for seen, beat in self._workers.values() if seen >= horizon and not beat.draining]
 
     def _served(self) -> dict[str, list[tuple[p.Heartbeat, ModelStatus]]]:
-        """Model id -> the live workers serving it, with each one's status of the model."""
+        """Model id -> the live workers serving it, with each one's status of the model (rebuilt at
+        most every 50 ms or on news from a worker: every request asks)."""
+        now = time.monotonic()
+        if self._served_cache is not None and now - self._served_cache[0] < 0.05:
+            return self._served_cache[1]
         served: dict[str, list[tuple[p.Heartbeat, ModelStatus]]] = {}
         for beat in self._live():
             for status in beat.models:
                 served.setdefault(status.id, []).append((beat, status))
+        self._served_cache = (now, served)
         return served
 
     def _resolve(self, model_id: str, served: dict | None = None) -> str:
