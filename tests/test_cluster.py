@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -367,3 +368,34 @@ def test_with_nats_down_the_gateway_answers_503_within_the_deadline_and_recovers
            ).status_code != 200:
         assert time.monotonic() < deadline, f"{response.text}\n{cluster.logs()}"
         time.sleep(0.2)
+
+
+def test_dev_cluster_starts_everything_prints_its_url_and_stops_it_all_on_ctrl_c(tmp_path):
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "shoal.cli", "dev-cluster", "--workers", "1", "--port", str(port),
+           "--models", MODEL_ID, "--preload", MODEL_ID, "--store-dir", str(tmp_path / "store"),
+           "--metrics-port", str(metrics_port)]
+    process = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("shoal dev-cluster: http://" in line for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            lines.append(process.stdout.readline())
+        url = next(line for line in lines if "shoal dev-cluster: http://" in line).split()[2]
+        assert url == f"http://127.0.0.1:{port}"
+        nats_port = int(next(line for line in lines if "nats://" in line).split("nats://127.0.0.1:")[1].split()[0])
+        while (response := post(url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "hi"}]})).status_code != 200:
+            assert time.monotonic() < deadline, response.text
+            time.sleep(0.2)
+        assert "shoal_worker_calls_total" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert process.wait(60) == 0
+        for closed in (port, nats_port, metrics_port):  # the gateway, nats-server and the worker are gone
+            with socket.socket() as sock:
+                assert sock.connect_ex(("127.0.0.1", closed)) != 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stdout.close()
