@@ -121,14 +121,17 @@ def wait_for_port(port: int, timeout_s: float, process: subprocess.Popen | None 
 
 def start_nats(port: int, store_dir: Path, *, log_file=None) -> subprocess.Popen:
     """nats-server with JetStream on loopback, its store in `store_dir`."""
+    # Its own session: a Ctrl-C in the terminal reaches dev-cluster, which stops the parts in order.
     process = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)],
-                               stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                               stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for_port(port, 20.0, process)
     return process
 
 
 def cmd_dev_cluster(args: argparse.Namespace) -> int:
-    """nats-server, a gateway and N workers on this machine, until Ctrl-C."""
+    """nats-server, a gateway and N workers on this machine, until Ctrl-C. The children run in
+    their own sessions, so the terminal's Ctrl-C reaches only this process, which then stops the
+    gateway, drains the workers (SIGTERM) and stops NATS, in that order."""
     nats_port = args.nats_port or free_port()
     store = Path(args.store_dir) if args.store_dir else Path(tempfile.mkdtemp(prefix="shoal-nats-"))
     url = f"nats://127.0.0.1:{nats_port}"
@@ -152,11 +155,11 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
                 cmd += ["--preload", m]
             if args.metrics_port:
                 cmd += ["--metrics-port", str(args.metrics_port + i)]
-            children.append((f"worker {i}", subprocess.Popen(cmd, env=env)))
+            children.append((f"worker {i}", subprocess.Popen(cmd, env=env, start_new_session=True)))
         gateway = [*shoal, "gateway", "--nats-url", url, "--host", args.host, "--port", str(args.port), *shared]
         if args.default_model:
             gateway += ["--default-model", args.default_model]
-        children.append(("gateway", subprocess.Popen(gateway, env=env)))
+        children.append(("gateway", subprocess.Popen(gateway, env=env, start_new_session=True)))
         wait_for_port(args.port, 60.0, children[-1][1])
         print(f"shoal dev-cluster: http://{args.host}:{args.port} (gateway) · {url} (NATS, store {store}) · "
               f"{args.workers} worker(s); Ctrl-C stops them all", flush=True)
