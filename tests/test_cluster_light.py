@@ -94,6 +94,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def until(condition, what: str, timeout_s: float = 20.0) -> None:
+    """Wait for `condition()`; fail naming `what` if it does not hold within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_every_verb_round_trips_and_equals_the_service_run_in_process(nats_url):
     async def body():
         reference = StandIn()
@@ -148,8 +156,7 @@ def test_work_pulled_for_the_host_goes_to_the_device_that_is_free(nats_url):
         # Budgets of one token: a device holds one call at a time, so the stuck one holds just its first.
         async with cluster(nats_url, "host", [[stuck, free]], min_inflight_tokens=1) as (gateway, [worker]):
             first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["held"])))
-            while not stuck.started:  # the stuck device took the first call
-                await asyncio.sleep(0.01)
+            await until(lambda: stuck.started, "the stuck device took the first call")
             results = await asyncio.gather(*[gateway.run(EncodeCall(model=MODEL, texts=[f"text {i}"]))
                                              for i in range(20)])
             assert len(results) == 20 and len(free.calls) == 20 and len(stuck.started) == 1
@@ -184,8 +191,7 @@ def test_a_call_whose_deadline_passed_in_the_queue_is_never_computed(nats_url):
             # deletes it there, and it is never computed.
             service.gate.clear()
             busy = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["x " * 10_000], request_id="busy")))
-            while "busy" not in service.started:
-                await asyncio.sleep(0.01)
+            await until(lambda: "busy" in service.started, "the busy call started")
             with pytest.raises(DeadlineExceeded):
                 await gateway.run(EncodeCall(model=MODEL, texts=["short"], timeout_s=0.5, request_id="short"))
             service.gate.set()
@@ -233,18 +239,24 @@ def test_what_a_worker_pulled_beyond_its_room_goes_back_to_the_queue_and_is_serv
 
 def test_a_call_running_longer_than_ack_wait_is_kept_by_in_progress_not_redelivered(nats_url):
     async def body():
-        service = Slow()
-        async with cluster(nats_url, "long", [[service], [StandIn()]], ack_wait_s=0.5) as (gateway, workers):
-            service.gate.clear()
+        service, sibling = Slow(), StandIn()
+        service.gate.clear()
+        async with cluster(nats_url, "long", [[service]], ack_wait_s=1.0) as (gateway, [worker]):
             long = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["long"], request_id="long")))
-            while "long" not in service.started:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(2.0)  # four ack_waits
+            await until(lambda: "long" in service.started, "the long call started")
+            # A sibling that would take the call if it were redelivered.
+            settings = ClusterSettings(nats_url=nats_url, pool="long", heartbeat_s=0.2, ack_wait_s=1.0)
+            other = Worker([sibling], settings, metrics=Metrics())
+            stop = asyncio.Event()
+            task = asyncio.create_task(other.run(stop))
+            await asyncio.sleep(3.0)  # three ack_waits
             service.gate.set()
             result = await long
-            assert result.request_id == "long" and service.started == ["long"]
-            for worker in workers:
-                assert sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) == 0
+            assert result.request_id == "long" and service.started == ["long"] and sibling.calls == []
+            for w in (worker, other):
+                assert sample(w.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) == 0
+            stop.set()
+            await asyncio.wait_for(task, 20)
 
     run(body())
 
@@ -255,13 +267,11 @@ def test_a_caller_that_goes_away_has_its_held_call_dropped(nats_url):
         async with cluster(nats_url, "cancel", [[service]], min_inflight_tokens=1_000_000) as (gateway, [worker]):
             service.gate.clear()
             first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["first"], request_id="first")))
-            while "first" not in service.started:
-                await asyncio.sleep(0.01)
+            await until(lambda: "first" in service.started, "the first call started")
             # The device runs one call at a time only if its budget says so; here it takes both, so
             # the second is running (held by the engine) when its caller goes away.
             second = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["second"], request_id="second")))
-            while "second" not in service.started:
-                await asyncio.sleep(0.01)
+            await until(lambda: "second" in service.started, "the second call started")
             second.cancel()
             deadline = time.monotonic() + 10
             while sample(worker.metrics, "shoal_worker_calls_total", model=MODEL, outcome="dropped_cancelled") < 1:
@@ -282,8 +292,7 @@ def test_a_call_delivered_max_deliver_times_is_a_dead_letter_answered_with_its_r
         gateway = RemoteService(Settings(cluster=settings), Catalog.load())
         await gateway.start()
         try:
-            while not gateway.ready:
-                await asyncio.sleep(0.05)
+            await until(lambda: gateway.ready, "the gateway connected")
             nc, js = gateway._nc, gateway._js
             model = StandIn().models()[0]
             await p.ensure_consumer(js, settings, "dead", model.id)
@@ -333,12 +342,10 @@ def test_a_draining_worker_pulls_no_more_finishes_what_it_runs_and_leaves_the_re
             stop = asyncio.Event()
             worker = Worker([draining], settings, metrics=Metrics())
             task = asyncio.create_task(worker.run(stop))
-            while not gateway.has_model(MODEL) or not gateway._served().get(MODEL):
-                await asyncio.sleep(0.05)
+            await until(lambda: gateway._served().get(MODEL), "the gateway saw the worker")
             pending = [asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=[f"t{i}"], request_id=f"r{i}")))
                        for i in range(12)]
-            while not draining.started:
-                await asyncio.sleep(0.01)
+            await until(lambda: draining.started, "the draining worker started a call")
             stop.set()  # what SIGTERM does in `shoal worker`
             await asyncio.sleep(0.5)
             assert not gateway._served().get(MODEL)  # it said it is draining: the gateway stops counting on it

@@ -49,7 +49,7 @@ def _settings(args: argparse.Namespace):
                    aliases=tuple(aliases))
 
 
-def _engine(settings, *, strict: bool = True):
+def _engine(settings, *, strict: bool = True, metrics=None):
     """The in-process engine over the catalog `settings` admit. `strict`: a broken card in a
     models directory is an error (one-shot commands); a server logs and lists it instead."""
     from .catalog import Catalog
@@ -62,7 +62,8 @@ def _engine(settings, *, strict: bool = True):
 
     catalog = Catalog.load(settings.models_dirs, strict=strict).restrict(settings.models)
     catalog.with_aliases(dict(settings.aliases))
-    return Engine(settings.engine, catalog, allow_download=settings.allow_download, models_dirs=settings.models_dirs)
+    return Engine(settings.engine, catalog, allow_download=settings.allow_download, models_dirs=settings.models_dirs,
+                  metrics=metrics)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -24,7 +24,6 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", help="the worker pool (default 'default'; SHOAL_POOL): subjects shoal.work.<pool>.<model>")
     p.add_argument("--ack-wait-s", type=float, help="seconds before an unacked call is redelivered (default 30)")
     p.add_argument("--max-deliver", type=int, help="deliveries of a call before it is a dead letter (default 5)")
-    p.add_argument("--request-timeout-s", type=float, help="deadline of a call that names none (default 300)")
 
 
 def cluster_settings(args: argparse.Namespace, settings):
@@ -52,6 +51,8 @@ def cmd_gateway(args: argparse.Namespace, base_settings) -> int:
     check_bind(server.host, auth, server.no_auth)
     catalog = Catalog.load(settings.models_dirs, strict=False).restrict(settings.models)
     catalog.with_aliases(dict(settings.aliases))
+    if server.default_model:
+        catalog.get(server.default_model)  # fail fast on a typo, before binding the port
     service = RemoteService(settings, catalog)
     app = create_app(settings, service, auth=auth)
     serve(app, server, log_level=args.log_level)
@@ -63,14 +64,18 @@ def cmd_worker(args: argparse.Namespace, base_settings, make_engine) -> int:
 
     settings = cluster_settings(args, base_settings)
     devices = [d for spec in (args.device or ["cpu"]) for d in spec.split(",") if d]
-    engines = [make_engine(replace(settings, engine=replace(settings.engine, device=device))) for device in devices]
+    from ..metrics import Metrics
+
+    metrics = Metrics()  # one registry for the host: its /metrics shows every device's engine
+    engines = [make_engine(replace(settings, engine=replace(settings.engine, device=device)), metrics)
+               for device in devices]
     preload = tuple(dict.fromkeys([*(args.preload or []), *engines[0].fleet.preload_ids]))
     for model_id in preload:
         engines[0].catalog.get(model_id)  # fail fast on a typo
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = Worker(engines, settings.cluster, devices=[f"{d}#{i}" for i, d in enumerate(devices)],
-                    metrics=engines[0].metrics, preload=preload)
+                    metrics=metrics, preload=preload)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -146,7 +151,7 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
     children: list[tuple[str, subprocess.Popen]] = []
     env = dict(os.environ)
     if args.threads_per_worker:
-        env.setdefault("OMP_NUM_THREADS", str(args.threads_per_worker))
+        env["OMP_NUM_THREADS"] = str(args.threads_per_worker)
     try:
         children.append(("nats-server", start_nats(nats_port, store)))
         for i in range(args.workers):
@@ -200,6 +205,7 @@ def register(sub, common, cli) -> None:
     gateway.add_argument("--auth-tokens-file", metavar="FILE", help="bearer tokens (YAML; see docs/operations.md)")
     gateway.add_argument("--no-auth", action="store_true", help="serve a non-loopback address without tokens")
     gateway.add_argument("--default-model", metavar="MODEL", help="the model of routes whose bodies name none")
+    gateway.add_argument("--request-timeout-s", type=float, help="deadline of a call that names none (default 300)")
     gateway.add_argument("--log-level", default="info")
     gateway.set_defaults(func=lambda args: cmd_gateway(args, cli._settings(args)))
 
@@ -216,7 +222,7 @@ def register(sub, common, cli) -> None:
     worker.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
     worker.add_argument("--log-level", default="info")
     worker.set_defaults(func=lambda args: cmd_worker(args, cli._settings(args),
-                                                     lambda s: cli._engine(s, strict=False)))
+                                                     lambda s, m: cli._engine(s, strict=False, metrics=m)))
 
     dev = sub.add_parser("dev-cluster", help="nats-server, a gateway and N workers on this machine (Ctrl-C stops)")
     common(dev)

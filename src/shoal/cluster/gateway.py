@@ -88,7 +88,9 @@ class RemoteService:
         self.gm = GatewayMetrics(self.metrics.registry)
         self.id = f"gw-{uuid.uuid4().hex[:12]}"
         self._inbox = f"_INBOX.shoal.{self.id}"
-        self._pending: dict[str, asyncio.Future] = {}
+        self._pending: dict[str, asyncio.Future] = {}  # call key -> its reply
+        self._sequences: dict[str, int] = {}  # call key -> its stream sequence, once stored
+        self._background: set[asyncio.Task] = set()
         self._workers: dict[str, tuple[float, p.Heartbeat]] = {}  # id -> (monotonic time received, heartbeat)
         self._demand: dict[str, collections.deque] = {}
         self._served_cache: tuple[float, dict] | None = None
@@ -159,7 +161,29 @@ class RemoteService:
         self.gm.connected.set(0)
 
     async def _on_reconnect(self) -> None:
-        asyncio.get_running_loop().create_task(self._setup())
+        self._spawn(self._setup())
+        self._spawn(self._recheck_pending())
+
+    async def _recheck_pending(self) -> None:
+        """Replies travel on core NATS: one sent while this gateway was cut off is lost. A call no
+        longer in the stream (acked: answered) whose reply has not come is failed now, retryably,
+        instead of waiting out its deadline; calls still in the stream are still to be answered."""
+        from nats.js.errors import NotFoundError
+
+        await asyncio.sleep(0.5)  # replies sent just before the acks we are about to miss arrive first
+        for key, seq in list(self._sequences.items()):
+            future = self._pending.get(key)
+            if future is None or future.done():
+                continue
+            try:
+                await self._js.get_msg(p.STREAM, seq)
+            except NotFoundError:
+                if not future.done():
+                    future.set_exception(QueueUnavailable(
+                        "the gateway lost its connection to NATS while the call ran, and its answer with it; "
+                        "retry", retry_after_s=1.0))
+            except Exception:  # noqa: BLE001 (cut off again: the next reconnect checks)
+                return
 
     async def _tick(self) -> None:
         """Keeps the gauges true: live workers per pool, demand over the last minute."""
@@ -307,17 +331,20 @@ class RemoteService:
         try:
             if len(data) > self._nc.max_payload - self.cluster.payload_headroom_bytes:
                 obj = f"call-{key}"
-                await asyncio.wait_for(self._store.put(obj, data), self._remaining(deadline))
+                try:
+                    await asyncio.wait_for(self._store.put(obj, data), self._remaining(deadline))
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded("the request's deadline passed while its payload was stored",
+                                           details={"phase": "queue", "request_id": request_id}) from None
+                except Exception as exc:  # noqa: BLE001 (NATS gone mid-put)
+                    raise QueueUnavailable(f"the payload store did not take the call ({type(exc).__name__}); "
+                                           "retry shortly", retry_after_s=2.0,
+                                           details={"request_id": request_id}) from None
                 self.gm.objects.labels("call").inc()
                 headers[p.OBJECT] = obj
                 data = b""
-            try:
-                ack = await self._js.publish(p.work_subject(pool, model_id), data, headers=headers,
-                                             timeout=min(self.cluster.publish_timeout_s, self._remaining(deadline)))
-            except Exception as exc:  # noqa: BLE001 (timeout, no responders, disconnected)
-                raise QueueUnavailable(f"the work queue did not take the call ({type(exc).__name__}); retry shortly",
-                                       retry_after_s=2.0, details={"request_id": request_id}) from None
-            seq = ack.seq
+            seq = await self._publish(p.work_subject(pool, model_id), data, headers, deadline, request_id)
+            self._sequences[key] = seq
             self.gm.published.labels(model_id, pool).inc()
             try:
                 reply = await asyncio.wait_for(asyncio.shield(future), self._remaining(deadline) + _REPLY_GRACE_S)
@@ -326,27 +353,49 @@ class RemoteService:
                     "the request's deadline passed before a worker answered (phase: queue); retry later or with "
                     "a longer timeout_s", details={"phase": "queue", "request_id": request_id}) from None
             answered = True
-            result = await self._read_result(reply)
+            result = await self._read_result(reply, deadline, request_id)
         except asyncio.CancelledError:
             reason = "cancelled"  # the client went away (the API cancels its handler)
             raise
         finally:
             self._pending.pop(key, None)
+            self._sequences.pop(key, None)
             inflight.dec()
             if not answered and seq is not None:
                 self.gm.abandoned.labels(model_id, reason).inc()
-                asyncio.get_running_loop().create_task(self._abandon(seq, request_id))
+                self._spawn(self._abandon(seq, key))
             if obj is not None:
-                asyncio.get_running_loop().create_task(self._delete_object(obj))
+                self._spawn(self._delete_object(obj))
         if isinstance(result, ErrorResult):
             error = result.error()
             error.details.setdefault("request_id", request_id)
             raise error
         return result
 
+    async def _publish(self, subject: str, data: bytes, headers: dict, deadline: float, request_id: str) -> int:
+        """The call's stream sequence once JetStream has stored it. A publish whose ack is lost is
+        sent again with the same Nats-Msg-Id (the stream keeps one copy), while time is left."""
+        for attempt in range(3):
+            try:
+                ack = await self._js.publish(subject, data, headers=headers,
+                                             timeout=min(self.cluster.publish_timeout_s, self._remaining(deadline)))
+                return ack.seq
+            except Exception as exc:  # noqa: BLE001 (timeout, no responders, disconnected)
+                error = exc
+                if not self._connected() or self._remaining(deadline) < 0.05:
+                    break
+        raise QueueUnavailable(f"the work queue did not take the call ({type(error).__name__}); retry shortly",
+                               retry_after_s=2.0, details={"request_id": request_id})
+
     @staticmethod
     def _remaining(deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
+
+    def _spawn(self, coro) -> None:
+        """A background task, referenced until done (the loop holds tasks only weakly)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_reply(self, msg) -> None:
         key = msg.subject.rsplit(".", 1)[-1]
@@ -356,23 +405,28 @@ class RemoteService:
         elif msg.headers and msg.headers.get(p.OBJECT):  # a second answer (a redelivery) or a late one
             await self._delete_object(msg.headers[p.OBJECT])
 
-    async def _read_result(self, msg) -> AnyResult:
+    async def _read_result(self, msg, deadline: float, request_id: str) -> AnyResult:
         data = msg.data
         name = msg.headers.get(p.OBJECT) if msg.headers else None
-        if name:
-            data = (await self._store.get(name)).data
-            self.gm.objects.labels("result").inc()
-            await self._delete_object(name)
-        return calls.decode_result(data)
+        try:
+            if name:
+                data = await asyncio.wait_for(p.read_object(self._store, name), self._remaining(deadline) + 5.0)
+                self.gm.objects.labels("result").inc()
+                self._spawn(self._delete_object(name))
+            return calls.decode_result(data)
+        except Exception as exc:  # noqa: BLE001 (object gone or NATS down mid-read; a corrupt reply)
+            raise QueueUnavailable(f"the worker's answer could not be read ({type(exc).__name__}); retry",
+                                   retry_after_s=1.0, details={"request_id": request_id}) from None
 
-    async def _abandon(self, seq: int, request_id: str) -> None:
-        """A call nobody waits for: out of the queue if no worker has it, dropped by the one that does."""
+    async def _abandon(self, seq: int, key: str) -> None:
+        """A call nobody waits for: out of the queue if no worker has it, dropped by the one that
+        does (cancels name the gateway's unique key of the call, never the caller's request id)."""
         try:
             await self._js.delete_msg(p.STREAM, seq)  # gone already once a worker acked it
         except Exception:  # noqa: BLE001
             pass
         try:
-            await self._nc.publish(p.CANCEL_SUBJECT, request_id.encode())
+            await self._nc.publish(p.CANCEL_SUBJECT, key.encode())
         except Exception:  # noqa: BLE001 (NATS down: the worker finds the deadline passed instead)
             pass
 
@@ -405,14 +459,21 @@ class RemoteService:
                 await asyncio.sleep(1.0)
 
     async def _dead_letter(self, advisory) -> None:
+        from nats.js.errors import NotFoundError
+
         try:
             event = json.loads(advisory.data)
             seq = int(event["stream_seq"])
-            stored = await self._js.get_msg(p.STREAM, seq)
-        except Exception as exc:  # noqa: BLE001 (already deleted: its caller gave up, or another gateway)
-            log.debug("gateway: dead letter without its call: %s", exc)
+        except (ValueError, KeyError, TypeError):
+            log.warning("gateway: an unreadable max-deliveries advisory: %r", advisory.data[:200])
             await advisory.ack()
             return
+        try:
+            stored = await self._js.get_msg(p.STREAM, seq)
+        except NotFoundError:  # deleted already: its caller gave up, or another gateway answered it
+            await advisory.ack()
+            return
+        # Any other failure (NATS busy, cut off): unacked, the advisory comes back to a gateway.
         headers = stored.headers or {}
         request_id = headers.get(p.REQUEST_ID, "?")
         model_id = p.untoken(stored.subject.rsplit(".", 1)[-1])

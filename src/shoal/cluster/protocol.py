@@ -163,7 +163,7 @@ async def connect(url: str, name: str, *, on_disconnect=None, on_reconnect=None,
                                       connect_timeout=connect_timeout_s, disconnected_cb=disconnected,
                                       reconnected_cb=reconnected, error_cb=error, allow_reconnect=True)
         except Exception as exc:  # noqa: BLE001 (unreachable, refused, DNS: all retried)
-            log.warning("%s: cannot reach NATS at %s (%s); retrying in %.1f s", name, url, exc, delay)
+            log.warning("%s: cannot reach NATS at %s (%s); retrying in %.1f s", name, redact(url), exc, delay)
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)
 
@@ -175,8 +175,9 @@ async def ensure_queue(js, settings: ClusterSettings) -> None:
     from nats.js.errors import BadRequestError
 
     streams = [
+        # max_age: a backstop for calls nobody will read (their gateway and its callers are gone).
         api.StreamConfig(name=STREAM, subjects=[f"{WORK_PREFIX}.>"], retention=api.RetentionPolicy.WORK_QUEUE,
-                         storage=api.StorageType.FILE, duplicate_window=120.0,
+                         storage=api.StorageType.FILE, duplicate_window=120.0, max_age=24 * 3600.0,
                          description="shoal calls: one subject and one pull consumer per pool and model"),
         api.StreamConfig(name=DEAD_STREAM, subjects=[DEAD_SUBJECT], retention=api.RetentionPolicy.LIMITS,
                          storage=api.StorageType.FILE, max_age=7 * 24 * 3600.0,
@@ -211,6 +212,21 @@ async def ensure_consumer(js, settings: ClusterSettings, pool: str, model_id: st
 
 def now() -> float:
     return time.time()
+
+
+async def read_object(store, name: str) -> bytes:
+    """An Object Store object's bytes (into a buffer: nats-py's default concatenates per chunk,
+    quadratic in the object's size). No time limit of its own: callers bound it."""
+    import io
+
+    buffer = io.BytesIO()
+    await store.get(name, writeinto=buffer)
+    return buffer.getvalue()
+
+
+def redact(url: str) -> str:
+    """A NATS URL fit for logs: credentials cut."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def error_of(exc: BaseException, request_id: str | None) -> ErrorResult:

@@ -76,10 +76,12 @@ class _Job:
     msg: Any
     model_id: str
     tokens: int
-    request_id: str
+    request_id: str  # the caller's (logs, error bodies): not unique
+    key: str  # the gateway's unique id of the call (its Nats-Msg-Id): what a cancel names
     deadline: float  # unix seconds
     reply: str | None
     obj: str | None
+    keep: bool  # no delivery left to spare: never hand it back
 
 
 @dataclass(eq=False)
@@ -107,9 +109,12 @@ class Worker:
         self.preload = preload
         self._queue: collections.deque[_Job] = collections.deque()
         self._changed = asyncio.Condition()
-        self._cancelled: dict[str, float] = {}
-        self._running_calls: dict[str, set] = {}  # request id -> its engine tasks (to cancel)
+        self._cancelled: dict[str, float] = {}  # call key -> when (insertion order is time order)
+        self._running_calls: dict[str, asyncio.Task] = {}  # call key -> its engine task (to cancel)
         self._mean_tokens: dict[str, float] = {}
+        self._reserved = 0  # tokens pullers have asked NATS for and not yet received
+        self._max_deliver: dict[str, int] = {}  # model -> its consumer's max_deliver, as NATS has it
+        self._background: set[asyncio.Task] = set()
         self._draining = False
         self._closing = False
         self._nc: Any = None
@@ -118,6 +123,8 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._pullers: list[asyncio.Task] = []
         self.started = asyncio.Event()  # set once it pulls
+        # How long a drain waits for running calls (past it they are left to be redelivered).
+        self.drain_timeout_s = 120.0
 
     @property
     def model_ids(self) -> list[str]:
@@ -126,7 +133,26 @@ class Worker:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set, then drain."""
+        """Serve until `stop` is set, then drain. A stop during start-up (preloads, NATS not up
+        yet) stops at once."""
+        startup = asyncio.create_task(self._start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([startup, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not startup.done():
+            startup.cancel()
+            await asyncio.gather(startup, return_exceptions=True)
+            if self._nc is not None:
+                self._closing = True
+                await self._nc.close()
+            for device in self.devices:
+                await device.service.stop()
+            log.info("worker %s: stopped before it started pulling", self.id)
+            return
+        startup.result()
+        await stopped
+        await self.drain()
+
+    async def _start(self) -> None:
         for device in self.devices:
             await device.service.start()
         for device in self.devices:
@@ -142,15 +168,14 @@ class Worker:
             await self._nc.subscribe(p.rpc_subject("tokenize", self.settings.pool, model_id), queue="tokenize",
                                      cb=self._on_tokenize)
         self._tasks.append(asyncio.create_task(self._heartbeats(), name="worker-heartbeats"))
+        self._tasks.append(asyncio.create_task(self._keep_queued_alive(), name="worker-keep-alive"))
         for device in self.devices:
             self._tasks.append(asyncio.create_task(self._device_loop(device), name=f"worker-{device.name}"))
         self._pullers = [asyncio.create_task(self._pull(model_id), name=f"pull {model_id}")
                          for model_id in self.model_ids]
         self.started.set()
         log.info("worker %s: pulling %d models on %s from %s (pool %s)", self.id, len(self._pullers),
-                 ", ".join(d.name for d in self.devices), self.settings.nats_url, self.settings.pool)
-        await stop.wait()
-        await self.drain()
+                 ", ".join(d.name for d in self.devices), p.redact(self.settings.nats_url), self.settings.pool)
 
     async def drain(self) -> None:
         log.info("worker %s: draining", self.id)
@@ -159,13 +184,26 @@ class Worker:
             self._changed.notify_all()  # pullers waiting for room stop waiting
         await self._beat()
         await asyncio.gather(*self._pullers, return_exceptions=True)  # each returns after its current pull
-        while self._queue:  # hand back what no device started: a sibling takes it now
-            job = self._queue.popleft()
+        async with self._changed:
+            # Hand back what no device started (a sibling takes it now), except calls with no
+            # delivery to spare: a nak would make them dead letters, so the devices run them.
+            handed = [job for job in self._queue if not job.keep]
+            for job in handed:
+                self._queue.remove(job)
+            self._record()
+        for job in handed:
             await self._hand_back(job, "drained")
-        self.wm.host_queue.set(0)
-        running = [task for device in self.devices for task in device.running]
-        if running:
-            await asyncio.wait(running)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self._queue or any(device.running for device in self.devices):
+            if time.monotonic() > deadline:
+                log.warning("worker %s: calls still running after %.0f s of drain; leaving them to be redelivered",
+                            self.id, self.drain_timeout_s)
+                break
+            running = [task for device in self.devices for task in device.running]
+            if running:
+                await asyncio.wait(running, timeout=max(0.01, deadline - time.monotonic()))
+            else:
+                await asyncio.sleep(0.05)
         await self._beat()
         for task in self._tasks:
             task.cancel()
@@ -181,15 +219,27 @@ class Worker:
             try:
                 await p.ensure_queue(self._js, self.settings)
                 for model_id in self.model_ids:
-                    await p.ensure_consumer(self._js, self.settings, self.settings.pool, model_id)
+                    await self._ensure_consumer(model_id)
                 self._store = await self._js.object_store(p.PAYLOADS)
                 return
             except Exception as exc:  # noqa: BLE001 (JetStream not ready yet)
                 log.warning("worker %s: cannot set up the work queue yet (%s); retrying", self.id, exc)
                 await asyncio.sleep(0.5)
 
+    async def _ensure_consumer(self, model_id: str) -> None:
+        await p.ensure_consumer(self._js, self.settings, self.settings.pool, model_id)
+        info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, model_id))
+        # The shared consumer's, which the last worker to start may have set: what NATS enforces.
+        self._max_deliver[model_id] = info.config.max_deliver or self.settings.max_deliver
+
     async def _on_reconnect(self) -> None:
-        asyncio.get_running_loop().create_task(self._setup())
+        self._spawn(self._setup())
+
+    def _spawn(self, coro) -> None:
+        """A background task, referenced until done (the loop holds tasks only weakly)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # --- capacity -------------------------------------------------------------------------------
 
@@ -220,25 +270,34 @@ class Worker:
     # --- pulling --------------------------------------------------------------------------------
 
     async def _pull(self, model_id: str) -> None:
+        """Ask for the calls that fit the host's room. The tokens asked for are reserved until the
+        pull returns, so the pullers of several models do not ask for the same room twice; with
+        less than one call's worth unreserved, a puller asks for one call (which may not fit: then
+        it goes back)."""
         from nats.errors import TimeoutError as NatsTimeout
 
         sub = None
         while not self._draining:
+            reserved = 0
             try:
                 async with self._changed:
                     await self._changed.wait_for(lambda: self._draining or self._wants_work())
-                if self._draining:
-                    break
+                    if self._draining:
+                        break
+                    mean = max(1.0, self._mean_tokens.get(model_id, 64.0))
+                    available = self._room() - self._reserved
+                    batch = max(1, min(MAX_FETCH, int(available / mean)))
+                    reserved = int(batch * mean) if available >= mean else 0
+                    self._reserved += reserved
                 if sub is None:
-                    sub = await self._js.pull_subscribe(p.work_subject(self.settings.pool, model_id),
-                                                        durable=p.consumer_name(self.settings.pool, model_id),
-                                                        stream=p.STREAM)
-                mean = self._mean_tokens.get(model_id, 64.0)
-                batch = max(1, min(MAX_FETCH, int(self._room() / max(1.0, mean))))
+                    sub = await self._js.pull_subscribe_bind(
+                        durable=p.consumer_name(self.settings.pool, model_id), stream=p.STREAM)
                 try:
                     msgs = await sub.fetch(batch, timeout=PULL_WAIT_S)
                 except (NatsTimeout, asyncio.TimeoutError):
-                    continue
+                    msgs = []
+                await self._unreserve(reserved)
+                reserved = 0
                 for msg in msgs:
                     await self._take(msg, model_id)
             except asyncio.CancelledError:
@@ -249,9 +308,17 @@ class Worker:
                 await asyncio.sleep(0.5)
                 if self._nc.is_connected:
                     try:
-                        await p.ensure_consumer(self._js, self.settings, self.settings.pool, model_id)
+                        await self._ensure_consumer(model_id)
                     except Exception:  # noqa: BLE001
                         pass
+            finally:
+                if reserved:
+                    await self._unreserve(reserved)
+
+    async def _unreserve(self, tokens: int) -> None:
+        async with self._changed:
+            self._reserved -= tokens
+            self._changed.notify_all()
 
     async def _take(self, msg: Any, model_id: str) -> None:
         headers = msg.headers or {}
@@ -260,20 +327,24 @@ class Worker:
             deadline = float(headers.get(p.DEADLINE, "inf"))
         except ValueError:
             tokens, deadline = 1, float("inf")
-        job = _Job(msg, model_id, tokens, headers.get(p.REQUEST_ID, "?"), deadline, headers.get(p.REPLY),
-                   headers.get(p.OBJECT))
-        self.wm.pulled.labels(model_id).inc()
         delivered = msg.metadata.num_delivered
+        # One delivery stays spare for a crash: from the one before last, a call is never handed back.
+        keep = delivered >= self._max_deliver.get(model_id, self.settings.max_deliver) - 1
+        job = _Job(msg, model_id, tokens, headers.get(p.REQUEST_ID, "?"), headers.get(p.MSG_ID, ""), deadline,
+                   headers.get(p.REPLY), headers.get(p.OBJECT), keep)
+        self.wm.pulled.labels(model_id).inc()
         if delivered > 1:
             self.wm.redelivered.labels(model_id).inc()
         mean = self._mean_tokens.get(model_id)
         self._mean_tokens[model_id] = tokens if mean is None else 0.9 * mean + 0.1 * tokens
-        last_chance = delivered >= self.settings.max_deliver
-        if self._draining and not last_chance:
+        if job.key in self._cancelled:
+            await self._drop(job, "dropped_cancelled")
+            return
+        if self._draining and not keep:
             await self._hand_back(job, "drained")
             return
-        if tokens > self._room() and not self._idle_device() and not last_chance:
-            # Later deliveries come back later: a call keeps its deliveries for real failures.
+        if tokens > self._room() and not self._idle_device() and not keep:
+            # Later deliveries come back later.
             await self._hand_back(job, "over_pulled", min(1.0, self.settings.nak_delay_s * 2 ** (delivered - 1)))
             return
         async with self._changed:
@@ -292,27 +363,41 @@ class Worker:
 
     async def _device_loop(self, device: _Device) -> None:
         while True:
-            async with self._changed:
-                await self._changed.wait_for(
-                    lambda: self._queue and (not device.held_tokens or device.held_tokens < self._budget(device)))
-                job = self._pick(device)
-                device.held_tokens += job.tokens
-                self._record()
-                self._changed.notify_all()  # the host queue shrank: a puller may take more
+            try:
+                async with self._changed:
+                    await self._changed.wait_for(
+                        lambda: self._queue and (not device.held_tokens or device.held_tokens < self._budget(device)))
+                    job = self._pick(device)
+                    device.held_tokens += job.tokens
+                    self._record()
+                    self._changed.notify_all()  # the host queue shrank: a puller may take more
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 (a service's capacity() or model() failing: keep the device serving)
+                log.exception("worker %s: %s could not take a call", self.id, device.name)
+                await asyncio.sleep(0.1)
+                continue
             task = asyncio.create_task(self._run(device, job), name=f"call {job.request_id}")
             device.running.add(task)
             task.add_done_callback(device.running.discard)
 
+    def _loaded(self, device: _Device, model_id: str) -> bool:
+        try:
+            return device.service.model(model_id).loaded
+        except ShoalError:
+            return False
+
     def _pick(self, device: _Device) -> _Job:
-        """The first queued call whose model this device has loaded (of the next few), else the first."""
-        for index, job in enumerate(list(self._queue)[:16]):
-            try:
-                loaded = device.service.model(job.model_id).loaded
-            except ShoalError:
-                loaded = False
-            if loaded:
-                del self._queue[index]
-                return job
+        """The first queued call, unless another device has its model loaded (and will take it):
+        then the first of the next few whose model this device has loaded. A single device, or a
+        model loaded nowhere, keeps the queue's order (no call waits behind later ones)."""
+        head = self._queue[0]
+        if len(self.devices) > 1 and not self._loaded(device, head.model_id) and any(
+                self._loaded(other, head.model_id) for other in self.devices if other is not device):
+            for index, job in enumerate(list(self._queue)[1:16], start=1):
+                if self._loaded(device, job.model_id):
+                    del self._queue[index]
+                    return job
         return self._queue.popleft()
 
     async def _run(self, device: _Device, job: _Job) -> None:
@@ -327,32 +412,39 @@ class Worker:
                 self._changed.notify_all()
 
     async def _serve(self, device: _Device, job: _Job) -> None:
-        if job.request_id in self._cancelled:
+        if job.key in self._cancelled:
             await self._drop(job, "dropped_cancelled")
             return
-        remaining = job.deadline - p.now()
-        if remaining <= 0:
+        if job.deadline - p.now() <= 0:
             await self._drop(job, "dropped_deadline")
             return
         try:
             data = job.msg.data
             if job.obj:
-                data = (await self._store.get(job.obj)).data
+                data = await asyncio.wait_for(p.read_object(self._store, job.obj),
+                                              max(0.01, job.deadline - p.now()))
             call = calls.decode_call(data)
-            call = msgspec.structs.replace(call, timeout_s=remaining, request_id=job.request_id)
-        except Exception as exc:  # noqa: BLE001 (undecodable: answer it, never retry it)
+        except asyncio.TimeoutError:
+            await self._drop(job, "dropped_deadline")
+            return
+        except Exception as exc:  # noqa: BLE001 (undecodable, or its object gone: answer it, never retry it)
             result = p.error_of(InvalidRequest(f"the worker could not read the call: {exc}"), job.request_id)
             await self._reply(job, result)
             await job.msg.term()
             return
+        remaining = job.deadline - p.now()
+        if job.key in self._cancelled or remaining <= 0:  # while its object was read
+            await self._drop(job, "dropped_cancelled" if job.key in self._cancelled else "dropped_deadline")
+            return
+        call = msgspec.structs.replace(call, timeout_s=remaining, request_id=job.request_id)
         keep_alive = asyncio.create_task(self._keep_alive(job.msg))
         task = asyncio.create_task(device.service.run(call))
-        self._running_calls.setdefault(job.request_id, set()).add(task)
+        self._running_calls[job.key] = task
         try:
             result = await task
             outcome = "ok"
         except asyncio.CancelledError:
-            if job.request_id in self._cancelled and task.cancelled() and not _cancelling():
+            if job.key in self._cancelled and task.cancelled() and not _cancelling():
                 await self._drop(job, "dropped_cancelled")
                 return
             raise
@@ -363,11 +455,7 @@ class Worker:
             outcome = "error"
         finally:
             keep_alive.cancel()
-            tasks = self._running_calls.get(job.request_id)
-            if tasks is not None:
-                tasks.discard(task)
-                if not tasks:
-                    del self._running_calls[job.request_id]
+            self._running_calls.pop(job.key, None)
         await self._reply(job, result)
         await job.msg.ack()
         self.wm.calls.labels(job.model_id, outcome).inc()
@@ -376,6 +464,16 @@ class Worker:
         await job.msg.ack()  # done with: never computed, never redelivered
         self.wm.calls.labels(job.model_id, outcome).inc()
         log.info("worker %s: request %s dropped unrun (%s)", self.id, job.request_id, outcome)
+
+    async def _keep_queued_alive(self) -> None:
+        """Calls waiting on the host for a device are kept from redelivery too."""
+        while True:
+            await asyncio.sleep(max(0.1, self.settings.ack_wait_s / 3))
+            for job in list(self._queue):
+                try:
+                    await job.msg.in_progress()
+                except Exception:  # noqa: BLE001
+                    pass
 
     async def _keep_alive(self, msg: Any) -> None:
         while True:
@@ -391,7 +489,7 @@ class Worker:
         data = calls.encode(result)
         headers = None
         if len(data) > self._nc.max_payload - self.settings.payload_headroom_bytes:
-            name = f"result-{uuid.uuid4().hex}"
+            name = f"result-{job.key or uuid.uuid4().hex}"
             await self._store.put(name, data)
             headers, data = {p.OBJECT: name}, b""
         await self._nc.publish(job.reply, data, headers=headers)
@@ -399,29 +497,36 @@ class Worker:
     # --- control --------------------------------------------------------------------------------
 
     async def _on_cancel(self, msg: Any) -> None:
-        request_id = msg.data.decode(errors="replace")
+        key = msg.data.decode(errors="replace")
         now = time.monotonic()
-        self._cancelled[request_id] = now
-        for rid, when in list(self._cancelled.items()):
-            if when < now - _CANCEL_MEMORY_S:
-                del self._cancelled[rid]
-        for task in self._running_calls.get(request_id, ()):
+        while self._cancelled:  # oldest first: forget what is too old to be pulled still
+            oldest = next(iter(self._cancelled))
+            if self._cancelled[oldest] >= now - _CANCEL_MEMORY_S:
+                break
+            del self._cancelled[oldest]
+        self._cancelled[key] = now
+        task = self._running_calls.get(key)
+        if task is not None:
             task.cancel()
-        held = [job for job in self._queue if job.request_id == request_id]
-        for job in held:  # pulled, not started: done with now
-            self._queue.remove(job)
-            await self._drop(job, "dropped_cancelled")
+        held = [job for job in self._queue if job.key == key]
         if held:
             async with self._changed:
+                for job in held:  # pulled, not started: done with now
+                    self._queue.remove(job)
                 self._record()
                 self._changed.notify_all()
+            for job in held:
+                await self._drop(job, "dropped_cancelled")
 
     async def _on_ping(self, msg: Any) -> None:
         await self._beat()
 
     async def _heartbeats(self) -> None:
         while True:
-            await self._beat()
+            try:
+                await self._beat()
+            except Exception:  # noqa: BLE001 (a status that fails to build: the next beat may not)
+                log.exception("worker %s: heartbeat", self.id)
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _beat(self) -> None:
