@@ -97,9 +97,11 @@ class ClusterSettings:
     # Workers announce themselves this often; one silent for `worker_ttl_s` serves nothing.
     heartbeat_s: float = 1.0
     worker_ttl_s: float = 5.0
-    # A worker keeps about this many seconds of work (at its measured tokens/s) pulled and in flight
-    # per device, and never less than `min_inflight_tokens`: more stays in the queue for its siblings.
-    prefetch_s: float = 0.5
+    # A worker keeps about this many seconds of work (at each device's measured tokens/s) pulled and
+    # in flight per device, `min_inflight_tokens` before a rate is measured: more stays in the queue
+    # for whichever device frees up first (bench/cluster.py: deeper budgets make pulling no better
+    # than round-robin pushing).
+    prefetch_s: float = 0.2
     min_inflight_tokens: int = 4096
     # What a worker pulled beyond that comes back to the queue after this delay (nak).
     nak_delay_s: float = 0.05

@@ -49,8 +49,12 @@ log = logging.getLogger("shoal.worker")
 
 # How long one pull waits for calls before it checks for a drain or for room again.
 PULL_WAIT_S = 1.0
+# After the first call of a pull, how long it waits for the rest of what is already queued.
+MORE_WAIT_S = 0.005
 # Most calls asked for in one pull.
 MAX_FETCH = 64
+# A measured device's budget never falls below this many tokens.
+MIN_BUDGET_TOKENS = 256
 # Request ids cancelled recently (a worker may pull the call after the cancel was broadcast).
 _CANCEL_MEMORY_S = 600.0
 
@@ -244,8 +248,13 @@ class Worker:
     # --- capacity -------------------------------------------------------------------------------
 
     def _budget(self, device: _Device) -> int:
+        """Tokens the device holds: `prefetch_s` of work at its measured rate (a slow device holds
+        less), `min_inflight_tokens` until it has a rate. Shallow on purpose: what a device does not
+        hold waits in the shared queue for whichever device frees up first."""
         rate = device.service.capacity().tokens_per_s
-        return max(self.settings.min_inflight_tokens, int((rate or 0) * self.settings.prefetch_s))
+        if not rate:
+            return self.settings.min_inflight_tokens
+        return max(MIN_BUDGET_TOKENS, int(rate * self.settings.prefetch_s))
 
     def _held(self) -> int:
         return sum(job.tokens for job in self._queue) + sum(d.held_tokens for d in self.devices)
@@ -292,10 +301,17 @@ class Worker:
                 if sub is None:
                     sub = await self._js.pull_subscribe_bind(
                         durable=p.consumer_name(self.settings.pool, model_id), stream=p.STREAM)
+                # Wait for one call alone, then take at once what else is there: nats-py's fetch(n)
+                # may hold a call it has received until n have come or the pull expires (1 s).
                 try:
-                    msgs = await sub.fetch(batch, timeout=PULL_WAIT_S)
+                    msgs = await sub.fetch(1, timeout=PULL_WAIT_S)
                 except (NatsTimeout, asyncio.TimeoutError):
                     msgs = []
+                if msgs and batch > 1:
+                    try:
+                        msgs += await sub.fetch(batch - 1, timeout=MORE_WAIT_S)
+                    except (NatsTimeout, asyncio.TimeoutError):
+                        pass
                 await self._unreserve(reserved)
                 reserved = 0
                 for msg in msgs:
