@@ -39,6 +39,18 @@ def lee_documents() -> list[str]:
     return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()][:12]
 
 
+def metric_total(page: str, name: str, **labels) -> float:
+    """The sum of a metric's samples that carry `labels`, read from the /metrics page at `page`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(page, timeout=5).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
 def query_of(document: str) -> str:
     """A question-like piece of one document: its second long sentence."""
     sentences = [s for s in document.split(". ") if len(s.split()) > 6]

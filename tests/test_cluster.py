@@ -21,9 +21,8 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MODEL_ID, query_of
+from conftest import MODEL_ID, metric_total, query_of
 from rerankers import build_minilm_reranker, reranker_card
 
 from extract_models import build_token_classifier, extract_card  # noqa: E402
@@ -110,15 +109,7 @@ class Cluster:
                     process.kill()
 
 
-def gauge(url: str, name: str, **labels) -> float:
-    """The sum of a metric's samples (of `labels`) on a /metrics page."""
-    text = httpx.get(url, timeout=5).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+gauge = metric_total
 
 
 @pytest.fixture(scope="module")

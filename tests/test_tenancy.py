@@ -17,9 +17,8 @@ import time
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MODEL_ID
+from conftest import MODEL_ID, metric_total
 
 SLOW_WORD, POISON_WORD = "zebra", "poison"
 SECRET = "secret internal detail 0xdeadbeef"
@@ -56,13 +55,7 @@ def body(texts, **options) -> dict:
 
 
 def metric(url: str, name: str, **labels) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    return metric_total(f"{url}/metrics", name, **labels)
 
 
 def in_background(fn, *args, **kwargs) -> threading.Thread:

@@ -119,6 +119,10 @@ class RemoteService:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(QueueUnavailable("the gateway is shutting down; retry", retry_after_s=1.0))
+        # Let the failed calls' clean-up (delete from the queue, cancel on their workers) go out first.
+        await asyncio.sleep(0)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=2.0)
         if self._nc is not None:
             await self._nc.close()
 
@@ -161,8 +165,11 @@ class RemoteService:
         self.gm.connected.set(0)
 
     async def _on_reconnect(self) -> None:
-        self._spawn(self._setup())
-        self._spawn(self._recheck_pending())
+        async def setup_then_recheck() -> None:
+            await self._setup()
+            await self._recheck_pending()
+
+        self._spawn(setup_then_recheck())
 
     async def _recheck_pending(self) -> None:
         """Replies travel on core NATS: one sent while this gateway was cut off is lost. A call no
@@ -173,17 +180,23 @@ class RemoteService:
         await asyncio.sleep(0.5)  # replies sent just before the acks we are about to miss arrive first
         for key, seq in list(self._sequences.items()):
             future = self._pending.get(key)
-            if future is None or future.done():
-                continue
-            try:
-                await self._js.get_msg(p.STREAM, seq)
-            except NotFoundError:
-                if not future.done():
-                    future.set_exception(QueueUnavailable(
-                        "the gateway lost its connection to NATS while the call ran, and its answer with it; "
-                        "retry", retry_after_s=1.0))
-            except Exception:  # noqa: BLE001 (cut off again: the next reconnect checks)
-                return
+            for attempt in range(5):
+                if future is None or future.done() or self._stopping:
+                    break
+                try:
+                    await self._js.get_msg(p.STREAM, seq)
+                    break  # still in the stream: still to be answered
+                except NotFoundError as exc:
+                    if getattr(exc, "err_code", None) != 10037:  # not "no message found" (the stream itself?)
+                        await asyncio.sleep(0.5 * (attempt + 1))
+                        continue
+                    if not future.done():
+                        future.set_exception(QueueUnavailable(
+                            "the gateway lost its connection to NATS while the call ran, and its answer with it; "
+                            "retry", retry_after_s=1.0))
+                    break
+                except Exception:  # noqa: BLE001 (JetStream still starting: try again shortly)
+                    await asyncio.sleep(0.5 * (attempt + 1))
 
     async def _tick(self) -> None:
         """Keeps the gauges true: live workers per pool, demand over the last minute."""
@@ -327,6 +340,7 @@ class RemoteService:
         seq = None
         obj = None
         answered = False
+        attempted = False
         reason = "deadline"
         try:
             if len(data) > self._nc.max_payload - self.cluster.payload_headroom_bytes:
@@ -343,6 +357,7 @@ class RemoteService:
                 self.gm.objects.labels("call").inc()
                 headers[p.OBJECT] = obj
                 data = b""
+            attempted = True
             seq = await self._publish(p.work_subject(pool, model_id), data, headers, deadline, request_id)
             self._sequences[key] = seq
             self.gm.published.labels(model_id, pool).inc()
@@ -361,7 +376,8 @@ class RemoteService:
             self._pending.pop(key, None)
             self._sequences.pop(key, None)
             inflight.dec()
-            if not answered and seq is not None:
+            if not answered and (seq is not None or attempted):
+                # Also when the publish's ack was lost: the call may be stored, its worker drops it.
                 self.gm.abandoned.labels(model_id, reason).inc()
                 self._spawn(self._abandon(seq, key))
             if obj is not None:
@@ -418,13 +434,14 @@ class RemoteService:
             raise QueueUnavailable(f"the worker's answer could not be read ({type(exc).__name__}); retry",
                                    retry_after_s=1.0, details={"request_id": request_id}) from None
 
-    async def _abandon(self, seq: int, key: str) -> None:
+    async def _abandon(self, seq: int | None, key: str) -> None:
         """A call nobody waits for: out of the queue if no worker has it, dropped by the one that
         does (cancels name the gateway's unique key of the call, never the caller's request id)."""
-        try:
-            await self._js.delete_msg(p.STREAM, seq)  # gone already once a worker acked it
-        except Exception:  # noqa: BLE001
-            pass
+        if seq is not None:
+            try:
+                await self._js.delete_msg(p.STREAM, seq)  # gone already once a worker acked it
+            except Exception:  # noqa: BLE001
+                pass
         try:
             await self._nc.publish(p.CANCEL_SUBJECT, key.encode())
         except Exception:  # noqa: BLE001 (NATS down: the worker finds the deadline passed instead)

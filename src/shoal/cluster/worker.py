@@ -186,7 +186,7 @@ class Worker:
         async with self._changed:
             self._draining = True
             self._changed.notify_all()  # pullers waiting for room stop waiting
-        await self._beat()
+        await self._beat_safely()
         await asyncio.gather(*self._pullers, return_exceptions=True)  # each returns after its current pull
         async with self._changed:
             # Hand back what no device started (a sibling takes it now), except calls with no
@@ -208,10 +208,10 @@ class Worker:
                 await asyncio.wait(running, timeout=max(0.01, deadline - time.monotonic()))
             else:
                 await asyncio.sleep(0.05)
-        await self._beat()
-        for task in self._tasks:
+        await self._beat_safely()
+        for task in [*self._tasks, *self._background]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
         self._closing = True
         await _close(self._nc)
         for device in self.devices:
@@ -219,7 +219,7 @@ class Worker:
         log.info("worker %s: drained and stopped", self.id)
 
     async def _setup(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await p.ensure_queue(self._js, self.settings)
                 for model_id in self.model_ids:
@@ -294,28 +294,36 @@ class Worker:
                     if self._draining:
                         break
                     mean = max(1.0, self._mean_tokens.get(model_id, 64.0))
-                    available = self._room() - self._reserved
-                    batch = max(1, min(MAX_FETCH, int(available / mean)))
-                    reserved = int(batch * mean) if available >= mean else 0
+                    reserved = int(mean) if self._room() - self._reserved >= mean else 0
                     self._reserved += reserved
                 if sub is None:
                     sub = await self._js.pull_subscribe_bind(
                         durable=p.consumer_name(self.settings.pool, model_id), stream=p.STREAM)
-                # Wait for one call alone, then take at once what else is there: nats-py's fetch(n)
-                # may hold a call it has received until n have come or the pull expires (1 s).
+                # Wait for one call alone, then take at once what else is there and fits: nats-py's
+                # fetch(n) may hold a call it has received until n have come or the pull expires.
                 try:
-                    msgs = await sub.fetch(1, timeout=PULL_WAIT_S)
+                    first = await sub.fetch(1, timeout=PULL_WAIT_S)
                 except (NatsTimeout, asyncio.TimeoutError):
-                    msgs = []
-                if msgs and batch > 1:
-                    try:
-                        msgs += await sub.fetch(batch - 1, timeout=MORE_WAIT_S)
-                    except (NatsTimeout, asyncio.TimeoutError):
-                        pass
+                    first = []
                 await self._unreserve(reserved)
                 reserved = 0
-                for msg in msgs:
-                    await self._take(msg, model_id)
+                await self._take_all(first, model_id)
+                if not first:
+                    continue
+                async with self._changed:  # the room now, after the first call and others' asks
+                    more = int((self._room() - self._reserved) / mean)
+                    if more > 0:
+                        more = min(MAX_FETCH, more)
+                        reserved = int(more * mean)
+                        self._reserved += reserved
+                if more > 0:
+                    try:
+                        rest = await sub.fetch(more, timeout=MORE_WAIT_S)
+                    except Exception:  # noqa: BLE001 (nothing more queued; a status message)
+                        rest = []
+                    await self._unreserve(reserved)
+                    reserved = 0
+                    await self._take_all(rest, model_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 (disconnected; consumer gone with a lost store)
@@ -330,6 +338,17 @@ class Worker:
             finally:
                 if reserved:
                     await self._unreserve(reserved)
+
+    async def _take_all(self, msgs: list, model_id: str) -> None:
+        for msg in msgs:
+            try:
+                await self._take(msg, model_id)
+            except Exception as exc:  # noqa: BLE001 (closed connection, odd metadata): not the others' fault
+                log.warning("worker %s: could not take a call of %s: %s", self.id, model_id, exc)
+                try:
+                    await msg.nak()
+                except Exception:  # noqa: BLE001 (redelivered after ack_wait)
+                    pass
 
     async def _unreserve(self, tokens: int) -> None:
         async with self._changed:
@@ -359,7 +378,9 @@ class Worker:
         if self._draining and not keep:
             await self._hand_back(job, "drained")
             return
-        if tokens > self._room() and not self._idle_device() and not keep:
+        # Taken while the host has any room (as a device takes a call while under its budget), so
+        # a call a little over the room does not bounce; handed back only with no room at all.
+        if self._room() <= 0 and not self._idle_device() and not keep:
             # Later deliveries come back later.
             await self._hand_back(job, "over_pulled", min(1.0, self.settings.nak_delay_s * 2 ** (delivered - 1)))
             return
@@ -524,18 +545,24 @@ class Worker:
         task = self._running_calls.get(key)
         if task is not None:
             task.cancel()
-        held = [job for job in self._queue if job.key == key]
-        if held:
-            async with self._changed:
-                for job in held:  # pulled, not started: done with now
-                    self._queue.remove(job)
+        async with self._changed:
+            held = [job for job in self._queue if job.key == key]
+            for job in held:  # pulled, not started: done with now
+                self._queue.remove(job)
+            if held:
                 self._record()
                 self._changed.notify_all()
-            for job in held:
-                await self._drop(job, "dropped_cancelled")
+        for job in held:
+            await self._drop(job, "dropped_cancelled")
 
     async def _on_ping(self, msg: Any) -> None:
-        await self._beat()
+        await self._beat_safely()
+
+    async def _beat_safely(self) -> None:
+        try:
+            await self._beat()
+        except Exception:  # noqa: BLE001
+            log.exception("worker %s: heartbeat", self.id)
 
     async def _heartbeats(self) -> None:
         while True:
