@@ -6,14 +6,15 @@ host-local queue they share.
     JetStream consumer per model ──pull (sized by free capacity)──▶ host queue ──▶ device 0 engine
                                   ◀─nak(delay): what it over-pulled          └──▶ device 1 engine
 
-- **Pull by capacity.** Each device holds about `prefetch_s` of work at its measured tokens/s
-  (at least `min_inflight_tokens`), counted in the gateway's token estimates. A puller per model
-  asks for as many calls as the host's free tokens predict (from the mean size of that model's
-  calls); a call that does not fit when it arrives is `nak`ed with `nak_delay_s`, so another
-  worker takes it, except on its last allowed delivery (a nak would dead-letter it).
-- **Host-local queue.** A device takes the next call when it has room, preferring one whose
-  model it has loaded, so work pulled for the host moves to whichever device frees up first
-  without going back through NATS.
+- **Pull by capacity.** Each device holds about `prefetch_s` of work at its own measured tokens/s
+  (`min_inflight_tokens` before it has a rate), counted in the gateway's token estimates. A puller
+  per model waits for one call, then asks for as many more as the host's room predicts (from the
+  mean size of that model's calls), reserving what it asks for; a call that arrives when the host
+  has no room left is `nak`ed (a delay doubling from `nak_delay_s`), so another worker takes it,
+  except from its one-before-last delivery on (one delivery stays spare for a crash).
+- **Host-local queue.** A device takes the next call when it has room (skipping ahead to a model
+  it has loaded only when another device has the first call's model loaded), so work pulled for
+  the host moves to whichever device frees up first without going back through NATS.
 - **Each call**: dropped unrun if its deadline has passed or its caller went away (`shoal.cancel`);
   else run by the device's engine (which forms the batches) with the time left as its timeout,
   `in_progress()` sent every `ack_wait_s / 3` while it runs; then the result (or error) is sent to
