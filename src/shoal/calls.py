@@ -18,12 +18,13 @@ the engine turns it into a deadline at admission and drops work that outlives it
 
 from __future__ import annotations
 
+import math
 from typing import Any, Union
 
 import msgspec
 import numpy as np
 
-from .errors import ShoalError, error_from_code
+from .errors import InvalidRequest, ShoalError, error_from_code
 
 
 class Call(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
@@ -185,6 +186,15 @@ class ErrorResult(Result, frozen=True, tag="error"):
 
 
 AnyCall = Union[EncodeCall, ScoreCall, ExtractCall]
+
+
+def timeout_of(call: Call, default_s: float) -> float:
+    """The call's budget in seconds (`default_s` when it names none); InvalidRequest unless > 0."""
+    timeout_s = default_s if call.timeout_s is None else call.timeout_s
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise InvalidRequest(f"timeout_s must be a number of seconds > 0, not {timeout_s!r}",
+                             details={"option": "timeout_s"})
+    return float(timeout_s)
 AnyResult = Union[EncodeResult, ScoreResult, ExtractResult, ErrorResult]
 
 

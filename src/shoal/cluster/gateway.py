@@ -30,7 +30,6 @@ import asyncio
 import collections
 import json
 import logging
-import math
 import time
 import uuid
 from typing import Any
@@ -39,10 +38,10 @@ import msgspec
 from prometheus_client import Counter, Gauge
 
 from .. import calls
-from ..calls import AnyCall, AnyResult, ErrorResult
+from ..calls import AnyCall, AnyResult, ErrorResult, timeout_of
 from ..catalog import Catalog
 from ..config import Settings
-from ..errors import DeadLetter, DeadlineExceeded, InvalidRequest, NoWorker, QueueUnavailable, UnknownModel
+from ..errors import DeadLetter, DeadlineExceeded, NoWorker, QueueUnavailable, UnknownModel
 from ..metrics import Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token, status_of_card
 from . import protocol as p
@@ -322,10 +321,7 @@ class RemoteService:
         model_id = self._resolve(call.model)
         holders = self._holders(model_id)
         pool = self._pool_of(holders)
-        timeout_s = self.settings.engine.request_timeout_s if call.timeout_s is None else call.timeout_s
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise InvalidRequest(f"timeout_s must be a number of seconds > 0, not {timeout_s!r}",
-                                 details={"option": "timeout_s"})
+        timeout_s = timeout_of(call, self.settings.engine.request_timeout_s)
         deadline = time.monotonic() + timeout_s
         key = uuid.uuid4().hex
         request_id = call.request_id or key
@@ -541,7 +537,7 @@ class RemoteService:
         reply = msgspec.msgpack.decode(msg.data, type=p.RpcReply)
         if reply.error:
             raise ErrorResult(**reply.error).error()
-        return [[Token(*t) for t in tokens] for tokens in reply.tokens or []]
+        return reply.tokens or []
 
     async def _rpc_all(self, action: str, model_id: str, request: p.RpcRequest, expected: int,
                        pools: set[str]) -> list[p.RpcReply]:

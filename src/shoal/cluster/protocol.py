@@ -28,7 +28,7 @@ import msgspec
 from ..calls import AnyCall, EncodeCall, ErrorResult, ExtractCall, ScoreCall
 from ..config import ClusterSettings
 from ..errors import ShoalError
-from ..service import CardProblem, ModelStatus
+from ..service import CardProblem, ModelStatus, Token
 
 log = logging.getLogger("shoal.cluster")
 
@@ -112,7 +112,7 @@ class RpcRequest(msgspec.Struct, frozen=True, omit_defaults=True):
 class RpcReply(msgspec.Struct, frozen=True, omit_defaults=True):
     worker: str
     status: ModelStatus | None = None
-    tokens: list[list[tuple[int, str, bool, int | None, int | None]]] | None = None
+    tokens: list[list[Token]] | None = None
     error: dict | None = None  # an ErrorResult's fields
 
 
@@ -128,10 +128,6 @@ def estimate_tokens(call: AnyCall) -> int:
         labels = sum(len(label) // 4 + 1 for label in call.labels)
         return sum(len(t) // 4 + 2 + labels for t in call.texts)
     return 1
-
-
-def items_of(call: AnyCall) -> int:
-    return len(call.documents) if isinstance(call, ScoreCall) else len(call.texts)
 
 
 async def connect(url: str, name: str, *, on_disconnect=None, on_reconnect=None, connect_timeout_s: float = 2.0,

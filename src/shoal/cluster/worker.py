@@ -606,8 +606,7 @@ class Worker:
         try:
             tokens = await device.service.tokenize(request.model, request.texts, request.add_special_tokens,
                                                    request.prompt_name)
-            reply = p.RpcReply(worker=self.id, tokens=[[(t.id, t.text, t.special, t.start, t.stop) for t in row]
-                                                       for row in tokens])
+            reply = p.RpcReply(worker=self.id, tokens=tokens)
         except Exception as exc:  # noqa: BLE001
             reply = p.RpcReply(worker=self.id, error=msgspec.structs.asdict(p.error_of(exc, None)))
         await msg.respond(msgspec.msgpack.encode(reply))

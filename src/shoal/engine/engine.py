@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult
+from ..calls import (AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult,
+                     timeout_of)
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
@@ -171,10 +171,7 @@ class Engine:
         task = TASKS.get(type(call))
         if task is None:
             raise InvalidRequest(f"this server does not serve {type(call).__name__} calls")
-        timeout_s = self.settings.request_timeout_s if call.timeout_s is None else call.timeout_s
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise InvalidRequest(f"timeout_s must be a number of seconds > 0, not {timeout_s!r}",
-                                 details={"option": "timeout_s"})
+        timeout_s = timeout_of(call, self.settings.request_timeout_s)
         deadline = time.monotonic() + timeout_s
         card = self.catalog.get(call.model)
         plan = task.plan(card, call)
