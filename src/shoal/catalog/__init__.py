@@ -1,5 +1,9 @@
 """The catalog: model cards by id, from the built-in cards and any directories the user adds.
 
+Tuned overlays (`shoal tune`'s output: batch limits measured for one model on one hardware class)
+are read from the package's `tuned/` folder, then from each user directory's `tuned/` folder, and
+laid over their cards' `batching` (a later one wins, field by field).
+
 A user's directory may also hold an `adapters/` folder of PEFT LoRA adapters (one folder each,
 with `adapter_config.json`); each is added to the card its `base_model_name_or_path` names, under
 its folder's name. A card or adapter that cannot be read does not stop the others: it is listed
@@ -17,12 +21,13 @@ from pathlib import Path
 import msgspec
 
 from ..errors import CardError, ConfigError, UnknownModel
-from .card import ModelCard, load_card, parse_card
+from .card import ModelCard, Tuned, load_card, load_tuned, parse_card
 from .resolve import resolve_weights
 
-__all__ = ["Catalog", "ModelCard", "load_card", "parse_card", "resolve_weights"]
+__all__ = ["Catalog", "ModelCard", "Tuned", "load_card", "load_tuned", "parse_card", "resolve_weights"]
 
 ADAPTERS_DIR = "adapters"
+TUNED_DIR = "tuned"
 
 
 class Catalog:
@@ -91,9 +96,27 @@ class Catalog:
                         raise
                     broken[str(path)] = exc.message
         catalog = cls(cards, broken, strict=strict)
+        if include_builtin:
+            catalog._add_tuned(Path(str(resources.files(__package__) / TUNED_DIR)), True)
         for directory in extra_dirs:
+            catalog._add_tuned(directory / TUNED_DIR, strict)
             catalog._add_adapters(directory / ADAPTERS_DIR, strict)
         return catalog
+
+    def _add_tuned(self, directory: Path, strict: bool) -> None:
+        if not directory.is_dir():
+            return
+        for path in sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml")):
+            try:
+                tuned = load_tuned(path)
+                if tuned.model not in self._cards:
+                    raise CardError(f"{path}: tuned overlay for {tuned.model!r}, which no card serves")
+            except CardError as exc:
+                if strict:
+                    raise
+                self.broken[str(path)] = exc.message
+                continue
+            self._cards[tuned.model] = self._cards[tuned.model].with_tuned(tuned)
 
     def _add_adapters(self, directory: Path, strict: bool) -> None:
         if not directory.is_dir():

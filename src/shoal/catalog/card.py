@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import msgspec
 import yaml
@@ -46,10 +46,32 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Batch limits measured for one hardware class (see `ModelCard.batching`)."""
+    """Batch limits measured for one hardware class (see `ModelCard.batching`); unset fields fall
+    back to the engine's settings."""
 
     max_batch_tokens: int | None = None
     max_batch_items: int | None = None
+    # How long an idle device waits for more of this model's work before cutting a batch smaller
+    # than the limits (more texts per forward, at this much added latency); None or 0: no wait.
+    batch_wait_ms: float | None = None
+    # Torch intra-op threads for this model's forwards on the device thread; None: torch's default.
+    threads: int | None = None
+
+    def over(self, base: "Batching") -> "Batching":
+        """These limits, with `base`'s where these are unset."""
+        return Batching(**{f: getattr(self, f) if getattr(self, f) is not None else getattr(base, f)
+                           for f in self.__struct_fields__})
+
+
+class Tuned(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A tuned overlay (`shoal tune` writes one per model and hardware class, in a models
+    directory's `tuned/` folder): `batching` replaces the card's for `hardware`, field by field;
+    `measured` records what the tuning run measured (free-form, for people)."""
+
+    model: str
+    hardware: str
+    batching: Batching
+    measured: dict[str, Any] = {}
 
 
 class Sparse(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -220,9 +242,17 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return {name: (base / path).expanduser() for name, path in self.adapters.items()}
 
     def batching_for(self, hardware: str) -> Batching:
-        """Limits for `hardware` ("cuda:H200"), else for its kind ("cuda"), else none set."""
+        """Limits for `hardware` ("cuda:H200", "cpu:AMD EPYC"), field by field over those for its
+        kind ("cuda", "cpu"); unset fields are None (the engine's settings apply)."""
         kind = hardware.split(":", 1)[0]
-        return self.batching.get(hardware) or self.batching.get(kind) or Batching()
+        general = self.batching.get(kind) or Batching()
+        exact = self.batching.get(hardware) if hardware != kind else None
+        return exact.over(general) if exact else general
+
+    def with_tuned(self, tuned: "Tuned") -> "ModelCard":
+        """This card with a tuned overlay's limits over its own for the overlay's hardware class."""
+        own = self.batching.get(tuned.hardware) or Batching()
+        return msgspec.structs.replace(self, batching={**self.batching, tuned.hardware: tuned.batching.over(own)})
 
     @property
     def sparse_spec(self) -> Sparse:
@@ -328,9 +358,28 @@ def _check(card: ModelCard, origin: str) -> None:
         if value is not None and value not in card.prompts:
             fail(name, f"names prompt {value!r}, which `prompts` does not define")
     for hardware, limits in card.batching.items():
-        if not _HARDWARE_CLASS.fullmatch(hardware):
-            fail(f"batching.{hardware}", "is not a hardware class: use cpu, cuda or cuda:<device name>")
-        for name in ("max_batch_tokens", "max_batch_items"):
-            value = getattr(limits, name)
-            if value is not None and value < 1:
-                fail(f"batching.{hardware}.{name}", "must be >= 1")
+        _check_batching(hardware, limits, fail)
+
+
+def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], None]) -> None:
+    if not _HARDWARE_CLASS.fullmatch(hardware):
+        fail(f"batching.{hardware}", "is not a hardware class: use cpu, cpu:<CPU model>, cuda or cuda:<device name>")
+    for name in ("max_batch_tokens", "max_batch_items", "threads"):
+        value = getattr(limits, name)
+        if value is not None and value < 1:
+            fail(f"batching.{hardware}.{name}", "must be >= 1")
+    if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:
+        fail(f"batching.{hardware}.batch_wait_ms", "must be between 0 and 1000")
+
+
+def load_tuned(path: Path) -> Tuned:
+    """A tuned overlay file, validated (CardError names the file and field)."""
+    def fail(field: str, message: str) -> None:
+        raise CardError(f"{path}: `{field}` {message}", details={"file": str(path), "field": field})
+
+    try:
+        tuned = msgspec.convert(yaml.safe_load(path.read_text()), Tuned)
+    except (OSError, yaml.YAMLError, msgspec.ValidationError) as exc:
+        raise CardError(f"{path}: cannot read tuned overlay: {exc}", details={"file": str(path)}) from None
+    _check_batching(tuned.hardware, tuned.batching, fail)
+    return tuned

@@ -218,6 +218,7 @@ class DeviceWorker:
                 batch, dropped = self._scheduler.next_batch(time.monotonic())
                 while not batch and not dropped and not self._stopping:
                     self._wake.wait()
+                    self._linger()
                     batch, dropped = self._scheduler.next_batch(time.monotonic())
             if dropped:
                 self._drop(dropped)
@@ -226,6 +227,21 @@ class DeviceWorker:
                 self._trim_if_idle()
             elif self._stopping and not dropped:
                 return
+
+    def _linger(self) -> None:
+        """Woken from idle (the lock held): if the next model's limits ask for a batching wait, wait
+        up to that long for more of its work, until a full batch is queued or the device stops."""
+        model_id = self._scheduler.next_model()
+        if model_id is None:
+            return
+        limits = self._scheduler.limits_of(model_id)
+        end = time.monotonic() + limits.batch_wait_s
+        while (not self._stopping and self._scheduler.num_tokens < limits.max_batch_tokens
+               and len(self._scheduler) < limits.max_batch_items):
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(left)
 
     def _trim_if_idle(self) -> None:
         """Give freed memory back to the OS when nothing waits (at most every TRIM_EVERY_S), or,

@@ -21,13 +21,14 @@ from ..calls import (AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, 
                      timeout_of)
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
-from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
+from ..errors import DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
 from . import memory
 from .cache import ModelCache
 from .device import DeviceWorker, Pending
 from .fleet import Fleet
+from .hardware import hardware_class
 from .scheduler import BatchLimits
 from .tasks import TASKS
 from .tasks.encode import prompt_of
@@ -296,7 +297,8 @@ class Engine:
             rate = self._device.tokens_per_s_of(model_id)
             timed = int(rate * s.target_batch_s) if rate else 4 * s.min_batch_tokens
             max_tokens = min(max_tokens, max(s.min_batch_tokens, timed))
-        return BatchLimits(max_tokens, batching.max_batch_items or s.max_batch_items)
+        return BatchLimits(max_tokens, batching.max_batch_items or s.max_batch_items,
+                           (batching.batch_wait_ms or 0.0) / 1000)
 
     def _record_queue(self) -> None:
         self.metrics.queue_depth.set(self._admitted_items)
@@ -336,16 +338,3 @@ def _check_sequences(seqs: list) -> None:
         if len(seq) == 0:
             raise InvalidRequest(f"items[{index}] is empty after tokenization (this tokenizer adds no special "
                                  "tokens): send some text", details={"index": index})
-
-
-def hardware_class(device: str) -> str:
-    """The key a card's `batching` is looked up by: "cpu", or "cuda:<device name>"."""
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} was asked for, but torch sees no CUDA device here; use --device cpu")
-        return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
-    if device != "cpu":
-        raise ConfigError(f"unsupported device {device!r}: use cpu, cuda or cuda:N")
-    return "cpu"

@@ -16,6 +16,7 @@ from ..catalog import ModelCard, resolve_weights
 from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta
 from ..weights import build_model, estimate_bytes
+from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
 from .tokenizer import TextTokenizer
@@ -26,10 +27,17 @@ from .types import Batch, EncodeSpec, ExtractSpec, ScoreSpec
 _ENCODER_ONLY_HEADS = frozenset({"dense", "multivector"})
 
 
+# Torch's intra-op thread count when shoal started (before any model set its own).
+_DEFAULT_THREADS = torch.get_num_threads()
+
+
 class ModelRunner:
     def __init__(self, card: ModelCard, model: torch.nn.Module, tokenizer: TextTokenizer, device: str,
                  directory: Path | None = None, max_batch_tokens: int = 16384) -> None:
         self.card = card
+        # Torch intra-op threads for this model's forwards (the card's `batching.threads` for this
+        # device, e.g. from `shoal tune`), set on the calling (device) thread; unset: the process default.
+        self.threads = card.batching_for(hardware_class(device)).threads or _DEFAULT_THREADS
         self.model = model
         self.device = torch.device(device)
         self.tokenizer = self.document_tokenizer = self.query_tokenizer = tokenizer
@@ -102,6 +110,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec | ExtractSpec]) -> list:
+        if torch.get_num_threads() != self.threads:  # per thread (OpenMP): only the device thread's
+            torch.set_num_threads(self.threads)
         to = dict(device=self.device, non_blocking=True)
         input_ids = torch.from_numpy(batch.input_ids).to(**to)  # [T]
         position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]

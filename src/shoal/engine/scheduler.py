@@ -39,6 +39,9 @@ class Queued(Protocol):
 class BatchLimits:
     max_batch_tokens: int
     max_batch_items: int
+    # An idle device waits up to this long for more of the model's work before cutting a batch
+    # smaller than the limits (0: never waits).
+    batch_wait_s: float = 0.0
 
 
 # One batch slot: sequence `index` of `request`.
@@ -61,6 +64,13 @@ class Scheduler:
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
+
+    def next_model(self) -> str | None:
+        """The model whose turn is next (None: nothing waits)."""
+        return self._ring[0] if self._ring else None
+
+    def limits_of(self, model_id: str) -> BatchLimits:
+        return self._limits_for(model_id)
 
     def add(self, request: Queued) -> None:
         if request.model_id not in self._queues:
