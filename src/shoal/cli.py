@@ -285,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_cluster(sub, common, sys.modules[__name__])
 
+    from .bench.cli import register as register_bench
+
+    register_bench(sub, common)
+
     models = sub.add_parser("models", help="list the model cards")
     common(models)
     models.set_defaults(func=cmd_models)

@@ -1,0 +1,218 @@
+"""Load for `shoal bench`: HTTP targets and the two ways to drive them.
+
+Open loop: requests start at Poisson arrival times for the offered rate, whether or not earlier
+ones have finished (the way independent users arrive); closed loop: N clients, each sending its
+next request when the last one returns. Either way request k sends call k mod len(calls), so every
+target gets the same sequence. Bodies are encoded once, before the clock starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+
+from .workloads import Call, Workload
+
+# A step's in-flight requests past this many are refused on the client (counted as dropped): an
+# overloaded target must not turn the load generator into the bottleneck.
+MAX_INFLIGHT = 2048
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    tokens: int = 0
+    status: int = 0
+
+
+@dataclass
+class Step:
+    """One load level: what was offered, what came back."""
+
+    mode: str  # open | closed
+    offered: float  # req/s (open) or clients (closed)
+    duration_s: float
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+    dropped: int = 0
+    items: int = 0
+    tokens: int = 0
+    client_cpu_s: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    statuses: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def achieved_rps(self) -> float:
+        return self.ok / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def error_share(self) -> float:
+        total = self.sent + self.dropped
+        return (self.errors + self.dropped) / total if total else 0.0
+
+    def percentile_ms(self, q: float) -> float | None:
+        if not self.latencies_ms:
+            return None
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+    def summary(self) -> dict:
+        return dict(mode=self.mode, offered=self.offered, duration_s=round(self.duration_s, 3),
+                    sent=self.sent, ok=self.ok, errors=self.errors, dropped=self.dropped,
+                    achieved_rps=round(self.achieved_rps, 2), items_per_s=round(self.items_per_s, 1),
+                    tokens_per_s=round(self.tokens_per_s, 1),
+                    p50_ms=_round(self.percentile_ms(50)), p90_ms=_round(self.percentile_ms(90)),
+                    p99_ms=_round(self.percentile_ms(99)), client_cpu_s=round(self.client_cpu_s, 2),
+                    statuses={str(k): v for k, v in sorted(self.statuses.items())})
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+class _Usage(msgspec.Struct):
+    tokens: int = 0
+    prompt_tokens: int = 0  # OpenAI shape
+
+
+class _Reply(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+class HttpTarget:
+    """A server driven over HTTP. `wire`: "native" (shoal's /v1/encode|score|extract, JSON or
+    msgpack) or "openai" (/v1/embeddings, or `openai_path` for servers that mount it elsewhere:
+    Infinity serves /embeddings). Tokens are read from each response's usage."""
+
+    def __init__(self, name: str, url: str, model: str, workload: Workload, *, wire: str = "native",
+                 msgpack: bool = False, openai_path: str = "/v1/embeddings", timeout_s: float = 120.0,
+                 token: str | None = None, call_tokens: list[int] | None = None) -> None:
+        if wire == "openai" and workload.verb != "encode":
+            raise ValueError(f"the OpenAI route only embeds; workload {workload.name!r} is {workload.verb}")
+        self.name, self.url, self.model, self.workload = name, url.rstrip("/"), model, workload
+        # Tokens per call counted here (the model's tokenizer): used instead of the response's usage
+        # when given (Infinity's usage counts characters).
+        self.call_tokens = call_tokens
+        self.msgpack = msgpack and wire == "native"
+        self.path = openai_path if wire == "openai" else f"/v1/{workload.verb}"
+        encode = msgspec.msgpack.encode if self.msgpack else msgspec.json.encode
+        self._decode = msgspec.msgpack.Decoder(_Reply) if self.msgpack else msgspec.json.Decoder(_Reply)
+        self._bodies = [encode(_body(wire, model, workload.verb, call)) for call in workload.calls]
+        kind = "application/msgpack" if self.msgpack else "application/json"
+        headers = {"content-type": kind, "accept": kind}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        limits = httpx.Limits(max_connections=MAX_INFLIGHT, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, limits=limits)
+
+    def items_of(self, k: int) -> int:
+        return len(self.workload.calls[k % len(self.workload.calls)].texts)
+
+    async def send(self, k: int) -> Outcome:
+        try:
+            response = await self._client.post(self.path, content=self._bodies[k % len(self._bodies)])
+        except httpx.HTTPError:
+            return Outcome(False, status=0)
+        if response.status_code != 200:
+            return Outcome(False, status=response.status_code)
+        try:
+            usage = self._decode.decode(response.content).usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return Outcome(False, status=response.status_code)
+        if self.call_tokens is not None:
+            return Outcome(True, self.call_tokens[k % len(self.call_tokens)], 200)
+        return Outcome(True, (usage.tokens or usage.prompt_tokens) if usage else 0, 200)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _body(wire: str, model: str, verb: str, call: Call) -> dict:
+    if wire == "openai":
+        return {"model": model, "input": list(call.texts)}
+    items = [{"text": t} for t in call.texts]
+    if verb == "score":
+        return {"model": model, "query": call.query, "items": items}
+    if verb == "extract" and call.labels:
+        return {"model": model, "items": items, "labels": list(call.labels)}
+    return {"model": model, "items": items}
+
+
+async def _timed(target, k: int, step: Step) -> None:
+    started = time.perf_counter()
+    outcome = await target.send(k)
+    step.statuses[outcome.status] = step.statuses.get(outcome.status, 0) + 1
+    if outcome.ok:
+        step.ok += 1
+        step.tokens += outcome.tokens
+        step.items += target.items_of(k)
+        step.latencies_ms.append((time.perf_counter() - started) * 1000)
+    else:
+        step.errors += 1
+
+
+async def open_loop(target, rate: float, duration_s: float, *, seed: int = 0, first: int = 0,
+                    drain_s: float = 60.0) -> Step:
+    """Requests at Poisson arrivals of `rate`/s for `duration_s`; then waits (up to `drain_s`)
+    for those in flight. The step lasts until the last answer, so a backlog lowers its rate."""
+    step = Step("open", rate, duration_s)
+    rng = random.Random(seed)
+    tasks: set[asyncio.Task] = set()
+    cpu0, start = time.process_time(), time.perf_counter()
+    at, k = start, first
+    while True:
+        at += rng.expovariate(rate)
+        if at - start >= duration_s:
+            break
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if len(tasks) >= MAX_INFLIGHT:
+            step.dropped += 1
+            continue
+        task = asyncio.create_task(_timed(target, k, step))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        step.sent += 1
+        k += 1
+    if tasks:
+        _, late = await asyncio.wait(set(tasks), timeout=drain_s)
+        for task in late:
+            task.cancel()
+        step.errors += len(late)
+    step.duration_s = max(duration_s, time.perf_counter() - start)
+    step.client_cpu_s = time.process_time() - cpu0
+    return step
+
+
+async def closed_loop(target, clients: int, duration_s: float, *, first: int = 0) -> Step:
+    """`clients` clients, each sending its next request when its last one returns, for `duration_s`
+    (requests started before the end are waited for and counted)."""
+    step = Step("closed", clients, duration_s)
+    counter = iter(range(first, first + 10**9))
+    cpu0, start = time.process_time(), time.perf_counter()
+    end = start + duration_s
+
+    async def client() -> None:
+        while time.perf_counter() < end:
+            step.sent += 1
+            await _timed(target, next(counter), step)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    step.duration_s = time.perf_counter() - start
+    step.client_cpu_s = time.process_time() - cpu0
+    return step

