@@ -42,6 +42,13 @@ def build_model(directory: Path, architecture: str | None, device: str, dtype: s
     """Instantiate the architecture from config.json (or `config`) and load its weights, ready for
     inference. `prefixes`: what the checkpoint puts before the encoder's names, when it is not
     what the model class declares (a GLiNER checkpoint nests its backbone)."""
+    model = _meta_model(directory, architecture, config).to_empty(device=device)
+    load_weights(model, directory, prefixes)
+    return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
+
+
+def _meta_model(directory: Path, architecture: str | None, config: dict[str, Any] | None = None) -> nn.Module:
+    """The architecture built from config.json (or `config`) on the meta device: shapes, no memory."""
     config = read_config(directory) if config is None else config
     arch = architecture or config.get("model_type")
     try:
@@ -50,10 +57,7 @@ def build_model(directory: Path, architecture: str | None, device: str, dtype: s
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{directory}: {exc}") from None
     with torch.device("meta"):
-        model = cls(cfg)
-    model = model.to_empty(device=device)
-    load_weights(model, directory, prefixes)
-    return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
+        return cls(cfg)
 
 
 def _checkpoint_files(directory: Path) -> list[Path]:
@@ -157,9 +161,12 @@ def tensor_shape(directory: Path, names: tuple[str, ...]) -> tuple[int, ...] | N
     return next((found[name] for name in names if name in found), None)
 
 
-def estimate_bytes(directory: Path, dtype: str = "float32") -> int:
+def estimate_bytes(directory: Path, dtype: str = "float32", *, quantize: str | None = None,
+                   architecture: str | None = None) -> int:
     """Bytes the weights take once loaded in `dtype`: from safetensors headers, or from the shapes
-    of a memory-mapped `pytorch_model*.bin`."""
+    of a memory-mapped `pytorch_model*.bin`. With `quantize` "int8", the encoder's Linear weights
+    (of `architecture`, default config.json's) take one byte per element plus a float32 scale per
+    output row, as layers/int8.py stores them."""
     itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
     total = 0
     for path in _checkpoint_files(directory):
@@ -168,6 +175,9 @@ def estimate_bytes(directory: Path, dtype: str = "float32") -> int:
             for dim in shape:
                 numel *= dim
             total += numel * itemsize
+    if quantize == "int8":
+        linears = [m for m in _meta_model(directory, architecture).modules() if isinstance(m, nn.Linear)]
+        total -= sum(m.weight.numel() * (itemsize - 1) - m.out_features * 4 for m in linears)
     return total
 
 

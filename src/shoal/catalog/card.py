@@ -217,6 +217,10 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     query_prompt: str | None = None
     document_prompt: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # int8: the encoder's Linears run int8 x int8 on a CPU (layers/int8.py: weights per output row,
+    # activations per token), about a quarter of their float32 bytes; heads stay float32. Needs
+    # dtype float32; a load on a CUDA device is refused.
+    quantize: Literal["int8"] | None = None
     # Batch limits per hardware class ("cpu", "cuda", or a specific one such as "cuda:H200"),
     # written by hand or by `shoal tune`; the engine falls back to its own settings.
     batching: dict[str, Batching] = {}
@@ -344,6 +348,9 @@ def _check(card: ModelCard, origin: str) -> None:
             fail("dimensions", "is required when outputs has dense")
     if card.source.onnx and not (card.source.package or card.source.path):
         fail("source.onnx", "applies to a package or path source (a folder that holds the ONNX file)")
+    if card.quantize is not None and card.dtype != "float32":
+        fail("quantize", f"int8 runs with float32 activations, not dtype {card.dtype}: leave dtype unset "
+             "(float32) or drop quantize")
     if card.dimensions is not None and card.dimensions < 1:
         fail("dimensions", "must be >= 1")
     if "multivector" in card.outputs and card.multivector is None:

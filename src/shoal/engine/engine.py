@@ -61,7 +61,7 @@ class Engine:
                 return card.batching_for(self._hardware).max_batch_tokens or settings.max_batch_tokens
 
             load_runner = load_runner or (lambda card: ModelRunner.load(card, settings.device, allow_download,
-                                                                         max_batch_tokens(card)))
+                                                                         max_batch_tokens(card), settings.onednn_linear))
             estimate_bytes = estimate_bytes or (lambda card: ModelRunner.estimate_bytes(card, allow_download))
             if allow_download:  # a download happens outside the lock that materializes weights
                 fetch = lambda card: resolve_weights(card, allow_download=True)  # noqa: E731

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from ..errors import InferenceFailed, ModelLoadError
-from ..layers import AdapterFactors, LoraFactors, LoraRouting, LoraShard
+from ..layers import AdapterFactors, Int8Linear, LoraFactors, LoraRouting, LoraShard
+from ..layers.packed import PackedLinear
 from ..weights import _PREFIXES, _canonical, _route, _tensors
 
 _PEFT_PREFIX = "base_model.model."
@@ -208,12 +209,13 @@ def _read_pairs(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, 
     return pairs
 
 
-def _linear(model: nn.Module, module: str, shard: int | None) -> nn.Linear | None:
+def _linear(model: nn.Module, module: str, shard: int | None) -> nn.Linear | Int8Linear | PackedLinear | None:
     try:
         linear = model.get_submodule(module)
     except AttributeError:
         return None
-    if not isinstance(linear, nn.Linear):
+    # An int8 base (quantize: int8) or a oneDNN-packed one (float32 on CPU) takes float32 deltas too.
+    if not isinstance(linear, (nn.Linear, Int8Linear, PackedLinear)):
         return None
     if shard is not None and shard >= len(getattr(linear, "shard_sizes", ())):
         return None

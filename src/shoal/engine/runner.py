@@ -13,8 +13,9 @@ import torch
 
 from ..calls import EncodedItem
 from ..catalog import ModelCard, resolve_weights
+from ..errors import ConfigError
 from ..heads import BuildContext, Hidden, build_heads
-from ..layers import AttentionMeta
+from ..layers import AttentionMeta, input_maxima, packed, quantize_linears
 from ..weights import build_model, estimate_bytes
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
@@ -48,35 +49,45 @@ class ModelRunner:
                 self.query_tokenizer, self.document_tokenizer = head.tokenizers()
         self._adapters = AdapterTable()  # PEFT LoRA adapters by slot (engine/lora.py)
         # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
-        self.num_bytes = tensor_bytes([model, *self.heads.values()])
+        self.num_bytes = tensor_bytes([model, *self.heads.values()]) + packed.packed_bytes(model)
         self.workspace_bytes = workspace_bytes(model, self.heads.values(), max_batch_tokens, tokenizer.max_length,
                                                self.device, flash=_flash_available(self.device, dtype))
 
     @classmethod
     def load(cls, card: ModelCard, device: str, allow_download: bool = True,
-             max_batch_tokens: int = 16384) -> "ModelRunner":
+             max_batch_tokens: int = 16384, pack: bool = True) -> "ModelRunner":
         directory = resolve_weights(card, allow_download=allow_download)
-        return cls.from_dir(card, directory, device, allow_download, max_batch_tokens)
+        return cls.from_dir(card, directory, device, allow_download, max_batch_tokens, pack)
 
     @classmethod
     def from_dir(cls, card: ModelCard, directory: Path, device: str, allow_download: bool = True,
-                 max_batch_tokens: int = 16384) -> "ModelRunner":
+                 max_batch_tokens: int = 16384, pack: bool = True) -> "ModelRunner":
+        _check_quantize(card, device)
         if card.extract is not None and card.extract.kind == "gliner":
             from .gliner_files import load_gliner_backbone
 
             model, tokenizer = load_gliner_backbone(card, directory, device, allow_download)
-            return cls(card, model, tokenizer, device, directory, max_batch_tokens)
-        model = build_model(directory, card.architecture, device, card.dtype)
-        # Models with a learned position table cannot take more tokens than it has rows.
-        max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
-        tokenizer = TextTokenizer.from_dir(directory, max_length)
+        else:
+            model = build_model(directory, card.architecture, device, card.dtype)
+            # Models with a learned position table cannot take more tokens than it has rows.
+            max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
+            tokenizer = TextTokenizer.from_dir(directory, max_length)
+        if card.quantize == "int8":  # the encoder's Linears; embeddings, norms and heads stay float32
+            _quantize_int8(model, tokenizer)
+        elif pack and torch.device(device).type == "cpu" and packed.available():
+            packed.pack_linears(model)  # float32 Linears in oneDNN's layout (layers/packed.py)
         return cls(card, model, tokenizer, device, directory, max_batch_tokens)
 
     @staticmethod
     def estimate_bytes(card: ModelCard, allow_download: bool = True) -> int:
-        """Before a load: the bytes its checkpoint's tensors take in the card's dtype (the cache
-        measures the loaded model after)."""
-        return estimate_bytes(resolve_weights(card, allow_download=allow_download), card.dtype)
+        """Before a load: the bytes its checkpoint's tensors take in the card's dtype, the encoder's
+        Linear weights at one byte each under `quantize: int8` (the cache measures the loaded
+        model after)."""
+        directory = resolve_weights(card, allow_download=allow_download)
+        # A GLiNER folder's backbone config lives in gliner_config.json: counted unquantised (over).
+        gliner = card.extract is not None and card.extract.kind == "gliner"
+        return estimate_bytes(directory, card.dtype, quantize=None if gliner else card.quantize,
+                              architecture=card.architecture)
 
     def add_adapter(self, name: str, directory: Path) -> int:
         """Load the PEFT LoRA adapter in `directory` onto this model (tensors on its device, in its
@@ -145,6 +156,44 @@ class ModelRunner:
         """Called on eviction. A batch already running keeps its reference until it finishes."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# What the float32 model reads once before `quantize: int8`, to find each Linear's outlier input
+# channels (layers/int8.py): which channels carry huge activations is the model's, not the text's.
+_CALIBRATION_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "What time does the last train to the airport leave on Sundays?",
+    "Shares fell 3.2% on Tuesday after the company cut its forecast for 2024, citing weak demand in Europe and Asia.",
+    "rain",
+    "How do I reset my password?",
+    "Researchers at the university said the new vaccine was safe and produced a strong immune response in a trial "
+    "of 1,200 volunteers, though larger studies are needed before it can be approved.",
+    "Add two cups of flour, one egg and a pinch of salt; stir until smooth.",
+    "Paris, France",
+)
+
+
+def _quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
+    """Swap the model's Linears for int8 ones, outlier channels as the calibration texts show them."""
+    batch = Batch.pack(tokenizer.encode(list(_CALIBRATION_TEXTS), truncate=True))
+    input_ids, position_ids = torch.from_numpy(batch.input_ids), torch.from_numpy(batch.position_ids)  # [T]
+    meta = AttentionMeta.build(torch.from_numpy(batch.cu_seqlens), batch.max_seqlen)
+    quantize_linears(model, input_maxima(model, lambda: model(input_ids, position_ids, meta, None)))
+
+
+def _check_quantize(card: ModelCard, device: str) -> None:
+    """`quantize: int8` is a CPU backend over float32 activations; the card's own check covers the
+    dtype, but an overlay may have set either after it."""
+    if card.quantize is None:
+        return
+    if torch.device(device).type != "cpu":
+        raise ConfigError(f"{card.id}: quantize {card.quantize} runs on CPUs only (int8 matmuls through oneDNN), "
+                          f"not on {device}: serve it on a CPU, or drop quantize and use dtype float16 or bfloat16",
+                          details={"model": card.id, "field": "quantize", "device": device})
+    if card.dtype != "float32":
+        raise ConfigError(f"{card.id}: quantize {card.quantize} runs with float32 activations, not dtype "
+                          f"{card.dtype}: leave dtype unset (float32) or drop quantize",
+                          details={"model": card.id, "field": "quantize", "dtype": card.dtype})
 
 
 def _flash_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,12 +1,15 @@
 """Shared building blocks for model files: attention over packed sequences, rotary positions,
-norms, fused projections, activations, and LoRA deltas per token group at the Linear seam."""
+norms, fused projections, activations, and, at the Linear seam, LoRA deltas per token group and
+int8 weights and activations (CPU)."""
 
 from .activation import activation
 from .attention import AttentionMeta, varlen_attention
+from .int8 import Int8FusedLinear, Int8Linear, input_maxima, quantize_linears
 from .linear import FusedLinear
 from .lora import AdapterFactors, LoraFactors, LoraRouting, LoraShard
 from .norm import RMSNorm
 from .rotary import Rotary, apply_rotary
 
-__all__ = ["AdapterFactors", "AttentionMeta", "FusedLinear", "LoraFactors", "LoraRouting", "LoraShard", "RMSNorm",
-           "Rotary", "activation", "apply_rotary", "varlen_attention"]
+__all__ = ["AdapterFactors", "AttentionMeta", "FusedLinear", "Int8FusedLinear", "Int8Linear", "LoraFactors",
+           "LoraRouting", "LoraShard", "RMSNorm", "Rotary", "activation", "apply_rotary", "input_maxima",
+           "quantize_linears", "varlen_attention"]

@@ -1,0 +1,156 @@
+"""int8 on CPU (`quantize: int8`): tokens/s of shoal's forward in float32 and in int8, and what
+int8 costs in quality, measured in the same run on the same batches.
+
+Models: sentence-transformers/all-MiniLM-L6-v2, and all-mpnet-base-v2 when its weights are installed
+(`--models` to choose); real weights, resolved offline. Each is loaded twice, as its card says
+(float32) and with `quantize: int8` (the card through `msgspec.structs.replace`, as an overlay
+would set it); both share torch's intra-op threads.
+
+Speed: the first --num-docs documents of gensim's Lee background corpus, tokenized by the model's
+tokenizer (truncated to its max_length) and packed in order into batches of at most --batch-tokens
+tokens; one timed pass is `ModelRunner.forward` over every batch (the encoder, mean pooling,
+normalisation). After a warm-up pass of each, the two take turns, one pass each, --rounds times, so
+a change in the machine's load falls on both; the median pass of each is reported, as tokens/s.
+
+Quality: the 50 documents of the Lee similarity set (1,225 pairs scored by people): Spearman
+correlation of the vectors' cosines with the human scores, for each, and the smallest cosine between
+a document's int8 vector and its float32 one; also the smallest over 300 single words and over the
+first 155 sentences of those documents (short inputs are int8's hardest case).
+
+    python bench/int8.py
+    python bench/int8.py --models sentence-transformers/all-MiniLM-L6-v2 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+from scipy.stats import spearmanr
+from spawn import machine_line
+
+MODELS = ("sentence-transformers/all-MiniLM-L6-v2", "sentence-transformers/all-mpnet-base-v2")
+
+
+def lee_files() -> Path:
+    spec = importlib.util.find_spec("gensim")  # data files only: gensim itself is not imported
+    return Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data"
+
+
+def read_docs(path: Path) -> list[str]:
+    return [line.decode("latin-1").strip() for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def spearman(vectors: np.ndarray, human: np.ndarray) -> float:
+    """Spearman of the pairwise cosines (upper triangle) with the human scores (tests/test_quality.py)."""
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    cosine = unit @ unit.T
+    return float(spearmanr(cosine[np.triu_indices(len(vectors), 1)], human).correlation)
+
+
+def batches(runner, texts: list[str], max_tokens: int) -> list:
+    """`texts` tokenized and packed in order into batches of at most `max_tokens` tokens."""
+    from shoal.engine.types import Batch
+
+    out, current, size = [], [], 0
+    for seq in runner.tokenizer.encode(texts, truncate=True):
+        if current and size + len(seq) > max_tokens:
+            out.append(Batch.pack(current))
+            current, size = [], 0
+        current.append(seq)
+        size += len(seq)
+    return out + [Batch.pack(current)]
+
+
+def vectors(runner, texts: list[str], max_tokens: int = 4096) -> np.ndarray:
+    from shoal.engine.types import EncodeSpec
+
+    spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
+    return np.concatenate([np.stack([item.dense for item in runner.forward(batch, [spec] * batch.num_seqs)])
+                           for batch in batches(runner, texts, max_tokens)])
+
+
+def one_pass(runner, work: list) -> float:
+    from shoal.engine.types import EncodeSpec
+
+    spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
+    start = time.perf_counter()
+    for batch in work:
+        runner.forward(batch, [spec] * batch.num_seqs)
+    return time.perf_counter() - start
+
+
+def bench_model(model_id: str, args: argparse.Namespace) -> bool:
+    from shoal.catalog import Catalog, resolve_weights
+    from shoal.engine.runner import ModelRunner
+    from shoal.errors import ModelLoadError
+
+    card = Catalog.load().get(model_id)
+    try:
+        directory = resolve_weights(card, allow_download=False)
+    except ModelLoadError as exc:
+        print(f"{model_id}: skipped, weights not installed ({exc})")
+        return False
+    runners = {"float32": ModelRunner.from_dir(card, directory, "cpu"),
+               "int8": ModelRunner.from_dir(msgspec.structs.replace(card, quantize="int8"), directory, "cpu")}
+
+    data = lee_files()
+    work = batches(runners["float32"], read_docs(data / "lee_background.cor")[: args.num_docs], args.batch_tokens)
+    num_tokens = sum(batch.num_tokens for batch in work)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for runner in runners.values():  # warm-up
+        one_pass(runner, work)
+    for _ in range(args.rounds):  # one pass of each in turn: the machine's load falls on both
+        for name, runner in runners.items():
+            times[name].append(one_pass(runner, work))
+
+    docs = read_docs(data / "lee.cor")
+    human = np.loadtxt(data / "similarities0-1.txt")[np.triu_indices(50, 1)]
+    words = sorted({w.strip(".,\"'()") for doc in docs for w in doc.split()} - {""})[:300]
+    sentences = [s for doc in docs for s in doc.split(". ") if s][:155]
+    quality = {name: {kind: vectors(runner, texts) for kind, texts in
+                      (("docs", docs), ("words", words), ("sentences", sentences))} for name, runner in runners.items()}
+    rho = {name: spearman(quality[name]["docs"], human) for name in runners}
+    cos_min = {kind: float((quality["int8"][kind] * quality["float32"][kind]).sum(1).min())
+               for kind in ("docs", "sentences", "words")}
+
+    base = statistics.median(times["float32"])
+    print(f"{model_id}: {len(work)} batches, {num_tokens} tokens ({args.num_docs} Lee background documents, "
+          f"<= {args.batch_tokens} tokens a batch); median of {args.rounds} passes each")
+    for name, runner in runners.items():
+        median = statistics.median(times[name])
+        print(f"  {name:8s} {num_tokens / median:8.0f} tokens/s  ratio {base / median:.2f}  "
+              f"(passes {min(times[name]):.2f}-{max(times[name]):.2f} s)  weights+heads {runner.num_bytes / 2**20:6.1f} MiB  "
+              f"Lee Spearman {rho[name]:.4f}")
+    print(f"  int8 vs float32: Lee Spearman {rho['int8'] - rho['float32']:+.4f}; cosine min: 50 documents "
+          f"{cos_min['docs']:.4f}, {len(sentences)} sentences {cos_min['sentences']:.4f}, "
+          f"{len(words)} words {cos_min['words']:.4f}")
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--num-docs", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    load = os.getloadavg()
+    vnni = "avx512_vnni" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    print(machine_line(load, f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                             f"{torch.backends.cpu.get_cpu_capability()}{', VNNI' if vnni else ''}"))
+    ran = [bench_model(model_id, args) for model_id in args.models]
+    return 0 if any(ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
