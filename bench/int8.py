@@ -3,8 +3,8 @@ int8 costs in quality, measured in the same run on the same batches.
 
 Models: sentence-transformers/all-MiniLM-L6-v2, and all-mpnet-base-v2 when its weights are installed
 (`--models` to choose); real weights, resolved offline. Each is loaded twice, as its card says
-(float32) and with `quantize: int8` (the card through `msgspec.structs.replace`, as an overlay
-would set it); both share torch's intra-op threads.
+(float32) and with `quantize: int8` (the card through `msgspec.structs.replace`, as a card of
+one's own with `quantize: int8` says); both share torch's intra-op threads.
 
 Speed: the first --num-docs documents of gensim's Lee background corpus, tokenized by the model's
 tokenizer (truncated to its max_length) and packed in order into batches of at most --batch-tokens

@@ -32,7 +32,7 @@ SPEC = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
 
 
 def int8_card(card):
-    return msgspec.structs.replace(card, quantize="int8")  # as a tuned overlay would set it
+    return msgspec.structs.replace(card, quantize="int8")  # as a card of one's own with `quantize: int8` says
 
 
 def encode(runner: ModelRunner, texts: list[str], adapter_slot: int | None = None) -> np.ndarray:

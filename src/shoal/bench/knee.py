@@ -1,8 +1,9 @@
 """Ramps and the knee.
 
 The knee is the highest load a target serves well: for an open-loop ramp, the highest offered rate
-whose p99 stays within the bound, whose errors stay under `max_error_share`, and whose achieved
-rate still follows the offered one (>= `follow` x offered); for a closed-loop ramp (N clients), the
+whose p99 stays within the bound, whose errors stay under `max_error_share`, and whose arrivals
+were answered (>= `follow` of them: a target that falls behind leaves a backlog, which the p99
+bound and the drain limit catch); for a closed-loop ramp (N clients), the
 fewest clients that reach `plateau` x the best throughput among the levels within the bounds (more
 clients past it only add latency).
 """
@@ -18,7 +19,7 @@ from .load import Step, closed_loop, open_loop
 class Bounds:
     p99_ms: float = 1000.0
     max_error_share: float = 0.01
-    follow: float = 0.9  # open loop: achieved / offered at least this
+    follow: float = 0.9  # open loop: answered / arrived at least this (within the step and its drain)
     plateau: float = 0.95  # closed loop: this share of the best throughput counts as reached
 
 
@@ -26,7 +27,10 @@ def within(step: Step, bounds: Bounds) -> bool:
     p99 = step.percentile_ms(99)
     if p99 is None or p99 > bounds.p99_ms or step.error_share > bounds.max_error_share:
         return False
-    return step.mode == "closed" or step.achieved_rps >= bounds.follow * step.offered
+    # Open loop: the arrivals that came were answered (a backlog past the drain is not), and they came
+    # at about the rate offered (the load generator kept up).
+    arrived = step.sent + step.dropped
+    return step.mode == "closed" or (step.ok >= bounds.follow * arrived and step.arrival_rps >= 0.8 * step.offered)
 
 
 def knee(steps: list[Step], bounds: Bounds) -> Step | None:

@@ -9,6 +9,7 @@ target gets the same sequence. Bodies are encoded once, before the clock starts.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from .workloads import Call, Workload
 # A step's in-flight requests past this many are refused on the client (counted as dropped): an
 # overloaded target must not turn the load generator into the bottleneck.
 MAX_INFLIGHT = 2048
+# An open-loop level lasts long enough for about this many arrivals.
+MIN_ARRIVALS = 20
 
 
 @dataclass
@@ -36,7 +39,8 @@ class Step:
 
     mode: str  # open | closed
     offered: float  # req/s (open) or clients (closed)
-    duration_s: float
+    duration_s: float  # from the first request to the last answer
+    window_s: float = 0.0  # open loop: how long requests arrived
     sent: int = 0
     ok: int = 0
     errors: int = 0
@@ -50,6 +54,11 @@ class Step:
     @property
     def achieved_rps(self) -> float:
         return self.ok / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def arrival_rps(self) -> float:
+        """Open loop: requests that arrived per second of the arrival window."""
+        return (self.sent + self.dropped) / self.window_s if self.window_s else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -167,9 +176,13 @@ async def _timed(target, k: int, step: Step) -> None:
 
 async def open_loop(target, rate: float, duration_s: float, *, seed: int = 0, first: int = 0,
                     drain_s: float = 60.0) -> Step:
-    """Requests at Poisson arrivals of `rate`/s for `duration_s`; then waits (up to `drain_s`)
-    for those in flight. The step lasts until the last answer, so a backlog lowers its rate."""
-    step = Step("open", rate, duration_s)
+    """Requests at Poisson arrivals of `rate`/s for `duration_s` (stretched to at least
+    MIN_ARRIVALS / rate, so a slow level still sees enough requests to judge); then waits (up to
+    `drain_s`) for those in flight. The step lasts until the last answer, so a backlog lowers its rate."""
+    if not (math.isfinite(rate) and rate > 0 and math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"an open-loop level needs a finite rate and duration > 0, not {rate}, {duration_s}")
+    duration_s = max(duration_s, MIN_ARRIVALS / rate)
+    step = Step("open", rate, duration_s, window_s=duration_s)
     rng = random.Random(seed)
     tasks: set[asyncio.Task] = set()
     cpu0, start = time.process_time(), time.perf_counter()
@@ -202,6 +215,8 @@ async def open_loop(target, rate: float, duration_s: float, *, seed: int = 0, fi
 async def closed_loop(target, clients: int, duration_s: float, *, first: int = 0) -> Step:
     """`clients` clients, each sending its next request when its last one returns, for `duration_s`
     (requests started before the end are waited for and counted)."""
+    if clients < 1 or not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"a closed-loop level needs >= 1 client and a finite duration > 0, not {clients}, {duration_s}")
     step = Step("closed", clients, duration_s)
     counter = iter(range(first, first + 10**9))
     cpu0, start = time.process_time(), time.perf_counter()

@@ -3,9 +3,9 @@ measured here, so a throughput can be read as a share of the bound the hardware 
 
 FLOPs per token counts the matmuls of the transformer layers (2 FLOPs per multiply-add): the
 projections (q, k, v, output; two matrices for a plain MLP, three for a gated one) and attention's
-two products over the token's own sequence (QK^T and AV: 4 x seq_len x hidden). Embeddings,
-norms, activations and heads are left out: they are small next to these for every encoder shoal
-serves, so the bound is a little optimistic, never pessimistic.
+two products over the token's own sequence (QK^T and AV: 4 x seq_len x heads x head_dim).
+Embeddings, norms, activations and heads are left out, and local attention (ModernBERT's) is counted
+as global: an approximation, good to ~10 % for the encoders shoal serves.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Architectures whose MLP is gated (gate and up projections, then down).
-_GATED = {"llama", "modernbert", "nomic_bert"}
+_GATED = {"llama", "qwen2", "qwen3", "modernbert", "nomic_bert"}
 _KEYS = {
     "hidden": ("hidden_size", "d_model", "dim", "n_embd"),
     "layers": ("num_hidden_layers", "n_layers", "n_layer"),
@@ -35,13 +35,16 @@ class Shape:
     kv_heads: int
     gated: bool
 
+    head_dim: int = 0  # 0: hidden // heads
+
     def flops_per_token(self, mean_seq_len: float) -> float:
         """Forward FLOPs for one token of a sequence `mean_seq_len` long (use sum(len^2)/sum(len)
         over a batch: attention costs each token its own sequence's length)."""
-        kv_dim = self.hidden * self.kv_heads // self.heads
-        projections = 2 * self.hidden * self.hidden + 2 * self.hidden * kv_dim
+        head_dim = self.head_dim or self.hidden // self.heads
+        q_dim, kv_dim = self.heads * head_dim, self.kv_heads * head_dim
+        projections = 2 * self.hidden * q_dim + 2 * self.hidden * kv_dim  # q and output; k and v
         mlp = (3 if self.gated else 2) * self.hidden * self.intermediate
-        return self.layers * (2.0 * (projections + mlp) + 4.0 * mean_seq_len * self.hidden)
+        return self.layers * (2.0 * (projections + mlp) + 4.0 * mean_seq_len * q_dim)
 
 
 def shape_of(model_dir: Path, architecture: str) -> Shape:
@@ -57,7 +60,8 @@ def shape_of(model_dir: Path, architecture: str) -> Shape:
     intermediate = config.get("intermediate_size") or config.get("hidden_dim") or config.get("n_inner") \
         or 4 * key("hidden")
     return Shape(key("hidden"), key("layers"), int(intermediate), heads,
-                 int(config.get("num_key_value_heads") or heads), architecture in _GATED)
+                 int(config.get("num_key_value_heads") or heads), architecture in _GATED,
+                 int(config.get("head_dim") or 0))
 
 
 def effective_seq_len(lengths: list[int]) -> float:

@@ -46,7 +46,7 @@ async def measure(target, plan: Plan, log=print) -> tuple[list[Step], Step | Non
         capacity = await probe(target, plan.probe_clients, plan.probe_s)
         if capacity <= 0:
             raise ConfigError(f"{target.name}: no request succeeded in the probe (is the model served?)")
-        levels = [round(capacity * share, 2) for share in OPEN_SHARES]
+        levels = [float(f"{capacity * share:.3g}") for share in OPEN_SHARES]
     elif not levels:
         levels = list(CLOSED_CLIENTS)
 
@@ -106,16 +106,23 @@ def run(args) -> int:
             raise ConfigError(f"--against {name}: use st, infinity or both (st,infinity)")
     if "infinity" in against and not args.infinity:
         raise ConfigError("--against infinity needs --infinity PATH (the infinity_emb script of its virtualenv)")
+    verb = workloads.VERBS[args.workload]
+    if verb not in card.tasks:
+        raise ConfigError(f"{card.id} serves {', '.join(sorted(card.tasks))}; workload {args.workload} needs {verb}")
+    if args.mode == "closed" and any(level != int(level) for level in args.levels or ()):
+        raise ConfigError(f"--levels {args.levels}: closed-loop levels are client counts (whole numbers)")
+    if against and verb != "encode":
+        raise ConfigError(f"--against {','.join(against)}: the baselines embed; workload {args.workload} is {verb}")
     labels = None if card.extract is not None and card.extract.kind == "token_class" else workloads.WNUT_LABELS
     workload = workloads.build(args.workload, seed=args.seed, items=args.items, labels=labels)
-    verbs = set(card.tasks)
-    if workload.verb not in verbs:
-        raise ConfigError(f"{card.id} serves {', '.join(sorted(verbs))}; workload {workload.name} needs {workload.verb}")
     try:
         model_dir = resolve_weights(card, allow_download=False)
     except Exception:
         model_dir = None  # a remote model: no local tokenizer, FLOPs or baseline
     per_call, lengths = call_tokens(model_dir, card.max_length, workload)
+    if against and per_call is None:
+        raise ConfigError(f"--against {','.join(against)} needs the model's local folder with its tokenizer.json "
+                          "(tokens are counted with it for the baselines)")
     bounds = Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name])
     plan = Plan(mode=args.mode, levels=tuple(args.levels or ()), step_s=args.step_s,
                 probe_clients=args.probe_clients or (32 if workload.items_per_call <= 2 else 4),
@@ -141,8 +148,6 @@ def run(args) -> int:
                 else:
                     from .targets import infinity_serve
 
-                    if model_dir is None or workload.verb != "encode":
-                        raise ConfigError("--against infinity: needs an encode workload and the model's local folder")
                     url, _ = stack.enter_context(infinity_serve(args.infinity, model_dir, Path(tmp) / "infinity.log",
                                                                 batch_size=args.infinity_batch_size))
                 target = (HttpTarget(name, url, card.id, workload, msgpack=args.msgpack, token=args.api_key)
@@ -162,8 +167,6 @@ def run(args) -> int:
         lines.append(f"shoal / infinity at the knee: {ratios['shoal_over_infinity_rps']:.2f}x req/s")
     baseline = None
     if "st" in against:
-        if model_dir is None:
-            raise ConfigError("--against st needs the model's local folder")
         from .targets import sentence_transformers_baseline
 
         base = sentence_transformers_baseline(model_dir, workload, duration_s=args.step_s)
@@ -182,7 +185,12 @@ def run(args) -> int:
             peak = None
         if peak:
             seq = machine.effective_seq_len(lengths)
-            per_token = machine.shape_of(model_dir, card.architecture).flops_per_token(seq)
+            try:
+                per_token = machine.shape_of(model_dir, card.architecture).flops_per_token(seq)
+            except (OSError, KeyError, ValueError) as exc:  # a folder without a usable config.json
+                per_token = None
+                lines.append(f"no FLOPs/token: {exc}")
+        if peak and per_token:
             bound = peak / per_token
             flops = dict(flops_per_token=per_token, effective_seq_len=round(seq, 1), fp32_gemm_peak_flops=peak,
                          torch_threads=threads, bound_tokens_per_s=round(bound, 1))

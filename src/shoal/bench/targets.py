@@ -20,6 +20,10 @@ from ..errors import ConfigError
 from .workloads import Workload
 
 
+_NOT_INHERITED = {"SHOAL_AUTH_TOKENS", "SHOAL_AUTH_TOKENS_FILE", "SHOAL_ADMIN_TOKENS", "SHOAL_MODELS", "SHOAL_DEVICE",
+                  "SHOAL_MODELS_DIRS", "SHOAL_HOST", "SHOAL_PORT"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -36,7 +40,9 @@ def spawned(cmd: list[str], ready_url: str, log_path: Path, *, env: dict[str, st
             ready_timeout_s: float = 300.0) -> Iterator[int]:
     """Runs `cmd` until the block ends (SIGTERM, then SIGKILL after 20 s); yields its pid once
     `ready_url` answers 200."""
-    full_env = dict(os.environ)
+    # The user's server settings stay out of the servers measured here: tokens would refuse the
+    # load's requests, SHOAL_MODELS could leave the model out, SHOAL_DEVICE move it off this CPU.
+    full_env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     full_env.setdefault("HF_HUB_OFFLINE", "1")  # weights come from local folders, never the network
     full_env.update(env or {})
     with open(log_path, "wb") as log:
@@ -86,7 +92,7 @@ def infinity_serve(command: str, model_dir: Path, log_path: Path, *, batch_size:
     `infinity_emb` script) serving a local model folder on CPU with its torch engine."""
     if not (Path(command).is_file() or shutil.which(command)):
         raise ConfigError(f"--infinity {command}: no such program (the `infinity_emb` script of a venv "
-                          "with infinity-emb[server,torch]; see docs/benchmarks.md)")
+                          "with infinity-emb[server,torch]; see docs/bench.md)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [command, "v2", "--model-id", str(model_dir), "--served-model-name", served_name,

@@ -3,8 +3,9 @@ where `shoal serve` reads it.
 
 Coordinate search from the card's own limits: one knob at a time (max_batch_tokens,
 max_batch_items, batch_wait_ms, threads), each value served by a fresh `shoal serve` that reads the
-candidate as a tuned overlay, its knee found by `shoal bench`'s ramp on the chosen workload; a value
-is kept when its knee's tokens/s beats the best so far by `min_gain`. The winner is written as
+candidate as a tuned overlay, ramped as `shoal bench` does (closed loop) on the chosen workload; a
+value is kept when its best tokens/s within the bounds beats the best so far by `min_gain` (a
+server that fails to start scores 0). Only the knobs the search changed are written, as
 `<dir>/tuned/<model>@<hardware>.yaml` with everything measured; `shoal serve --models-dir <dir>`
 then uses it (a later overlay wins over the package's and the card's, field by field).
 """
@@ -22,10 +23,10 @@ import msgspec
 import yaml
 
 from ..catalog import TUNED_DIR
-from ..catalog.card import Batching, Tuned, load_tuned
+from ..catalog.card import Batching, Tuned, check_batching, load_tuned
 from ..errors import ConfigError
 from . import workloads
-from .knee import Bounds
+from .knee import Bounds, within
 from .load import HttpTarget
 from .run import Plan, measure_and_close
 from .targets import shoal_serve
@@ -53,13 +54,35 @@ def write_overlay(directory: Path, tuned: Tuned) -> Path:
     return path
 
 
-async def _knee_of(url: str, model_id: str, workload: workloads.Workload, plan: Plan, log) -> tuple[float, dict]:
-    steps, found, _ = await measure_and_close(HttpTarget("shoal", url, model_id, workload), plan, log=log)
-    if found is None:
-        return 0.0, dict(knee=None)
-    return found.tokens_per_s, dict(knee_tokens_per_s=round(found.tokens_per_s, 1),
-                                    knee_rps=round(found.achieved_rps, 2), knee_level=found.offered,
-                                    p50_ms=found.percentile_ms(50), p99_ms=found.percentile_ms(99))
+async def _score_of(url: str, model_id: str, workload: workloads.Workload, plan: Plan) -> tuple[float, dict]:
+    """(the best tokens/s among the levels within the bounds, what was measured): the best, not the
+    knee, so two settings are compared on what each can do at all."""
+    steps, found, _ = await measure_and_close(HttpTarget("shoal", url, model_id, workload), plan, log=lambda s: None)
+    good = [s for s in steps if within(s, plan.bounds)]
+    levels = [dict(clients=int(s.offered), tokens_per_s=round(s.tokens_per_s, 1), p99_ms=s.percentile_ms(99))
+              for s in steps]
+    if not good:
+        return 0.0, dict(best_tokens_per_s=0.0, levels=levels)
+    best = max(good, key=lambda s: s.tokens_per_s)
+    return best.tokens_per_s, dict(best_tokens_per_s=round(best.tokens_per_s, 1), best_clients=int(best.offered),
+                                   p99_ms=best.percentile_ms(99), knee_clients=int(found.offered) if found else None,
+                                   levels=levels)
+
+
+def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
+    values = dict(DEFAULT_VALUES, threads=tuple(sorted({1, max(1, cores // 2), cores})))
+    for spec in specs:
+        knob, _, listed = spec.partition("=")
+        try:
+            parsed = tuple(float(v) if knob == "batch_wait_ms" else int(v) for v in listed.split(",") if v)
+        except ValueError:
+            parsed = ()
+        if knob not in values or not parsed:
+            raise ConfigError(f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)}")
+        for value in parsed:
+            check_batching(hardware, Batching(**{knob: value}), f"--grid {spec}")
+        values[knob] = parsed
+    return values
 
 
 def tune(args) -> int:
@@ -78,24 +101,15 @@ def tune(args) -> int:
     workload = workloads.build(args.workload or default_workload, seed=args.seed, labels=labels)
     plan = Plan(mode="closed", levels=tuple(args.clients), step_s=args.step_s, warmup_s=1.0,
                 bounds=Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name]), seed=args.seed)
-    cores = os.cpu_count() or 1
-    values = dict(DEFAULT_VALUES, threads=tuple(sorted({1, max(1, cores // 2), cores})))
-    for spec in args.grid:
-        knob, _, listed = spec.partition("=")
-        try:
-            parsed = tuple(float(v) if knob == "batch_wait_ms" else int(v) for v in listed.split(",") if v)
-        except ValueError:
-            parsed = ()
-        if knob not in values or not parsed:
-            raise ConfigError(f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)}")
-        values[knob] = parsed
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    values = _grid(args.grid, cores, hardware)
     knobs = args.knobs or list(values)
     for knob in knobs:
         if knob not in values:
             raise ConfigError(f"--knobs {knob}: use {', '.join(values)}")
-    start = card.batching_for(hardware)
-    current = Batching(max_batch_tokens=start.max_batch_tokens or 16384, max_batch_items=start.max_batch_items or 256,
-                       batch_wait_ms=start.batch_wait_ms or 0, threads=start.threads or cores)
+    # The card's own limits for this hardware (unset fields: the server's defaults) are the start;
+    # the overlay written holds only what the search changed.
+    start = current = card.batching_for(hardware)
     trials: list[dict] = []
     print(f"shoal tune: {card.id} on {hardware}, workload {workload.name} ({workload.description}), "
           f"clients {list(plan.levels)}, {plan.step_s:g} s a level, p99 <= {plan.bounds.p99_ms:g} ms")
@@ -106,12 +120,16 @@ def tune(args) -> int:
             load_tuned(write_overlay(Path(tmp), candidate))  # valid (else CardError), and the last overlay read
             serve_args = [a for d in (*user_dirs, Path(tmp)) for a in ("--models-dir", str(d))]
             serve_args += ["--device", args.device]
-            with shoal_serve(card.id, Path(tmp) / "serve.log", args=serve_args) as (url, _):
-                score, measured = asyncio.run(_knee_of(url, card.id, workload, plan, log=lambda line: None))
             settings = {k: v for k, v in msgspec.to_builtins(batching).items() if v is not None}
+            try:
+                with shoal_serve(card.id, Path(tmp) / "serve.log", args=serve_args) as (url, _):
+                    score, measured = asyncio.run(_score_of(url, card.id, workload, plan))
+            except ConfigError as exc:  # this setting's server did not start (e.g. out of memory)
+                score, measured = 0.0, dict(best_tokens_per_s=0.0, error=exc.message.splitlines()[0])
             trials.append(dict(settings=settings, **measured))
-            print(f"  {settings}: knee {score:,.0f} tokens/s"
-                  + (f", p99 {measured['p99_ms']:.0f} ms at {measured['knee_level']:g} clients" if score else ""))
+            shown = settings or "the card's limits"
+            print(f"  {shown}: " + (f"{score:,.0f} tokens/s at {measured['best_clients']} clients, p99 "
+                                     f"{measured['p99_ms']:.0f} ms" if score else measured.get("error", "no level within the bounds")))
             return score
 
         best_score = baseline_score = trial(current)
@@ -123,14 +141,33 @@ def tune(args) -> int:
                 score = trial(candidate)
                 if score > best_score * (1 + args.min_gain):
                     current, best_score = candidate, score
+        confirmed = None
+        if current != start and args.confirm:
+            # A search over noisy single trials favours luck: the winner and the card's limits take
+            # turns `confirm` more times, and the winner is kept only if its mean still gains.
+            print(f"confirming: the card's limits and the best, {args.confirm} turns each")
+            ours, theirs = [best_score], [baseline_score]
+            for _ in range(args.confirm):
+                theirs.append(trial(start))
+                ours.append(trial(current))
+            mean_ours, mean_theirs = sum(ours) / len(ours), sum(theirs) / len(theirs)
+            confirmed = mean_ours > mean_theirs * (1 + args.min_gain)
+            best_score, baseline_score = mean_ours, mean_theirs
+            if not confirmed:
+                print(f"  not confirmed ({mean_ours:,.0f} vs {mean_theirs:,.0f} tokens/s): the card's limits stay")
+                current, best_score = start, mean_theirs
     if best_score <= 0:
         raise ConfigError(f"no setting met p99 <= {plan.bounds.p99_ms:g} ms: raise --p99-ms or lower --clients")
+    changed = Batching(**{f: getattr(current, f) for f in Batching.__struct_fields__
+                          if getattr(current, f) != getattr(start, f)})
     measured = dict(date=time.strftime("%Y-%m-%d"), workload=workload.name, description=workload.description,
-                    mode="closed", clients=list(plan.levels), step_s=plan.step_s, p99_bound_ms=plan.bounds.p99_ms,
-                    cores=cores, knee_tokens_per_s=round(best_score, 1),
-                    card_knee_tokens_per_s=round(baseline_score, 1),
-                    gain=round(best_score / baseline_score, 3) if baseline_score else None, trials=trials)
-    path = write_overlay(out, Tuned(card.id, hardware, current, measured))
+                    mode="closed", clients=[int(c) for c in plan.levels], step_s=plan.step_s,
+                    p99_bound_ms=plan.bounds.p99_ms, cores=cores, best_tokens_per_s=round(best_score, 1),
+                    card_tokens_per_s=round(baseline_score, 1),
+                    gain=round(best_score / baseline_score, 3) if baseline_score else None, confirmed=confirmed,
+                    trials=trials)
+    path = write_overlay(out, Tuned(card.id, hardware, changed, measured))
     gain = f" ({best_score / baseline_score:.2f}x the card's limits)" if baseline_score else ""
-    print(f"best: {msgspec.to_builtins(current)}: {best_score:,.0f} tokens/s{gain}\nwrote {path}")
+    kept = {k: v for k, v in msgspec.to_builtins(changed).items() if v is not None} or "the card's limits, unchanged"
+    print(f"best: {kept}: {best_score:,.0f} tokens/s{gain}\nwrote {path}")
     return 0

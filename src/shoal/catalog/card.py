@@ -375,8 +375,18 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
         value = getattr(limits, name)
         if value is not None and value < 1:
             fail(f"batching.{hardware}.{name}", "must be >= 1")
+    if limits.threads is not None and limits.threads > 1024:
+        fail(f"batching.{hardware}.threads", "must be <= 1024")
     if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:
         fail(f"batching.{hardware}.batch_wait_ms", "must be between 0 and 1000")
+
+
+def check_batching(hardware: str, limits: Batching, origin: str) -> None:
+    """`limits` for `hardware` are valid (else CardError naming `origin` and the field)."""
+    def fail(field: str, message: str) -> None:
+        raise CardError(f"{origin}: `{field}` {message}", details={"file": origin, "field": field})
+
+    _check_batching(hardware, limits, fail)
 
 
 def load_tuned(path: Path) -> Tuned:

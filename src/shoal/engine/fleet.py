@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from ..catalog import ADAPTERS_DIR, Catalog, ModelCard
+from ..catalog import ADAPTERS_DIR, TUNED_DIR, Catalog, ModelCard
 from ..errors import InvalidRequest, ModelLoadError
 from ..service import ADMIN_ACTIONS, CardProblem, ModelStatus, status_of_card
 from .cache import ModelCache
@@ -222,11 +222,12 @@ def _public(error: str) -> str:
 
 
 def _fingerprint(dirs: tuple[Path, ...], adapter_dirs: tuple[Path, ...] = ()) -> tuple:
-    """(resolved path, mtime, size) of every card file and adapter file under `dirs`, and of the
+    """(resolved path, mtime, size) of every card, overlay and adapter file under `dirs`, and of the
     files of the adapter folders cards declare elsewhere: what hot add watches."""
     candidates: list[Path] = []
     for directory in dirs:
         candidates += directory.glob("*.y*ml")
+        candidates += (directory / TUNED_DIR).glob("*.y*ml")  # tuned overlays (shoal tune)
         adapters = directory / ADAPTERS_DIR
         if adapters.is_dir():
             candidates += adapters.glob("*/*")

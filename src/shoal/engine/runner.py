@@ -63,6 +63,10 @@ class ModelRunner:
     def from_dir(cls, card: ModelCard, directory: Path, device: str, allow_download: bool = True,
                  max_batch_tokens: int = 16384, pack: bool = True) -> "ModelRunner":
         _check_quantize(card, device)
+        # A thread's torch thread count is inherited by threads started after a change (OpenMP): a
+        # model with `threads: 1` must not leave later loads (packing, calibration) single-threaded.
+        if torch.get_num_threads() != _DEFAULT_THREADS:
+            torch.set_num_threads(_DEFAULT_THREADS)
         if card.extract is not None and card.extract.kind == "gliner":
             from .gliner_files import load_gliner_backbone
 
@@ -121,7 +125,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec | ExtractSpec]) -> list:
-        if torch.get_num_threads() != self.threads:  # per thread (OpenMP): only the device thread's
+        # Per thread (OpenMP): the device thread's count; threads it starts later inherit it (loads
+        # reset it, see from_dir).
+        if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         to = dict(device=self.device, non_blocking=True)
         input_ids = torch.from_numpy(batch.input_ids).to(**to)  # [T]
@@ -183,7 +189,7 @@ def _quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
 
 def _check_quantize(card: ModelCard, device: str) -> None:
     """`quantize: int8` is a CPU backend over float32 activations; the card's own check covers the
-    dtype, but an overlay may have set either after it."""
+    dtype, but a card built in code (msgspec.structs.replace) skips that check."""
     if card.quantize is None:
         return
     if torch.device(device).type != "cpu":

@@ -362,8 +362,9 @@ def _needs_wider(cut: str, enc, sequence: int | None = None) -> bool:
     return tail is not None and bool(ends) and max(ends) > tail.start()
 
 
-# Requests of at most this many characters are tokenized on the event loop, not in the pool.
+# Requests of at most this many texts and characters are tokenized on the event loop, not in the pool.
 INLINE_CHARS = 1024
+INLINE_TEXTS = 32
 
 
 class TokenizerPool:
@@ -383,7 +384,7 @@ class TokenizerPool:
                      indexed: bool = True, cut_first: bool = False) -> list[Encoded]:
         """`tokenizer.encode` in the pool, TEXTS_PER_JOB texts a job (so requests take turns).
         Errors name `what[i]`, or `what` alone when not `indexed`."""
-        if sum(map(len, texts)) + sum(map(len, pairs or ())) <= INLINE_CHARS:
+        if len(texts) <= INLINE_TEXTS and sum(map(len, texts)) + sum(map(len, pairs or ())) <= INLINE_CHARS:
             # A short request (a query, a sentence): tokenized here on the loop in tens of
             # microseconds, cheaper than the two thread hops of the pool.
             return tokenizer.encode(texts, truncate, pairs=pairs, with_offsets=with_offsets,

@@ -6,7 +6,7 @@ float32 accumulate, float32 out): the weight is reordered once, at load, into on
 layout for this CPU, and each call is one `mkldnn._linear_pointwise` (the inner-product primitive
 torch's own compiler uses) instead of MKL's sgemm on the plain `[out, in]` matrix. On the
 development machine's 2 AMD cores that ran MiniLM's projections 10-20 % faster in the whole forward
-(bench/encode_throughput.py, docs/benchmarks.md). The float32 weight is not kept: the packed copy
+(`shoal bench --workload passages`, docs/benchmarks.md). The float32 weight is not kept: the packed copy
 is the only one (its bytes are counted by `packed_bytes`).
 
 A LoRA adapter's forward hook (layers/lora.py) sees this module as it sees any Linear.
@@ -75,14 +75,17 @@ class PackedFusedLinear(PackedLinear):
 def pack_linears(model: nn.Module) -> int:
     """Swap every float32 CPU `nn.Linear` / `FusedLinear` of `model` (exactly those types: other
     stand-ins, e.g. int8, are left as they are) for its packed stand-in; returns the packed bytes."""
+    # Names first, modules looked up one at a time: a list of the modules would keep every float32
+    # weight alive until the last is packed (twice the Linears' bytes at load).
+    names = [name for name, m in model.named_modules() if type(m) in (nn.Linear, FusedLinear)
+             and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     total = 0
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) in (nn.Linear, FusedLinear) and child.weight.dtype == torch.float32 \
-                    and child.weight.device.type == "cpu":
-                packed = PackedLinear.of(child)
-                setattr(module, child_name, packed)
-                total += packed.num_bytes
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        packed = PackedLinear.of(getattr(owner, child))
+        setattr(owner, child, packed)
+        total += packed.num_bytes
     return total
 
 
