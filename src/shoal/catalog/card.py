@@ -255,6 +255,8 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def with_tuned(self, tuned: "Tuned") -> "ModelCard":
         """This card with a tuned overlay's limits over its own for the overlay's hardware class."""
+        if tuned.batching == Batching():  # a tuning run that kept the card's limits changes nothing
+            return self
         own = self.batching.get(tuned.hardware) or Batching()
         return msgspec.structs.replace(self, batching={**self.batching, tuned.hardware: tuned.batching.over(own)})
 
