@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
+from shoal.bench.targets import free_port, log_tail, shoal_command  # noqa: F401  (re-exported)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def shoal_command() -> list[str]:
-    script = Path(sys.executable).with_name("shoal")  # the venv's entry point, as a user runs it
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal.cli"]
 
 
 @contextlib.contextmanager
@@ -67,7 +57,3 @@ def machine_line(load_avg: tuple[float, float, float] | None = None, note: str =
     if load_avg is not None:
         line += f", load avg {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f} at start"
     return line + (f"; {note}" if note else "")
-
-
-def log_tail(path: Path, num_lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
