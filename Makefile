@@ -12,7 +12,7 @@ PORT ?= 8080
 MODEL ?= sentence-transformers/all-MiniLM-L6-v2
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test bench clean
+.PHONY: install install-dev tools serve test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,14 +35,31 @@ install: $(VENV)/.installed
 
 install-dev: $(VENV)/.installed-dev
 
+# What the deploy/ checks run besides Python packages: Prometheus and promtool from Debian's
+# `prometheus` package (unpacked here, nothing installed system-wide or started), and KEDA's
+# ScaledObject schema from npm (@kubernetes-models/keda, generated from KEDA 2.10.1's CRDs).
+TOOLS := .tools
+PROMETHEUS_DEB ?= prometheus
+$(TOOLS)/prometheus/usr/bin/promtool:
+	mkdir -p $(TOOLS)/deb
+	cd $(TOOLS)/deb && (apt-get download $(PROMETHEUS_DEB) || (apt-get update -qq && apt-get download $(PROMETHEUS_DEB)))
+	dpkg-deb -x $(TOOLS)/deb/prometheus_*.deb $(TOOLS)/prometheus
+	rm -rf $(TOOLS)/deb
+
+$(TOOLS)/npm/node_modules/@kubernetes-models/keda/package.json:
+	mkdir -p $(TOOLS)/npm
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm @kubernetes-models/keda@0.4.2
+
+tools: $(TOOLS)/prometheus/usr/bin/promtool $(TOOLS)/npm/node_modules/@kubernetes-models/keda/package.json
+
 serve: install
 	$(BIN)/shoal serve --host $(HOST) --port $(PORT) --preload $(MODEL)
 
-test: install-dev
+test: install-dev tools
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/encode_throughput.py
 
 clean:
-	rm -rf $(VENV) .venv-light .pytest_cache
+	rm -rf $(VENV) .venv-light .pytest_cache $(TOOLS)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -362,5 +363,59 @@ def test_a_draining_worker_pulls_no_more_finishes_what_it_runs_and_leaves_the_re
             assert sorted(ran) == sorted(f"r{i}" for i in range(12))  # each once
             sibling_stop.set()
             await asyncio.wait_for(sibling_task, 20)
+
+    run(body())
+
+
+def test_a_worker_answers_its_probes_starting_pulling_wedged_and_draining(nats_url):
+    """`/healthz` and `/readyz` beside `/metrics` (what the Helm chart's probes ask): ready only while it
+    pulls; not live while its event loop is wedged (the probes run on their own thread)."""
+    import httpx
+
+    from shoal.cluster.worker import serve_probes
+
+    async def body():
+        service = Slow()
+        async with cluster(nats_url, "probes", []) as (gateway, _):
+            settings = ClusterSettings(nats_url=nats_url, pool="probes", heartbeat_s=0.2, worker_ttl_s=2.0)
+            worker = Worker([service], settings, metrics=Metrics())
+            port = free_port()
+            server = serve_probes(worker, "127.0.0.1", port)
+
+            def get(path: str) -> httpx.Response:
+                return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+
+            try:
+                starting = await asyncio.to_thread(get, "/readyz")
+                assert (await asyncio.to_thread(get, "/healthz")).status_code == 200
+                assert starting.status_code == 503 and "starting" in starting.text
+                stop = asyncio.Event()
+                task = asyncio.create_task(worker.run(stop))
+                await until(worker.started.is_set, "the worker pulls")
+                await asyncio.sleep(0.3)
+                ready = await asyncio.to_thread(get, "/readyz")
+                assert ready.status_code == 200 and ready.text.strip() == "pulling"
+                assert "shoal_worker_held_tokens" in (await asyncio.to_thread(get, "/metrics")).text
+                assert (await asyncio.to_thread(get, "/nope")).status_code == 404
+                # Wedge the event loop for 6.5 s; a probe thread asks while it is stuck.
+                with ThreadPoolExecutor(1) as side:
+                    probe = side.submit(lambda: (time.sleep(5.8), get("/healthz"))[1])
+                    time.sleep(6.5)
+                    wedged = probe.result()
+                assert wedged.status_code == 503 and "heartbeat loop" in wedged.text
+                await asyncio.sleep(0.5)  # the loop turns again: live
+                assert (await asyncio.to_thread(get, "/healthz")).status_code == 200
+                service.gate.clear()
+                pending = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["held"], request_id="p1")))
+                await until(lambda: service.started, "the worker started the call")
+                stop.set()
+                await until(lambda: worker._draining, "the worker drains")
+                draining = await asyncio.to_thread(get, "/readyz")
+                assert draining.status_code == 503 and "draining" in draining.text
+                service.gate.set()
+                assert (await asyncio.wait_for(pending, 20)).request_id == "p1"
+                await asyncio.wait_for(task, 20)
+            finally:
+                server.shutdown()
 
     run(body())

@@ -26,6 +26,16 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-deliver", type=int, help="deliveries of a call before it is a dead letter (default 5)")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}")
+    return value
+
+
 def cluster_settings(args: argparse.Namespace, settings):
     cluster = settings.cluster
     for name in ("nats_url", "pool", "ack_wait_s", "max_deliver"):
@@ -76,10 +86,12 @@ def cmd_worker(args: argparse.Namespace, base_settings, make_engine) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = Worker(engines, settings.cluster, devices=[f"{d}#{i}" for i, d in enumerate(devices)],
                     metrics=metrics, preload=preload)
+    if args.drain_timeout_s is not None:
+        worker.drain_timeout_s = args.drain_timeout_s
     if args.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from .worker import serve_probes
 
-        start_http_server(args.metrics_port, addr=args.metrics_host, registry=worker.metrics.registry)
+        serve_probes(worker, args.metrics_host, args.metrics_port)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -218,8 +230,12 @@ def register(sub, common, cli) -> None:
     worker.add_argument("--memory-budget-bytes", type=int, help="each device's memory budget (default: 80%% free)")
     worker.add_argument("--pin", action="append", metavar="MODEL", help="never evict MODEL")
     worker.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before pulling")
-    worker.add_argument("--metrics-port", type=int, help="serve /metrics (Prometheus) on this port")
+    worker.add_argument("--metrics-port", type=int,
+                        help="serve /metrics (Prometheus), /healthz and /readyz (probes) on this port")
     worker.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
+    worker.add_argument("--drain-timeout-s", type=_seconds,
+                        help="on SIGTERM, how long running calls may finish (default 120; past it they are "
+                             "left to be redelivered): keep the pod's grace period above it")
     worker.add_argument("--log-level", default="info")
     worker.set_defaults(func=lambda args: cmd_worker(args, cli._settings(args),
                                                      lambda s, m: cli._engine(s, strict=False, metrics=m)))

@@ -128,6 +128,7 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._pullers: list[asyncio.Task] = []
         self.started = asyncio.Event()  # set once it pulls
+        self._last_beat = 0.0  # time.monotonic() of the heartbeat loop's last turn (liveness)
         # How long a drain waits for running calls (past it they are left to be redelivered).
         self.drain_timeout_s = 120.0
 
@@ -565,8 +566,23 @@ class Worker:
         except Exception:  # noqa: BLE001
             log.exception("worker %s: heartbeat", self.id)
 
+    def health(self) -> tuple[bool, bool, str]:
+        """(live, ready, why) for the probes of `serve_probes`: live unless the heartbeat loop has
+        stopped turning (a wedged event loop); ready while it pulls: started, connected, not draining."""
+        if not self.started.is_set():
+            return True, False, "starting (loading preloads, or waiting for NATS)"
+        silent = time.monotonic() - self._last_beat
+        if silent > max(5.0, 5 * self.settings.heartbeat_s):
+            return False, False, f"the heartbeat loop has not run for {silent:.0f} s"
+        if self._draining:
+            return True, False, "draining"
+        if self._nc is None or not self._nc.is_connected:
+            return True, False, "not connected to NATS"
+        return True, True, "pulling"
+
     async def _heartbeats(self) -> None:
         while True:
+            self._last_beat = time.monotonic()
             try:
                 await self._beat()
             except Exception:  # noqa: BLE001 (a status that fails to build: the next beat may not)
@@ -610,6 +626,38 @@ class Worker:
         except Exception as exc:  # noqa: BLE001
             reply = p.RpcReply(worker=self.id, error=msgspec.structs.asdict(p.error_of(exc, None)))
         await msg.respond(msgspec.msgpack.encode(reply))
+
+
+def serve_probes(worker: Worker, host: str, port: int):
+    """A small HTTP server on its own thread: `/metrics` (Prometheus), `/healthz` (200 while the
+    worker is live, else 503) and `/readyz` (200 while it pulls). Returns the server (`.shutdown()`)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                status, body, kind = 200, worker.metrics.exposition(), worker.metrics.content_type
+            elif path in ("/healthz", "/readyz"):
+                live, ready, why = worker.health()
+                ok = live if path == "/healthz" else ready
+                status, body, kind = (200 if ok else 503), (why + "\n").encode(), "text/plain; charset=utf-8"
+            else:
+                status, body, kind = 404, b"not found: /metrics, /healthz or /readyz\n", "text/plain; charset=utf-8"
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: not logged
+            pass
+
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="worker-probes", daemon=True).start()
+    return server
 
 
 async def _close(nc: Any) -> None:
