@@ -749,3 +749,17 @@ def test_a_changed_adapter_under_steady_traffic_drains_then_reloads():
 
     assert asyncio.run(main()) is not None
     assert cache.adapters_of("m") == ("a",)
+
+
+def test_an_engine_starts_each_models_load_and_failure_counters_at_zero():
+    """So `increase(shoal_model_loads_total{outcome="failed"}[10m]) > 0` fires on the first failed load."""
+    from shoal.catalog import Catalog
+    from shoal.config import EngineSettings
+    from shoal.engine import Engine
+
+    catalog = Catalog.load()
+    engine = Engine(EngineSettings(), catalog, allow_download=False)
+    registry = engine.metrics.registry
+    for card in catalog:
+        assert registry.get_sample_value("shoal_model_loads_total", {"model": card.id, "outcome": "failed"}) == 0.0
+        assert registry.get_sample_value("shoal_failed_items_total", {"model": card.id}) == 0.0

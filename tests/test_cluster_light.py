@@ -419,3 +419,19 @@ def test_a_worker_answers_its_probes_starting_pulling_wedged_and_draining(nats_u
                 server.shutdown()
 
     run(body())
+
+
+def test_per_model_counters_have_a_series_at_zero_before_anything_happens(nats_url):
+    """An alert on `increase(shoal_dead_letters_total[5m]) > 0` must see the first dead letter: the
+    series exists (at 0) from the first scrape, for every model of the catalog."""
+    settings = ClusterSettings(nats_url=nats_url, pool="zeros")
+    gateway = RemoteService(Settings(cluster=settings), Catalog.load())
+    worker = Worker([StandIn()], settings, metrics=Metrics())
+    for model in ("sentence-transformers/all-MiniLM-L6-v2", "BAAI/bge-small-en-v1.5"):  # the gateway's catalog
+        assert gateway.metrics.registry.get_sample_value("shoal_dead_letters_total", {"model": model}) == 0.0
+        assert gateway.metrics.registry.get_sample_value("shoal_gateway_demand", {"model": model}) == 0.0
+        assert gateway.metrics.registry.get_sample_value(
+            "shoal_gateway_abandoned_calls_total", {"model": model, "reason": "deadline"}) == 0.0
+    for model in (MODEL, RERANK_MODEL):  # the models its service serves
+        assert worker.metrics.registry.get_sample_value(
+            "shoal_worker_calls_total", {"model": model, "outcome": "error"}) == 0.0

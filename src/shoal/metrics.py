@@ -64,5 +64,21 @@ class Metrics:
             buckets=_LOAD_BUCKETS, registry=r)
         self.adapters_resident = Gauge("shoal_adapters_resident", "LoRA adapters resident on the device", registry=r)
 
+    def start_models(self, model_ids) -> None:
+        """Give every per-model counter of `model_ids` a series at 0 from the first scrape: a series
+        born at 1 shows no `increase()` (an alert on the first failed load would never fire), and a
+        dashboard shows 0 rather than nothing."""
+        for model in model_ids:
+            for outcome in ("ok", "failed", "no_room"):
+                self.loads.labels(model, outcome)
+            for reason in ("evicted", "unload", "changed"):
+                self.evictions.labels(model, reason)
+            for reason in ("cancelled", "deadline"):
+                self.dropped_items.labels(model, reason)
+            self.failed_items.labels(model)
+            self.rejected.labels(model)
+            self.tokens.labels(model)
+            self.items.labels(model)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

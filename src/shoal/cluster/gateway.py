@@ -75,6 +75,17 @@ class GatewayMetrics:
                                  "or client gone): deleted from the queue or cancelled on their worker",
                                  ["model", "reason"], registry=r)
 
+    def start_models(self, model_ids) -> None:
+        """Series at 0 for the catalog's models (see `Metrics.start_models`): the dead-letter alert
+        sees the first one, and a pool's wake-up query (`shoal_gateway_demand`) reads 0, not nothing."""
+        for model in model_ids:
+            self.dead_letters.labels(model)
+            self.unserved.labels(model)
+            self.inflight.labels(model).set(0)
+            self.demand.labels(model).set(0)
+            for reason in ("deadline", "cancelled"):
+                self.abandoned.labels(model, reason)
+
 
 class RemoteService:
     """Serves calls by the cluster's workers (see the module docstring)."""
@@ -85,6 +96,7 @@ class RemoteService:
         self.catalog = catalog
         self.metrics = metrics or Metrics()
         self.gm = GatewayMetrics(self.metrics.registry)
+        self.gm.start_models(card.id for card in catalog)
         self.id = f"gw-{uuid.uuid4().hex[:12]}"
         self._inbox = f"_INBOX.shoal.{self.id}"
         self._pending: dict[str, asyncio.Future] = {}  # call key -> its reply

@@ -75,6 +75,16 @@ class WorkerMetrics:
                                  "(queued on the host or running)", registry=r)
         self.host_queue = Gauge("shoal_worker_host_queue_calls", "Calls pulled and waiting for a device", registry=r)
 
+    def start_models(self, model_ids) -> None:
+        """Series at 0 for the models the worker serves (see `Metrics.start_models`)."""
+        for model in model_ids:
+            for outcome in ("ok", "error", "dropped_deadline", "dropped_cancelled"):
+                self.calls.labels(model, outcome)
+            for reason in ("over_pulled", "drained"):
+                self.naks.labels(model, reason)
+            self.pulled.labels(model)
+            self.redelivered.labels(model)
+
 
 @dataclass(eq=False)
 class _Job:
@@ -109,6 +119,7 @@ class Worker:
         self.wm = WorkerMetrics(self.metrics.registry)
         names = devices or [f"device{i}" for i in range(len(services))]
         self.devices = [_Device(name, service) for name, service in zip(names, services)]
+        self.wm.start_models(self.model_ids)
         self.host = socket.gethostname()
         self.id = worker_id or f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.preload = preload

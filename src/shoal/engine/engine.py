@@ -51,6 +51,7 @@ class Engine:
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.metrics.start_models(card.id for card in catalog)
         self._hardware = hardware_class(settings.device)
         fetch = None
         if load_runner is None or estimate_bytes is None:
