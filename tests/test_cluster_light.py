@@ -435,3 +435,15 @@ def test_per_model_counters_have_a_series_at_zero_before_anything_happens(nats_u
     for model in (MODEL, RERANK_MODEL):  # the models its service serves
         assert worker.metrics.registry.get_sample_value(
             "shoal_worker_calls_total", {"model": model, "outcome": "error"}) == 0.0
+
+
+def test_drain_timeout_flag_takes_seconds_and_refuses_anything_else(capsys):
+    from shoal.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["worker", "--drain-timeout-s", "45"]).drain_timeout_s == 45.0
+    for bad in ("-1", "soon", "inf", "nan"):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["worker", "--drain-timeout-s", bad])
+        assert exit_info.value.code == 2
+        assert "expected seconds (a finite number >= 0)" in capsys.readouterr().err
