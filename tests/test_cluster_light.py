@@ -214,22 +214,27 @@ def test_what_a_worker_pulled_beyond_its_room_goes_back_to_the_queue_and_is_serv
             await p.ensure_consumer(js, settings, "overpull", MODEL)
             inbox = nc.new_inbox()
             replies = await nc.subscribe(inbox, max_msgs=5)
-            # Five calls of ~1,500 tokens wait in the queue before the worker starts: its first pull
-            # takes them all, only two fit its 4,096-token room.
-            for i in range(5):
-                call = EncodeCall(model=MODEL, texts=["word " * 1_200], request_id=f"big{i}")
+            # A one-word call first: the worker learns "calls here are ~4 tokens" and asks for as many
+            # more as fit its 4,096-token room at that size, so it receives all four ~1,200-token
+            # calls behind it at once; the device holds the first (the gate is shut), so only some
+            # fit, and the rest go back to the queue.
+            for i, words in enumerate([1, 1_200, 1_200, 1_200, 1_200]):
+                call = EncodeCall(model=MODEL, texts=["word " * words], request_id=f"big{i}")
                 await js.publish(p.work_subject("overpull", MODEL), calls.encode(call), headers={
                     p.REQUEST_ID: f"big{i}", p.DEADLINE: f"{p.now() + 60:.3f}",
                     p.TOKENS: str(p.estimate_tokens(call)), p.REPLY: inbox})
-            service = StandIn()
+            service = Slow()
+            service.gate.clear()
             worker = Worker([service], settings, metrics=Metrics())
             stop = asyncio.Event()
             task = asyncio.create_task(worker.run(stop))
+            await until(lambda: sample(worker.metrics, "shoal_worker_naks_total", model=MODEL, reason="over_pulled") >= 1,
+                        "a call pulled beyond the room was handed back")
+            service.gate.set()
             answered = []
             for _ in range(5):
                 answered.append(calls.decode_result((await replies.next_msg(timeout=20)).data).request_id)
             assert sorted(answered) == [f"big{i}" for i in range(5)]
-            assert sample(worker.metrics, "shoal_worker_naks_total", model=MODEL, reason="over_pulled") >= 1
             assert sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) >= 1
             assert len(service.calls) == 5  # each computed once
             stop.set()
@@ -435,6 +440,51 @@ def test_per_model_counters_have_a_series_at_zero_before_anything_happens(nats_u
     for model in (MODEL, RERANK_MODEL):  # the models its service serves
         assert worker.metrics.registry.get_sample_value(
             "shoal_worker_calls_total", {"model": model, "outcome": "error"}) == 0.0
+
+
+def test_the_gateway_shows_each_consumers_pending_and_unacked_calls(nats_url, monkeypatch):
+    """What KEDA's nats-jetstream trigger scales on is also on the gateway's /metrics, per pool and
+    model: calls waiting in the queue, and calls delivered to a worker and not yet acked."""
+    from shoal.cluster import gateway as gateway_module
+
+    monkeypatch.setattr(gateway_module, "_QUEUE_POLL_S", 0.1)
+
+    def gauges(gateway, pool):
+        labels = {"pool": pool, "model": MODEL}
+        return (gateway.metrics.registry.get_sample_value("shoal_queue_pending_calls", labels),
+                gateway.metrics.registry.get_sample_value("shoal_queue_unacked_calls", labels))
+
+    async def body():
+        service = Slow()
+        service.gate.clear()
+        async with cluster(nats_url, "gauges", [[service]]) as (gateway, _):
+            # A pool with a consumer and no worker (scaled to zero): its calls wait, pending.
+            settings = ClusterSettings(nats_url=nats_url, pool="gauges-idle")
+            await p.ensure_consumer(gateway._js, settings, "gauges-idle", MODEL)
+            for i in range(2):
+                await gateway._js.publish(p.work_subject("gauges-idle", MODEL), b"", headers={p.REQUEST_ID: f"idle{i}"})
+            await until(lambda: gauges(gateway, "gauges-idle") == (2, 0), "2 pending calls of the idle pool")
+            await until(lambda: gauges(gateway, "gauges") == (0, 0), "the served pool's gauges at 0")
+            # Held by the worker (running, or handed back with a delay: JetStream counts both as
+            # unacked): five calls of ~3,000 tokens, none answered while the gate is shut.
+            running = [asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["word " * 2_400],
+                                                                  request_id=f"g{i}"))) for i in range(5)]
+            await until(lambda: service.started and (gauges(gateway, "gauges")[1] or 0) >= 1
+                        and sum(v or 0 for v in gauges(gateway, "gauges")) == 5, "the 5 calls shown")
+            service.gate.set()
+            await asyncio.gather(*running)
+            await until(lambda: gauges(gateway, "gauges") == (0, 0), "the gauges back at 0 once all are answered")
+            await gateway._js.delete_consumer(p.STREAM, p.consumer_name("gauges-idle", MODEL))
+            await until(lambda: gauges(gateway, "gauges-idle") == (None, None), "a deleted consumer's series gone")
+
+    run(body())
+
+
+def test_only_shoals_consumer_names_are_read_back():
+    for pool, model in [("default", "BAAI/bge-small-en-v1.5"), ("gpu_a", "x.y@z:1"), ("p", "naïve")]:
+        assert p.consumer_of(p.consumer_name(pool, model)) == (pool, model)
+    for other in ("someone-elses", "a__b__c", "a__b_zz", "x__y_5"):
+        assert p.consumer_of(other) is None
 
 
 def test_drain_timeout_flag_takes_seconds_and_refuses_anything_else(capsys):

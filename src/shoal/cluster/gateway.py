@@ -52,6 +52,8 @@ log = logging.getLogger("shoal.gateway")
 _REPLY_GRACE_S = 2.0
 # The demand gauge counts unserved requests over this window.
 _DEMAND_WINDOW_S = 60.0
+# How often the queue gauges are read from JetStream (one consumer-list request).
+_QUEUE_POLL_S = 5.0
 
 
 class GatewayMetrics:
@@ -71,6 +73,12 @@ class GatewayMetrics:
                                "the Object Store", ["direction"], registry=r)
         self.workers = Gauge("shoal_gateway_workers", "Live workers, by pool", ["pool"], registry=r)
         self.connected = Gauge("shoal_gateway_nats_connected", "1 while the gateway is connected to NATS", registry=r)
+        # The queue, as JetStream sees it (read every _QUEUE_POLL_S): what KEDA's nats-jetstream
+        # trigger scales on, here for dashboards and the lag alert.
+        self.queue_pending = Gauge("shoal_queue_pending_calls", "Calls in the work queue not yet delivered to a worker",
+                                   ["pool", "model"], registry=r)
+        self.queue_unacked = Gauge("shoal_queue_unacked_calls", "Calls delivered to a worker and not yet acked "
+                                   "(running, or held on its host)", ["pool", "model"], registry=r)
         self.abandoned = Counter("shoal_gateway_abandoned_calls", "Calls given up before their reply (deadline "
                                  "or client gone): deleted from the queue or cancelled on their worker",
                                  ["model", "reason"], registry=r)
@@ -156,6 +164,7 @@ class RemoteService:
         await nc.subscribe(f"{p.HEARTBEAT_PREFIX}.>", cb=self._on_heartbeat)
         await self._setup()
         self._tasks.append(asyncio.create_task(self._read_dead_letters(), name="gateway-dead-letters"))
+        self._tasks.append(asyncio.create_task(self._watch_queue(), name="gateway-queue-gauges"))
 
     async def _setup(self) -> None:
         """Streams and bucket (a NATS that lost its store gets them back), then every heartbeat."""
@@ -218,6 +227,37 @@ class RemoteService:
                 self.gm.workers.labels(pool).set(pools.get(pool, 0))
             for model_id in list(self._demand):
                 self._record_demand(model_id, add=False)
+
+    async def _watch_queue(self) -> None:
+        """The queue gauges, per consumer (pool and model): one series per consumer the workers made,
+        dropped when its consumer goes."""
+        shown: set[tuple[str, str]] = set()
+        while True:
+            if self._connected():
+                try:
+                    seen = set()
+                    for info in await self._consumers():
+                        labels = p.consumer_of(info.name)
+                        if labels is None:
+                            continue  # not one of shoal's
+                        self.gm.queue_pending.labels(*labels).set(info.num_pending or 0)
+                        self.gm.queue_unacked.labels(*labels).set(info.num_ack_pending or 0)
+                        seen.add(labels)
+                    for labels in shown - seen:
+                        self.gm.queue_pending.remove(*labels)
+                        self.gm.queue_unacked.remove(*labels)
+                    shown = seen
+                except Exception as exc:  # noqa: BLE001 (NATS away: the gauges keep their last values)
+                    log.debug("gateway: cannot read the queue's consumers (%s)", exc)
+            await asyncio.sleep(_QUEUE_POLL_S)
+
+    async def _consumers(self) -> list:
+        found: list = []
+        while True:  # JetStream answers at most 256 per request
+            page = await self._js.consumers_info(p.STREAM, offset=len(found) or None)
+            found += page
+            if len(page) < 256:
+                return found
 
     # --- heartbeats -----------------------------------------------------------------------------
 

@@ -79,6 +79,16 @@ def consumer_name(pool: str, model_id: str) -> str:
     return f"{token(pool)}__{token(model_id)}"
 
 
+def consumer_of(name: str) -> tuple[str, str] | None:
+    """(pool, model id) of a consumer named by `consumer_name`; None for any other name."""
+    pool, sep, model = name.partition("__")
+    try:
+        found = (untoken(pool), untoken(model))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return found if sep and consumer_name(*found) == name else None
+
+
 def rpc_subject(action: str, pool: str, model_id: str) -> str:
     return f"{RPC_PREFIX}.{action}.{token(pool)}.{token(model_id)}"
 
