@@ -437,6 +437,9 @@ def test_per_model_counters_have_a_series_at_zero_before_anything_happens(nats_u
         assert gateway.metrics.registry.get_sample_value("shoal_gateway_demand", {"model": model}) == 0.0
         assert gateway.metrics.registry.get_sample_value(
             "shoal_gateway_abandoned_calls_total", {"model": model, "reason": "deadline"}) == 0.0
+    for direction in ("call", "result"):
+        assert gateway.metrics.registry.get_sample_value("shoal_gateway_object_payloads_total",
+                                                         {"direction": direction}) == 0.0
     for model in (MODEL, RERANK_MODEL):  # the models its service serves
         assert worker.metrics.registry.get_sample_value(
             "shoal_worker_calls_total", {"model": model, "outcome": "error"}) == 0.0

@@ -82,6 +82,8 @@ class GatewayMetrics:
         self.abandoned = Counter("shoal_gateway_abandoned_calls", "Calls given up before their reply (deadline "
                                  "or client gone): deleted from the queue or cancelled on their worker",
                                  ["model", "reason"], registry=r)
+        for direction in ("call", "result"):  # at 0 from the first scrape: rate() sees the first one
+            self.objects.labels(direction)
 
     def start_models(self, model_ids) -> None:
         """Series at 0 for the catalog's models (see `Metrics.start_models`): the dead-letter alert
