@@ -36,8 +36,9 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 # What the deploy/ checks run besides Python packages: Prometheus and promtool from Debian's
-# `prometheus` package (unpacked here, nothing installed system-wide or started), and KEDA's
-# ScaledObject schema from npm (@kubernetes-models/keda, generated from KEDA 2.10.1's CRDs).
+# `prometheus` package (unpacked here, nothing installed system-wide or started), and the schemas
+# of the chart's custom resources from npm: KEDA's ScaledObject (@kubernetes-models/keda, from
+# KEDA 2.10.1's CRDs) and the Prometheus Operator's PodMonitor and PrometheusRule.
 TOOLS := .tools
 PROMETHEUS_DEB ?= prometheus
 $(TOOLS)/prometheus/usr/bin/promtool:
@@ -46,11 +47,13 @@ $(TOOLS)/prometheus/usr/bin/promtool:
 	dpkg-deb -x $(TOOLS)/deb/prometheus_*.deb $(TOOLS)/prometheus
 	rm -rf $(TOOLS)/deb
 
-$(TOOLS)/npm/node_modules/@kubernetes-models/keda/package.json:
+NPM_TOOLS := @kubernetes-models/keda@0.4.2 @kubernetes-models/prometheus-operator@6.0.0
+$(TOOLS)/npm/.installed: Makefile
 	mkdir -p $(TOOLS)/npm
-	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm @kubernetes-models/keda@0.4.2
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm $(NPM_TOOLS)
+	touch $@
 
-tools: $(TOOLS)/prometheus/usr/bin/promtool $(TOOLS)/npm/node_modules/@kubernetes-models/keda/package.json
+tools: $(TOOLS)/prometheus/usr/bin/promtool $(TOOLS)/npm/.installed
 
 serve: install
 	$(BIN)/shoal serve --host $(HOST) --port $(PORT) --preload $(MODEL)

