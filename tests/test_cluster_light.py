@@ -483,6 +483,44 @@ def test_the_gateway_shows_each_consumers_pending_and_unacked_calls(nats_url, mo
     run(body())
 
 
+def test_a_gateway_makes_the_consumers_of_a_pool_that_has_no_worker_yet(nats_url):
+    """`--pool-models`: the consumers of a pool scaled to zero exist before its first worker, with
+    the settings a worker gives them, so KEDA reads their lag (0), not the whole stream's."""
+    async def body():
+        settings = ClusterSettings(nats_url=nats_url, pool="any", ack_wait_s=12.0, max_deliver=3)
+        gateway = RemoteService(Settings(cluster=settings), Catalog.load(),
+                                consumers=(("cold", MODEL), ("cold", RERANK_MODEL)))
+        await gateway.start()
+        try:
+            await until(lambda: gateway.ready, "the gateway ready")
+            for model in (MODEL, RERANK_MODEL):
+                info = await gateway._js.consumer_info(p.STREAM, p.consumer_name("cold", model))
+                assert info.config.filter_subject == p.work_subject("cold", model)
+                assert (info.config.ack_wait, info.config.max_deliver) == (12.0, 3)
+                assert info.num_pending == 0
+        finally:
+            await gateway.stop()
+        # A worker of the pool binds to the consumer it finds.
+        async with cluster(nats_url, "cold", [[StandIn()]]) as (gateway, _):
+            result = await gateway.run(EncodeCall(model=MODEL, texts=["hello"], request_id="cold-1"))
+            assert result.request_id == "cold-1"
+
+    run(body())
+
+
+def test_pool_models_flag_takes_pool_equals_models_and_refuses_anything_else(capsys):
+    from shoal.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["gateway", "--pool-models", "gpu=BAAI/bge-m3,BAAI/bge-reranker-v2-m3",
+                              "--pool-models", "cpu=x/y"])
+    assert args.pool_models == [("gpu", ["BAAI/bge-m3", "BAAI/bge-reranker-v2-m3"]), ("cpu", ["x/y"])]
+    for bad in ("gpu", "=x/y", "gpu=", "gpu=,"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["gateway", "--pool-models", bad])
+        assert "expected POOL=MODEL[,MODEL...]" in capsys.readouterr().err
+
+
 def test_only_shoals_consumer_names_are_read_back():
     for pool, model in [("default", "BAAI/bge-small-en-v1.5"), ("gpu_a", "x.y@z:1"), ("p", "naïve")]:
         assert p.consumer_of(p.consumer_name(pool, model)) == (pool, model)

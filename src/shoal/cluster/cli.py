@@ -36,6 +36,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _pool_models(text: str) -> tuple[str, list[str]]:
+    pool, sep, models = text.partition("=")
+    names = [m for m in models.split(",") if m]
+    if not (sep and pool and names):
+        raise argparse.ArgumentTypeError(f"expected POOL=MODEL[,MODEL...], got {text!r}")
+    return pool, names
+
+
 def cluster_settings(args: argparse.Namespace, settings):
     cluster = settings.cluster
     for name in ("nats_url", "pool", "ack_wait_s", "max_deliver"):
@@ -63,7 +71,10 @@ def cmd_gateway(args: argparse.Namespace, base_settings) -> int:
     catalog.with_aliases(dict(settings.aliases))
     if server.default_model:
         catalog.get(server.default_model)  # fail fast on a typo, before binding the port
-    service = RemoteService(settings, catalog)
+    consumers = tuple((pool, model) for pool, models in args.pool_models or [] for model in models)
+    for _, model in consumers:
+        catalog.get(model)  # fail fast on a typo
+    service = RemoteService(settings, catalog, consumers=consumers)
     app = create_app(settings, service, auth=auth)
     serve(app, server, log_level=args.log_level)
     return 0
@@ -218,6 +229,9 @@ def register(sub, common, cli) -> None:
     gateway.add_argument("--no-auth", action="store_true", help="serve a non-loopback address without tokens")
     gateway.add_argument("--default-model", metavar="MODEL", help="the model of routes whose bodies name none")
     gateway.add_argument("--request-timeout-s", type=float, help="deadline of a call that names none (default 300)")
+    gateway.add_argument("--pool-models", action="append", type=_pool_models, metavar="POOL=MODEL[,MODEL...]",
+                         help="make the queue's consumers of POOL for these models at start (repeatable), so a "
+                              "pool with no worker yet has them: what KEDA's nats-jetstream trigger reads")
     gateway.add_argument("--log-level", default="info")
     gateway.set_defaults(func=lambda args: cmd_gateway(args, cli._settings(args)))
 

@@ -100,8 +100,13 @@ class GatewayMetrics:
 class RemoteService:
     """Serves calls by the cluster's workers (see the module docstring)."""
 
-    def __init__(self, settings: Settings, catalog: Catalog, *, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, catalog: Catalog, *, metrics: Metrics | None = None,
+                 consumers: tuple[tuple[str, str], ...] = ()) -> None:
         self.settings = settings
+        # (pool, model) consumers made at setup, before any worker of the pool runs: a pool scaled
+        # to zero has its consumers, so KEDA's nats-jetstream trigger reads their lag (of a missing
+        # consumer it reads the whole stream's) and the queue gauges show them.
+        self.consumers = consumers
         self.cluster = settings.cluster
         self.catalog = catalog
         self.metrics = metrics or Metrics()
@@ -174,6 +179,7 @@ class RemoteService:
             try:
                 await p.ensure_queue(self._js, self.cluster)
                 self._store = await self._js.object_store(p.PAYLOADS)
+                await self._ensure_consumers()
                 self._queue_ready = True
                 self.gm.connected.set(1)
                 await self._nc.publish(p.PING_SUBJECT, b"")
@@ -181,6 +187,16 @@ class RemoteService:
             except Exception as exc:  # noqa: BLE001 (NATS not up yet, JetStream starting)
                 log.warning("gateway: cannot set up the work queue yet (%s); retrying", exc)
                 await asyncio.sleep(0.5)
+
+    async def _ensure_consumers(self) -> None:
+        from nats.js.errors import BadRequestError
+
+        for pool, model_id in self.consumers:
+            try:
+                await p.ensure_consumer(self._js, self.cluster, pool, model_id)
+            except BadRequestError as exc:  # made by a worker with other settings: it stays as it is
+                log.warning("gateway: consumer of pool %s for %s exists with another configuration (%s)",
+                            pool, model_id, exc)
 
     async def _on_disconnect(self) -> None:
         self._queue_ready = False
