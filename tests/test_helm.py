@@ -163,7 +163,7 @@ def test_keda_watches_each_pools_consumers_by_the_names_the_workers_give_them(re
             assert "replicas" not in deployment["spec"]  # KEDA owns the count
             [demand] = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
             for model in pool["models"]:
-                assert f'shoal_gateway_demand{{model="{model}"}}' in demand["query"]
+                assert f'shoal_gateway_demand{{namespace="ml",model="{model}"}}' in demand["query"]
             assert demand["activationThreshold"] == "0"  # one refused request wakes the pool
             assert scaled["spec"]["minReplicaCount"] == pool["autoscaling"].get("minReplicaCount", 0)
     # The underscore of a model id is escaped first, as the protocol does (not "_2f" read as "/").
@@ -198,6 +198,7 @@ def test_every_container_command_is_one_shoal_accepts_and_means_what_the_values_
     pools = values.get("pools") or [{"name": "default", "models": ["sentence-transformers/all-MiniLM-L6-v2"]}]
     served = [m for pool in pools for m in pool.get("models", [])]
     assert gateway.models == [",".join(dict.fromkeys(served))]
+    assert gateway.pool_models == [(pool["name"], pool["models"]) for pool in pools]
     if values.get("auth", {}).get("enabled", True):
         assert gateway.auth_tokens_file == "/etc/shoal/auth/tokens.yaml" and not gateway.no_auth
     for pool in pools:
@@ -225,6 +226,32 @@ def test_every_container_command_is_one_shoal_accepts_and_means_what_the_values_
             assert container(deployment)["image"].startswith(f"{cuda}:")
         else:
             assert worker.device == ["cpu"] and "nvidia.com/gpu" not in str(container(deployment)["resources"])
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_every_process_starts_on_the_catalog_its_arguments_give_it(rendered, name, tmp_path):
+    """What `shoal gateway` and `shoal worker` do with their arguments before they serve: settings,
+    the catalog of --models-dir (the cards ConfigMap, written here) restricted to --models, the
+    aliases, and every model they name (default, preloads, pins, pools' models) found in it."""
+    from shoal.catalog import Catalog
+    from shoal.cli import _settings
+
+    docs = rendered[name]
+    cards = [d for d in kind(docs, "ConfigMap") if d["metadata"]["name"] == "shoal-cards"]
+    for file, text in (cards[0]["data"].items() if cards else ()):
+        (tmp_path / file).write_text(text)
+    for deployment in kind(docs, "Deployment"):
+        args = parse_args(container(deployment))
+        args.models_dir = [str(tmp_path) if d == "/etc/shoal/models" else d for d in args.models_dir or []]
+        settings = _settings(args)
+        catalog = Catalog.load(settings.models_dirs, strict=True).restrict(settings.models)
+        catalog.with_aliases(dict(settings.aliases))  # raises when an alias's model is not served
+        named_models = [*(getattr(args, "preload", None) or []), *settings.engine.pinned_models,
+                        *([settings.server.default_model] if settings.server.default_model else []),
+                        *(m for _, models in (getattr(args, "pool_models", None) or []) for m in models)]
+        for model in named_models:
+            catalog.get(model)
+        assert len(list(catalog)) >= 1, deployment["metadata"]["name"]
 
 
 def test_the_gpu_pool_pins_two_models_and_preloads_them(rendered):
@@ -265,21 +292,22 @@ def test_the_cards_config_map_is_a_models_dir_shoals_catalog_loads(rendered, tmp
     assert parse_args(container(gateway)).models_dir == ["/etc/shoal/models"]
     mounts = {m["name"]: m["mountPath"] for m in container(gateway)["volumeMounts"]}
     assert mounts["cards"] == "/etc/shoal/models"
+    assert parse_args(container(gateway)).alias == ["text-embedding-3-small=BAAI/bge-small-en-v1.5"]
     for pool in ("embed", "rerank"):
         worker = parse_args(container(named(rendered["cpu-pool"], "Deployment", f"shoal-worker-{pool}")))
         assert worker.models_dir == ["/etc/shoal/models"]
-        assert worker.alias == ["text-embedding-3-small=BAAI/bge-small-en-v1.5"]
+        assert worker.alias is None  # the gateway resolves aliases; a worker's catalog may lack the target
 
 
 def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path):
     from shoal.api.auth import Auth
 
-    for name, admin in (("default", True), ("gpu-pool", True)):
+    for name in ("default", "gpu-pool"):
         [secret] = kind(rendered[name], "Secret")
         path = tmp_path / f"{name}.yaml"
         path.write_text(secret["stringData"]["tokens.yaml"])
         auth = Auth.from_sources(path)
-        assert auth.enabled and auth.has_admin == admin
+        assert auth.enabled and auth.has_admin
         gateway = named(rendered[name], "Deployment", "shoal-gateway")
         [volume] = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
         assert volume["secret"]["secretName"] == secret["metadata"]["name"]
@@ -292,6 +320,12 @@ def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path
     auth = Auth.from_sources(tmp_path / "gpu-pool.yaml")
     assert auth.authenticate("Bearer ops-token-0123456789abcdef").name == "ops"
     assert auth.authenticate("Bearer test").name == "search"  # sha256("test") is the digest in the values
+    # Tokens without the admin scope: the admin routes stay off.
+    [secret] = kind(render({"auth": {"tokens": [{"name": "app", "token": "app-token-0123456789abcdef"}]}}), "Secret")
+    path = tmp_path / "no-admin.yaml"
+    path.write_text(secret["stringData"]["tokens.yaml"])
+    auth = Auth.from_sources(path)
+    assert auth.enabled and not auth.has_admin and "token" not in secret["stringData"]
     # cpu-pool: tokens from an existing Secret; the chart makes none.
     assert not kind(rendered["cpu-pool"], "Secret")
     gateway = named(rendered["cpu-pool"], "Deployment", "shoal-gateway")
@@ -391,6 +425,7 @@ def test_the_pod_monitor_labels_series_with_component_and_pool_from_the_pods(ren
     ({"pools": [{"name": "GPU_pool"}]}, "pools"),
     ({"pools": [{"name": "p", "device": "tpu"}]}, "device"),
     ({"cards": {"../evil": {"id": "x"}}}, "is not a card file name"),
+    ({"pools": [{"name": "p", "pin": ["a/b"]}]}, "additional properties 'pin' not allowed"),
 ])
 def test_values_that_cannot_work_stop_the_render_with_a_message_that_says_what_to_fix(values, message):
     with pytest.raises(Exception) as info:

@@ -89,10 +89,6 @@ app.kubernetes.io/part-of: shoal
 - --models-dir
 - /etc/shoal/models
 {{- end }}
-{{- range $name, $model := .Values.aliases }}
-- --alias
-- {{ printf "%s=%s" $name $model | quote }}
-{{- end }}
 {{- end -}}
 
 {{- define "shoal.cardsVolume" -}}
