@@ -27,6 +27,37 @@ MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 READY_TIMEOUT_S = 120.0
 
 
+# --- the deploy/ checks' tools and shoal's metric names ------------------------------------------
+
+
+def need_tool(available: bool, what: str) -> None:
+    """A check's tool (promtool, Prometheus, node's schemas, hadolint, helm's library) is missing:
+    under CI (CI=true, which .ci/run sets) the test fails, for CI must run every check; elsewhere it
+    skips (`make tools` installs them)."""
+    if available:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} (CI=true: this check must run; `make tools` and the dev extra install it)")
+    pytest.skip(what)
+
+
+def exposed_metric_names() -> dict[str, str]:
+    """Every sample name the metric classes of shoal register (engine and HTTP, gateway, worker), as
+    a scrape sees it (`_total` of a counter, `_bucket` of a histogram...) -> its metric family."""
+    from prometheus_client import CollectorRegistry
+
+    from shoal.cluster.gateway import GatewayMetrics
+    from shoal.cluster.worker import WorkerMetrics
+    from shoal.metrics import Metrics
+
+    registries = [Metrics().registry, CollectorRegistry(), CollectorRegistry()]
+    GatewayMetrics(registries[1])
+    WorkerMetrics(registries[2])
+    suffixes = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count", "_created")}
+    return {family.name + suffix: family.name for registry in registries for family in registry.collect()
+            for suffix in suffixes.get(family.type, ("",))}
+
+
 # --- the model and its reference ----------------------------------------------------------------
 
 

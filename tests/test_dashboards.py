@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL_ID, metric_total
+from conftest import MODEL_ID, exposed_metric_names, metric_total, need_tool
 
 from shoal.cluster.cli import free_port
 
@@ -108,21 +108,7 @@ def targets():
 
 @pytest.fixture(scope="module")
 def metric_names() -> set[str]:
-    from prometheus_client import CollectorRegistry
-
-    from shoal.cluster.gateway import GatewayMetrics
-    from shoal.cluster.worker import WorkerMetrics
-    from shoal.metrics import Metrics
-
-    registries = [Metrics().registry, CollectorRegistry(), CollectorRegistry()]
-    GatewayMetrics(registries[1])
-    WorkerMetrics(registries[2])
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    names = set()
-    for registry in registries:
-        for family in registry.collect():
-            names |= {family.name + suffix for suffix in suffixes[family.type]}
-    return names
+    return set(exposed_metric_names())
 
 
 # --- static checks ----------------------------------------------------------------------------------
@@ -205,10 +191,7 @@ def test_queries_use_only_defined_variables_and_grafanas_rate_interval():
 def prometheus_binary() -> str:
     found = str(PROMETHEUS) if PROMETHEUS.is_file() else shutil.which("prometheus")
     if not found:
-        message = f"prometheus is not installed: `make tools` unpacks Debian's package to {PROMETHEUS}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        need_tool(False, f"prometheus is not installed: `make tools` unpacks Debian's package to {PROMETHEUS}")
     return found
 
 

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "deploy" / "docker"
@@ -27,14 +28,10 @@ IMAGES = {"Dockerfile.gateway": "gateway", "Dockerfile.worker": "cpu", "Dockerfi
 # .venv-light's site-packages measured 169 MB (the gateway's install, 122 MB, plus pytest, httpx and
 # openai); torch's CPU build alone is ~755 MB, so a bound of 250 MB fails if the engine creeps in.
 LIGHT_VENV_MAX_BYTES = 250_000_000
-IN_CI = os.environ.get("CI") == "true"
 
 
 def missing(what: str) -> None:
-    """CI must run every check; elsewhere a missing tool only skips."""
-    if IN_CI:
-        pytest.fail(f"{what} (CI=true: this check must run)")
-    pytest.skip(what)
+    need_tool(False, what)
 
 
 # --- a Dockerfile, as instructions per stage -------------------------------------------------------

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import need_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "shoal"
@@ -32,14 +33,6 @@ VALUES = {"default": None, "cpu-pool": "ci/cpu-pool-values.yaml", "gpu-pool": "c
           "gke": "ci/gke-values.yaml", "eks": "ci/eks-values.yaml"}  # the last two: docs/deploy.md's
 KUBE_VERSION = "1.30.0"
 CUSTOM = {"ScaledObject", "PodMonitor", "PrometheusRule"}
-
-
-def need(available: bool, what: str) -> None:
-    """Skip where a tool is missing, except under CI, where that is a failure (`make tools`)."""
-    if not available:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{what} is missing: CI must install it (make tools / the dev extra)")
-        pytest.skip(f"{what} is not installed (make tools)")
 
 
 helm_python = pytest.importorskip("helm_python") if os.environ.get("CI") != "true" else __import__("helm_python")
@@ -108,7 +101,7 @@ def test_every_kubernetes_manifest_is_valid_for_its_schema(rendered, name):
 
 def validate_with_crd_schema(docs: list[dict], module: str, class_name: str) -> None:
     """The CRD's own schema (kubernetes-models, generated from the CRDs) validates each object."""
-    need(shutil_which("node") is not None and (NODE_MODULES / module).exists(), f"node and {module}")
+    need_tool(shutil_which("node") is not None and (NODE_MODULES / module).exists(), f"node and {module}")
     script = (
         "const docs = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
         f"const Model = require({json.dumps(str(NODE_MODULES / module))}).{class_name};"
@@ -169,6 +162,67 @@ def test_keda_watches_each_pools_consumers_by_the_names_the_workers_give_them(re
     # The underscore of a model id is escaped first, as the protocol does (not "_2f" read as "/").
     [gpu] = kind(rendered["gpu-pool"], "ScaledObject")
     assert "gpu-l4__BAAI_2fbge-m3" in [t["metadata"].get("consumer") for t in gpu["spec"]["triggers"]]
+
+
+def test_keda_finds_every_triggers_consumer_where_its_scaler_looks_before_any_worker_runs(rendered, tmp_path):
+    """What KEDA's nats-jetstream scaler reads, read from a real nats-server: `/jsz?acc=$G&consumers=
+    true&config=true`, the trigger's stream and consumer in it, lag = num_pending + num_ack_pending
+    (KEDA's getMaxMsgLag; of a missing consumer it takes the stream's last sequence). The gateway,
+    started with the chart's `--pool-models`, makes the consumers before any worker of the pools."""
+    import asyncio
+
+    from shoal.catalog import Catalog
+    from shoal.cli import _settings
+    from shoal.cluster import protocol as p
+    from shoal.cluster.cli import cluster_settings, free_port, nats_server_binary, wait_for_port
+    from shoal.cluster.gateway import RemoteService
+
+    docs = rendered["gke"]
+    args = parse_args(container(named(docs, "Deployment", "shoal-gateway")))
+    client, monitoring = free_port(), free_port()
+    args.nats_url = f"nats://127.0.0.1:{client}"
+    settings = cluster_settings(args, _settings(args))
+    triggers = [t["metadata"] for so in kind(docs, "ScaledObject") for t in so["spec"]["triggers"]
+                if t["type"] == "nats-jetstream"]
+    assert len(triggers) == 4
+    process = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(client), "-m", str(monitoring),
+                                "-sd", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def jsz() -> dict:
+        url = f"http://127.0.0.1:{monitoring}/jsz?acc={triggers[0]['account']}&consumers=true&config=true"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            [account] = [a for a in json.load(response)["account_details"] if a["name"] == triggers[0]["account"]]
+        return account
+
+    async def body():
+        consumers = tuple((pool, m) for pool, models in args.pool_models for m in models)
+        gateway = RemoteService(settings, Catalog.load().restrict(settings.models), consumers=consumers)
+        await gateway.start()
+        try:
+            deadline = time.monotonic() + 20
+            while not gateway.ready:
+                assert time.monotonic() < deadline, "the gateway never connected"
+                await asyncio.sleep(0.05)
+            # Two calls waiting for the l4 pool's bge-m3, which has no worker.
+            for i in range(2):
+                await gateway._js.publish(p.work_subject("l4", "BAAI/bge-m3"), b"", headers={p.REQUEST_ID: f"k{i}"})
+            account = await asyncio.to_thread(jsz)
+        finally:
+            await gateway.stop()
+        return account
+
+    try:
+        wait_for_port(monitoring, 20.0, process)
+        account = asyncio.run(body())
+    finally:
+        process.terminate()
+        process.wait(10)
+    for trigger in triggers:
+        [stream] = [s for s in account["stream_detail"] if s["name"] == trigger["stream"]]
+        lags = {c["name"]: c["num_pending"] + c.get("num_ack_pending", 0) for c in stream.get("consumer_detail", [])}
+        assert trigger["consumer"] in lags, f"KEDA would not find {trigger['consumer']} (it has {sorted(lags)})"
+        expected = 2 if trigger["consumer"] == p.consumer_name("l4", "BAAI/bge-m3") else 0
+        assert lags[trigger["consumer"]] == expected, trigger["consumer"]
 
 
 def test_the_nats_trigger_points_at_the_monitoring_port_of_the_nats_in_use(rendered):
@@ -378,7 +432,7 @@ def test_the_nats_statefulset_runs_a_real_nats_server_with_jetstream(rendered, t
 
 
 def test_the_prometheus_rule_embeds_the_rules_promtool_accepts(rendered, tmp_path):
-    need(PROMTOOL.exists(), "promtool")
+    need_tool(PROMTOOL.exists(), "promtool")
     [rule] = kind(rendered["cpu-pool"], "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((CHART / "files" / "prometheus" / "rules.yaml").read_text())
     path = tmp_path / "rules.yaml"

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import exposed_metric_names, need_tool
 from prometheus_client import CollectorRegistry
 
 from shoal.cluster.gateway import GatewayMetrics
-from shoal.cluster.worker import WorkerMetrics
-from shoal.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES_DIR = ROOT / "deploy" / "helm" / "shoal" / "files" / "prometheus"
@@ -47,10 +46,7 @@ _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 @pytest.fixture(scope="module")
 def promtool() -> Path:
     if not os.access(PROMTOOL, os.X_OK):
-        message = f"promtool is not at {PROMTOOL.relative_to(ROOT)}: run `make tools`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        need_tool(False, f"promtool is not at {PROMTOOL.relative_to(ROOT)}: run `make tools`")
     return PROMTOOL
 
 
@@ -153,22 +149,7 @@ def test_every_recording_rule_is_unit_tested():
 
 def _exposed() -> dict[str, str]:
     """Every sample name shoal's metric classes expose -> the metric family (as registered)."""
-    registries = [Metrics().registry, CollectorRegistry(), CollectorRegistry()]
-    GatewayMetrics(registries[1])
-    WorkerMetrics(registries[2])
-    suffixes = {
-        "counter": ("_total", "_created"),
-        "gauge": ("",),
-        "histogram": ("_bucket", "_sum", "_count", "_created"),
-        "summary": ("", "_sum", "_count", "_created"),
-        "info": ("_info",),
-    }
-    exposed: dict[str, str] = {}
-    for registry in registries:
-        for family in registry.collect():
-            for suffix in suffixes.get(family.type, ("",)):
-                exposed[family.name + suffix] = family.name
-    return exposed
+    return exposed_metric_names()
 
 
 def _family(name: str) -> str:
