@@ -21,6 +21,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: shoal
 {{- end -}}
 
+{{/* A worker pool's labels, and the subset that selects its pods: (list $root $poolName). */}}
+{{- define "shoal.workerSelector" -}}
+{{- $root := index . 0 -}}
+{{ include "shoal.selectorLabels" $root }}
+app.kubernetes.io/component: worker
+shoal.dev/pool: {{ index . 1 | quote }}
+{{- end -}}
+
+{{- define "shoal.workerLabels" -}}
+{{- $root := index . 0 -}}
+{{ include "shoal.labels" $root }}
+app.kubernetes.io/component: worker
+shoal.dev/pool: {{ index . 1 | quote }}
+{{- end -}}
+
 {{- define "shoal.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "shoal.fullname" .) .Values.serviceAccount.name -}}
