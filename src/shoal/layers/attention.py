@@ -59,16 +59,19 @@ class LengthGroup:
     # Additive masks by (kind, dtype), built on first use: one per forward, read by every layer.
     _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
 
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """`[Tg]` int64: each row's slot in the flattened `[ng * Lg]` view."""
+        return self.seq_index * self.max_seqlen + self.pos_in_seq
+
     def pad(self, x: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """This group's rows `[Tg, ..., D]` -> `[ng, Lg, ..., width]`, zeros where no token is and
         in channels past D."""
-        out = x.new_zeros(self.num_seqs, self.max_seqlen, *x.shape[1:-1], width or x.shape[-1])
-        out[self.seq_index, self.pos_in_seq, ..., : x.shape[-1]] = x
-        return out
+        return _scatter_rows(x, self.slots, self.num_seqs, self.max_seqlen, width)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """`[ng, Lg, ...]` -> this group's rows `[Tg, ...]`."""
-        return x[self.seq_index, self.pos_in_seq]
+        return _gather_rows(x, self.slots)
 
     def attention_mask(self, causal: bool, window: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor | None:
         """The additive mask `varlen_attention` hands the kernel for this group, cached.
@@ -116,15 +119,18 @@ class AttentionMeta:
     # attends to; None: all of them are (the usual case).
     key_lengths: torch.Tensor | None = None
 
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """`[T]` int64: each token's slot in the flattened `[n * L]` padded view."""
+        return self.seq_index * self.max_seqlen + self.pos_in_seq
+
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Packed `[T, ...]` -> padded `[n, L, ...]` (zeros where no token is)."""
-        out = x.new_zeros(self.num_seqs, self.max_seqlen, *x.shape[1:])
-        out[self.seq_index, self.pos_in_seq] = x
-        return out
+        return _scatter_rows(x, self.slots, self.num_seqs, self.max_seqlen)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Padded `[n, L, ...]` -> packed `[T, ...]`."""
-        return x[self.seq_index, self.pos_in_seq]
+        return _gather_rows(x, self.slots)
 
     @property
     def num_seqs(self) -> int:
@@ -185,10 +191,10 @@ class AttentionMeta:
             return fn(groups[0], *xs)
         out = None
         for g in groups:
-            rows = fn(g, *(x[g.tokens] for x in xs))
+            rows = fn(g, *(x.index_select(0, g.tokens) for x in xs))
             if out is None:
                 out = rows.new_empty(xs[0].shape[0], *rows.shape[1:])
-            out[g.tokens] = rows
+            out.index_copy_(0, g.tokens, rows)
         return out
 
     @classmethod
@@ -203,6 +209,22 @@ class AttentionMeta:
         pos_in_seq = torch.arange(seq_index.numel(), device=device) - starts
         key_mask = torch.arange(max_seqlen, device=device)[None, :] < lengths[:, None]  # [n, L]
         return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths)
+
+
+# Padding and unpadding move whole rows through one flat slot index (index_copy_ / index_select):
+# on CPU these run 3-5x faster than the same moves written as two-index advanced indexing
+# (`out[seq, pos] = x`, `x[seq, pos]`), which took ~7 % of a MiniLM forward.
+def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, n: int, length: int, width: int | None = None) -> torch.Tensor:
+    """Rows `[R, ..., D]` -> `[n, length, ..., width]`: row r at flat slot `slots[r]`, zeros elsewhere
+    (and in channels past D)."""
+    out = x.new_zeros(n * length, *x.shape[1:-1], width or x.shape[-1])
+    (out if width in (None, x.shape[-1]) else out[..., : x.shape[-1]]).index_copy_(0, slots, x)
+    return out.view(n, length, *out.shape[1:])
+
+
+def _gather_rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[n, length, ...]` -> the rows at flat slots `slots` `[R, ...]`."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).index_select(0, slots)
 
 
 def varlen_attention(
