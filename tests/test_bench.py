@@ -227,7 +227,7 @@ def test_the_engine_serves_with_a_tuned_overlays_wait_and_threads(serve, tmp_pat
 
 def test_shoal_tune_writes_an_overlay_that_serve_reads(tmp_path):
     out = tmp_path / "models"
-    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--knobs",
+    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--items", "2", "--knobs",
                                    "max_batch_items", "--grid", "max_batch_items=8,16", "--clients", "1,2", "--confirm", "1",
                                    "--step-s", "1", "--p99-ms", "5000"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -235,6 +235,7 @@ def test_shoal_tune_writes_an_overlay_that_serve_reads(tmp_path):
     [path] = (out / "tuned").iterdir()
     tuned = load_tuned(path)
     assert tuned.model == MODEL_ID and tuned.hardware == cpu_class()
+    assert tuned.measured["description"] == "2 Lee sentence(s) per call"  # --items reached the workload
     trials = tuned.measured["trials"]
     # The card's own limits first, then each grid value of the one knob.
     assert [t["settings"]["max_batch_items"] for t in trials[:3]] == [64, 8, 16]

@@ -97,6 +97,8 @@ def register(sub, common) -> None:
     tune.add_argument("--workload", choices=WORKLOADS, help="default: passages (encode), rerank (score), extract")
     tune.add_argument("--clients", type=_clients, default=[1.0, 4.0, 16.0], metavar="C1,C2,...",
                       help="closed-loop levels each setting is ramped through (default 1,4,16)")
+    tune.add_argument("--items", type=_count, help="texts per call (overrides the workload's; fewer for big models, "
+                      "whose 32-document passages calls take longer than a step)")
     tune.add_argument("--step-s", type=_seconds, default=4.0, help="seconds per level (default 4)")
     tune.add_argument("--p99-ms", type=_seconds, help="a level counts only with p99 under this (default: the workload's, "
                       "as for shoal bench)")

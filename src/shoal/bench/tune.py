@@ -98,7 +98,8 @@ def tune(args) -> int:
     hardware = hardware_class(args.device)
     default_workload = {"encode": "passages", "score": "rerank", "extract": "extract"}[card.tasks[0]]
     labels = None if card.extract is not None and card.extract.kind == "token_class" else workloads.WNUT_LABELS
-    workload = workloads.build(args.workload or default_workload, seed=args.seed, labels=labels)
+    workload = workloads.build(args.workload or default_workload, seed=args.seed, items=args.items,
+                               labels=labels)
     plan = Plan(mode="closed", levels=tuple(args.clients), step_s=args.step_s, warmup_s=1.0,
                 bounds=Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name]), seed=args.seed)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
