@@ -216,7 +216,7 @@ def run(args) -> int:
     dtypes = ["float16", "bfloat16"] if device.startswith("cuda") else ["bfloat16"]
     rows, failures = parity(device, dtypes)
     peak = bf16_peak(device, 8192 if device.startswith("cuda") else 1024)
-    print(f"bf16 GEMM peak: {peak / 1e12:.1f} TFLOP/s")
+    print(f"bf16 GEMM peak: {peak / 1e12:.3g} TFLOP/s")
     record = {"device": name, "torch": torch.__version__, "parity": rows, "bf16_peak_flops": peak, "bench": {}}
     if not args.skip_bench:
         for twin in TWINS:
