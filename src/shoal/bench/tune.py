@@ -145,9 +145,11 @@ def tune(args) -> int:
         confirmed = None
         if current != start and args.confirm:
             # A search over noisy single trials favours luck: the winner and the card's limits take
-            # turns `confirm` more times, and the winner is kept only if its mean still gains.
+            # turns `confirm` more times, and the winner is kept only if its mean over those turns
+            # still gains. The search's own trials are left out: the winner's was picked for being
+            # high, so counting it would confirm luck.
             print(f"confirming: the card's limits and the best, {args.confirm} turns each")
-            ours, theirs = [best_score], [baseline_score]
+            ours, theirs = [], []
             for _ in range(args.confirm):
                 theirs.append(trial(start))
                 ours.append(trial(current))

@@ -217,13 +217,15 @@ class AttentionMeta:
 def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, n: int, length: int, width: int | None = None) -> torch.Tensor:
     """Rows `[R, ..., D]` -> `[n, length, ..., width]`: row r at flat slot `slots[r]`, zeros elsewhere
     (and in channels past D)."""
-    out = x.new_zeros(n * length, *x.shape[1:-1], width or x.shape[-1])
-    (out if width in (None, x.shape[-1]) else out[..., : x.shape[-1]]).index_copy_(0, slots, x)
+    widened = width is not None and width != x.shape[-1]
+    out = x.new_zeros(n * length, *x.shape[1:-1], width) if widened else x.new_zeros(n * length, *x.shape[1:])
+    (out[..., : x.shape[-1]] if widened else out).index_copy_(0, slots, x)
     return out.view(n, length, *out.shape[1:])
 
 
 def _gather_rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`[n, length, ...]` -> the rows at flat slots `slots` `[R, ...]`."""
+    """`[n, length, ...]` -> the rows at flat slots `slots` `[R, ...]`. A non-contiguous `x` (a
+    transposed view) is copied whole by the reshape first; still cheaper than two-index gathers."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).index_select(0, slots)
 
 
