@@ -20,8 +20,8 @@ from shoal.bench import machine, workloads
 from shoal.bench.knee import Bounds, knee
 from shoal.bench.load import HttpTarget, Step, closed_loop, open_loop
 from shoal.bench.run import Plan, call_tokens, measure_and_close
-from shoal.bench.tune import overlay_name
-from shoal.catalog import Catalog, load_tuned
+from shoal.bench.tune import min_cosine, overlay_name, search
+from shoal.catalog import Catalog, load_tuned, parse_card
 from shoal.catalog.card import Batching
 from shoal.errors import CardError
 from shoal.engine.hardware import cpu_class
@@ -262,6 +262,109 @@ def test_shoal_tune_writes_an_overlay_that_serve_reads(tmp_path):
     card_limits = Catalog.load().get(MODEL_ID).batching_for(cpu_class())
     assert served.max_batch_items == (chosen or card_limits.max_batch_items)
     assert served.max_batch_tokens == card_limits.max_batch_tokens
+
+
+def _scripted(scores: dict[tuple, list[float]]):
+    """A trial that gives each (max_batch_items, batch_wait_ms) its listed scores in turn, and the
+    order it was asked for them."""
+    asked: list[tuple] = []
+
+    def trial(batching: Batching) -> float:
+        key = (batching.max_batch_items, batching.batch_wait_ms)
+        asked.append(key)
+        return scores[key].pop(0)
+
+    return trial, asked
+
+
+def test_tune_search_confirms_a_winner_by_the_confirmation_turns_alone():
+    """A value is kept for a 3 % gain over the best so far; a lucky single trial (200 once, then like
+    the start) is not confirmed, because the trial it was picked for is not counted again."""
+    start, values = Batching(max_batch_items=64), {"max_batch_items": (8, 16)}
+    trial, asked = _scripted({(64, None): [100, 100, 100], (8, None): [102], (16, None): [200, 101, 101]})
+    found = search(trial, start, values, ["max_batch_items"], 0.03, 2, log=lambda line: None)
+    assert asked == [(64, None), (8, None), (16, None), (64, None), (16, None), (64, None), (16, None)]
+    assert (found.best, found.best_score, found.start_score, found.confirmed) == (start, 100, 100, False)
+    # With the winner's own trial counted (200, 101, 101 against 100, 100, 100) it would have passed.
+    assert (200 + 101 + 101) / 3 > 1.03 * 100
+
+
+def test_tune_search_builds_each_knob_on_the_last_and_keeps_a_confirmed_winner():
+    start = Batching(max_batch_items=64)
+    values = {"max_batch_items": (8, 16), "batch_wait_ms": (0, 5)}
+    trial, asked = _scripted({(64, None): [100, 100], (8, None): [150], (16, None): [153],  # 16: under 3 % more
+                              (8, 0): [140], (8, 5): [160, 158]})
+    found = search(trial, start, values, ["max_batch_items", "batch_wait_ms"], 0.03, 1, log=lambda line: None)
+    assert asked == [(64, None), (8, None), (16, None), (8, 0), (8, 5), (64, None), (8, 5)]
+    assert found.best == Batching(max_batch_items=8, batch_wait_ms=5)
+    assert (found.best_score, found.start_score, found.confirmed) == (158, 100, True)
+    # No confirmation asked for: the search's pick stands, unconfirmed.
+    trial, asked = _scripted({(64, None): [100], (8, None): [150], (16, None): [100]})
+    found = search(trial, start, {"max_batch_items": (8, 16)}, ["max_batch_items"], 0.03, 0, log=lambda line: None)
+    assert (found.best.max_batch_items, found.best_score, found.confirmed, len(asked)) == (8, 150, None, 3)
+
+
+def test_min_cosine_is_the_smallest_over_pairs():
+    assert min_cosine([[1.0, 0.0], [0.0, 2.0]], [[3.0, 0.0], [1.0, 1.0]]) == pytest.approx(2 ** -0.5)
+    with pytest.raises(ValueError):
+        min_cosine([[1.0, 0.0]], [])  # a server that answered fewer vectors than asked
+
+
+def test_quantize_in_limits_is_for_cpus_and_float32_cards_and_chooses_the_cards_quantize(tmp_path):
+    with pytest.raises(CardError, match="CPUs only"):
+        load_tuned(_overlay(tmp_path, "cuda:NVIDIA H200", dict(quantize="int8")))
+    text = "id: test/half\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\ndtype: bfloat16\n"
+    with pytest.raises(CardError, match="float32") as info:
+        parse_card(yaml.safe_load(text + "batching: {cpu: {quantize: int8}}\n"), "half.yaml")
+    assert info.value.details["field"] == "batching.cpu.quantize"
+    (tmp_path / "half.yaml").write_text(text)
+    (tmp_path / "tuned").joinpath(overlay_name(MODEL_ID, "cuda:NVIDIA H200")).unlink()
+    _overlay(tmp_path, cpu_class(), dict(quantize="int8"), model="test/half")
+    with pytest.raises(CardError, match="drop quantize"):
+        Catalog.load((tmp_path,))
+    # On a float32 card: the overlay's choice for its class, the card's own elsewhere; "none" undoes int8.
+    (tmp_path / "half.yaml").unlink()
+    (tmp_path / "tuned").joinpath(overlay_name("test/half", cpu_class())).unlink()
+    _overlay(tmp_path, cpu_class(), dict(quantize="int8"))
+    card = Catalog.load((tmp_path,)).get(MODEL_ID)
+    assert card.quantize is None and card.quantize_for(cpu_class()).quantize == "int8"
+    assert card.quantize_for("cpu:Some Other CPU").quantize is None
+    int8 = msgspec.structs.replace(card, quantize="int8", batching={cpu_class(): Batching(quantize="none")})
+    assert int8.quantize_for(cpu_class()).quantize is None and int8.quantize_for("cpu").quantize == "int8"
+
+
+def test_shoal_tune_tries_int8_behind_a_quality_gate(tmp_path):
+    """The int8 candidate serves only after its vectors for the workload's texts pass the cosine bar
+    against the card's own (float32) server; a bar it cannot pass scores it 0 without a load."""
+    def tune(out: Path, *flags: str) -> list[dict]:
+        proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--items", "2",
+                                       "--knobs", "quantize", "--clients", "1", "--step-s", "1", "--p99-ms", "5000",
+                                       *flags], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        [path] = (out / "tuned").iterdir()
+        return load_tuned(path)
+
+    tuned = tune(tmp_path / "a", "--confirm", "1")
+    trials = tuned.measured["trials"]
+    assert [t["settings"]["quantize"] for t in trials[:2]] == ["none", "int8"]
+    assert "quality" not in trials[0]  # the reference
+    assert trials[1]["quality"]["texts"] == 32 and 0.99 <= trials[1]["quality"]["min_cosine"] < 1.0
+    assert all(t["best_tokens_per_s"] > 0 for t in trials)
+    if trials[1]["best_tokens_per_s"] > 1.03 * trials[0]["best_tokens_per_s"]:  # picked: then confirmed or not
+        assert [t["settings"]["quantize"] for t in trials[2:]] == ["none", "int8"]
+        kept = trials[3]["best_tokens_per_s"] > 1.03 * trials[2]["best_tokens_per_s"]
+    else:
+        assert len(trials) == 2
+        kept = False
+    assert tuned.batching.quantize == ("int8" if kept else None)
+    served = Catalog.load((tmp_path / "a",)).get(MODEL_ID).quantize_for(cpu_class())
+    assert served.quantize == ("int8" if kept else None)
+
+    refused = tune(tmp_path / "b", "--confirm", "0", "--min-cosine", "1")
+    first, second = refused.measured["trials"]
+    assert second["best_tokens_per_s"] == 0 and "quality gate" in second["error"] and "levels" not in second
+    assert first["best_tokens_per_s"] > 0 and refused.batching == Batching()
 
 
 def test_shoal_tune_refuses_a_bad_grid_before_measuring_anything(tmp_path):

@@ -182,6 +182,24 @@ def test_a_lora_adapter_on_an_int8_base_tracks_the_float32_adapted_model(tmp_pat
 # --- where int8 is refused -------------------------------------------------------------------------------
 
 
+def test_a_tuned_limit_choosing_int8_for_this_cpu_loads_int8_and_is_estimated_so(card, model_dir, runners):
+    """`shoal tune` writes `quantize` into a hardware class's limits: the runner and the pre-load
+    estimate follow the limits for this CPU, and "none" undoes a card's own int8."""
+    from shoal.catalog.card import Batching
+    from shoal.engine.hardware import cpu_class
+
+    chosen = msgspec.structs.replace(card, batching={cpu_class(): Batching(quantize="int8")})
+    runner = ModelRunner.from_dir(chosen, model_dir, "cpu")
+    assert runner.card.quantize == "int8" and any(isinstance(m, Int8Linear) for m in runner.model.modules())
+    assert ModelRunner.estimate_bytes(chosen, allow_download=False) == ModelRunner.estimate_bytes(
+        int8_card(card), allow_download=False)
+    texts = ["a tuned overlay chose int8 here", "the limits are per hardware class"]
+    assert np.array_equal(encode(runner, texts), encode(runners[1], texts))  # the same int8 model as the card's own
+    undone = msgspec.structs.replace(int8_card(card), batching={cpu_class(): Batching(quantize="none")})
+    plain = ModelRunner.from_dir(undone, model_dir, "cpu")
+    assert plain.card.quantize is None and not any(isinstance(m, Int8Linear) for m in plain.model.modules())
+
+
 def test_int8_on_a_cuda_device_is_a_config_error_before_anything_loads(card, tmp_path):
     with pytest.raises(ConfigError, match="CPU") as info:
         ModelRunner.from_dir(int8_card(card), tmp_path, "cuda")  # an empty folder: the check comes first

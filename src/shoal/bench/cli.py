@@ -33,6 +33,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _cosine(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not -1 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a cosine between -1 and 1, not {text!r}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -89,7 +99,7 @@ def register(sub, common) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.set_defaults(func=cmd_bench)
 
-    tune = sub.add_parser("tune", help="search batch limits and threads for MODEL here; write a tuned overlay")
+    tune = sub.add_parser("tune", help="search batch limits, threads and int8 for MODEL here; write a tuned overlay")
     models_dir(tune)
     tune.add_argument("model")
     tune.add_argument("--out", metavar="DIR", help="write DIR/tuned/<model>@<hardware>.yaml (default: the first --models-dir)")
@@ -103,13 +113,17 @@ def register(sub, common) -> None:
     tune.add_argument("--p99-ms", type=_seconds, help="a level counts only with p99 under this (default: the workload's, "
                       "as for shoal bench)")
     tune.add_argument("--knobs", type=lambda t: [k for k in t.split(",") if k], metavar="K1,K2",
-                      help="which to search, in order (default max_batch_tokens,max_batch_items,batch_wait_ms,threads)")
+                      help="which to search, in order (default max_batch_tokens,max_batch_items,batch_wait_ms,threads, "
+                           "then quantize for a float32 dense encoder on a CPU)")
     tune.add_argument("--grid", action="append", metavar="KNOB=V1,V2", default=[],
                       help="the values tried for a knob (default max_batch_tokens=1024,...,16384; max_batch_items="
-                           "16,...,256; batch_wait_ms=0,2,5,10; threads=1,cores/2,cores)")
+                           "16,...,256; batch_wait_ms=0,2,5,10; threads=1,cores/2,cores; quantize=int8,none)")
     tune.add_argument("--confirm", type=int, default=2, metavar="N",
                       help="turns the winner and the card's limits then take each, to keep the winner only if its "
                            "mean still gains (default 2; 0: keep the search's pick)")
     tune.add_argument("--min-gain", type=float, default=0.03, help="keep a value only if it gains this share (default 0.03)")
+    tune.add_argument("--min-cosine", type=_cosine, default=0.99,
+                      help="quantize: a candidate serves only if each of its dense vectors for the workload's first "
+                           "32 texts has at least this cosine to the card's own (default 0.99)")
     tune.add_argument("--seed", type=int, default=0)
     tune.set_defaults(func=cmd_tune)

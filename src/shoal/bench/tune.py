@@ -1,24 +1,31 @@
-"""`shoal tune MODEL`: find the batching that serves a model best on this machine, and write it
-where `shoal serve` reads it.
+"""`shoal tune MODEL`: find the batching and kernels that serve a model best on this machine, and
+write them where `shoal serve` reads them.
 
 Coordinate search from the card's own limits: one knob at a time (max_batch_tokens,
-max_batch_items, batch_wait_ms, threads), each value served by a fresh `shoal serve` that reads the
-candidate as a tuned overlay, ramped as `shoal bench` does (closed loop) on the chosen workload; a
-value is kept when its best tokens/s within the bounds beats the best so far by `min_gain` (a
-server that fails to start scores 0). Only the knobs the search changed are written, as
-`<dir>/tuned/<model>@<hardware>.yaml` with everything measured; `shoal serve --models-dir <dir>`
-then uses it (a later overlay wins over the package's and the card's, field by field).
+max_batch_items, batch_wait_ms, threads, and `quantize` int8 where the card can take it), each value
+served by a fresh `shoal serve` that reads the candidate as a tuned overlay, ramped as `shoal bench`
+does (closed loop) on the chosen workload; a value is kept when its best tokens/s within the bounds
+beats the best so far by `min_gain` (a server that fails to start scores 0). int8 changes outputs, so
+a quantize candidate must first pass a quality gate: every dense vector it gives for the workload's
+texts within `min_cosine` of the card's own (else it scores 0). Only the knobs the search changed
+are written, as `<dir>/tuned/<model>@<hardware>.yaml` with everything measured; `shoal serve
+--models-dir <dir>` then uses it (a later overlay wins over the package's and the card's, field by
+field).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import msgspec
 import yaml
 
@@ -35,7 +42,10 @@ DEFAULT_VALUES = {
     "max_batch_tokens": (1024, 2048, 4096, 8192, 16384),
     "max_batch_items": (16, 32, 64, 128, 256),
     "batch_wait_ms": (0, 2, 5, 10),
+    "quantize": ("int8", "none"),
 }
+# Texts of the workload whose vectors the quality gate compares (the first ones, in call order).
+GATE_TEXTS = 32
 
 
 def overlay_name(model_id: str, hardware: str) -> str:
@@ -74,15 +84,113 @@ def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
     for spec in specs:
         knob, _, listed = spec.partition("=")
         try:
-            parsed = tuple(float(v) if knob == "batch_wait_ms" else int(v) for v in listed.split(",") if v)
+            parsed = tuple(v if knob == "quantize" else float(v) if knob == "batch_wait_ms" else int(v)
+                           for v in listed.split(",") if v)
         except ValueError:
             parsed = ()
-        if knob not in values or not parsed:
-            raise ConfigError(f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)}")
+        if knob not in values or not parsed or (knob == "quantize" and not set(parsed) <= {"int8", "none"}):
+            raise ConfigError(f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)} "
+                              "(quantize takes int8 and none)")
         for value in parsed:
             check_batching(hardware, Batching(**{knob: value}), f"--grid {spec}")
         values[knob] = parsed
     return values
+
+
+def _quantize_refusal(card, hardware: str) -> str | None:
+    """Why `quantize` cannot be tuned for `card` on `hardware`, or None when it can."""
+    if not hardware.startswith("cpu"):
+        return "int8 runs on CPUs only"
+    if card.dtype != "float32":
+        return f"int8 runs with float32 activations and the card has dtype {card.dtype}"
+    if card.tasks[0] != "encode" or "dense" not in card.outputs:
+        return "its quality gate compares dense vectors, and the card does not encode them by default"
+    return None
+
+
+@dataclass
+class Searched:
+    """What `search` found: the settings kept, their score and the start's (means over the
+    confirmation turns when there were any), and whether the confirmation held (None: none ran)."""
+
+    best: Batching
+    best_score: float
+    start_score: float
+    confirmed: bool | None
+
+
+def search(trial: Callable[[Batching], float], start: Batching, values: dict[str, tuple], knobs: list[str],
+           min_gain: float, confirm: int, log: Callable[[str], None] = print) -> Searched:
+    """Coordinate search from `start`, one knob at a time over its `values`, scoring each candidate
+    by `trial` (tokens/s, 0 for a failure); a value is kept when it beats the best so far by
+    `min_gain`. A search over noisy single trials favours luck, so a winner other than `start` is
+    confirmed: the two take turns `confirm` more times, and the winner stays only if its mean over
+    those turns alone beats start's by `min_gain` (the search's own trials are left out: the
+    winner's was picked for being high)."""
+    current, best_score = start, trial(start)
+    start_score = best_score
+    for knob in knobs:
+        for value in values[knob]:
+            if getattr(current, knob) == value:
+                continue
+            candidate = msgspec.structs.replace(current, **{knob: value})
+            score = trial(candidate)
+            if score > best_score * (1 + min_gain):
+                current, best_score = candidate, score
+    if current == start or confirm <= 0:
+        return Searched(current, best_score, start_score, None)
+    log(f"confirming: the card's limits and the best, {confirm} turns each")
+    ours, theirs = [], []
+    for _ in range(confirm):
+        theirs.append(trial(start))
+        ours.append(trial(current))
+    mean_ours, mean_theirs = sum(ours) / confirm, sum(theirs) / confirm
+    if mean_ours > mean_theirs * (1 + min_gain):
+        return Searched(current, mean_ours, mean_theirs, True)
+    log(f"  not confirmed ({mean_ours:,.0f} vs {mean_theirs:,.0f} tokens/s): the card's limits stay")
+    return Searched(start, mean_theirs, mean_theirs, False)
+
+
+def min_cosine(reference: list[list[float]], other: list[list[float]]) -> float:
+    """The smallest cosine between paired vectors (1.0 for none)."""
+    def cos(a, b):
+        dot = sum(x * y for x, y in zip(a, b))
+        return dot / (math.sqrt(sum(x * x for x in a) * sum(y * y for y in b)) or 1.0)
+    return min((cos(a, b) for a, b in zip(reference, other, strict=True)), default=1.0)
+
+
+class QualityGate:
+    """int8 changes outputs: a candidate whose `quantize` differs from the start's serves only if
+    each of its dense vectors for `texts` keeps cosine >= `bar` to the start's (the reference, taken
+    from the start's server, which `search` runs first)."""
+
+    def __init__(self, model_id: str, texts: list[str], start: Batching, bar: float) -> None:
+        self.model_id, self.texts, self.start, self.bar = model_id, texts, start, bar
+        self.reference: list[list[float]] = []
+
+    def check(self, url: str, batching: Batching) -> tuple[dict, str | None]:
+        """(what was measured, why this candidate may not serve or None) for the server at `url`."""
+        try:
+            if batching == self.start and not self.reference:
+                self.reference = _dense_vectors(url, self.model_id, self.texts)
+                return {}, None
+            if batching.quantize == self.start.quantize:
+                return {}, None
+            if not self.reference:
+                return {}, "quality gate: the card's own settings gave no vectors to compare with"
+            lowest = min_cosine(self.reference, _dense_vectors(url, self.model_id, self.texts))
+        except httpx.HTTPError as exc:
+            return {}, f"quality gate: /v1/embeddings failed: {exc}"
+        quality = dict(min_cosine=round(lowest, 6), texts=len(self.texts))
+        if lowest < self.bar:
+            return quality, f"quality gate: a vector's cosine to the card's is {lowest:.6f} < {self.bar:g}"
+        return quality, None
+
+
+def _dense_vectors(url: str, model_id: str, texts: list[str]) -> list[list[float]]:
+    answer = httpx.post(f"{url}/v1/embeddings", json={"model": model_id, "input": texts}, timeout=600)
+    answer.raise_for_status()
+    return [row["embedding"] for row in sorted(answer.json()["data"], key=lambda row: row["index"])]
 
 
 def tune(args) -> int:
@@ -104,13 +212,22 @@ def tune(args) -> int:
                 bounds=Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name]), seed=args.seed)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     values = _grid(args.grid, cores, hardware)
-    knobs = args.knobs or list(values)
+    refusal = _quantize_refusal(card, hardware)
+    knobs = args.knobs or [k for k in values if k != "quantize" or refusal is None]
     for knob in knobs:
         if knob not in values:
             raise ConfigError(f"--knobs {knob}: use {', '.join(values)}")
+    if "quantize" in knobs and refusal:
+        raise ConfigError(f"--knobs quantize: {card.id} cannot be tuned for int8 here: {refusal}")
     # The card's own limits for this hardware (unset fields: the server's defaults) are the start;
     # the overlay written holds only what the search changed.
-    start = current = card.batching_for(hardware)
+    start = card.batching_for(hardware)
+    if "quantize" in knobs:  # the start names the card's own choice, so the search can tell it apart
+        start = msgspec.structs.replace(start, quantize=card.quantize_for(hardware).quantize or "none")
+    gate = None
+    if "quantize" in knobs:
+        texts = list(dict.fromkeys(t for call in workload.calls for t in call.texts))[:GATE_TEXTS]
+        gate = QualityGate(card.id, texts, start, args.min_cosine)
     trials: list[dict] = []
     print(f"shoal tune: {card.id} on {hardware}, workload {workload.name} ({workload.description}), "
           f"clients {list(plan.levels)}, {plan.step_s:g} s a level, p99 <= {plan.bounds.p99_ms:g} ms")
@@ -122,53 +239,34 @@ def tune(args) -> int:
             serve_args = [a for d in (*user_dirs, Path(tmp)) for a in ("--models-dir", str(d))]
             serve_args += ["--device", args.device]
             settings = {k: v for k, v in msgspec.to_builtins(batching).items() if v is not None}
+            quality: dict = {}
             try:
                 with shoal_serve(card.id, Path(tmp) / "serve.log", args=serve_args) as (url, _):
-                    score, measured = asyncio.run(_score_of(url, card.id, workload, plan))
+                    quality, refused = gate.check(url, batching) if gate else ({}, None)
+                    if refused:
+                        score, measured = 0.0, dict(best_tokens_per_s=0.0, error=refused)
+                    else:
+                        score, measured = asyncio.run(_score_of(url, card.id, workload, plan))
             except ConfigError as exc:  # this setting's server did not start (e.g. out of memory)
                 score, measured = 0.0, dict(best_tokens_per_s=0.0, error=exc.message.splitlines()[0])
-            trials.append(dict(settings=settings, **measured))
+            trials.append(dict(settings=settings, **({"quality": quality} if quality else {}), **measured))
             shown = settings or "the card's limits"
             print(f"  {shown}: " + (f"{score:,.0f} tokens/s at {measured['best_clients']} clients, p99 "
                                      f"{measured['p99_ms']:.0f} ms" if score else measured.get("error", "no level within the bounds")))
             return score
 
-        best_score = baseline_score = trial(current)
-        for knob in knobs:
-            for value in values[knob]:
-                if getattr(current, knob) == value:
-                    continue
-                candidate = msgspec.structs.replace(current, **{knob: value})
-                score = trial(candidate)
-                if score > best_score * (1 + args.min_gain):
-                    current, best_score = candidate, score
-        confirmed = None
-        if current != start and args.confirm:
-            # A search over noisy single trials favours luck: the winner and the card's limits take
-            # turns `confirm` more times, and the winner is kept only if its mean over those turns
-            # still gains. The search's own trials are left out: the winner's was picked for being
-            # high, so counting it would confirm luck.
-            print(f"confirming: the card's limits and the best, {args.confirm} turns each")
-            ours, theirs = [], []
-            for _ in range(args.confirm):
-                theirs.append(trial(start))
-                ours.append(trial(current))
-            mean_ours, mean_theirs = sum(ours) / len(ours), sum(theirs) / len(theirs)
-            confirmed = mean_ours > mean_theirs * (1 + args.min_gain)
-            best_score, baseline_score = mean_ours, mean_theirs
-            if not confirmed:
-                print(f"  not confirmed ({mean_ours:,.0f} vs {mean_theirs:,.0f} tokens/s): the card's limits stay")
-                current, best_score = start, mean_theirs
-    if best_score <= 0:
+        found = search(trial, start, values, knobs, args.min_gain, args.confirm)
+    if found.best_score <= 0:
         raise ConfigError(f"no setting met p99 <= {plan.bounds.p99_ms:g} ms: raise --p99-ms or lower --clients")
+    current, best_score, baseline_score = found.best, found.best_score, found.start_score
     changed = Batching(**{f: getattr(current, f) for f in Batching.__struct_fields__
                           if getattr(current, f) != getattr(start, f)})
     measured = dict(date=time.strftime("%Y-%m-%d"), workload=workload.name, description=workload.description,
                     mode="closed", clients=[int(c) for c in plan.levels], step_s=plan.step_s,
                     p99_bound_ms=plan.bounds.p99_ms, cores=cores, best_tokens_per_s=round(best_score, 1),
                     card_tokens_per_s=round(baseline_score, 1),
-                    gain=round(best_score / baseline_score, 3) if baseline_score else None, confirmed=confirmed,
-                    trials=trials)
+                    gain=round(best_score / baseline_score, 3) if baseline_score else None, confirmed=found.confirmed,
+                    **({"min_cosine_bound": args.min_cosine} if "quantize" in knobs else {}), trials=trials)
     path = write_overlay(out, Tuned(card.id, hardware, changed, measured))
     gain = f" ({best_score / baseline_score:.2f}x the card's limits)" if baseline_score else ""
     kept = {k: v for k, v in msgspec.to_builtins(changed).items() if v is not None} or "the card's limits, unchanged"

@@ -111,6 +111,11 @@ class Catalog:
                 tuned = load_tuned(path)
                 if tuned.model not in self._cards:
                     raise CardError(f"{path}: tuned overlay for {tuned.model!r}, which no card serves")
+                dtype = self._cards[tuned.model].dtype
+                if tuned.batching.quantize == "int8" and dtype != "float32":
+                    raise CardError(f"{path}: `quantize` int8 runs with float32 activations, and the card of "
+                                    f"{tuned.model!r} has dtype {dtype}: drop quantize from the overlay",
+                                    details={"file": str(path), "field": "quantize"})
             except CardError as exc:
                 if strict:
                     raise

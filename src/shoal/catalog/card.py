@@ -56,6 +56,9 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     batch_wait_ms: float | None = None
     # Torch intra-op threads for this model's forwards on the device thread; None: torch's default.
     threads: int | None = None
+    # The card's `quantize` on this hardware class (a kernel choice `shoal tune` can make): "int8"
+    # or "none" (float32 Linears); None: the card's own.
+    quantize: Literal["int8", "none"] | None = None
 
     def over(self, base: "Batching") -> "Batching":
         """These limits, with `base`'s where these are unset."""
@@ -253,6 +256,13 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         exact = self.batching.get(hardware) if hardware != kind else None
         return exact.over(general) if exact else general
 
+    def quantize_for(self, hardware: str) -> "ModelCard":
+        """This card with the `quantize` its limits for `hardware` choose (`batching_for`), if any."""
+        chosen = self.batching_for(hardware).quantize
+        if chosen is None or (chosen == "none") == (self.quantize is None):
+            return self
+        return msgspec.structs.replace(self, quantize=None if chosen == "none" else chosen)
+
     def with_tuned(self, tuned: "Tuned") -> "ModelCard":
         """This card with a tuned overlay's limits over its own for the overlay's hardware class."""
         if tuned.batching == Batching():  # a tuning run that kept the card's limits changes nothing
@@ -350,9 +360,12 @@ def _check(card: ModelCard, origin: str) -> None:
             fail("dimensions", "is required when outputs has dense")
     if card.source.onnx and not (card.source.package or card.source.path):
         fail("source.onnx", "applies to a package or path source (a folder that holds the ONNX file)")
-    if card.quantize is not None and card.dtype != "float32":
-        fail("quantize", f"int8 runs with float32 activations, not dtype {card.dtype}: leave dtype unset "
-             "(float32) or drop quantize")
+    if card.dtype != "float32":
+        for where, chosen in [("quantize", card.quantize)] + [(f"batching.{hw}.quantize", b.quantize)
+                                                              for hw, b in card.batching.items()]:
+            if chosen == "int8":
+                fail(where, f"int8 runs with float32 activations, not dtype {card.dtype}: leave dtype unset "
+                     "(float32) or drop quantize")
     if card.dimensions is not None and card.dimensions < 1:
         fail("dimensions", "must be >= 1")
     if "multivector" in card.outputs and card.multivector is None:
@@ -381,6 +394,9 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
         fail(f"batching.{hardware}.threads", "must be <= 1024")
     if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:
         fail(f"batching.{hardware}.batch_wait_ms", "must be between 0 and 1000")
+    if limits.quantize == "int8" and not hardware.startswith("cpu"):
+        fail(f"batching.{hardware}.quantize", "int8 runs on CPUs only (int8 matmuls through oneDNN): set it "
+             "for cpu or cpu:<CPU model>")
 
 
 def check_batching(hardware: str, limits: Batching, origin: str) -> None:

@@ -63,7 +63,8 @@ class Engine:
 
             load_runner = load_runner or (lambda card: ModelRunner.load(card, settings.device, allow_download,
                                                                          max_batch_tokens(card), settings.onednn_linear))
-            estimate_bytes = estimate_bytes or (lambda card: ModelRunner.estimate_bytes(card, allow_download))
+            estimate_bytes = estimate_bytes or (
+                lambda card: ModelRunner.estimate_bytes(card, allow_download, settings.device))
             if allow_download:  # a download happens outside the lock that materializes weights
                 fetch = lambda card: resolve_weights(card, allow_download=True)  # noqa: E731
         budget = settings.memory_budget_bytes

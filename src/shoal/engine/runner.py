@@ -62,6 +62,7 @@ class ModelRunner:
     @classmethod
     def from_dir(cls, card: ModelCard, directory: Path, device: str, allow_download: bool = True,
                  max_batch_tokens: int = 16384, pack: bool = True) -> "ModelRunner":
+        card = _quantize_here(card, device)
         _check_quantize(card, device)
         # A thread's torch thread count is inherited by threads started after a change (OpenMP): a
         # model with `threads: 1` must not leave later loads (packing, calibration) single-threaded.
@@ -83,10 +84,11 @@ class ModelRunner:
         return cls(card, model, tokenizer, device, directory, max_batch_tokens)
 
     @staticmethod
-    def estimate_bytes(card: ModelCard, allow_download: bool = True) -> int:
+    def estimate_bytes(card: ModelCard, allow_download: bool = True, device: str = "cpu") -> int:
         """Before a load: the bytes its checkpoint's tensors take in the card's dtype, the encoder's
-        Linear weights at one byte each under `quantize: int8` (the cache measures the loaded
-        model after)."""
+        Linear weights at one byte each under `quantize: int8` (the card's, or its limits' for
+        `device`; the cache measures the loaded model after)."""
+        card = _quantize_here(card, device)
         directory = resolve_weights(card, allow_download=allow_download)
         # A GLiNER folder's backbone config lives in gliner_config.json: counted unquantised (over).
         gliner = card.extract is not None and card.extract.kind == "gliner"
@@ -185,6 +187,12 @@ def _quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
     input_ids, position_ids = torch.from_numpy(batch.input_ids), torch.from_numpy(batch.position_ids)  # [T]
     meta = AttentionMeta.build(torch.from_numpy(batch.cu_seqlens), batch.max_seqlen)
     quantize_linears(model, input_maxima(model, lambda: model(input_ids, position_ids, meta, None)))
+
+
+def _quantize_here(card: ModelCard, device: str) -> ModelCard:
+    """`card` with the `quantize` its limits for this CPU choose (a tuned overlay may pick int8, or
+    none); only CPU classes choose int8, so elsewhere the card's own `quantize` stands."""
+    return card.quantize_for(hardware_class(device)) if torch.device(device).type == "cpu" else card
 
 
 def _check_quantize(card: ModelCard, device: str) -> None:
