@@ -23,6 +23,7 @@ from shoal.engine.runner import ModelRunner
 from shoal.engine.types import Batch, EncodeSpec
 from shoal.errors import CardError, ConfigError
 from shoal.layers import FusedLinear, Int8FusedLinear, Int8Linear, input_maxima, quantize_linears
+from shoal.layers.int8 import default_kernel
 from shoal.weights import build_model
 from test_quality import lee_data, spearman
 
@@ -93,7 +94,8 @@ def test_int8_replaces_every_encoder_linear_keeps_fused_shards_and_quarters_thei
     for name, module in swapped.items():
         assert isinstance(module, Int8FusedLinear) == isinstance(linears[name], FusedLinear)
         assert getattr(module, "shard_sizes", None) == getattr(linears[name], "shard_sizes", None)
-        assert module.weight_t.dtype == torch.int8
+        assert module.kernel == default_kernel()  # this CPU's: u8 keeps the weights in oneDNN's layout only
+        assert module.weight_t.dtype == torch.int8 if module.kernel == "int_mm" else module.weight_t is None
     # Measured bytes drop by at least 70% of the Linear weights' float32 bytes (int8 is 75% less,
     # less the per-row scales and the float32 outlier columns), and the pre-load estimate follows.
     weight_bytes = sum(m.weight.numel() * 4 for m in linears.values())
@@ -103,11 +105,15 @@ def test_int8_replaces_every_encoder_linear_keeps_fused_shards_and_quarters_thei
     assert ModelRunner.estimate_bytes(card, allow_download=False) - estimate >= 0.7 * weight_bytes
 
 
-def test_an_int8_token_keeps_its_own_scale_whatever_its_batch_mates_hold():
+KERNELS = ["int_mm", "u8"]  # both run on any x86 CPU; default_kernel() picks the fast one here
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_an_int8_token_keeps_its_own_scale_whatever_its_batch_mates_hold(kernel):
     """Per-token activation scales: a token with huge activations elsewhere in the batch leaves the
     other tokens' outputs as they are alone (one scale per call over the batch would coarsen them)."""
     torch.manual_seed(1)
-    linear = Int8Linear.of(torch.nn.Linear(96, 48))
+    linear = Int8Linear.of(torch.nn.Linear(96, 48), kernel=kernel)
     x = torch.randn(9, 96)
     loud = torch.cat([x, 1000 * torch.randn(1, 96)])  # [10, 96]: one token 1000x the others
     with torch.inference_mode():
@@ -133,13 +139,42 @@ def test_int8_random_backbones_stay_within_cosine_099_of_transformers(tmp_path, 
     assert (hidden - torch.cat(expected)).abs().max() > 1e-4  # int8 really ran
 
 
-def test_int8_linear_keeps_outlier_channels_in_float32_and_splits_like_a_fused_linear():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_kernels_do_not_saturate_where_every_product_is_largest(kernel):
+    """Every activation and weight at its row's max, all of one sign (or of opposite signs): the
+    largest sums a kernel meets. AVX2's u8 x s8 adds pairs in int16 with saturation; 8-bit weights
+    there would cap these sums, 7-bit ones keep them exact."""
+    linear = torch.nn.Linear(512, 8, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(0.5)
+        linear.weight[4:] = -0.5
+    x = torch.full((3, 512), 2.0)
+    with torch.inference_mode():
+        y = Int8Linear.of(linear, kernel=kernel)(x)
+    assert torch.allclose(y, linear(x).detach(), rtol=1e-5), y  # 512 x 2 x +-0.5 = +-512
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_kernels_track_float32_on_random_inputs_and_agree(kernel):
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(384, 1536)
+    x = torch.randn(200, 384)
+    with torch.inference_mode():
+        expected, y = linear(x), Int8Linear.of(linear, kernel=kernel)(x)
+        other = Int8Linear.of(linear, kernel="int_mm" if kernel == "u8" else "u8")(x)
+    cos = torch.nn.functional.cosine_similarity(y, expected, dim=1)
+    assert cos.min() >= 0.999 and (y - expected).abs().max() > 1e-5  # quantised, and close
+    assert torch.nn.functional.cosine_similarity(y, other, dim=1).min() >= 0.999
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_linear_keeps_outlier_channels_in_float32_and_splits_like_a_fused_linear(kernel):
     torch.manual_seed(0)
     linear = FusedLinear(64, (32, 16, 16))
     x = torch.randn(40, 64)
     x[:, 7] *= 50  # a channel of huge activations, as transformers carry
     expected = linear(x).detach()
-    plain, split = Int8Linear.of(linear), Int8Linear.of(linear, x.abs().amax(0))
+    plain, split = Int8Linear.of(linear, kernel=kernel), Int8Linear.of(linear, x.abs().amax(0), kernel=kernel)
     assert split.outliers.tolist() == [7] and plain.outliers is None
 
     def error(module):

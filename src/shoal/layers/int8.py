@@ -21,8 +21,18 @@ keeping its shards and `split`) with the same contract: float32 `[..., in]` in, 
   MiniLM's 16,128 input channels, 0.7% of MPNet's. It takes the worst cosine to float32 on single
   words from 0.982 to 0.998 (MiniLM), on Lee sentences from 0.972 to 0.997 and MPNet's shift of
   Lee Spearman from -0.009 to -0.004, for ~5% of the int8 speed.
-- Product: `torch._int_mm`, int8 x int8 -> int32 through oneDNN (VNNI on x86), then
-  `y = acc * s_token * s_row + bias`, converted in place in the int32 result's own memory.
+- Product, one of two kernels (`default_kernel()` picks by the CPU, once):
+  - `int_mm`: `torch._int_mm`, int8 x int8 -> int32 through oneDNN, then `y = acc * s_token * s_row
+    + bias`, converted in place in the int32 result's own memory. Fast where the CPU has VNNI
+    (AVX-512 VNNI, AVX-VNNI, AMX), and on non-x86 CPUs.
+  - `u8`: x86 CPUs without VNNI (AVX2 only). There `_int_mm` runs ~35x slower than float32 (a
+    reference loop), while oneDNN's u8 x s8 inner product (`torch.ops.onednn.qlinear_pointwise`,
+    weights prepacked once) runs ~2x faster than float32. Its AVX2 kernel multiplies u8 by s8 and
+    adds pairs in int16 with saturation, so one operand must keep to 7 bits: the weights do (per
+    row, [-63, 63]; |pair| <= 2 x 255 x 63 < 2^15), the activations keep 8 (per token, sent as
+    q + 128 with zero point 128). 7-bit activations instead cost twice the quality (MPNet: worst
+    word cosine 0.9875, Lee Spearman -0.0051). The op applies the rows' scales; the tokens'
+    scales and the bias follow.
 
 Integer accumulation is exact, but rounding to int8 amplifies float32's last-bit differences (a
 value near a rounding boundary lands on the other level), so a sequence's int8 vector varies with
@@ -35,7 +45,9 @@ quality on MiniLM and MPNet.
 from __future__ import annotations
 
 import functools
+import platform
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import torch
 from torch import nn
@@ -47,37 +59,74 @@ OUTLIER_RATIO = 5.0  # an input channel this many times the median channel's max
 MAX_OUTLIER_SHARE = 16  # ... up to 1/16 of a Linear's input channels
 
 
+Kernel = Literal["int_mm", "u8"]
+_VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
+_U8_ZERO_POINT = 128  # kernel u8: activations are sent as q + 128, q in [-127, 127]
+_U8_WEIGHT_LEVELS = 63  # ... and the weights keep to [-63, 63]: 7 bits (see the module)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            line = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return set(line.partition(":")[2].split())
+
+
+@functools.cache
+def default_kernel() -> Kernel:
+    """`u8` on an x86 CPU without VNNI where this torch has oneDNN's quantized inner product,
+    else `int_mm` (see the module)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    onednn = hasattr(torch.ops.onednn, "qlinear_pointwise") and hasattr(torch.ops.onednn, "qlinear_prepack")
+    return "u8" if x86 and onednn and not (_cpu_flags() & _VNNI_FLAGS) else "int_mm"
+
+
 class Int8Linear(nn.Module):
     """`y = x @ W^T + b` with W in int8 and x quantised per token on the fly; the input channels
     in `outliers` stay float32 (see the module)."""
 
     def __init__(self, weight_t: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 outliers: torch.Tensor | None = None, outlier_weight_t: torch.Tensor | None = None) -> None:
+                 outliers: torch.Tensor | None = None, outlier_weight_t: torch.Tensor | None = None,
+                 kernel: Kernel = "int_mm") -> None:
         super().__init__()
         self.in_features, self.out_features = weight_t.shape
+        self.kernel = kernel
         # Buffers, not parameters: nothing trains them, and `ModelRunner` reads the activations'
         # dtype off the model's parameters (float32 here), not off the int8 weights.
-        self.register_buffer("weight_t", weight_t)  # [in, out] int8, zeros in the outliers' rows
+        if kernel == "u8":  # the weights live in oneDNN's layout only (opaque: `packed_bytes` counts them)
+            self.packed = torch.ops.onednn.qlinear_prepack(weight_t.t().contiguous(), None)
+            self.register_buffer("_zero_points", torch.zeros(self.out_features, dtype=torch.int64))
+            weight_t = None
+        self.register_buffer("weight_t", weight_t)  # [in, out] int8, zeros in the outliers' rows (int_mm)
         self.register_buffer("weight_scale", weight_scale)  # [out] float32
         self.register_buffer("bias", bias)  # [out] float32, or None
         self.register_buffer("outliers", outliers)  # [k] int64 input channels, or None
         self.register_buffer("outlier_weight_t", outlier_weight_t)  # [k, out] float32, or None
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the int8 weights when they are held outside the buffers (kernel u8), else 0."""
+        return self.in_features * self.out_features if self.kernel == "u8" else 0
+
     @classmethod
-    def of(cls, linear: nn.Linear, input_max: torch.Tensor | None = None) -> "Int8Linear":
+    def of(cls, linear: nn.Linear, input_max: torch.Tensor | None = None, kernel: Kernel | None = None) -> "Int8Linear":
         """The int8 stand-in for `linear` (a float32 CPU Linear, or a FusedLinear). `input_max`
         `[in]`: the largest |x| seen per input channel on calibration text (`input_maxima`);
-        channels far above the others stay float32."""
+        channels far above the others stay float32. `kernel`: None, this CPU's (`default_kernel`)."""
         weight = linear.weight.detach().float().clone()  # [out, in]
         outliers = None if input_max is None else outlier_channels(input_max)
         outlier_weight_t = None
         if outliers is not None:
             outlier_weight_t = weight[:, outliers].t().contiguous()  # [k, out]
             weight[:, outliers] = 0  # out of the int8 product, and of the rows' scales
-        scale = weight.abs().amax(1).clamp_min(_TINY) / 127  # [out]
-        weight_t = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8).t().contiguous()
+        kernel = kernel or default_kernel()
+        levels = _U8_WEIGHT_LEVELS if kernel == "u8" else 127
+        scale = weight.abs().amax(1).clamp_min(_TINY) / levels  # [out]
+        weight_t = torch.round(weight / scale[:, None]).clamp_(-levels, levels).to(torch.int8).t().contiguous()
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        parts = (weight_t, scale, bias, outliers, outlier_weight_t)
+        parts = (weight_t, scale, bias, outliers, outlier_weight_t, kernel)
         if isinstance(linear, FusedLinear):
             return Int8FusedLinear(*parts, shard_sizes=linear.shard_sizes)
         return cls(*parts)
@@ -85,17 +134,25 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)  # [T, in]
-        if self.outliers is None:
-            q, scale = quantize_rows(x)  # [T, in] int8, [T, 1]
-        else:  # the outlier channels, zeroed in a copy, neither set the tokens' scales nor enter the int8 product
-            q, scale = quantize_rows(x.index_fill(1, self.outliers, 0), overwrite=True)
-        acc = torch._int_mm(q, self.weight_t)  # [T, out] int32
-        y = acc.view(torch.float32).copy_(acc)  # [T, out] float32, in the same memory: no second buffer
-        y.mul_(scale)
-        if self.bias is None:
-            y.mul_(self.weight_scale)
+        # The outlier channels, zeroed in a copy, neither set the tokens' scales nor enter the int8 product.
+        rows, scratch = (x, False) if self.outliers is None else (x.index_fill(1, self.outliers, 0), True)
+        if self.kernel == "u8":
+            u8, scale = quantize_rows(rows, overwrite=scratch, zero_point=_U8_ZERO_POINT)  # [T, in] uint8, q + 128
+            y = torch.ops.onednn.qlinear_pointwise(u8, 1.0, _U8_ZERO_POINT, self.packed, self.weight_scale,
+                                                   self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+            if self.bias is None:  # y = acc * s_row: the tokens' scales and the bias are left
+                y.mul_(scale)
+            else:
+                torch.addcmul(self.bias, y, scale, out=y)
         else:
-            torch.addcmul(self.bias, y, self.weight_scale, out=y)
+            q, scale = quantize_rows(rows, overwrite=scratch)  # [T, in] int8, [T, 1]
+            acc = torch._int_mm(q, self.weight_t)  # [T, out] int32
+            y = acc.view(torch.float32).copy_(acc)  # [T, out] float32, in the same memory: no second buffer
+            y.mul_(scale)
+            if self.bias is None:
+                y.mul_(self.weight_scale)
+            else:
+                torch.addcmul(self.bias, y, self.weight_scale, out=y)
         if self.outliers is not None:  # + x[:, outliers] @ W[:, outliers]^T, in float32
             y.addmm_(x.index_select(1, self.outliers), self.outlier_weight_t)
         return y.view(*lead, self.out_features)
@@ -103,7 +160,7 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         outliers = 0 if self.outliers is None else len(self.outliers)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"float32_inputs={outliers}")
+                f"float32_inputs={outliers}, kernel={self.kernel}")
 
 
 class Int8FusedLinear(Int8Linear):
@@ -117,13 +174,16 @@ class Int8FusedLinear(Int8Linear):
         return torch.split(self(x), self.shard_sizes, dim=-1)
 
 
-def quantize_rows(x: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, overwrite: bool = False, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`[T, k]` float32 -> (`[T, k]` int8 q, `[T, 1]` float32 scale) with x ~= q * scale, symmetric
-    per row. The absolute max is max(max, -min): two reads of x, no `[T, k]` temporary.
-    `overwrite`: x is a scratch copy, rounded in place."""
+    per row, q in [-127, 127]; with a `zero_point`, uint8 q + zero_point. The absolute max is
+    max(max, -min): two reads of x, no `[T, k]` temporary. `overwrite`: x is a scratch copy,
+    rounded in place."""
     absmax = torch.maximum(x.amax(1, keepdim=True), x.amin(1, keepdim=True).neg_())  # [T, 1]
     scale = absmax.clamp_min_(_TINY).div_(127)
     scaled = x.mul_(scale.reciprocal()) if overwrite else torch.mul(x, scale.reciprocal())
+    if zero_point:
+        return scaled.round_().add_(zero_point).to(torch.uint8), scale
     return scaled.round_().to(torch.int8), scale
 
 
@@ -158,7 +218,8 @@ def input_maxima(model: nn.Module, run: Callable[[], object]) -> dict[str, torch
     return maxima
 
 
-def quantize_linears(model: nn.Module, input_max: Mapping[str, torch.Tensor] | None = None) -> tuple[str, ...]:
+def quantize_linears(model: nn.Module, input_max: Mapping[str, torch.Tensor] | None = None,
+                     kernel: Kernel | None = None) -> tuple[str, ...]:
     """Replace every `nn.Linear` of `model` by its int8 stand-in, in place; returns their names.
     `input_max`: `input_maxima` of the float32 model, to keep its outlier channels in float32.
 
@@ -169,5 +230,5 @@ def quantize_linears(model: nn.Module, input_max: Mapping[str, torch.Tensor] | N
     names = tuple(name for name, module in model.named_modules() if isinstance(module, nn.Linear))
     for name in names:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Int8Linear.of(model.get_submodule(name), input_max.get(name)))
+        setattr(model.get_submodule(parent), child, Int8Linear.of(model.get_submodule(name), input_max.get(name), kernel))
     return names

@@ -90,5 +90,8 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes of the packed weights in `model` (not parameters or buffers, so counted here)."""
-    return sum(m.num_bytes for m in model.modules() if isinstance(m, PackedLinear))
+    """Bytes of the packed weights in `model` (not parameters or buffers, so counted here): float32
+    Linears packed here, and int8 ones that keep their weights only in oneDNN's layout."""
+    from .int8 import Int8Linear
+
+    return sum(m.num_bytes for m in model.modules() if isinstance(m, (PackedLinear, Int8Linear)))
