@@ -123,18 +123,21 @@ def search(trial: Callable[[Batching], float], start: Batching, values: dict[str
            min_gain: float, confirm: int, log: Callable[[str], None] = print) -> Searched:
     """Coordinate search from `start`, one knob at a time over its `values`, scoring each candidate
     by `trial` (tokens/s, 0 for a failure); a value is kept when it beats the best so far by
-    `min_gain`. A search over noisy single trials favours luck, so a winner other than `start` is
-    confirmed: the two take turns `confirm` more times, and the winner stays only if its mean over
-    those turns alone beats start's by `min_gain` (the search's own trials are left out: the
-    winner's was picked for being high)."""
+    `min_gain`, and a candidate already scored keeps its score. A search over noisy single trials
+    favours luck, so a winner other than `start` is confirmed: the two take turns `confirm` more
+    times, and the winner stays only if its mean over those turns alone beats start's by
+    `min_gain` (the search's own trials are left out: the winner's was picked for being high)."""
     current, best_score = start, trial(start)
     start_score = best_score
+    scores = {start: best_score}  # a candidate met again (a knob's value back at the start's) is not re-run
     for knob in knobs:
         for value in values[knob]:
             if getattr(current, knob) == value:
                 continue
             candidate = msgspec.structs.replace(current, **{knob: value})
-            score = trial(candidate)
+            if candidate not in scores:
+                scores[candidate] = trial(candidate)
+            score = scores[candidate]
             if score > best_score * (1 + min_gain):
                 current, best_score = candidate, score
     if current == start or confirm <= 0:
