@@ -396,6 +396,7 @@ def test_packaged_tuned_overlays_name_served_models_record_their_knee_and_are_ap
     for path in paths:
         tuned = load_tuned(path)
         assert tuned.model in catalog and tuned.measured["best_tokens_per_s"] > 0
+        assert tuned.batching.quantize is None  # shipped values never change a card's numerics (docs/models.md)
         applied = catalog.get(tuned.model).batching_for(tuned.hardware)
         for name, value in msgspec.to_builtins(tuned.batching).items():
             if value is not None:
