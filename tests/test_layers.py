@@ -10,6 +10,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, varlen_attention
+from shoal.layers.attention import EACH_MAX_SEQLEN, attention_path
 
 LENGTHS = [5, 1, 17, 9, 32, 70, 40]  # two length groups in the padded CPU path
 
@@ -44,6 +45,29 @@ def test_varlen_attention_equals_per_sequence_attention(causal, window, heads):
     out = varlen_attention(q, k, v, AttentionMeta.build(cu, max(LENGTHS)), causal=causal, window=window)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         expected = naive_attention(q[start:end], k[start:end], v[start:end], causal, window)
+        assert (out[start:end] - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("lengths, path", [
+    (LENGTHS, "each"),  # unequal, all short: one sequence at a time
+    ([23, 23, 23], "padded"),  # all of one length: one padded group, no padding in it
+    ([7, EACH_MAX_SEQLEN + 1, 40, 300], "padded"),  # one past the "each" bound: padded length groups
+], ids=["each", "uniform", "long"])
+def test_each_cpu_attention_path_equals_per_sequence_attention(lengths, path):
+    """Full float32 attention on CPU takes the path its lengths call for, and every path agrees
+    with the straightforward per-sequence softmax."""
+    torch.manual_seed(1)
+    T, H, D = sum(lengths), 4, 16
+    q, k, v = torch.randn(T, H, D), torch.randn(T, H, D), torch.randn(T, H, D)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    meta = AttentionMeta.build(cu, max(lengths))
+    assert attention_path(q, k, meta) == path
+    assert attention_path(q, k, meta, causal=True) == "padded"  # masks of any kind stay on the padded path
+    assert attention_path(q.double(), k.double(), meta) == "padded"  # float32 only
+    out = varlen_attention(q, k, v, meta, scale=0.3 if path == "each" else None)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        expected = naive_attention(q[start:end] * (0.3 * math.sqrt(D) if path == "each" else 1.0), k[start:end],
+                                   v[start:end], False, None)
         assert (out[start:end] - expected).abs().max().item() <= 1e-5
 
 
