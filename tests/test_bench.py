@@ -369,11 +369,37 @@ def test_shoal_tune_tries_int8_behind_a_quality_gate(tmp_path):
     assert first["best_tokens_per_s"] > 0 and refused.batching == Batching()
 
 
-def test_shoal_tune_refuses_a_bad_grid_before_measuring_anything(tmp_path):
-    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(tmp_path), "--grid", "batch_wait_ms=5000"],
+@pytest.mark.parametrize("grid, message", [("batch_wait_ms=5000", "between 0 and 1000"),
+                                           ("attention=fast", "attention takes padded and each")])
+def test_shoal_tune_refuses_a_bad_grid_before_measuring_anything(tmp_path, grid, message):
+    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(tmp_path), "--grid", grid],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 2 and "batch_wait_ms" in proc.stderr and "between 0 and 1000" in proc.stderr
+    assert proc.returncode == 2 and grid.split("=")[0] in proc.stderr and message in proc.stderr
     assert not (tmp_path / "tuned").exists()
+
+
+def test_a_limit_of_padded_attention_keeps_the_runner_off_the_each_path(card, model_dir, monkeypatch):
+    """`batching.attention: padded` (a tuned overlay's kernel choice): the runner's forwards take the
+    padded length groups; by default the same texts take the "each" path, with the same vectors."""
+    from shoal.engine.runner import ModelRunner
+    from shoal.engine.types import Batch, EncodeSpec
+    from shoal.layers import attention
+
+    taken: list[str] = []
+    real = attention.attention_path
+    monkeypatch.setattr(attention, "attention_path", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+    texts = ["a short one", "a somewhat longer text than the first, with a few more words in it", "mid length text"]
+    spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
+    vectors = {}
+    for choice in (None, "padded"):
+        chosen = msgspec.structs.replace(card, batching={cpu_class(): Batching(attention=choice)})
+        runner = ModelRunner.from_dir(chosen, model_dir, "cpu")
+        seqs = runner.tokenizer.encode(texts, truncate=True)
+        taken.clear()
+        vectors[choice] = [item.dense for item in runner.forward(Batch.pack(seqs), [spec] * len(seqs))]
+        assert set(taken) == {"each" if choice is None else "padded"} and len(taken) == 6  # MiniLM's 6 layers
+    for a, b in zip(vectors[None], vectors["padded"]):
+        assert float((a * b).sum()) >= 0.99999
 
 
 @pytest.mark.parametrize("argv, message", [

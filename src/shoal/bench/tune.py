@@ -2,15 +2,15 @@
 write them where `shoal serve` reads them.
 
 Coordinate search from the card's own limits: one knob at a time (max_batch_tokens,
-max_batch_items, batch_wait_ms, threads, and `quantize` int8 where the card can take it), each value
-served by a fresh `shoal serve` that reads the candidate as a tuned overlay, ramped as `shoal bench`
-does (closed loop) on the chosen workload; a value is kept when its best tokens/s within the bounds
-beats the best so far by `min_gain` (a server that fails to start scores 0). int8 changes outputs, so
-a quantize candidate must first pass a quality gate: every dense vector it gives for the workload's
-texts within `min_cosine` of the card's own (else it scores 0). Only the knobs the search changed
-are written, as `<dir>/tuned/<model>@<hardware>.yaml` with everything measured; `shoal serve
---models-dir <dir>` then uses it (a later overlay wins over the package's and the card's, field by
-field).
+max_batch_items, batch_wait_ms, threads, the CPU attention path, and `quantize` int8 where the card
+can take it), each value served by a fresh `shoal serve` that reads the candidate as a tuned
+overlay, ramped as `shoal bench` does (closed loop) on the chosen workload; a value is kept when
+its best tokens/s within the bounds beats the best so far by `min_gain` (a server that fails to
+start scores 0). int8 changes outputs, so a quantize candidate must first pass a quality gate:
+every dense vector it gives for the workload's texts within `min_cosine` of the card's own (else it
+scores 0). Only the knobs the search changed are written, as `<dir>/tuned/<model>@<hardware>.yaml`
+with everything measured; `shoal serve --models-dir <dir>` then uses it (a later overlay wins over
+the package's and the card's, field by field).
 """
 
 from __future__ import annotations
@@ -42,8 +42,12 @@ DEFAULT_VALUES = {
     "max_batch_tokens": (1024, 2048, 4096, 8192, 16384),
     "max_batch_items": (16, 32, 64, 128, 256),
     "batch_wait_ms": (0, 2, 5, 10),
+    "threads": (),  # 1, cores / 2, cores: filled in for this machine
+    "attention": ("padded", "each"),
     "quantize": ("int8", "none"),
 }
+# The knobs whose values are words, and the words each takes.
+_CHOICES = {"attention": {"padded", "each"}, "quantize": {"int8", "none"}}
 # Texts of the workload whose vectors the quality gate compares (the first ones, in call order).
 GATE_TEXTS = 32
 
@@ -84,13 +88,13 @@ def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
     for spec in specs:
         knob, _, listed = spec.partition("=")
         try:
-            parsed = tuple(v if knob == "quantize" else float(v) if knob == "batch_wait_ms" else int(v)
+            parsed = tuple(v if knob in _CHOICES else float(v) if knob == "batch_wait_ms" else int(v)
                            for v in listed.split(",") if v)
         except ValueError:
             parsed = ()
-        if knob not in values or not parsed or (knob == "quantize" and not set(parsed) <= {"int8", "none"}):
+        if knob not in values or not parsed or not set(parsed) <= _CHOICES.get(knob, set(parsed)):
             raise ConfigError(f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)} "
-                              "(quantize takes int8 and none)")
+                              "(attention takes padded and each, quantize int8 and none)")
         for value in parsed:
             check_batching(hardware, Batching(**{knob: value}), f"--grid {spec}")
         values[knob] = parsed
@@ -216,17 +220,23 @@ def tune(args) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     values = _grid(args.grid, cores, hardware)
     refusal = _quantize_refusal(card, hardware)
-    knobs = args.knobs or [k for k in values if k != "quantize" or refusal is None]
+    cpu = hardware.startswith("cpu")
+    knobs = args.knobs or [k for k in values if (k != "quantize" or refusal is None) and (k != "attention" or cpu)]
     for knob in knobs:
         if knob not in values:
             raise ConfigError(f"--knobs {knob}: use {', '.join(values)}")
     if "quantize" in knobs and refusal:
         raise ConfigError(f"--knobs quantize: {card.id} cannot be tuned for int8 here: {refusal}")
+    if "attention" in knobs and not cpu:
+        raise ConfigError("--knobs attention: it chooses between CPU attention paths; this device is not a CPU")
     # The card's own limits for this hardware (unset fields: the server's defaults) are the start;
     # the overlay written holds only what the search changed.
     start = card.batching_for(hardware)
-    if "quantize" in knobs:  # the start names the card's own choice, so the search can tell it apart
+    # The start names the card's own choices for the word knobs, so the search can tell them apart.
+    if "quantize" in knobs:
         start = msgspec.structs.replace(start, quantize=card.quantize_for(hardware).quantize or "none")
+    if "attention" in knobs:
+        start = msgspec.structs.replace(start, attention=start.attention or "each")
     gate = None
     if "quantize" in knobs:
         texts = list(dict.fromkeys(t for call in workload.calls for t in call.texts))[:GATE_TEXTS]

@@ -59,6 +59,9 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The card's `quantize` on this hardware class (a kernel choice `shoal tune` can make): "int8"
     # or "none" (float32 Linears); None: the card's own.
     quantize: Literal["int8", "none"] | None = None
+    # The CPU path of full attention over unequal lengths (layers/attention.py): "each" sequence on
+    # its own, or "padded" length groups; None: each.
+    attention: Literal["each", "padded"] | None = None
 
     def over(self, base: "Batching") -> "Batching":
         """These limits, with `base`'s where these are unset."""

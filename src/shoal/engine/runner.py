@@ -38,7 +38,9 @@ class ModelRunner:
         self.card = card
         # Torch intra-op threads for this model's forwards (the card's `batching.threads` for this
         # device, e.g. from `shoal tune`), set on the calling (device) thread; unset: the process default.
-        self.threads = card.batching_for(hardware_class(device)).threads or _DEFAULT_THREADS
+        limits = card.batching_for(hardware_class(device))
+        self.threads = limits.threads or _DEFAULT_THREADS
+        self.attention_each = limits.attention != "padded"  # the CPU attention path (layers/attention.py)
         self.model = model
         self.device = torch.device(device)
         self.tokenizer = self.document_tokenizer = self.query_tokenizer = tokenizer
@@ -136,7 +138,7 @@ class ModelRunner:
         position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]
         cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(**to)  # [n+1]
         key_lengths = None if batch.key_lengths is None else torch.from_numpy(batch.key_lengths).to(**to)  # [n]
-        meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths)
+        meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths, each=self.attention_each)
         token_type_ids = None if batch.token_type_ids is None else torch.from_numpy(batch.token_type_ids).to(**to)
         routing = (None if batch.adapter_slots is None
                    else self._adapters.routing(batch.cu_seqlens, batch.adapter_slots, self.device))

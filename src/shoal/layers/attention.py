@@ -12,7 +12,8 @@ sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Two kernels:
   one-sentence texts from 12.3 to 8.2 ms: padded groups pay for their padding, their key mask and
   their gathers, and for head dims of 32-64 the matmuls outrun the fused CPU kernel. Past ~512
   tokens the `[H, L, L]` scores cost more than the fused kernel saves, and sequences all of one
-  length need no padding at all: those take the padded path below.
+  length need no padding at all: those take the padded path below. Whether it wins depends on the
+  CPU's kernels, so a card's `batching.attention: padded` (e.g. from `shoal tune`) turns it off.
 - elsewhere, `scaled_dot_product_attention` over padded `[n, H, L, D]` views that exist only
   inside this function: tokens are scattered into them and gathered back, so the layers around
   attention never see a pad token. Sequences are grouped by length (`AttentionMeta.groups`) and
@@ -126,6 +127,8 @@ class AttentionMeta:
     # [n] int32: sequence i's first key_lengths[i] tokens are the keys every one of its tokens
     # attends to; None: all of them are (the usual case).
     key_lengths: torch.Tensor | None = None
+    # Whether the CPU "each" path may be taken (a card's `batching.attention: padded` says no).
+    each: bool = True
 
     @cached_property
     def slots(self) -> torch.Tensor:
@@ -218,8 +221,9 @@ class AttentionMeta:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int,
-              key_lengths: torch.Tensor | None = None) -> "AttentionMeta":
-        """`key_lengths` `[n]`: keys per sequence (see the class), None when every token is one."""
+              key_lengths: torch.Tensor | None = None, each: bool = True) -> "AttentionMeta":
+        """`key_lengths` `[n]`: keys per sequence (see the class), None when every token is one;
+        `each`: whether the CPU "each" path may be taken."""
         device = cu_seqlens.device
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [n]
         n = lengths.numel()
@@ -227,7 +231,7 @@ class AttentionMeta:
         starts = cu_seqlens[:-1].long()[seq_index]  # [T]
         pos_in_seq = torch.arange(seq_index.numel(), device=device) - starts
         key_mask = torch.arange(max_seqlen, device=device)[None, :] < lengths[:, None]  # [n, L]
-        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths)
+        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths, each)
 
 
 # Padding and unpadding move whole rows through one flat slot index (index_copy_ / index_select):
@@ -295,7 +299,7 @@ def attention_path(q: torch.Tensor, k: torch.Tensor, meta: AttentionMeta, *, cau
     if (bias is None and meta.key_lengths is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and _flash_varlen() is not None):
         return "flash"
-    if (q.device.type == "cpu" and q.dtype == torch.float32 and not causal and window is None and bias is None
+    if (meta.each and q.device.type == "cpu" and q.dtype == torch.float32 and not causal and window is None and bias is None
             and meta.key_lengths is None and k.shape[1] == q.shape[1] and meta.max_seqlen <= EACH_MAX_SEQLEN
             and not meta.uniform):
         return "each"
