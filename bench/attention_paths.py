@@ -37,6 +37,7 @@ def main() -> None:
     print(machine_line())
     card = Catalog.load().get(args.model)
     runner = ModelRunner.load(card, "cpu", allow_download=False)
+    assert runner.attention_each, "this CPU's limits for the card say attention: padded; nothing to compare"
     seqs = runner.tokenizer.encode(workloads.lee_documents()[: args.num_docs], truncate=True)
     batches, current = [], []
     for seq in seqs:

@@ -21,8 +21,8 @@ from shoal.layers import attention
 MIXED = [3, 9, 40, 17, 64, 1, 120, 100]  # three length groups, each padded: 1-17, 40-64, 100-120
 
 
-def meta_for(lengths: list[int]) -> AttentionMeta:
-    return AttentionMeta.build(torch.tensor([0] + lengths).cumsum(0).to(torch.int32), max(lengths))
+def meta_for(lengths: list[int], each: bool = True) -> AttentionMeta:
+    return AttentionMeta.build(torch.tensor([0] + lengths).cumsum(0).to(torch.int32), max(lengths), each=each)
 
 
 def run(model: torch.nn.Module, lengths: list[int], meta: AttentionMeta | None = None) -> torch.Tensor:
@@ -87,22 +87,23 @@ def sdpa_masks(monkeypatch) -> list[tuple]:
     return calls
 
 
+@pytest.mark.parametrize("each", [False, True], ids=["padded", "each"])
 @pytest.mark.parametrize("num_layers", [3, 9])
-def test_masks_are_built_once_per_length_group_and_kind_whatever_the_number_of_layers(mask_builds, num_layers):
-    meta = meta_for(MIXED)
+def test_masks_are_built_once_per_length_group_and_kind_whatever_the_number_of_layers(mask_builds, num_layers, each):
+    meta = meta_for(MIXED, each)
     run(tiny_modernbert(num_layers), MIXED, meta)
-    # Local layers' bands; the global layers need none (full attention over unequal lengths takes
-    # the CPU "each" path: every sequence on its own, no padding).
-    kinds = {(False, (8, 8))}
+    # Global and local layers. With the CPU "each" path on, the global layers need no mask at all
+    # (full attention over unequal lengths: every sequence on its own, no padding).
+    kinds = {(False, (8, 8))} if each else {(False, None), (False, (8, 8))}
     assert len(meta.groups) == 3
     assert Counter(mask_builds) == Counter((g.max_seqlen, *kind) for g in meta.groups for kind in kinds)
 
 
 def test_a_second_forward_builds_its_own_masks_from_its_own_meta(mask_builds):
     model = tiny_modernbert(3)
-    run(model, MIXED)
-    run(model, [5, 70])
-    assert len(mask_builds) == 3 + 2  # a band per group, each forward: each meta owns its masks
+    run(model, MIXED, meta_for(MIXED, each=False))
+    run(model, [5, 70], meta_for([5, 70], each=False))
+    assert len(mask_builds) == 2 * 3 + 2 * 2  # nothing is reused across forwards: each meta owns its masks
 
 
 def test_causal_attention_hands_the_kernel_no_mask_even_with_padding(sdpa_masks):

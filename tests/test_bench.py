@@ -20,7 +20,8 @@ from shoal.bench import machine, workloads
 from shoal.bench.knee import Bounds, knee
 from shoal.bench.load import HttpTarget, Step, closed_loop, open_loop
 from shoal.bench.run import Plan, call_tokens, measure_and_close
-from shoal.bench.tune import min_cosine, overlay_name, search
+from shoal.bench import tune as tune_module
+from shoal.bench.tune import QualityGate, min_cosine, overlay_name, search
 from shoal.catalog import Catalog, load_tuned, parse_card
 from shoal.catalog.card import Batching
 from shoal.errors import CardError
@@ -304,6 +305,34 @@ def test_tune_search_builds_each_knob_on_the_last_and_keeps_a_confirmed_winner()
     found = search(trial, start, {"max_batch_items": (8, 16, 64)}, ["max_batch_items"], 0.03, 0, log=lambda line: None)
     assert (found.best.max_batch_items, found.best_score, found.confirmed) == (8, 150, None)
     assert asked == [(64, None), (8, None), (16, None)]
+
+
+def test_the_quality_gate_takes_its_reference_from_the_start_and_refuses_what_it_cannot_compare(monkeypatch):
+    """The start always serves (its vectors are the reference, if it gives any); a quantize
+    candidate serves only with every vector within the bar; one that cannot be compared (no
+    reference, a failed or short answer, a NaN) is refused with the reason, never passed."""
+    answers: list = []
+    monkeypatch.setattr(tune_module, "_dense_vectors", lambda url, model, texts: answers.pop(0))
+    start = Batching(max_batch_items=64, quantize="none")
+    int8, other = Batching(max_batch_items=64, quantize="int8"), Batching(max_batch_items=16, quantize="none")
+    gate = QualityGate("m", ["a", "b"], start, 0.99)
+    answers.append(None)  # the start's server did not answer the embeddings route
+    assert gate.check("u", start) == ({}, None) and gate.reference == []
+    assert "no vectors to compare" in gate.check("u", int8)[1]
+    answers.append([[1.0, 0.0], [0.0, 1.0]])
+    assert gate.check("u", start) == ({}, None) and gate.reference == [[1.0, 0.0], [0.0, 1.0]]
+    assert gate.check("u", other) == ({}, None) and not answers  # same quantize: nothing asked
+    answers.append([[1.0, 0.01], [0.0, 1.0]])
+    quality, refused = gate.check("u", int8)
+    assert refused is None and quality["texts"] == 2 and 0.9999 < quality["min_cosine"] < 1.0
+    answers.append([[1.0, 0.5], [0.0, 1.0]])  # cosine 0.894
+    quality, refused = gate.check("u", int8)
+    assert quality["min_cosine"] == pytest.approx(0.894427, abs=1e-6) and "0.894427 < 0.99" in refused
+    for answer, reason in [(None, "did not give 2"), ([[1.0, 0.0]], "did not give 2"),
+                           ([[float("nan"), 0.0], [0.0, 1.0]], "not finite"),
+                           ([[1.0, 0.0], [float("nan"), 1.0]], "not finite")]:  # last, too (min() skips NaN there)
+        answers.append(answer)
+        assert reason in gate.check("u", int8)[1]
 
 
 def test_min_cosine_is_the_smallest_over_pairs():

@@ -397,9 +397,9 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
         fail(f"batching.{hardware}.threads", "must be <= 1024")
     if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:
         fail(f"batching.{hardware}.batch_wait_ms", "must be between 0 and 1000")
-    if limits.quantize == "int8" and not hardware.startswith("cpu"):
-        fail(f"batching.{hardware}.quantize", "int8 runs on CPUs only (int8 matmuls through oneDNN): set it "
-             "for cpu or cpu:<CPU model>")
+    if limits.quantize is not None and not hardware.startswith("cpu"):
+        fail(f"batching.{hardware}.quantize", "int8 runs on CPUs only (int8 matmuls through oneDNN): set "
+             "quantize for cpu or cpu:<CPU model>")
 
 
 def check_batching(hardware: str, limits: Batching, origin: str) -> None:

@@ -1,12 +1,13 @@
 """Variable-length attention over packed sequences: the one seam where kernels are chosen.
 
 Inputs are packed: q `[T, H, D]`, k and v `[T, Hkv, D]` (Hkv divides H: grouped-query attention),
-sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Two kernels:
+sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Three kernels (`attention_path`
+says which a call takes):
 
 - flash-attn's `flash_attn_varlen_func` on CUDA in fp16/bf16 when the package is installed: it
   reads the packed layout directly, no padding and no mask anywhere.
-- on CPU in float32, full attention (no mask, bias or key cut) over sequences of unequal lengths,
-  none past EACH_MAX_SEQLEN: each sequence on its own, as two batched matmuls over its heads and a
+- on CPU in float32, full attention (no causal or window mask, no bias, no key cut, no grouped-query
+  heads) over sequences of unequal lengths, none past EACH_MAX_SEQLEN: each sequence on its own, as two batched matmuls over its heads and a
   softmax, read straight from the packed rows (views, no padding, no mask, no gather). On two AVX2
   cores this took MiniLM's attention over 32 Lee documents from 62.5 to 49.7 ms a layer, and 64
   one-sentence texts from 12.3 to 8.2 ms: padded groups pay for their padding, their key mask and

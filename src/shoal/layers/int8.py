@@ -4,9 +4,10 @@
 keeping its shards and `split`) with the same contract: float32 `[..., in]` in, float32
 `[..., out]` out, bias included.
 
-- Weights: int8, symmetric, one scale per output row (max |w_row| / 127), quantised once at load
-  and kept transposed, `[in, out]`, as `torch._int_mm` takes them: a quarter of float32's bytes,
-  plus a float32 scale and the float32 bias per row.
+- Weights: int8, symmetric, one scale per output row (max |w_row| / 127; / 63 for the u8 kernel
+  below), quantised once at load and kept transposed, `[in, out]`, as `torch._int_mm` takes them
+  (the u8 kernel keeps them only in oneDNN's layout): a quarter of float32's bytes, plus a float32
+  scale and the float32 bias per row.
 - Activations: int8, symmetric, one scale per token (max |x_t| / 127), at every call, so a
   token's grid is its own, whatever batch it was packed into. (torch.ao's dynamic quantisation,
   fbgemm's `quantized::linear_dynamic`, takes one scale per call over all the tokens: one outlier
@@ -27,7 +28,8 @@ keeping its shards and `split`) with the same contract: float32 `[..., in]` in, 
     (AVX-512 VNNI, AVX-VNNI, AMX), and on non-x86 CPUs.
   - `u8`: x86 CPUs without VNNI (AVX2 only). There `_int_mm` runs ~35x slower than float32 (a
     reference loop), while oneDNN's u8 x s8 inner product (`torch.ops.onednn.qlinear_pointwise`,
-    weights prepacked once) runs ~2x faster than float32. Its AVX2 kernel multiplies u8 by s8 and
+    weights prepacked once) runs one [4096, 384] x [384, 1536] product ~2x faster than float32
+    (a whole MiniLM forward: ~1x, MPNet's 1.3x; docs/benchmarks.md). Its AVX2 kernel multiplies u8 by s8 and
     adds pairs in int16 with saturation, so one operand must keep to 7 bits: the weights do (per
     row, [-63, 63]; |pair| <= 2 x 255 x 63 < 2^15), the activations keep 8 (per token, sent as
     q + 128 with zero point 128). 7-bit activations instead cost twice the quality (MPNet: worst
@@ -79,8 +81,19 @@ def default_kernel() -> Kernel:
     """`u8` on an x86 CPU without VNNI where this torch has oneDNN's quantized inner product,
     else `int_mm` (see the module)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-    onednn = hasattr(torch.ops.onednn, "qlinear_pointwise") and hasattr(torch.ops.onednn, "qlinear_prepack")
-    return "u8" if x86 and onednn and not (_cpu_flags() & _VNNI_FLAGS) else "int_mm"
+    if not x86 or _cpu_flags() & _VNNI_FLAGS or not _u8_works():
+        return "int_mm"
+    return "u8"
+
+
+def _u8_works() -> bool:
+    """This torch's oneDNN quantized inner product takes the call the u8 kernel makes (its
+    signature has changed between releases), and gives the right sum."""
+    try:
+        linear = Int8Linear(torch.ones(8, 2, dtype=torch.int8), torch.ones(2), None, kernel="u8")
+        return bool(torch.allclose(linear(torch.ones(1, 8)), torch.full((1, 2), 8.0), rtol=1e-3))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 class Int8Linear(nn.Module):
