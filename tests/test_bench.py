@@ -25,7 +25,7 @@ from shoal.bench.tune import QualityGate, min_cosine, overlay_name, search
 from shoal.catalog import Catalog, load_tuned, parse_card
 from shoal.catalog.card import Batching
 from shoal.errors import CardError
-from shoal.engine.hardware import cpu_class
+from shoal.engine.hardware import cpu_class, cpu_flags, cpu_isa
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 SHOAL = [str(Path(sys.executable).with_name("shoal"))]
@@ -174,6 +174,24 @@ def test_a_tuned_overlay_lays_its_limits_over_the_card_for_its_hardware_field_by
     assert tuned == Batching(max_batch_tokens=own.max_batch_tokens, max_batch_items=8, batch_wait_ms=3, threads=1)
     # Another hardware class is untouched.
     assert Catalog.load((tmp_path,)).get(MODEL_ID).batching_for("cuda:Other GPU") == card.batching_for("cuda")
+
+
+def test_a_cpu_class_names_its_isa_and_limits_fall_back_from_it_to_the_model_name_then_the_kind(tmp_path):
+    assert cpu_isa({"avx2", "fma"}) == "avx2" and cpu_isa({"avx2", "avx_vnni"}) == "avx2-vnni"
+    assert cpu_isa({"avx2", "avx512f"}) == "avx512" and cpu_isa({"avx512f", "avx512_vnni"}) == "avx512-vnni"
+    assert cpu_isa({"avx512f", "amx_tile", "amx_int8"}) == "amx" and cpu_isa({"sse4_2"}) is None
+    here = cpu_class()
+    isa = cpu_isa(cpu_flags())
+    assert here.endswith(f"+{isa}") if isa and here != "cpu" else "+" not in here
+    text = ("id: test/isa\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
+            "  cpu: {max_batch_tokens: 4096, max_batch_items: 64}\n  'cpu:Some CPU': {max_batch_items: 32, threads: 2}\n"
+            "  'cpu:Some CPU+avx2': {threads: 1, attention: padded}\n")
+    card = parse_card(yaml.safe_load(text), "isa.yaml")
+    assert card.batching_for("cpu:Some CPU+avx2") == Batching(4096, 32, threads=1, attention="padded")
+    assert card.batching_for("cpu:Some CPU+avx512") == Batching(4096, 32, threads=2)  # the name alone
+    assert card.batching_for("cpu:Other CPU+avx2") == Batching(4096, 64)
+    with pytest.raises(CardError, match="not a hardware class"):
+        parse_card(yaml.safe_load(text.replace("'cpu:Some CPU+avx2'", "'cuda:Some GPU+x'")), "isa.yaml")
 
 
 def test_a_broken_or_orphan_overlay_is_a_card_error_naming_the_file_or_listed_as_broken(tmp_path):

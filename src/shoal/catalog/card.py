@@ -15,7 +15,7 @@ import yaml
 
 from ..errors import CardError
 
-_HARDWARE_CLASS = re.compile(r"(cpu|cuda)(:[\w .-]+)?")
+_HARDWARE_CLASS = re.compile(r"cpu(:[\w .-]+(\+[\w-]+)?)?|cuda(:[\w .-]+)?")
 
 Pooling = Literal["cls", "mean", "last"]
 Output = Literal["dense", "sparse", "multivector"]
@@ -252,12 +252,20 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return {name: (base / path).expanduser() for name, path in self.adapters.items()}
 
     def batching_for(self, hardware: str) -> Batching:
-        """Limits for `hardware` ("cuda:H200", "cpu:AMD EPYC"), field by field over those for its
-        kind ("cuda", "cpu"); unset fields are None (the engine's settings apply)."""
+        """Limits for `hardware` ("cuda:H200", "cpu:AMD EPYC+avx2"), field by field over those for
+        the CPU's model name alone ("cpu:AMD EPYC"), over those for its kind ("cuda", "cpu"); unset
+        fields are None (the engine's settings apply)."""
         kind = hardware.split(":", 1)[0]
-        general = self.batching.get(kind) or Batching()
-        exact = self.batching.get(hardware) if hardware != kind else None
-        return exact.over(general) if exact else general
+        chain = [kind]
+        if kind == "cpu" and "+" in hardware:
+            chain.append(hardware.rsplit("+", 1)[0])
+        if hardware not in chain:
+            chain.append(hardware)
+        limits = Batching()
+        for key in chain:
+            if key in self.batching:
+                limits = self.batching[key].over(limits)
+        return limits
 
     def quantize_for(self, hardware: str) -> "ModelCard":
         """This card with the `quantize` its limits for `hardware` choose (`batching_for`), if any."""
@@ -388,7 +396,8 @@ def _check(card: ModelCard, origin: str) -> None:
 
 def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], None]) -> None:
     if not _HARDWARE_CLASS.fullmatch(hardware):
-        fail(f"batching.{hardware}", "is not a hardware class: use cpu, cpu:<CPU model>, cuda or cuda:<device name>")
+        fail(f"batching.{hardware}", "is not a hardware class: use cpu, cpu:<CPU model>, cpu:<CPU model>+<ISA>, "
+             "cuda or cuda:<device name>")
     for name in ("max_batch_tokens", "max_batch_items", "threads"):
         value = getattr(limits, name)
         if value is not None and value < 1:

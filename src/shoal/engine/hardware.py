@@ -21,8 +21,11 @@ def hardware_class(device: str) -> str:
 
 
 def cpu_class() -> str:
-    """ "cpu:<model name>" (the first model name /proc/cpuinfo gives, less trademarks and clock), or
-    "cpu" where it cannot be read."""
+    """ "cpu:<model name>+<ISA>" (the first model name /proc/cpuinfo gives, less trademarks and
+    clock; the widest vector ISA, `cpu_isa`), "cpu:<model name>" where no ISA is known, or "cpu"
+    where the name cannot be read. One model name covers CPUs of different ISAs (AMD EPYC: AVX2
+    and AVX-512 generations), whose best batching and kernels differ; a card's `batching_for`
+    falls back from this class to the name alone, then to "cpu"."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
             name = next((line.partition(":")[2] for line in info if line.startswith("model name")), "")
@@ -30,4 +33,28 @@ def cpu_class() -> str:
         name = ""
     name = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|@.*$|\d+-Core Processor", " ", name)
     name = " ".join(re.sub(r"[^\w .-]", " ", name).split())
-    return f"cpu:{name}" if name else "cpu"
+    if not name:
+        return "cpu"
+    isa = cpu_isa(cpu_flags())
+    return f"cpu:{name}+{isa}" if isa else f"cpu:{name}"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 Linux; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            line = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return set(line.partition(":")[2].split())
+
+
+def cpu_isa(flags: set[str]) -> str | None:
+    """The widest vector ISA in `flags`, as a class suffix: amx, avx512[-vnni], avx2[-vnni], or None."""
+    if "amx_tile" in flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
+    if "avx2" in flags:
+        return "avx2-vnni" if "avx_vnni" in flags else "avx2"
+    return None

@@ -54,6 +54,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..engine.hardware import cpu_flags  # torch-free: /proc/cpuinfo only
 from .linear import FusedLinear
 
 _TINY = 1e-12  # an all-zero row gets a scale, not a division by zero
@@ -67,21 +68,12 @@ _U8_ZERO_POINT = 128  # kernel u8: activations are sent as q + 128, q in [-127, 
 _U8_WEIGHT_LEVELS = 63  # ... and the weights keep to [-63, 63]: 7 bits (see the module)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            line = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        line = ""
-    return set(line.partition(":")[2].split())
-
-
 @functools.cache
 def default_kernel() -> Kernel:
     """`u8` on an x86 CPU without VNNI where this torch has oneDNN's quantized inner product,
     else `int_mm` (see the module)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-    if not x86 or _cpu_flags() & _VNNI_FLAGS or not _u8_works():
+    if not x86 or cpu_flags() & _VNNI_FLAGS or not _u8_works():
         return "int_mm"
     return "u8"
 
