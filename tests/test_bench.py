@@ -24,8 +24,9 @@ from shoal.bench import tune as tune_module
 from shoal.bench.tune import QualityGate, min_cosine, overlay_name, search
 from shoal.catalog import Catalog, load_tuned, parse_card
 from shoal.catalog.card import Batching
+from shoal.cpuinfo import cpu_flags
+from shoal.engine.hardware import cpu_class, cpu_isa
 from shoal.errors import CardError
-from shoal.engine.hardware import cpu_class, cpu_flags, cpu_isa
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 SHOAL = [str(Path(sys.executable).with_name("shoal"))]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 
+from ..cpuinfo import cpu_flags, model_name
 from ..errors import ConfigError
 
 
 def hardware_class(device: str) -> str:
-    """The key a card's `batching` is looked up by: "cpu:<CPU model>" or "cuda:<device name>"."""
+    """The key a card's `batching` is looked up by: "cpu:<CPU model>+<ISA>" (`cpu_class`) or "cuda:<device name>"."""
     if device.startswith("cuda"):
         import torch
 
@@ -26,11 +27,7 @@ def cpu_class() -> str:
     where the name cannot be read. One model name covers CPUs of different ISAs (AMD EPYC: AVX2
     and AVX-512 generations), whose best batching and kernels differ; a card's `batching_for`
     falls back from this class to the name alone, then to "cpu"."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            name = next((line.partition(":")[2] for line in info if line.startswith("model name")), "")
-    except OSError:
-        name = ""
+    name = model_name()
     name = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|@.*$|\d+-Core Processor", " ", name)
     name = " ".join(re.sub(r"[^\w .-]", " ", name).split())
     if not name:
@@ -39,17 +36,7 @@ def cpu_class() -> str:
     return f"cpu:{name}+{isa}" if isa else f"cpu:{name}"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (x86 Linux; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            line = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        line = ""
-    return set(line.partition(":")[2].split())
-
-
-def cpu_isa(flags: set[str]) -> str | None:
+def cpu_isa(flags: frozenset[str] | set[str]) -> str | None:
     """The widest vector ISA in `flags`, as a class suffix: amx, avx512[-vnni], avx2[-vnni], or None."""
     if "amx_tile" in flags:
         return "amx"

@@ -7,8 +7,9 @@ says which a call takes):
 - flash-attn's `flash_attn_varlen_func` on CUDA in fp16/bf16 when the package is installed: it
   reads the packed layout directly, no padding and no mask anywhere.
 - on CPU in float32, full attention (no causal or window mask, no bias, no key cut, no grouped-query
-  heads) over sequences of unequal lengths, none past EACH_MAX_SEQLEN: each sequence on its own, as two batched matmuls over its heads and a
-  softmax, read straight from the packed rows (views, no padding, no mask, no gather). On two AVX2
+  heads) over sequences of unequal lengths, none past EACH_MAX_SEQLEN: each sequence on its own, as
+  two batched matmuls over its heads and a softmax, read straight from the packed rows (views, no
+  padding, no mask, no gather). On two AVX2
   cores this took MiniLM's attention over 32 Lee documents from 62.5 to 49.7 ms a layer, and 64
   one-sentence texts from 12.3 to 8.2 ms: padded groups pay for their padding, their key mask and
   their gathers, and for head dims of 32-64 the matmuls outrun the fused CPU kernel. Past ~512
@@ -177,7 +178,7 @@ class AttentionMeta:
         return cache[key]
 
     def _length_groups(self, ratio: float, slack: int) -> tuple[LengthGroup, ...]:
-        bounds = self.cu_seqlens.cpu().numpy().astype(np.int64)
+        bounds = np.asarray(self.bounds, dtype=np.int64)
         lengths = np.diff(bounds)
         order = np.argsort(lengths, kind="stable")
         cuts, first = [], int(lengths[order[0]])

@@ -54,7 +54,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..engine.hardware import cpu_flags  # torch-free: /proc/cpuinfo only
+from ..cpuinfo import cpu_flags
 from .linear import FusedLinear
 
 _TINY = 1e-12  # an all-zero row gets a scale, not a division by zero
