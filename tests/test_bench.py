@@ -475,3 +475,20 @@ def test_packaged_tuned_overlays_name_served_models_record_their_knee_and_are_ap
         for name, value in msgspec.to_builtins(tuned.batching).items():
             if value is not None:
                 assert getattr(applied, name) == value
+
+
+def test_small_batches_run_on_a_thread_fewer_and_the_limit_is_checked():
+    from types import SimpleNamespace
+
+    from shoal.engine.runner import SMALL_BATCH_TOKENS, ModelRunner
+
+    two = SimpleNamespace(threads=2, small_batch_tokens=SMALL_BATCH_TOKENS)
+    assert ModelRunner.threads_for(two, SMALL_BATCH_TOKENS - 1) == 1
+    assert ModelRunner.threads_for(two, SMALL_BATCH_TOKENS) == 2
+    assert ModelRunner.threads_for(SimpleNamespace(threads=1, small_batch_tokens=4096), 10) == 1  # never 0
+    assert ModelRunner.threads_for(SimpleNamespace(threads=8, small_batch_tokens=0), 10) == 8  # off
+    text = ("id: test/small\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
+            "  cpu: {small_batch_tokens: -1}\n")
+    with pytest.raises(CardError, match="small_batch_tokens"):
+        parse_card(yaml.safe_load(text), "small.yaml")
+    assert parse_card(yaml.safe_load(text.replace("-1", "0")), "small.yaml").batching_for("cpu").small_batch_tokens == 0

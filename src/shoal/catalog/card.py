@@ -56,6 +56,10 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     batch_wait_ms: float | None = None
     # Torch intra-op threads for this model's forwards on the device thread; None: torch's default.
     threads: int | None = None
+    # Batches of fewer tokens than this run on one torch thread fewer than `threads` (at least one),
+    # leaving a core to the HTTP side (event loop, tokenizing, answers) when the work comes as many
+    # small requests (docs/benchmarks.md, 2026-12-02 night); 0: off; None: SMALL_BATCH_TOKENS.
+    small_batch_tokens: int | None = None
     # The card's `quantize` on this hardware class (a kernel choice `shoal tune` can make): "int8"
     # or "none" (float32 Linears); None: the card's own.
     quantize: Literal["int8", "none"] | None = None
@@ -402,6 +406,8 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
         value = getattr(limits, name)
         if value is not None and value < 1:
             fail(f"batching.{hardware}.{name}", "must be >= 1")
+    if limits.small_batch_tokens is not None and limits.small_batch_tokens < 0:
+        fail(f"batching.{hardware}.small_batch_tokens", "must be >= 0 (0: every batch on `threads`)")
     if limits.threads is not None and limits.threads > 1024:
         fail(f"batching.{hardware}.threads", "must be <= 1024")
     if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:

@@ -30,6 +30,11 @@ _ENCODER_ONLY_HEADS = frozenset({"dense", "multivector"})
 
 # Torch's intra-op thread count when shoal started (before any model set its own).
 _DEFAULT_THREADS = torch.get_num_threads()
+# Batches under this many tokens run on one intra-op thread fewer on a CPU (a card's
+# `batching.small_batch_tokens` overrides it; 0: off). On 2 cores, one-sentence requests arriving
+# at 80-120 req/s kept p99 within 150 ms at a higher rate with it; 32-document calls (4,096-token
+# batches) never take it (docs/benchmarks.md, 2026-12-02 night).
+SMALL_BATCH_TOKENS = 1024
 
 
 class ModelRunner:
@@ -40,6 +45,10 @@ class ModelRunner:
         # device, e.g. from `shoal tune`), set on the calling (device) thread; unset: the process default.
         limits = card.batching_for(hardware_class(device))
         self.threads = limits.threads or _DEFAULT_THREADS
+        # Smaller batches run on a thread fewer (`Batching.small_batch_tokens`): on a CPU the HTTP side
+        # shares the cores with the forward, and a small forward gains least from the extra thread.
+        self.small_batch_tokens = (limits.small_batch_tokens if limits.small_batch_tokens is not None
+                                   else SMALL_BATCH_TOKENS if device == "cpu" else 0)
         self.attention_each = limits.attention != "padded"  # the CPU attention path (layers/attention.py)
         self.model = model
         self.device = torch.device(device)
@@ -127,12 +136,17 @@ class ModelRunner:
     def adapter_names(self) -> tuple[str, ...]:
         return self._adapters.names
 
+    def threads_for(self, num_tokens: int) -> int:
+        """Torch intra-op threads for a forward of `num_tokens` tokens."""
+        return max(1, self.threads - 1) if num_tokens < self.small_batch_tokens else self.threads
+
     @torch.inference_mode()
     def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec | ExtractSpec]) -> list:
         # Per thread (OpenMP): the device thread's count; threads it starts later inherit it (loads
         # reset it, see from_dir).
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        threads = self.threads_for(batch.num_tokens)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         to = dict(device=self.device, non_blocking=True)
         input_ids = torch.from_numpy(batch.input_ids).to(**to)  # [T]
         position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]
