@@ -45,13 +45,13 @@ class ModelRunner:
         # device, e.g. from `shoal tune`), set on the calling (device) thread; unset: the process default.
         limits = card.batching_for(hardware_class(device))
         self.threads = limits.threads or _DEFAULT_THREADS
-        # Smaller batches run on a thread fewer (`Batching.small_batch_tokens`): on a CPU the HTTP side
-        # shares the cores with the forward, and a small forward gains least from the extra thread.
-        self.small_batch_tokens = (limits.small_batch_tokens if limits.small_batch_tokens is not None
-                                   else SMALL_BATCH_TOKENS if device == "cpu" else 0)
         self.attention_each = limits.attention != "padded"  # the CPU attention path (layers/attention.py)
         self.model = model
         self.device = torch.device(device)
+        # Smaller batches run on a thread fewer (`Batching.small_batch_tokens`): on a CPU the HTTP side
+        # shares the cores with the forward, and a small forward gains least from the extra thread.
+        self.small_batch_tokens = (limits.small_batch_tokens if limits.small_batch_tokens is not None
+                                   else SMALL_BATCH_TOKENS if self.device.type == "cpu" else 0)
         self.tokenizer = self.document_tokenizer = self.query_tokenizer = tokenizer
         dtype = next(model.parameters()).dtype
         self.heads = build_heads(BuildContext(card, model, directory, tokenizer, dict(device=self.device, dtype=dtype)))
