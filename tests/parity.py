@@ -56,10 +56,12 @@ def _drawn_types(batch: PackedBatch) -> list[torch.Tensor]:
     return batch.token_types
 
 
-def attention_meta(lengths: list[int]) -> AttentionMeta:
-    """AttentionMeta for sequences of these lengths packed back to back."""
+def attention_meta(lengths: list[int], row_block_bytes: int = 1) -> AttentionMeta:
+    """AttentionMeta for sequences of these lengths packed back to back. By default the feed-forward
+    blocks run in the smallest row blocks (layers/rows.py: 64 rows), so that a batch of more tokens
+    takes the blocked path a CPU serves with, and the reference checks it; 0: whole (as under LoRA)."""
     cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)  # [B + 1]
-    return AttentionMeta.build(cu_seqlens, max(lengths))
+    return AttentionMeta.build(cu_seqlens, max(lengths), row_block_bytes=row_block_bytes)
 
 
 def packed_batch(

@@ -9,8 +9,9 @@ import torch
 from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, varlen_attention
+from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, in_row_blocks, varlen_attention
 from shoal.layers.attention import EACH_MAX_SEQLEN, attention_path
+from shoal.layers.rows import MIN_BLOCK_ROWS, ROW_BLOCK_BYTES, block_rows
 
 LENGTHS = [5, 1, 17, 9, 32, 70, 40]  # two length groups in the padded CPU path
 
@@ -153,3 +154,26 @@ def test_rmsnorm_matches_transformers_llama():
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(10, 64) * 3
     assert (ours(x) - ref(x)).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("num_rows", [1, 64, 65, 200, 513])
+def test_row_blocks_give_what_one_call_gives_and_split_by_the_intermediates_bytes(num_rows):
+    g = torch.Generator().manual_seed(3)
+    w_in, w_out = torch.randn(16, 96, generator=g), torch.randn(96, 16, generator=g)
+    x = torch.randn(num_rows, 16, generator=g)
+    calls = []
+
+    def ffn(rows: torch.Tensor) -> torch.Tensor:  # per row, with a norm: what a layer's FFN does
+        calls.append(rows.shape[0])
+        return torch.nn.functional.layer_norm(rows + torch.relu(rows @ w_in) @ w_out, (16,))
+
+    whole = ffn(x)
+    calls.clear()
+    blocked = in_row_blocks(ffn, x, 96, block_bytes=64 * 96 * 4)  # 64 rows of a 96-wide float32 intermediate
+    assert blocked.shape == whole.shape and blocked.dtype == whole.dtype
+    assert torch.allclose(blocked, whole, atol=1e-5)
+    assert calls == [min(64, num_rows - start) for start in range(0, num_rows, 64)]
+    calls.clear()
+    assert torch.equal(in_row_blocks(ffn, x, 96, block_bytes=0), whole) and calls == [num_rows]
+    assert block_rows(1536, ROW_BLOCK_BYTES) == 512 and block_rows(3072, ROW_BLOCK_BYTES) == 256
+    assert block_rows(10**6, ROW_BLOCK_BYTES) == MIN_BLOCK_ROWS and block_rows(1536, 0) == 0

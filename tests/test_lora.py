@@ -54,7 +54,7 @@ def test_adapted_outputs_equal_peft_per_token_and_through_the_runner(tmp_path, n
     ids = torch.from_numpy(np.concatenate(seqs))
     positions = torch.cat([torch.arange(n) for n in LENGTHS])
     with torch.inference_mode(), routing.applied(model):
-        hidden = model(ids, positions, attention_meta(LENGTHS))  # [T, hidden]
+        hidden = model(ids, positions, attention_meta(LENGTHS, row_block_bytes=0))  # [T, hidden], whole as the runner runs adapters
     assert max_abs_diff(hidden, expected) <= 1e-4
     assert max_abs_diff(hidden, merged) <= 1e-4
     with torch.inference_mode():  # the adapter really moves the states, so the check above could fail
@@ -125,6 +125,31 @@ def test_each_adapter_in_a_mixed_batch_equals_peft(bert_runner):
     seqs = random_sequences("bert", MIXED_LENGTHS, seed=6)
     slots = [i % 4 - 1 for i in range(len(seqs))]  # base, all, q-and-v, k-and-ffn, base, ...
     got = runner_vectors(runner, seqs, slots)
+    for slot, name in enumerate(ADAPTERS):
+        mine = [i for i, s in enumerate(slots) if s == slot]
+        want = pooled(reference_outputs(tuned[name], "bert", [seqs[i] for i in mine]))
+        assert np.abs(got[mine] - want).max() <= 1e-4, name
+
+
+def test_cpu_row_blocks_run_the_ffn_in_blocks_but_never_under_adapters(bert_runner, monkeypatch):
+    """On a CPU the runner runs each FFN a block of rows at a time (layers/rows.py); an adapter's
+    hooks route a Linear's rows by batch position in one call, so adapted batches run whole."""
+    runner, _, _, tuned = bert_runner
+    seqs = random_sequences("bert", MIXED_LENGTHS, seed=6)  # 149 tokens
+    whole = runner_vectors(runner, seqs, None)
+    calls = []
+    handle = runner.model.layers[0].ffn_in.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    try:
+        monkeypatch.setattr(runner, "row_block_bytes", 1)  # the smallest blocks: 64 rows
+        blocked = runner_vectors(runner, seqs, None)
+        assert calls == [64, 64, 21]
+        assert np.abs(blocked - whole).max() <= 1e-5
+        calls.clear()
+        slots = [i % 4 - 1 for i in range(len(seqs))]  # "k-and-ffn" (slot 2) targets the FFN's Linears
+        got = runner_vectors(runner, seqs, slots)
+        assert calls == [sum(MIXED_LENGTHS)]
+    finally:
+        handle.remove()
     for slot, name in enumerate(ADAPTERS):
         mine = [i for i, s in enumerate(slots) if s == slot]
         want = pooled(reference_outputs(tuned[name], "bert", [seqs[i] for i in mine]))

@@ -16,6 +16,7 @@ from ..catalog import ModelCard, resolve_weights
 from ..errors import ConfigError
 from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta, input_maxima, packed, quantize_linears
+from ..layers.rows import ROW_BLOCK_BYTES
 from ..weights import build_model, estimate_bytes
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
@@ -52,6 +53,9 @@ class ModelRunner:
         # shares the cores with the forward, and a small forward gains least from the extra thread.
         self.small_batch_tokens = (limits.small_batch_tokens if limits.small_batch_tokens is not None
                                    else SMALL_BATCH_TOKENS if self.device.type == "cpu" else 0)
+        # Feed-forward blocks a block of rows at a time on a CPU (layers/rows.py; `Batching.row_block_bytes`).
+        self.row_block_bytes = (0 if self.device.type != "cpu" else limits.row_block_bytes
+                                if limits.row_block_bytes is not None else ROW_BLOCK_BYTES)
         self.tokenizer = self.document_tokenizer = self.query_tokenizer = tokenizer
         dtype = next(model.parameters()).dtype
         self.heads = build_heads(BuildContext(card, model, directory, tokenizer, dict(device=self.device, dtype=dtype)))
@@ -152,10 +156,12 @@ class ModelRunner:
         position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]
         cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(**to)  # [n+1]
         key_lengths = None if batch.key_lengths is None else torch.from_numpy(batch.key_lengths).to(**to)  # [n]
-        meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths, each=self.attention_each)
         token_type_ids = None if batch.token_type_ids is None else torch.from_numpy(batch.token_type_ids).to(**to)
         routing = (None if batch.adapter_slots is None
                    else self._adapters.routing(batch.cu_seqlens, batch.adapter_slots, self.device))
+        # Never in row blocks under LoRA: its hooks route a Linear's rows by batch position (layers/rows.py).
+        meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths, each=self.attention_each,
+                                   row_block_bytes=self.row_block_bytes if routing is None else 0)
         if routing is None:
             states = self.model(input_ids, position_ids, meta, token_type_ids)  # [T, hidden]
         else:  # each sequence's tokens get its adapter's deltas (layers/lora.py)

@@ -1,6 +1,6 @@
 """Shared building blocks for model files: attention over packed sequences, rotary positions,
-norms, fused projections, activations, and, at the Linear seam, LoRA deltas per token group and
-int8 weights and activations (CPU)."""
+norms, fused projections, activations, feed-forward blocks run a block of rows at a time (CPU),
+and, at the Linear seam, LoRA deltas per token group and int8 weights and activations (CPU)."""
 
 from .activation import activation
 from .attention import AttentionMeta, varlen_attention
@@ -9,7 +9,8 @@ from .linear import FusedLinear
 from .lora import AdapterFactors, LoraFactors, LoraRouting, LoraShard
 from .norm import RMSNorm
 from .rotary import Rotary, apply_rotary
+from .rows import in_row_blocks
 
 __all__ = ["AdapterFactors", "AttentionMeta", "FusedLinear", "Int8FusedLinear", "Int8Linear", "LoraFactors",
-           "LoraRouting", "LoraShard", "RMSNorm", "Rotary", "activation", "apply_rotary", "input_maxima",
+           "LoraRouting", "LoraShard", "RMSNorm", "Rotary", "activation", "apply_rotary", "in_row_blocks", "input_maxima",
            "quantize_linears", "varlen_attention"]

@@ -131,6 +131,9 @@ class AttentionMeta:
     key_lengths: torch.Tensor | None = None
     # Whether the CPU "each" path may be taken (a card's `batching.attention: padded` says no).
     each: bool = True
+    # The feed-forward blocks' row blocks (layers/rows.py): the widest intermediate one block may
+    # hold, in bytes; 0: each layer's feed-forward runs over the whole batch at once.
+    row_block_bytes: int = 0
 
     @cached_property
     def slots(self) -> torch.Tensor:
@@ -223,9 +226,10 @@ class AttentionMeta:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int,
-              key_lengths: torch.Tensor | None = None, each: bool = True) -> "AttentionMeta":
+              key_lengths: torch.Tensor | None = None, each: bool = True,
+              row_block_bytes: int = 0) -> "AttentionMeta":
         """`key_lengths` `[n]`: keys per sequence (see the class), None when every token is one;
-        `each`: whether the CPU "each" path may be taken."""
+        `each`: whether the CPU "each" path may be taken; `row_block_bytes`: see the class."""
         device = cu_seqlens.device
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [n]
         n = lengths.numel()
@@ -233,7 +237,7 @@ class AttentionMeta:
         starts = cu_seqlens[:-1].long()[seq_index]  # [T]
         pos_in_seq = torch.arange(seq_index.numel(), device=device) - starts
         key_mask = torch.arange(max_seqlen, device=device)[None, :] < lengths[:, None]  # [n, L]
-        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths, each)
+        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths, each, row_block_bytes)
 
 
 # Padding and unpadding move whole rows through one flat slot index (index_copy_ / index_select):

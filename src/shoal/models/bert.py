@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, activation, varlen_attention
+from ..layers import AttentionMeta, FusedLinear, activation, in_row_blocks, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class BertLayer(nn.Module):
         q, k, v = (t.view(T, self.num_heads, self.head_dim) for t in self.qkv.split(x))  # [T, H, D] each
         a = varlen_attention(q, k, v, meta).reshape(T, -1)  # [T, hidden]
         x = self.attn_norm(x + self.attn_out(a))
+        return in_row_blocks(self.feed_forward, x, self.ffn_in.out_features, meta.row_block_bytes)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN and its residual and norm, per token: `[t, hidden]` -> `[t, hidden]`."""
         return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
 
 

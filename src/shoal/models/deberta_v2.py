@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, activation, varlen_attention
+from ..layers import AttentionMeta, FusedLinear, activation, in_row_blocks, varlen_attention
 from ..layers.attention import LengthGroup
 
 
@@ -224,6 +224,10 @@ class DebertaV2Layer(nn.Module):
         else:
             a = varlen_attention(q, k, v, meta, scale=self.scale)
         x = self.attn_norm(x + self.attn_out(a.reshape(T, -1)))  # [T, hidden]
+        return in_row_blocks(self.feed_forward, x, self.ffn_in.out_features, meta.row_block_bytes)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN and its residual and norm, per token: `[t, hidden]` -> `[t, hidden]`."""
         return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
 
 

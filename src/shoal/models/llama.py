@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, RMSNorm, Rotary, activation, apply_rotary, varlen_attention
+from ..layers import AttentionMeta, FusedLinear, RMSNorm, Rotary, activation, apply_rotary, in_row_blocks, varlen_attention
 
 _ROPE_TYPES = ("default", "llama3")
 
@@ -134,7 +134,11 @@ class LlamaLayer(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = varlen_attention(q, k, v, meta, causal=True).reshape(T, -1)  # [T, H * D]
         x = x + self.attn_out(a)
-        gate, up = self.gate_up.split(self.mlp_norm(x))  # [T, intermediate] each
+        return in_row_blocks(self.feed_forward, x, self.gate_up.out_features, meta.row_block_bytes)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The pre-norm SwiGLU MLP and its residual, per token: `[t, hidden]` -> `[t, hidden]`."""
+        gate, up = self.gate_up.split(self.mlp_norm(x))  # [t, intermediate] each
         return x + self.down(self.act(gate) * up)
 
 

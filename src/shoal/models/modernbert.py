@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, Rotary, activation, apply_rotary, varlen_attention
+from ..layers import AttentionMeta, Rotary, activation, apply_rotary, in_row_blocks, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,11 @@ class ModernBertLayer(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = varlen_attention(q, k, v, meta, window=self.window).reshape(T, -1)  # [T, hidden]
         x = x + self.attn_out(a)
-        up, gate = self.mlp_in(self.mlp_norm(x)).chunk(2, dim=-1)  # [T, inner] each
+        return in_row_blocks(self.feed_forward, x, self.mlp_in.out_features, meta.row_block_bytes)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The pre-norm GeGLU MLP and its residual, per token: `[t, hidden]` -> `[t, hidden]`."""
+        up, gate = self.mlp_in(self.mlp_norm(x)).chunk(2, dim=-1)  # [t, inner] each
         return x + self.mlp_out(self.act(up) * gate)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, varlen_attention
+from ..layers import AttentionMeta, in_row_blocks, varlen_attention
 from .bert import BertConfig, BertLayer
 
 # transformers' MPNet hard-codes these (not read from config.json): the padding index that
@@ -44,7 +44,7 @@ class MPNetLayer(BertLayer):
         q, k, v = (t.view(T, self.num_heads, self.head_dim) for t in self.qkv.split(x))  # [T, H, D] each
         a = varlen_attention(q, k, v, meta, bias=bias).reshape(T, -1)  # [T, hidden]
         x = self.attn_norm(x + self.attn_out(a))
-        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+        return in_row_blocks(self.feed_forward, x, self.ffn_in.out_features, meta.row_block_bytes)
 
 
 def relative_position_bucket(relative: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, Rotary, activation, apply_rotary, varlen_attention
+from ..layers import AttentionMeta, FusedLinear, Rotary, activation, apply_rotary, in_row_blocks, varlen_attention
 
 # nomic-layout keys shoal implements one value of: key -> (that value, the default nomic's config
 # class gives when config.json leaves the key out). Other values are refused.
@@ -111,7 +111,11 @@ class NomicBertLayer(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = varlen_attention(q, k, v, meta).reshape(T, -1)  # [T, H * D]
         x = self.attn_norm(x + self.attn_out(a))
-        gate, up = self.gate_up.split(x)  # [T, inner] each
+        return in_row_blocks(self.feed_forward, x, self.gate_up.out_features, meta.row_block_bytes)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU FFN and its residual and norm, per token: `[t, hidden]` -> `[t, hidden]`."""
+        gate, up = self.gate_up.split(x)  # [t, inner] each
         return self.mlp_norm(x + self.mlp_out(self.act(gate) * up))
 
 

@@ -1,0 +1,54 @@
+"""Per-token work in blocks of rows (CPU): a layer's feed-forward block, a few hundred tokens at a time.
+
+A feed-forward block widens every token 4x (MiniLM: 384 -> 1,536 floats) and then narrows it back.
+Over a whole 4,096-token batch the wide intermediate is a 25 MB tensor (BERT-base: 50 MB), and so
+is each of the elementwise passes that follow it (GELU; with `quantize: int8`, the int32 product's
+conversion, its scaling, and the quantisation of the next Linear's input). That buffer fits no
+cache, and above the allocator's mmap threshold (16 MiB, engine/memory.py) every one is a fresh
+mmap whose pages fault in on first touch. Run on blocks of rows whose intermediate fits
+`ROW_BLOCK_BYTES` (512 MiniLM tokens), the block's buffers stay in L2/L3 and come from the heap,
+reused block after block. On 2 AVX-512 VNNI EPYC cores (`python bench/int8.py --row-block-bytes
+0,1572864,3145728,6291456`, MiniLM over 4,096-token batches of Lee documents) that took float32 from
+5,421 to 6,031 tokens/s (1.11x) and int8 from 7,834 to 10,939 (1.40x; int8 over float32 1.45x ->
+1.81x); 1.5 and 6 MiB blocks were slower than 3 MiB for int8 (docs/benchmarks.md). A card's
+`batching.row_block_bytes` sets the size per hardware class (0: off), and `shoal tune` tries it.
+
+Each row's result is what the whole-batch call gives it (the block's matmuls and norms are per row;
+int8 quantises per token), up to float32's last bits. Blocks are CPU only (on a GPU one launch over
+the whole batch is what is fast) and are off while LoRA adapters run: their forward hooks route a
+Linear's rows by the batch's token positions, one call per Linear (layers/lora.py). The runner says
+which, in `AttentionMeta.row_block_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# The widest intermediate one block may hold: 512 rows of MiniLM's 1,536 float32s, 256 of BERT-base's 3,072.
+ROW_BLOCK_BYTES = 3 << 20
+MIN_BLOCK_ROWS = 64
+
+
+def block_rows(width: int, block_bytes: int, element_size: int = 4) -> int:
+    """Rows per block for an intermediate `width` values wide; 0: the whole batch in one call."""
+    if block_bytes <= 0:
+        return 0
+    return max(MIN_BLOCK_ROWS, block_bytes // (width * element_size))
+
+
+def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int,
+                  block_bytes: int) -> torch.Tensor:
+    """`fn(x)` for per-token `fn` over `x` `[T, ...]`, called on blocks of rows whose widest
+    intermediate (`width` values a row) fits `block_bytes` (0: one call over all T rows)."""
+    rows = block_rows(width, block_bytes, x.element_size())
+    T = x.shape[0]
+    if rows == 0 or T <= rows:
+        return fn(x)
+    first = fn(x[:rows])
+    out = first.new_empty((T, *first.shape[1:]))
+    out[:rows] = first
+    for start in range(rows, T, rows):
+        out[start:start + rows] = fn(x[start:start + rows])
+    return out
