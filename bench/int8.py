@@ -6,6 +6,10 @@ Models: sentence-transformers/all-MiniLM-L6-v2, and all-mpnet-base-v2 when its w
 (float32) and with `quantize: int8` (the card through `msgspec.structs.replace`, as a card of
 one's own with `quantize: int8` says); both share torch's intra-op threads.
 
+`--row-block-bytes B1,B2` loads each variant once per value of the CPU feed-forward's row blocks
+(`batching.row_block_bytes`, layers/rows.py; 0: whole batches), so the row blocks' gain on each is
+measured in the same run; ratios are int8 over float32 at the same value.
+
 Speed: the first --num-docs documents of gensim's Lee background corpus, tokenized by the model's
 tokenizer (truncated to its max_length) and packed in order into batches of at most --batch-tokens
 tokens; one timed pass is `ModelRunner.forward` over every batch (the encoder, mean pooling,
@@ -19,6 +23,7 @@ first 155 sentences of those documents (short inputs are int8's hardest case).
 
     python bench/int8.py
     python bench/int8.py --models sentence-transformers/all-MiniLM-L6-v2 --rounds 9
+    python bench/int8.py --row-block-bytes 0,3145728
 """
 
 from __future__ import annotations
@@ -99,11 +104,24 @@ def bench_model(model_id: str, args: argparse.Namespace) -> bool:
     except ModelLoadError as exc:
         print(f"{model_id}: skipped, weights not installed ({exc})")
         return False
-    runners = {"float32": ModelRunner.from_dir(card, directory, "cpu"),
-               "int8": ModelRunner.from_dir(msgspec.structs.replace(card, quantize="int8"), directory, "cpu")}
+    from shoal.catalog.card import Batching
+    from shoal.engine.hardware import hardware_class
+
+    def variant(quantize: str | None, row_block_bytes: int | None):
+        own = card.batching_for(hardware_class("cpu"))
+        limits = msgspec.structs.replace(own, row_block_bytes=row_block_bytes) if row_block_bytes is not None else own
+        chosen = msgspec.structs.replace(card, quantize=quantize, batching={hardware_class("cpu"): limits})
+        return ModelRunner.from_dir(chosen, directory, "cpu")
+
+    blocks = args.row_block_bytes or [None]
+    suffix = {b: "" if b is None else f" rows {b}" for b in blocks}
+    runners = {}
+    for b in blocks:
+        runners[f"float32{suffix[b]}"] = variant(None, b)
+        runners[f"int8{suffix[b]}"] = variant("int8", b)
 
     data = lee_files()
-    work = batches(runners["float32"], read_docs(data / "lee_background.cor")[: args.num_docs], args.batch_tokens)
+    work = batches(next(iter(runners.values())), read_docs(data / "lee_background.cor")[: args.num_docs], args.batch_tokens)
     num_tokens = sum(batch.num_tokens for batch in work)
     times: dict[str, list[float]] = {name: [] for name in runners}
     for runner in runners.values():  # warm-up
@@ -119,20 +137,23 @@ def bench_model(model_id: str, args: argparse.Namespace) -> bool:
     quality = {name: {kind: vectors(runner, texts) for kind, texts in
                       (("docs", docs), ("words", words), ("sentences", sentences))} for name, runner in runners.items()}
     rho = {name: spearman(quality[name]["docs"], human) for name in runners}
-    cos_min = {kind: float((quality["int8"][kind] * quality["float32"][kind]).sum(1).min())
-               for kind in ("docs", "sentences", "words")}
 
-    base = statistics.median(times["float32"])
     print(f"{model_id}: {len(work)} batches, {num_tokens} tokens ({args.num_docs} Lee background documents, "
           f"<= {args.batch_tokens} tokens a batch); median of {args.rounds} passes each")
+    first = statistics.median(times[f"float32{suffix[blocks[0]]}"])
     for name, runner in runners.items():
         median = statistics.median(times[name])
-        print(f"  {name:8s} {num_tokens / median:8.0f} tokens/s  ratio {base / median:.2f}  "
+        print(f"  {name:22s} {num_tokens / median:8.0f} tokens/s  {first / median:.2f}x the first  "
               f"(passes {min(times[name]):.2f}-{max(times[name]):.2f} s)  weights+heads {runner.num_bytes / 2**20:6.1f} MiB  "
               f"Lee Spearman {rho[name]:.4f}")
-    print(f"  int8 vs float32: Lee Spearman {rho['int8'] - rho['float32']:+.4f}; cosine min: 50 documents "
-          f"{cos_min['docs']:.4f}, {len(sentences)} sentences {cos_min['sentences']:.4f}, "
-          f"{len(words)} words {cos_min['words']:.4f}")
+    for b in blocks:
+        f32, i8 = f"float32{suffix[b]}", f"int8{suffix[b]}"
+        cos_min = {kind: float((quality[i8][kind] * quality[f32][kind]).sum(1).min())
+                   for kind in ("docs", "sentences", "words")}
+        print(f"  {i8} vs {f32}: {statistics.median(times[f32]) / statistics.median(times[i8]):.2f}x tokens/s; "
+              f"Lee Spearman {rho[i8] - rho[f32]:+.4f}; cosine min: 50 documents "
+              f"{cos_min['docs']:.4f}, {len(sentences)} sentences {cos_min['sentences']:.4f}, "
+              f"{len(words)} words {cos_min['words']:.4f}")
     return True
 
 
@@ -142,6 +163,8 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--num-docs", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--row-block-bytes", type=lambda t: [int(v) for v in t.split(",") if v], metavar="B1,B2",
+                        help="CPU feed-forward row blocks to compare (0: whole batches; default: the card's)")
     args = parser.parse_args()
 
     load = os.getloadavg()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import yaml
 
@@ -418,7 +419,8 @@ def test_shoal_tune_tries_int8_behind_a_quality_gate(tmp_path):
 
 
 @pytest.mark.parametrize("grid, message", [("batch_wait_ms=5000", "between 0 and 1000"),
-                                           ("attention=fast", "attention takes padded and each")])
+                                           ("attention=fast", "attention takes padded and each"),
+                                           ("row_block_bytes=0,-5", "must be >= 0")])
 def test_shoal_tune_refuses_a_bad_grid_before_measuring_anything(tmp_path, grid, message):
     proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(tmp_path), "--grid", grid],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -492,3 +494,39 @@ def test_small_batches_run_on_a_thread_fewer_and_the_limit_is_checked():
     with pytest.raises(CardError, match="small_batch_tokens"):
         parse_card(yaml.safe_load(text), "small.yaml")
     assert parse_card(yaml.safe_load(text.replace("-1", "0")), "small.yaml").batching_for("cpu").small_batch_tokens == 0
+
+
+def test_row_blocks_are_a_cpu_limit_the_runner_takes_and_that_changes_no_vector(card, model_dir):
+    """`batching.row_block_bytes` (a kernel knob of `shoal tune`): by default a CPU runs each layer's
+    feed-forward a block of rows at a time (512 of MiniLM's tokens), with 0 over the whole batch in one
+    call; the vectors are the same either way. Negative values and GPU classes are refused."""
+    from shoal.engine.runner import ModelRunner
+    from shoal.engine.types import Batch, EncodeSpec
+    from shoal.layers.rows import ROW_BLOCK_BYTES
+
+    assert tune_module.ROW_BLOCK_BYTES == ROW_BLOCK_BYTES  # the search starts from the runner's default
+    texts = [workloads.lee_documents()[i] for i in range(8)]
+    spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
+    vectors, calls = {}, {}
+    for choice in (None, 0, 1 << 20):
+        chosen = msgspec.structs.replace(card, batching={cpu_class(): Batching(row_block_bytes=choice)})
+        runner = ModelRunner.from_dir(chosen, model_dir, "cpu")
+        assert runner.row_block_bytes == (ROW_BLOCK_BYTES if choice is None else choice)
+        seqs = runner.tokenizer.encode(texts, truncate=True)
+        seen: list[int] = []
+        runner.model.layers[0].ffn_in.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+        vectors[choice] = np.stack([item.dense for item in runner.forward(Batch.pack(seqs), [spec] * len(seqs))])
+        calls[choice] = seen
+    num_tokens = sum(calls[0])
+    assert num_tokens > 1024 and calls[0] == [num_tokens]
+    assert calls[None] == [min(512, num_tokens - s) for s in range(0, num_tokens, 512)]  # 3 MiB of 1,536 floats a row
+    assert calls[1 << 20] == [min(170, num_tokens - s) for s in range(0, num_tokens, 170)]
+    for choice in (None, 1 << 20):
+        assert (vectors[choice] * vectors[0]).sum(1).min() >= 0.99999
+    text = ("id: test/rows\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
+            "  cpu: {row_block_bytes: -1}\n")
+    with pytest.raises(CardError, match="row_block_bytes.*>= 0"):
+        parse_card(yaml.safe_load(text), "rows.yaml")
+    with pytest.raises(CardError, match="row_block_bytes.*CPUs only"):
+        parse_card(yaml.safe_load(text.replace("cpu:", "cuda:").replace("-1", "0")), "rows.yaml")
+    assert parse_card(yaml.safe_load(text.replace("-1", "0")), "rows.yaml").batching_for("cpu").row_block_bytes == 0

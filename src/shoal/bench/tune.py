@@ -2,7 +2,7 @@
 write them where `shoal serve` reads them.
 
 Coordinate search from the card's own limits: one knob at a time (max_batch_tokens,
-max_batch_items, batch_wait_ms, threads, the CPU attention path, and `quantize` int8 where the card
+max_batch_items, batch_wait_ms, threads, the CPU attention path and feed-forward row blocks, and `quantize` int8 where the card
 can take it), each value served by a fresh `shoal serve` that reads the candidate as a tuned
 overlay, ramped as `shoal bench` does (closed loop) on the chosen workload; a value is kept when
 its best tokens/s within the bounds beats the best so far by `min_gain` (a server that fails to
@@ -44,8 +44,14 @@ DEFAULT_VALUES = {
     "batch_wait_ms": (0, 2, 5, 10),
     "threads": (),  # 1, cores / 2, cores: filled in for this machine
     "attention": ("padded", "each"),
+    "row_block_bytes": (0, 1 << 20, 3 << 20, 8 << 20),  # CPU: the feed-forward's row blocks (layers/rows.py)
     "quantize": ("int8", "none"),
 }
+# The runner's default row blocks (layers/rows.py's ROW_BLOCK_BYTES, which imports torch; a test
+# keeps the two equal), so the search starts from the value a card without the field runs.
+ROW_BLOCK_BYTES = 3 << 20
+# Knobs that choose between CPU kernels: searched, and accepted, only for a CPU.
+_CPU_KNOBS = ("attention", "row_block_bytes")
 # The knobs whose values are words, and the words each takes.
 _CHOICES = {"attention": {"padded", "each"}, "quantize": {"int8", "none"}}
 # Texts of the workload whose vectors the quality gate compares (the first ones, in call order).
@@ -231,14 +237,15 @@ def tune(args) -> int:
     values = _grid(args.grid, cores, hardware)
     refusal = _quantize_refusal(card, hardware)
     cpu = hardware.startswith("cpu")
-    knobs = args.knobs or [k for k in values if (k != "quantize" or refusal is None) and (k != "attention" or cpu)]
+    knobs = args.knobs or [k for k in values if (k != "quantize" or refusal is None) and (k not in _CPU_KNOBS or cpu)]
     for knob in knobs:
         if knob not in values:
             raise ConfigError(f"--knobs {knob}: use {', '.join(values)}")
     if "quantize" in knobs and refusal:
         raise ConfigError(f"--knobs quantize: {card.id} cannot be tuned for int8 here: {refusal}")
-    if "attention" in knobs and not cpu:
-        raise ConfigError("--knobs attention: it chooses between CPU attention paths; this device is not a CPU")
+    cpu_only = [k for k in knobs if k in _CPU_KNOBS]
+    if cpu_only and not cpu:
+        raise ConfigError(f"--knobs {cpu_only[0]}: it chooses between CPU kernels; this device is not a CPU")
     # The card's own limits for this hardware (unset fields: the server's defaults) are the start;
     # the overlay written holds only what the search changed.
     start = card.batching_for(hardware)
@@ -247,6 +254,8 @@ def tune(args) -> int:
         start = msgspec.structs.replace(start, quantize=card.quantize_for(hardware).quantize or "none")
     if "attention" in knobs:
         start = msgspec.structs.replace(start, attention=start.attention or "each")
+    if "row_block_bytes" in knobs and start.row_block_bytes is None:
+        start = msgspec.structs.replace(start, row_block_bytes=ROW_BLOCK_BYTES)
     gate = None
     if "quantize" in knobs:
         texts = list(dict.fromkeys(t for call in workload.calls for t in call.texts))[:GATE_TEXTS]

@@ -66,6 +66,10 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The CPU path of full attention over unequal lengths (layers/attention.py): "each" sequence on
     # its own, or "padded" length groups; None: each.
     attention: Literal["each", "padded"] | None = None
+    # CPU only: each layer's feed-forward block runs a block of rows at a time, as many as keep its
+    # widest intermediate within this many bytes (layers/rows.py); 0: the whole batch in one call;
+    # None: ROW_BLOCK_BYTES (3 MiB: 512 MiniLM tokens, 256 BERT-base ones).
+    row_block_bytes: int | None = None
 
     def over(self, base: "Batching") -> "Batching":
         """These limits, with `base`'s where these are unset."""
@@ -408,6 +412,11 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
             fail(f"batching.{hardware}.{name}", "must be >= 1")
     if limits.small_batch_tokens is not None and limits.small_batch_tokens < 0:
         fail(f"batching.{hardware}.small_batch_tokens", "must be >= 0 (0: every batch on `threads`)")
+    if limits.row_block_bytes is not None and limits.row_block_bytes < 0:
+        fail(f"batching.{hardware}.row_block_bytes", "must be >= 0 (0: each feed-forward over the whole batch at once)")
+    if limits.row_block_bytes is not None and not hardware.startswith("cpu"):
+        fail(f"batching.{hardware}.row_block_bytes", "row blocks run on CPUs only (on a GPU one launch over the "
+             "batch is what is fast): set it for cpu or cpu:<CPU model>")
     if limits.threads is not None and limits.threads > 1024:
         fail(f"batching.{hardware}.threads", "must be <= 1024")
     if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:
