@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    from shoal.engine import memory
+
+    memory.tune_allocator()  # glibc's malloc as `shoal serve` sets it (engine/memory.py), before the models load
     print(machine_line())
     card = Catalog.load().get(args.model)
     runner = ModelRunner.load(card, "cpu", allow_download=False)

@@ -13,8 +13,9 @@ measured in the same run; ratios are int8 over float32 at the same value.
 Speed: the first --num-docs documents of gensim's Lee background corpus, tokenized by the model's
 tokenizer (truncated to its max_length) and packed in order into batches of at most --batch-tokens
 tokens; one timed pass is `ModelRunner.forward` over every batch (the encoder, mean pooling,
-normalisation). After a warm-up pass of each, the two take turns, one pass each, --rounds times, so
-a change in the machine's load falls on both; the median pass of each is reported, as tokens/s.
+normalisation), with glibc's malloc set as the server sets it. After a warm-up pass of each, the
+variants take turns, one pass each, --rounds times, so a change in the machine's load falls on all;
+the median pass of each is reported, as tokens/s.
 
 Quality: the 50 documents of the Lee similarity set (1,225 pairs scored by people): Spearman
 correlation of the vectors' cosines with the human scores, for each, and the smallest cosine between
@@ -167,6 +168,9 @@ def main() -> int:
                         help="CPU feed-forward row blocks to compare (0: whole batches; default: the card's)")
     args = parser.parse_args()
 
+    from shoal.engine import memory
+
+    memory.tune_allocator()  # glibc's malloc as `shoal serve` sets it (engine/memory.py), before the models load
     load = os.getloadavg()
     vnni = "avx512_vnni" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
     print(machine_line(load, f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

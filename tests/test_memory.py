@@ -1,13 +1,14 @@
 """glibc's malloc under a serving process's allocation pattern: large buffers freed between small
 live ones. Untuned, a freed 30 MB block raises the dynamic mmap threshold, and later buffers up to
 that size come from the heap and stay resident after they are freed. `tune_allocator` fixes the
-threshold at 16 MiB: larger buffers are always mmapped (and unmapped when freed); smaller ones come
+threshold at 64 MiB: larger buffers are always mmapped (and unmapped when freed); smaller ones come
 from the heap, where the next batches reuse them without page faults, and `trim` (which the device
 runs when idle, or once RSS has grown 64 MiB since its last trim) gives them back. Each case runs
 in a fresh interpreter."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -61,9 +62,10 @@ class MallInfo2(ctypes.Structure):
 libc.mallinfo2.restype = MallInfo2
 if sys.argv[1] == "tuned":
     assert memory.tune_allocator()
-big = np.ones(30_000_000 // 8); del big  # a large freed block: the dynamic threshold rises
+if sys.argv[2] == "after-free":
+    big = np.ones(120_000_000 // 8); del big  # a large freed block: an untuned threshold would rise
 counts = []
-for mib in (4, 20):
+for mib in (20, 80):
     before = libc.mallinfo2().hblks  # mmapped blocks in use
     x = np.ones((mib << 20) // 8)
     counts.append(libc.mallinfo2().hblks - before)
@@ -72,9 +74,10 @@ print(*counts)
 """
 
 
-def mmapped(tuned: bool) -> list[int]:
-    """Whether a 4 MiB and a 20 MiB buffer, allocated after a large free, were mmapped."""
-    result = subprocess.run([sys.executable, "-c", MMAPPED, "tuned" if tuned else "untuned"],
+def mmapped(tuned: bool, after_free: bool = False) -> list[int]:
+    """Whether a 20 MiB and an 80 MiB buffer were mmapped (after a 120 MB block was freed)."""
+    result = subprocess.run([sys.executable, "-c", MMAPPED, "tuned" if tuned else "untuned",
+                             "after-free" if after_free else "-"],
                             capture_output=True, text=True, timeout=120)
     if result.returncode != 0 and "mallinfo2" in result.stderr:
         pytest.skip("glibc older than 2.33 (no mallinfo2)")
@@ -83,9 +86,10 @@ def mmapped(tuned: bool) -> list[int]:
 
 
 def test_tune_allocator_fixes_the_mmap_threshold_so_large_buffers_go_back_when_freed():
-    assert memory.MMAP_THRESHOLD_BYTES == 16 << 20
-    assert mmapped(tuned=False) == [0, 0]  # both from the heap once the threshold has risen
-    assert mmapped(tuned=True) == [0, 1]  # 4 MiB from the heap (reused by the next batch), 20 MiB mmapped
+    assert memory.MMAP_THRESHOLD_BYTES == 64 << 20
+    assert mmapped(tuned=False) == [1, 1]  # glibc's starting threshold (128 KiB): every batch buffer a fresh mmap
+    assert mmapped(tuned=True) == [0, 1]  # 20 MiB from the heap (reused by the next batch), 80 MiB mmapped
+    assert mmapped(tuned=True, after_free=True) == [0, 1]  # and the threshold does not creep up
 
 
 def test_tuned_and_trimmed_gives_freed_heap_buffers_back():
@@ -100,3 +104,40 @@ def test_rss_bytes_is_the_kernels_resident_set():
 
 def test_trim_returns_them_too():
     assert retained_mib(tuned=False, trim=True) < 2
+
+
+PRIMITIVES = """
+import sys, torch
+from shoal.engine import memory
+from shoal.layers.packed import PackedLinear, available
+if not available():
+    print("skip"); sys.exit()
+if sys.argv[1] == "tuned":
+    memory.tune_allocator()
+linear = PackedLinear.of(torch.nn.Linear(384, 1536))
+x = torch.randn(1200, 384)
+with torch.inference_mode():
+    linear(x[:7])
+    memory.trim()
+    base = memory.rss_bytes()
+    for num_tokens in range(1, 1201, 3):  # 400 batch sizes: 400 oneDNN primitives
+        linear(x[:num_tokens])
+memory.trim()
+print((memory.rss_bytes() - base) / 2**20)
+"""
+
+
+def primitives_mib(tuned: bool) -> float:
+    result = subprocess.run([sys.executable, "-c", PRIMITIVES, "tuned" if tuned else "untuned"],
+                            capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k not in memory._PRIMITIVE_CACHES})
+    assert result.returncode == 0, result.stderr
+    if result.stdout.strip() == "skip":
+        pytest.skip("this torch has no oneDNN inner product")
+    return float(result.stdout.strip())
+
+
+def test_capped_primitive_caches_keep_a_packed_linear_of_many_batch_sizes_from_growing_rss():
+    assert memory.PRIMITIVE_CACHE_CAPACITY == 128
+    assert primitives_mib(tuned=False) > 150  # oneDNN's default: 1,024 primitives of ~0.5 MB kept
+    assert primitives_mib(tuned=True) < 100  # 128 of them

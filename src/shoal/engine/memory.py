@@ -10,11 +10,25 @@ three things let RSS creep up and stay up:
 - each thread may get its own arena (up to 8 per core), each holding its own freed memory;
 - freed memory in the middle of a heap stays resident until `malloc_trim`.
 
-`tune_allocator` fixes the mmap threshold at 16 MiB (buffers above it always go back to the OS when
+And one thing outside malloc: oneDNN keeps every primitive it builds in two caches (ideep's, torch's
+`LRU_CACHE_CAPACITY`, and oneDNN's own, `ONEDNN_PRIMITIVE_CACHE_CAPACITY`), 1,024 entries each by
+default, one per op and shape. A packed Linear's or a matmul's shape has the batch's token count in
+it, new almost every batch, so a server's caches fill over its first thousand distinct batches with
+~0.5 MB a primitive: a MiniLM server grew from ~450 to ~930 MiB and stayed there (bench/soak.py, a
+300-batch loop of random shapes in process), MPNet's kept growing past 150 batches. `tune_allocator`
+caps both at PRIMITIVE_CACHE_CAPACITY (unless the environment already sets them), before the first
+primitive is built: the same loop stays flat (MiniLM ~550, MPNet ~880 MiB) at the same tokens/s
+(4,830 vs 5,132; with no cache at all, 4,227-4,360).
+
+`tune_allocator` fixes the mmap threshold at 64 MiB (buffers above it always go back to the OS when
 freed, and the threshold cannot creep up), caps the arenas and is called once when the engine
-starts, before its threads exist. Buffers below it (a MiniLM batch's activations are a few MiB
-each) come from the heap and are reused batch after batch: with a 1 MiB threshold every one was a
-fresh mmap, and the page faults cost a third of a CPU forward's throughput (docs/benchmarks.md).
+starts, before its threads exist. Buffers below it come from the heap and are reused batch after
+batch, with no page faults: a CPU batch's activations (MiniLM's 4,096-token q/k/v projection is
+19 MB, BERT-base's 38 MB; the feed-forward's wide intermediate runs in 3 MiB row blocks,
+layers/rows.py) stay under it. With a 1 MiB threshold every activation was a fresh mmap and the
+page faults cost a third of a CPU forward's throughput; with 16 MiB the q/k/v projections still
+were, ~65,000 faults per pass over 48 Lee documents, and 64 MiB took MiniLM's forward from
+5,845-6,004 to 6,490-6,723 tokens/s on 2 AVX-512 EPYC cores (docs/benchmarks.md).
 `trim` returns freed heap pages to the OS; the device thread calls it when it goes idle, and after
 a batch once RSS has grown RETAINED_HEAP_BYTES past what it was after the last trim, so a busy
 server's heap stays bounded too. All are no-ops where glibc is not the allocator.
@@ -35,11 +49,13 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
-MMAP_THRESHOLD_BYTES = 16 << 20  # blocks from 16 MiB up are mmapped, and unmapped when freed
+MMAP_THRESHOLD_BYTES = 64 << 20  # blocks from 64 MiB up are mmapped, and unmapped when freed
 # RSS growth since the last trim the device allows before it trims, even while busy.
 RETAINED_HEAP_BYTES = 64 << 20
 TRIM_THRESHOLD_BYTES = 16 << 20
 ARENA_MAX = 4
+PRIMITIVE_CACHE_CAPACITY = 128  # oneDNN primitives kept per cache (see the module)
+_PRIMITIVE_CACHES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 
 
 @functools.cache
@@ -57,7 +73,11 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def tune_allocator() -> bool:
-    """Set glibc's malloc for a long-running server; False where it does not apply."""
+    """Set glibc's malloc for a long-running server and cap oneDNN's primitive caches (read when
+    the first primitive is built: call before any model loads); False where malloc's part does
+    not apply."""
+    for name in _PRIMITIVE_CACHES:  # a value the environment sets wins
+        os.environ.setdefault(name, str(PRIMITIVE_CACHE_CAPACITY))
     libc = _libc()
     if libc is None:
         return False
