@@ -105,12 +105,15 @@ def bench_model(model_id: str, args: argparse.Namespace) -> bool:
     except ModelLoadError as exc:
         print(f"{model_id}: skipped, weights not installed ({exc})")
         return False
-    from shoal.catalog.card import Batching
     from shoal.engine.hardware import hardware_class
 
     def variant(quantize: str | None, row_block_bytes: int | None):
+        # The class's limits, with quantize named (a card's or overlay's `batching.quantize` would
+        # otherwise choose for both) and the row blocks asked for (None: the card's).
         own = card.batching_for(hardware_class("cpu"))
-        limits = msgspec.structs.replace(own, row_block_bytes=row_block_bytes) if row_block_bytes is not None else own
+        limits = msgspec.structs.replace(own, quantize=quantize or "none")
+        if row_block_bytes is not None:
+            limits = msgspec.structs.replace(limits, row_block_bytes=row_block_bytes)
         chosen = msgspec.structs.replace(card, quantize=quantize, batching={hardware_class("cpu"): limits})
         return ModelRunner.from_dir(chosen, directory, "cpu")
 
