@@ -107,14 +107,16 @@ def bench_model(model_id: str, args: argparse.Namespace) -> bool:
         return False
     from shoal.engine.hardware import hardware_class
 
+    hardware = hardware_class("cpu")
+
     def variant(quantize: str | None, row_block_bytes: int | None):
         # The class's limits, with quantize named (a card's or overlay's `batching.quantize` would
         # otherwise choose for both) and the row blocks asked for (None: the card's).
-        own = card.batching_for(hardware_class("cpu"))
+        own = card.batching_for(hardware)
         limits = msgspec.structs.replace(own, quantize=quantize or "none")
         if row_block_bytes is not None:
             limits = msgspec.structs.replace(limits, row_block_bytes=row_block_bytes)
-        chosen = msgspec.structs.replace(card, quantize=quantize, batching={hardware_class("cpu"): limits})
+        chosen = msgspec.structs.replace(card, quantize=quantize, batching={hardware: limits})
         return ModelRunner.from_dir(chosen, directory, "cpu")
 
     blocks = args.row_block_bytes or [None]

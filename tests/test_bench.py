@@ -502,9 +502,8 @@ def test_row_blocks_are_a_cpu_limit_the_runner_takes_and_that_changes_no_vector(
     call; the vectors are the same either way. Negative values and GPU classes are refused."""
     from shoal.engine.runner import ModelRunner
     from shoal.engine.types import Batch, EncodeSpec
-    from shoal.layers.rows import ROW_BLOCK_BYTES
+    from shoal.catalog.card import ROW_BLOCK_BYTES
 
-    assert tune_module.ROW_BLOCK_BYTES == ROW_BLOCK_BYTES  # the search starts from the runner's default
     texts = [workloads.lee_documents()[i] for i in range(8)]
     spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
     vectors, calls = {}, {}

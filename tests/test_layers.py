@@ -11,7 +11,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, in_row_blocks, varlen_attention
 from shoal.layers.attention import EACH_MAX_SEQLEN, attention_path
-from shoal.layers.rows import MIN_BLOCK_ROWS, ROW_BLOCK_BYTES, block_rows
+from shoal.catalog.card import ROW_BLOCK_BYTES
+from shoal.layers.rows import MIN_BLOCK_ROWS, block_rows
 
 LENGTHS = [5, 1, 17, 9, 32, 70, 40]  # two length groups in the padded CPU path
 

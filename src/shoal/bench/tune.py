@@ -30,7 +30,7 @@ import msgspec
 import yaml
 
 from ..catalog import TUNED_DIR
-from ..catalog.card import Batching, Tuned, check_batching, load_tuned
+from ..catalog.card import ROW_BLOCK_BYTES, Batching, Tuned, check_batching, load_tuned
 from ..errors import ConfigError
 from . import workloads
 from .knee import Bounds, within
@@ -47,9 +47,6 @@ DEFAULT_VALUES = {
     "row_block_bytes": (0, 1 << 20, 3 << 20, 8 << 20),  # CPU: the feed-forward's row blocks (layers/rows.py)
     "quantize": ("int8", "none"),
 }
-# The runner's default row blocks (layers/rows.py's ROW_BLOCK_BYTES, which imports torch; a test
-# keeps the two equal), so the search starts from the value a card without the field runs.
-ROW_BLOCK_BYTES = 3 << 20
 # Knobs that choose between CPU kernels: searched, and accepted, only for a CPU.
 _CPU_KNOBS = ("attention", "row_block_bytes")
 # The knobs whose values are words, and the words each takes.
@@ -254,7 +251,7 @@ def tune(args) -> int:
         start = msgspec.structs.replace(start, quantize=card.quantize_for(hardware).quantize or "none")
     if "attention" in knobs:
         start = msgspec.structs.replace(start, attention=start.attention or "each")
-    if "row_block_bytes" in knobs and start.row_block_bytes is None:
+    if "row_block_bytes" in knobs and start.row_block_bytes is None:  # the runner's default, named
         start = msgspec.structs.replace(start, row_block_bytes=ROW_BLOCK_BYTES)
     gate = None
     if "quantize" in knobs:

@@ -45,6 +45,11 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     onnx: str | None = None
 
 
+# What a CPU's feed-forward row blocks hold when `Batching.row_block_bytes` is unset (layers/rows.py):
+# 512 rows of MiniLM's 1,536-float intermediate, 256 of BERT-base's 3,072.
+ROW_BLOCK_BYTES = 3 << 20
+
+
 class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Batch limits measured for one hardware class (see `ModelCard.batching`); unset fields fall
     back to the engine's settings."""

@@ -13,10 +13,10 @@ import torch
 
 from ..calls import EncodedItem
 from ..catalog import ModelCard, resolve_weights
+from ..catalog.card import ROW_BLOCK_BYTES
 from ..errors import ConfigError
 from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta, input_maxima, packed, quantize_linears
-from ..layers.rows import ROW_BLOCK_BYTES
 from ..weights import build_model, estimate_bytes
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
@@ -53,9 +53,10 @@ class ModelRunner:
         # shares the cores with the forward, and a small forward gains least from the extra thread.
         self.small_batch_tokens = (limits.small_batch_tokens if limits.small_batch_tokens is not None
                                    else SMALL_BATCH_TOKENS if self.device.type == "cpu" else 0)
-        # Feed-forward blocks a block of rows at a time on a CPU (layers/rows.py; `Batching.row_block_bytes`).
-        self.row_block_bytes = (0 if self.device.type != "cpu" else limits.row_block_bytes
-                                if limits.row_block_bytes is not None else ROW_BLOCK_BYTES)
+        # Feed-forward blocks a block of rows at a time, on a CPU only (layers/rows.py).
+        self.row_block_bytes = 0
+        if self.device.type == "cpu":
+            self.row_block_bytes = ROW_BLOCK_BYTES if limits.row_block_bytes is None else limits.row_block_bytes
         self.tokenizer = self.document_tokenizer = self.query_tokenizer = tokenizer
         dtype = next(model.parameters()).dtype
         self.heads = build_heads(BuildContext(card, model, directory, tokenizer, dict(device=self.device, dtype=dtype)))

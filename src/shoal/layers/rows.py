@@ -4,9 +4,9 @@ A feed-forward block widens every token 4x (MiniLM: 384 -> 1,536 floats) and the
 Over a whole 4,096-token batch the wide intermediate is a 25 MB tensor (BERT-base: 50 MB), and so
 is each of the elementwise passes that follow it (GELU; with `quantize: int8`, the int32 product's
 conversion, its scaling, and the quantisation of the next Linear's input). That buffer fits no
-cache: every pass streams it through memory. Run on blocks of rows whose intermediate fits
-`ROW_BLOCK_BYTES` (512 MiniLM tokens, 256 BERT-base ones), the block's buffers stay in L2/L3 and
-are reused block after block. On 2 AVX-512 VNNI EPYC cores (`python bench/int8.py --row-block-bytes
+cache: every pass streams it through memory. Run on blocks of rows whose intermediate fits 3 MiB
+(the default, catalog/card.py's ROW_BLOCK_BYTES: 512 MiniLM tokens, 256 BERT-base ones), the
+block's buffers stay in L2/L3 and are reused block after block. On 2 AVX-512 VNNI EPYC cores (`python bench/int8.py --row-block-bytes
 0,1572864,3145728,6291456`, MiniLM over 4,096-token batches of Lee documents, glibc's default malloc)
 that took float32 from 5,421 to 6,031 tokens/s (1.11x) and int8 from 7,834 to 10,939 (1.40x; int8
 over float32 1.45x -> 1.81x); 1.5 and 6 MiB blocks were slower than 3 MiB for int8. With the
@@ -28,8 +28,6 @@ from collections.abc import Callable
 
 import torch
 
-# The widest intermediate one block may hold: 512 rows of MiniLM's 1,536 float32s, 256 of BERT-base's 3,072.
-ROW_BLOCK_BYTES = 3 << 20
 MIN_BLOCK_ROWS = 64
 
 
