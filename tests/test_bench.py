@@ -137,16 +137,19 @@ def test_shoal_bench_prints_the_knee_and_writes_json_and_a_png(base_url, tmp_pat
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(SHOAL + ["bench", MODEL_ID, "--url", base_url, "--workload", "queries", "--mode", "closed",
                                    "--levels", "1,2", "--step-s", "1", "--p99-ms", "5000", "--json-out", str(out),
-                                   "--png", str(png)],
+                                   "--png", str(png), "--against", "st"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "knee shoal:" in proc.stdout and "% of the fp32-peak bound" in proc.stdout
+    # sentence-transformers in this process on the same calls, and the ratio printed and recorded
+    assert "shoal knee / sentence-transformers:" in proc.stdout
     record = json.loads(out.read_text())
     steps = record["targets"]["shoal"]["steps"]
     assert [s["offered"] for s in steps] == [1, 2] and all(s["ok"] > 0 and s["errors"] == 0 for s in steps)
     assert record["targets"]["shoal"]["knee"]["ok"] > 0
     assert record["flops"]["flops_per_token"] > 20e6 and record["flops"]["fp32_gemm_peak_flops"] > 1e9
     assert 0 < record["ratios"]["shoal_share_of_bound"] < 1.5
+    assert record["ratios"]["shoal_over_st_tokens"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
