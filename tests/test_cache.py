@@ -100,6 +100,29 @@ def test_concurrent_acquires_of_a_cold_model_share_one_real_load(tiny_bert_dir):
     assert all(r is runners[0] for r in runners)
 
 
+def test_a_real_load_and_its_estimate_run_on_threads_that_end_with_them(tiny_bert_dir):
+    """A pooled loader thread that ran torch would keep an OpenMP team beside the device thread's
+    (engine/threads.py): each load gets a thread that ends with it."""
+    c = card("tiny", str(tiny_bert_dir))
+    threads: list[threading.Thread] = []
+
+    def load(c: ModelCard) -> ModelRunner:
+        threads.append(threading.current_thread())
+        return ModelRunner.from_dir(c, resolve_weights(c, allow_download=False), "cpu")
+
+    def estimate(c: ModelCard) -> int:
+        threads.append(threading.current_thread())
+        return estimate_bytes(resolve_weights(c, allow_download=False))
+
+    cache = ModelCache(load, estimate, memory_budget_bytes=10**9)
+    asyncio.run(use(cache, c))
+    cache.close()
+    assert len(threads) == 2 and threads[0] is not threads[1]
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
 def test_a_loaded_runner_measures_the_bytes_of_its_tensors_not_its_files(tiny_bert_dir, tmp_path):
     reference = transformers.BertModel.from_pretrained(tiny_bert_dir, add_pooling_layer=False)
     reference_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values()

@@ -29,7 +29,6 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +36,7 @@ from typing import Any, Callable
 from ..catalog import ModelCard
 from ..errors import InvalidRequest, ModelLoadError, Overloaded
 from ..metrics import Metrics
+from .threads import ThreadPerJob
 
 log = logging.getLogger("shoal.cache")
 
@@ -88,8 +88,10 @@ class ModelCache:
         self._adapter_loading: dict[tuple[str, str], asyncio.Task] = {}
         self._adapter_stale: set[tuple[str, str]] = set()  # changed on disk: dropped once idle
         self._adapter_failures: dict[tuple[str, str], _Failure] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-load")
-        self._fetchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shoal-fetch")
+        # A thread per job, ended with it: a pooled thread that ran torch would keep an OpenMP team
+        # and slow the device thread's forward (engine/threads.py).
+        self._executor = ThreadPerJob(max_workers=1, thread_name_prefix="shoal-load")
+        self._fetchers = ThreadPerJob(max_workers=4, thread_name_prefix="shoal-fetch")
         # One materialization at a time: each makes room knowing every byte already committed.
         self._load_lock = asyncio.Lock()
         # Set (and replaced by a fresh one) when a model or adapter's last work in flight ends, a

@@ -1,0 +1,86 @@
+"""Threads for work beside the device thread that may run torch (loads, adapters, weight fetches).
+
+Each job runs on a thread of its own that ends with the job, never on a pooled thread that lives on.
+The reason is libgomp, the OpenMP runtime torch's CPU wheels use. Every thread that runs a parallel
+torch op gets its own team of worker threads, and the team lives as long as that thread. Once the
+process holds more OpenMP threads than it has cores, libgomp's workers stop spin-waiting between
+parallel regions (100 spins, against 300,000 otherwise) and sleep on a futex instead. The device
+thread's forward then pays a wake-up at every op.
+
+A server whose model had been loaded on a pooled loader thread ran MiniLM's forward at 0.85 and
+0.76 of its two threads' cores, 4.7-5.3k tokens/s. The same forward run where the model loaded on
+a thread that had ended took both cores, ~6.0k tokens/s (docs/benchmarks.md, 2026-12-03
+afternoon). So the device thread stays the only OpenMP team in the process once a job is done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from concurrent.futures import Executor, Future
+from typing import Any, Callable
+
+
+class ThreadPerJob(Executor):
+    """An executor that starts a new thread for each job, at most `max_workers` at a time, in the
+    order they were submitted; a job's thread ends when the job does (taking its OpenMP team
+    with it)."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        if max_workers < 1:
+            raise ValueError("max_workers must be at least 1")
+        self._max_workers = max_workers
+        self._prefix = thread_name_prefix
+        self._lock = threading.Lock()
+        self._waiting: deque[tuple[Future, Callable[..., Any], tuple, dict]] = deque()
+        self._running: set[threading.Thread] = set()
+        self._count = itertools.count()
+        self._shut = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._waiting.append((future, fn, args, kwargs))
+            self._start_waiting()
+        return future
+
+    def _start_waiting(self) -> None:
+        """Start threads for waiting jobs while there is room (the lock held)."""
+        while self._waiting and len(self._running) < self._max_workers:
+            job = self._waiting.popleft()
+            thread = threading.Thread(target=self._work, args=job, name=f"{self._prefix}_{next(self._count)}",
+                                      daemon=True)
+            self._running.add(thread)
+            thread.start()
+
+    def _work(self, future: Future, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        try:
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+        finally:
+            with self._lock:
+                self._running.discard(threading.current_thread())
+                self._start_waiting()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shut = True
+            if cancel_futures:
+                for future, *_ in self._waiting:
+                    future.cancel()
+                self._waiting.clear()
+        while wait:
+            with self._lock:
+                running = list(self._running)
+                if not running and not self._waiting:
+                    return
+            for thread in running:
+                thread.join()
