@@ -148,6 +148,9 @@ def test_shoal_bench_prints_the_knee_and_writes_json_and_a_png(base_url, tmp_pat
     assert [s["offered"] for s in steps] == [1, 2] and all(s["ok"] > 0 and s["errors"] == 0 for s in steps)
     assert record["targets"]["shoal"]["knee"]["ok"] > 0
     assert record["flops"]["flops_per_token"] > 20e6 and record["flops"]["fp32_gemm_peak_flops"] > 1e9
+    # probed before and after the load; the better probe is the peak
+    probes = record["flops"]["fp32_gemm_probes_flops"]
+    assert len(probes) == 2 and record["flops"]["fp32_gemm_peak_flops"] == max(probes)
     assert 0 < record["ratios"]["shoal_share_of_bound"] < 1.5
     assert record["ratios"]["shoal_over_st_tokens"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
