@@ -53,7 +53,16 @@ $(TOOLS)/npm/.installed: Makefile
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm $(NPM_TOOLS)
 	touch $@
 
-tools: $(TOOLS)/prometheus/usr/bin/promtool $(TOOLS)/npm/.installed
+# Infinity, the server `shoal bench --against infinity` measures beside shoal, in a virtualenv of
+# its own as docs/bench.md describes: torch's CPU build first, then infinity-emb with its extras.
+INFINITY_SPEC ?= infinity-emb[server,torch]==0.0.78
+$(TOOLS)/infinity/.installed:
+	$(PYTHON) -m venv $(TOOLS)/infinity
+	$(TOOLS)/infinity/bin/pip install --quiet $(TORCH_SPEC)
+	$(TOOLS)/infinity/bin/pip install --quiet '$(INFINITY_SPEC)'
+	touch $@
+
+tools: $(TOOLS)/prometheus/usr/bin/promtool $(TOOLS)/npm/.installed $(TOOLS)/infinity/.installed
 
 serve: install
 	$(BIN)/shoal serve --host $(HOST) --port $(PORT) --preload $(MODEL)

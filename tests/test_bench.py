@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 import yaml
+from conftest import need_tool
 
 from shoal.bench import machine, workloads
 from shoal.bench.knee import Bounds, knee
@@ -154,6 +155,29 @@ def test_shoal_bench_prints_the_knee_and_writes_json_and_a_png(base_url, tmp_pat
     assert 0 < record["ratios"]["shoal_share_of_bound"] < 1.5
     assert record["ratios"]["shoal_over_st_tokens"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+INFINITY = Path(__file__).resolve().parents[1] / ".tools" / "infinity" / "bin" / "infinity_emb"
+
+
+def test_shoal_bench_runs_infinity_beside_shoal_on_the_same_calls_and_prints_the_ratio(base_url, tmp_path):
+    """Infinity 0.0.78 from its own venv (`make tools`), serving MiniLM's packaged folder offline."""
+    need_tool(INFINITY.exists(), "Infinity's virtualenv (.tools/infinity)")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(SHOAL + ["bench", MODEL_ID, "--url", base_url, "--workload", "queries", "--mode", "closed",
+                                   "--levels", "2", "--step-s", "2", "--p99-ms", "5000", "--json-out", str(out),
+                                   "--against", "infinity", "--infinity", str(INFINITY)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "knee infinity:" in proc.stdout and "shoal / infinity at the knee:" in proc.stdout
+    record = json.loads(out.read_text())
+    shoal, infinity = record["targets"]["shoal"], record["targets"]["infinity"]
+    assert infinity["url"] != base_url
+    for target in (shoal, infinity):
+        assert [s["offered"] for s in target["steps"]] == [2]
+        assert all(s["ok"] > 0 and s["errors"] == 0 and s["tokens_per_s"] > 0 for s in target["steps"])
+    ratio = shoal["knee"]["achieved_rps"] / infinity["knee"]["achieved_rps"]
+    assert record["ratios"]["shoal_over_infinity_rps"] == pytest.approx(ratio, rel=0.02)
 
 
 def test_shoal_bench_refuses_a_workload_the_model_does_not_serve():
