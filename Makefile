@@ -56,7 +56,8 @@ $(TOOLS)/npm/.installed: Makefile
 # Infinity, the server `shoal bench --against infinity` measures beside shoal, in a virtualenv of
 # its own as docs/bench.md describes: torch's CPU build first, then infinity-emb with its extras.
 INFINITY_SPEC ?= infinity-emb[server,torch]==0.0.78
-$(TOOLS)/infinity/.installed:
+$(TOOLS)/infinity/.installed: Makefile
+	rm -rf $(TOOLS)/infinity
 	$(PYTHON) -m venv $(TOOLS)/infinity
 	$(TOOLS)/infinity/bin/pip install --quiet $(TORCH_SPEC)
 	$(TOOLS)/infinity/bin/pip install --quiet '$(INFINITY_SPEC)'

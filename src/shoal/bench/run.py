@@ -216,9 +216,9 @@ def run(args) -> int:
     return 0 if shoal_knee else 1
 
 
-def _gemm_probe() -> tuple[float | None, int]:
-    """(FLOP/s, threads) of one fp32 GEMM-peak probe; (None, 0) without torch."""
+def _gemm_probe() -> tuple[float | None, int | None]:
+    """(FLOP/s, threads) of one fp32 GEMM-peak probe; (None, None) without torch."""
     try:
         return machine.fp32_gemm_peak()
     except ImportError:
-        return None, 0
+        return None, None

@@ -1,7 +1,7 @@
 """Resident models (and their LoRA adapters) on one device, within one memory budget.
 
 - A cold model loads on first use; concurrent requests share that one load. Its weights are
-  fetched first (a Hub download, a package assembled) in a pool of fetch threads, outside the
+  fetched first (a Hub download, a package assembled) on fetch threads, outside the
   lock that serializes materializing weights: one slow download never holds up other cold loads.
 - Each load makes room knowing every byte already committed: least-recently-used idle models are
   evicted (idle adapters first), never a pinned one and never one with work in flight. While only

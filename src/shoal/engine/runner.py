@@ -31,6 +31,14 @@ _ENCODER_ONLY_HEADS = frozenset({"dense", "multivector"})
 
 # Torch's intra-op thread count when shoal started (before any model set its own).
 _DEFAULT_THREADS = torch.get_num_threads()
+
+
+def _use_default_threads() -> None:
+    """Torch's default thread count on the calling (load) thread. A new thread inherits the count
+    torch was last given, and the device thread sets it per batch (a thread fewer for small ones,
+    a card's `threads: 1`): loads (packing, calibration, adapters) must not run single-threaded."""
+    if torch.get_num_threads() != _DEFAULT_THREADS:
+        torch.set_num_threads(_DEFAULT_THREADS)
 # Batches under this many tokens run on one intra-op thread fewer on a CPU (a card's
 # `batching.small_batch_tokens` overrides it; 0: off). On 2 cores, one-sentence requests arriving
 # at 80-120 req/s kept p99 within 150 ms at a higher rate with it; 32-document calls (4,096-token
@@ -80,10 +88,7 @@ class ModelRunner:
                  max_batch_tokens: int = 16384, pack: bool = True) -> "ModelRunner":
         card = _quantize_here(card, device)
         _check_quantize(card, device)
-        # A thread's torch thread count is inherited by threads started after a change (OpenMP): a
-        # model with `threads: 1` must not leave later loads (packing, calibration) single-threaded.
-        if torch.get_num_threads() != _DEFAULT_THREADS:
-            torch.set_num_threads(_DEFAULT_THREADS)
+        _use_default_threads()
         if card.extract is not None and card.extract.kind == "gliner":
             from .gliner_files import load_gliner_backbone
 
@@ -118,6 +123,7 @@ class ModelRunner:
         Safe from a loader thread while the device thread runs `forward`: everything is built off to
         the side and installed in one swap, so a forward sees the adapter whole or not at all.
         """
+        _use_default_threads()
         dtype = next(self.model.parameters()).dtype
         adapter = read_adapter(name, directory, self.model, device=self.device, dtype=dtype,
                                drop_head_targets=set(self.heads) <= _ENCODER_ONLY_HEADS)

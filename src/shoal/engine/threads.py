@@ -3,13 +3,14 @@
 Each job runs on a thread of its own that ends with the job, never on a pooled thread that lives on.
 The reason is libgomp, the OpenMP runtime torch's CPU wheels use. Every thread that runs a parallel
 torch op gets its own team of worker threads, and the team lives as long as that thread. Once the
-process holds more OpenMP threads than it has cores, libgomp's workers stop spin-waiting between
+process holds more OpenMP threads than cores, libgomp's workers stop spin-waiting between
 parallel regions (100 spins, against 300,000 otherwise) and sleep on a futex instead. The device
 thread's forward then pays a wake-up at every op.
 
-A server whose model had been loaded on a pooled loader thread ran MiniLM's forward at 0.85 and
-0.76 of its two threads' cores, 4.7-5.3k tokens/s. The same forward run where the model loaded on
-a thread that had ended took both cores, ~6.0k tokens/s (docs/benchmarks.md, 2026-12-03
+A server whose model had been loaded on a pooled loader thread kept its device thread and that
+thread's OpenMP worker at 0.88 and 0.71 of a core under load, and ran MiniLM's batches at
+3,900-4,700 tokens/s. In process, the same forward took both cores, 5,850-6,370 tokens/s. With a
+thread per load, the server's two threads ran at 0.97 and 0.89 (docs/benchmarks.md, 2026-12-03
 afternoon). So the device thread stays the only OpenMP team in the process once a job is done.
 """
 
@@ -25,7 +26,8 @@ from typing import Any, Callable
 class ThreadPerJob(Executor):
     """An executor that starts a new thread for each job, at most `max_workers` at a time, in the
     order they were submitted; a job's thread ends when the job does (taking its OpenMP team
-    with it)."""
+    with it). Like ThreadPoolExecutor's, its threads are not daemons: the interpreter waits for a
+    running job at exit."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
         if max_workers < 1:
@@ -34,7 +36,8 @@ class ThreadPerJob(Executor):
         self._prefix = thread_name_prefix
         self._lock = threading.Lock()
         self._waiting: deque[tuple[Future, Callable[..., Any], tuple, dict]] = deque()
-        self._running: set[threading.Thread] = set()
+        self._running = 0  # jobs started and not yet finished
+        self._threads: set[threading.Thread] = set()  # started, perhaps not yet ended (for shutdown)
         self._count = itertools.count()
         self._shut = False
 
@@ -43,18 +46,27 @@ class ThreadPerJob(Executor):
         with self._lock:
             if self._shut:
                 raise RuntimeError("cannot schedule new futures after shutdown")
+            self._threads = {t for t in self._threads if t.is_alive()}
             self._waiting.append((future, fn, args, kwargs))
             self._start_waiting()
         return future
 
     def _start_waiting(self) -> None:
-        """Start threads for waiting jobs while there is room (the lock held)."""
-        while self._waiting and len(self._running) < self._max_workers:
+        """Start threads for waiting jobs while there is room (the lock held); never raises."""
+        while self._waiting and self._running < self._max_workers:
             job = self._waiting.popleft()
-            thread = threading.Thread(target=self._work, args=job, name=f"{self._prefix}_{next(self._count)}",
-                                      daemon=True)
-            self._running.add(thread)
-            thread.start()
+            future = job[0]
+            if future.cancelled():
+                continue
+            thread = threading.Thread(target=self._work, args=job, name=f"{self._prefix}_{next(self._count)}")
+            try:
+                thread.start()
+            except BaseException as exc:  # no thread to be had (a process limit, the interpreter exiting)
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+                continue
+            self._running += 1
+            self._threads.add(thread)
 
     def _work(self, future: Future, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         try:
@@ -67,7 +79,7 @@ class ThreadPerJob(Executor):
                     future.set_result(result)
         finally:
             with self._lock:
-                self._running.discard(threading.current_thread())
+                self._running -= 1
                 self._start_waiting()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -77,10 +89,10 @@ class ThreadPerJob(Executor):
                 for future, *_ in self._waiting:
                     future.cancel()
                 self._waiting.clear()
-        while wait:
+        while wait:  # every job run, and every thread ended (its OpenMP team gone with it)
             with self._lock:
-                running = list(self._running)
-                if not running and not self._waiting:
+                threads = [t for t in self._threads if t.is_alive()]
+                if not threads and not self._waiting:
                     return
-            for thread in running:
+            for thread in threads:
                 thread.join()
