@@ -130,8 +130,7 @@ print((memory.rss_bytes() - base) / 2**20)
 def primitives_mib(tuned: bool) -> float:
     result = subprocess.run([sys.executable, "-c", PRIMITIVES, "tuned" if tuned else "untuned"],
                             capture_output=True, text=True, timeout=120,
-                            env={k: v for k, v in os.environ.items()
-                                 if k not in {n for name, older in memory._PRIMITIVE_CACHES.items() for n in (name, *older)}})
+                            env={k: v for k, v in os.environ.items() if k not in memory.PRIMITIVE_CACHE_VARIABLES})
     assert result.returncode == 0, result.stderr
     if result.stdout.strip() == "skip":
         pytest.skip("this torch has no oneDNN inner product")
@@ -146,9 +145,8 @@ def test_capped_primitive_caches_keep_a_packed_linear_of_many_batch_sizes_from_g
 
 
 def test_a_primitive_cache_size_the_environment_sets_wins_under_either_name(monkeypatch):
-    for name, older in memory._PRIMITIVE_CACHES.items():
-        for n in (name, *older):
-            monkeypatch.delenv(n, raising=False)
+    for name in memory.PRIMITIVE_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "7")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "9")
     memory.tune_allocator()

@@ -63,6 +63,7 @@ ARENA_MAX = 4
 PRIMITIVE_CACHE_CAPACITY = 128  # oneDNN primitives kept per cache (see the module)
 # Each cache's variable, with the older names that set the same cache (oneDNN still reads DNNL_*).
 _PRIMITIVE_CACHES = {"LRU_CACHE_CAPACITY": (), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": ("DNNL_PRIMITIVE_CACHE_CAPACITY",)}
+PRIMITIVE_CACHE_VARIABLES = tuple(n for name, older in _PRIMITIVE_CACHES.items() for n in (name, *older))
 
 
 @functools.cache

@@ -32,6 +32,12 @@ _ENCODER_ONLY_HEADS = frozenset({"dense", "multivector"})
 # Torch's intra-op thread count when shoal started (before any model set its own).
 _DEFAULT_THREADS = torch.get_num_threads()
 
+# Batches under this many tokens run on one intra-op thread fewer on a CPU (a card's
+# `batching.small_batch_tokens` overrides it; 0: off). On 2 cores, one-sentence requests arriving
+# at 80-120 req/s kept p99 within 150 ms at a higher rate with it; 32-document calls (4,096-token
+# batches) never take it (docs/benchmarks.md, 2026-12-02 night).
+SMALL_BATCH_TOKENS = 1024
+
 
 def _use_default_threads() -> None:
     """Torch's default thread count on the calling (load) thread. A new thread inherits the count
@@ -39,11 +45,6 @@ def _use_default_threads() -> None:
     a card's `threads: 1`): loads (packing, calibration, adapters) must not run single-threaded."""
     if torch.get_num_threads() != _DEFAULT_THREADS:
         torch.set_num_threads(_DEFAULT_THREADS)
-# Batches under this many tokens run on one intra-op thread fewer on a CPU (a card's
-# `batching.small_batch_tokens` overrides it; 0: off). On 2 cores, one-sentence requests arriving
-# at 80-120 req/s kept p99 within 150 ms at a higher rate with it; 32-document calls (4,096-token
-# batches) never take it (docs/benchmarks.md, 2026-12-02 night).
-SMALL_BATCH_TOKENS = 1024
 
 
 class ModelRunner:
