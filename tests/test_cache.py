@@ -141,14 +141,15 @@ def test_a_loaded_runner_measures_the_bytes_of_its_tensors_not_its_files(tiny_be
     assert 0 < small.workspace_bytes < runner.workspace_bytes
 
 
-def test_lru_eviction_of_real_runners_keeps_the_recently_used_ones(tiny_bert_dir):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_lru_eviction_of_real_runners_keeps_the_recently_used_ones(tiny_bert_dir, lanes):
     ids = ("a", "b", "c")
     cards = {i: card(i, str(tiny_bert_dir)) for i in ids}
     probe = ModelRunner.from_dir(cards["a"], tiny_bert_dir, "cpu")
     size, workspace = probe.num_bytes, probe.workspace_bytes
     cache = ModelCache(
         lambda c: ModelRunner.from_dir(c, tiny_bert_dir, "cpu"), lambda c: size,
-        memory_budget_bytes=2 * size + workspace + size // 2,
+        memory_budget_bytes=2 * size + lanes * workspace + size // 2, side_by_side=lanes,
     )
 
     async def main():
@@ -159,7 +160,7 @@ def test_lru_eviction_of_real_runners_keeps_the_recently_used_ones(tiny_bert_dir
 
     asyncio.run(main())
     assert [cache.is_loaded(i) for i in ids] == [True, False, True]
-    assert cache.loaded_bytes == 2 * size + workspace  # one workspace: the device runs one batch at a time
+    assert cache.loaded_bytes == 2 * size + lanes * workspace  # a workspace per batch the device runs at once
     cache.close()
 
 

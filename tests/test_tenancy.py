@@ -84,7 +84,8 @@ def wrapped(serve):
         runners.append(Instrumented(runner))
         return runners[-1]
 
-    url = serve(engine=EngineSettings(device_restart_delay_s=1.5), wrap_runner=wrap)
+    # One lane: one slow batch holds the whole device (tests/test_device_lanes.py covers two).
+    url = serve(engine=EngineSettings(device_restart_delay_s=1.5, device_lanes=1), wrap_runner=wrap)
     return url, runners[0], serve.engines[url]
 
 
@@ -93,8 +94,8 @@ def strict(serve):
     """A server with a short default deadline, a small token queue and a small result limit."""
     from shoal.config import EngineSettings
 
-    url = serve(engine=EngineSettings(request_timeout_s=0.5, max_queue_tokens=1000, max_result_bytes=100_000),
-                wrap_runner=Instrumented)
+    url = serve(engine=EngineSettings(request_timeout_s=0.5, max_queue_tokens=1000, max_result_bytes=100_000,
+                                      device_lanes=1), wrap_runner=Instrumented)
     return url
 
 
@@ -123,8 +124,15 @@ def test_an_abandoned_bulk_request_is_dropped_and_a_request_after_it_is_answered
     waited_s = time.perf_counter() - started
 
     assert small.status_code == 200, small.text
-    ran = metric(url, "shoal_items_total", model=MODEL_ID) - items_before
-    dropped = metric(url, "shoal_dropped_items_total", model=MODEL_ID, reason="cancelled") - dropped_before
+    # Another lane may still be finishing a batch of the bulk taken before it was abandoned: every
+    # item is counted once it ran or was dropped.
+    deadline = time.monotonic() + 5
+    while True:
+        ran = metric(url, "shoal_items_total", model=MODEL_ID) - items_before
+        dropped = metric(url, "shoal_dropped_items_total", model=MODEL_ID, reason="cancelled") - dropped_before
+        if ran + dropped >= 2048 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert ran < 1024, f"{ran} items of the abandoned request still ran"  # most of it never reached the device
     assert dropped >= 2048 - ran  # and /metrics says so
     # The bulk had seconds of work left (41k tokens; it was abandoned after 1.5 s); the small
@@ -141,7 +149,7 @@ def test_an_abandoned_bulk_request_is_dropped_and_a_request_after_it_is_answered
 
 @pytest.mark.parametrize("small_model", [MODEL_ID, "rasyosef/splade-tiny"], ids=["same-model", "other-model"])
 def test_a_small_request_waits_at_most_one_bulk_batch_on_the_same_or_another_model(wrapped, small_model):
-    url, _, _ = wrapped
+    url, _, engine = wrapped
     httpx.post(f"{url}/v1/encode", json={"model": small_model, "items": [{"text": "warm"}]}, timeout=60)  # loaded
     docs = [f"bulk document {i} about the migration of fish along the coast in spring" for i in range(1024)]
     bulk = in_background(lambda: httpx.post(f"{url}/v1/encode", json=body(docs, timeout_s=120), timeout=120))
@@ -155,8 +163,10 @@ def test_a_small_request_waits_at_most_one_bulk_batch_on_the_same_or_another_mod
     assert small.status_code == 200, small.text
     after = Instrumented.order[start:]
     assert sum(n for m, n in after if m == MODEL_ID) > 256  # the bulk still had batches to run after it
-    # Batches from the small request's arrival to its answer: the one running, then its own.
-    assert answered - start <= 3, after[: answered - start]
+    # Batches started from the small request's arrival to its answer: on each lane at most the one
+    # after the batch running there, then the small request's own.
+    lanes = engine.device_lanes
+    assert answered - start <= 1 + 2 * lanes, (lanes, after[: answered - start])
 
 
 # --- deadlines ----------------------------------------------------------------------------------
@@ -280,7 +290,7 @@ def test_a_dead_device_thread_fails_its_work_with_503_turns_readyz_503_and_is_re
     real_next_batch = scheduler.next_batch
     restarts_before = metric(url, "shoal_device_restarts_total")
 
-    def broken(now):
+    def broken(*args):
         scheduler.next_batch = real_next_batch  # once
         raise RuntimeError("scheduler bug")
 

@@ -27,6 +27,8 @@ def _settings(args: argparse.Namespace):
         engine = replace(engine, device=args.device)
     if getattr(args, "memory_budget_bytes", None):
         engine = replace(engine, memory_budget_bytes=args.memory_budget_bytes)
+    if getattr(args, "lanes", None):
+        engine = replace(engine, device_lanes=args.lanes)
     if getattr(args, "pin", None):
         engine = replace(engine, pinned_models=tuple(args.pin))
     if getattr(args, "auth_tokens_file", None):
@@ -270,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-budget-bytes", type=int,
                        help="bytes resident models may hold before the least recently used are evicted "
                             "(default: 80%% of the RAM or VRAM free at start)")
+    serve.add_argument("--lanes", type=int, metavar="N",
+                       help="batches a CPU runs side by side, each on its share of the cores (default 2 "
+                            "with 2+ cores; 1 on a GPU)")
     serve.add_argument("--pin", action="append", metavar="MODEL", help="never evict MODEL")
     serve.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before accepting requests")
     serve.add_argument("--auth-tokens-file", metavar="FILE", help="bearer tokens (YAML; see docs/operations.md)")

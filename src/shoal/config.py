@@ -36,6 +36,9 @@ class EngineSettings:
     device_restart_delay_s: float = 1.0
     stop_timeout_s: float = 60.0
     tokenizer_threads: int = 2
+    # Batches the device runs side by side, each on its share of torch's threads (engine/device.py);
+    # None: 2 on a CPU with 2+ cores, 1 elsewhere. GPUs take 1.
+    device_lanes: int | None = None
     # float32 CPU models run their Linears on oneDNN-packed weights (layers/packed.py); False: torch's
     # own Linear (MKL sgemm). SHOAL_ONEDNN_LINEAR=0 turns it off.
     onednn_linear: bool = True
@@ -161,6 +164,7 @@ class Settings:
             request_timeout_s=float(env.get("SHOAL_REQUEST_TIMEOUT_S", EngineSettings.request_timeout_s)),
             max_result_bytes=int(env.get("SHOAL_MAX_RESULT_BYTES", EngineSettings.max_result_bytes)),
             memory_budget_bytes=int(budget) if budget else None,
+            device_lanes=int(env["SHOAL_DEVICE_LANES"]) if env.get("SHOAL_DEVICE_LANES") else None,
             onednn_linear=env.get("SHOAL_ONEDNN_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off"),
         )
         dirs = tuple(Path(p) for p in env.get("SHOAL_MODELS_DIRS", "").split(os.pathsep) if p)

@@ -8,8 +8,8 @@
   work in flight stands in the way, the load waits for it to end (outside the lock, within
   `load_timeout_s`); when nothing that may ever leave would make room, it fails at once. The
   bytes a model holds are **measured** once it is loaded (its tensors, not its files), and the
-  device's workspace (one batch runs at a time, so the largest model's workspace, counted once)
-  comes on top; the budget is checked again against the measured figure.
+  device's workspace (the largest model's, once per batch the device runs side by side: once on
+  a GPU, twice for a CPU's two lanes) comes on top; the budget is checked again against the measured figure.
 - An adapter load holds its model (never evicts it), fails at once if the adapter cannot fit
   beside it, and backs off after a failure as models do.
 - A request waits up to `load_timeout_s` for a load, then gets Overloaded (503) with a
@@ -64,6 +64,7 @@ class ModelCache:
         load_backoff_s: float = 1.0,
         metrics: Metrics | None = None,
         device: str = "cpu",
+        side_by_side: int = 1,
     ) -> None:
         self._load_fn = load
         self._estimate_fn = estimate_bytes
@@ -74,6 +75,7 @@ class ModelCache:
         self._backoff_s = load_backoff_s
         self._metrics = metrics
         self._device = device
+        self._side_by_side = side_by_side  # batches the device may run at once (its lanes)
         self._loaded: OrderedDict[str, Any] = OrderedDict()  # least recently used first
         self._loading: dict[str, asyncio.Task] = {}
         self._loading_since: dict[str, float] = {}
@@ -120,8 +122,8 @@ class ModelCache:
     @property
     def loaded_bytes(self) -> int:
         """Bytes held now: each model's measured tensors and its resident adapters, plus the
-        workspace of the largest (counted once: the device runs one batch at a time)."""
-        return sum(self.model_bytes(m) for m in self._loaded) + self._workspace(self._loaded.values())
+        workspace of the largest once per batch the device runs side by side."""
+        return sum(self.model_bytes(m) for m in self._loaded) + self._side_by_side * self._workspace(self._loaded.values())
 
     def model_bytes(self, model_id: str) -> int:
         runner = self._loaded.get(model_id)
@@ -312,7 +314,7 @@ class ModelCache:
         def used(models, fixed: bool = False) -> int:
             runners = [self._loaded[m] for m in models]
             held = sum(self._fixed_bytes(m) if fixed else self.model_bytes(m) for m in models)
-            return held + max(workspace, self._workspace(runners))
+            return held + self._side_by_side * max(workspace, self._workspace(runners))
 
         staying = [m for m in self._loaded if m == keep]  # what stays whatever happens (less idle adapters)
         if used(staying, fixed=True) + needed > budget:

@@ -1,16 +1,26 @@
-"""The device worker: the one thread that owns a device, fed by the scheduler.
+"""The device worker: the threads that own a device, fed by the scheduler.
 
-    submit(Pending) ─▶ scheduler (fair, token budget) ─▶ device thread ─▶ runner.forward ─▶ settle on the loop
+    submit(Pending) ─▶ scheduler (fair, token budget) ─▶ device lanes ─▶ runner.forward ─▶ settle on the loop
+
+- A device runs its batches on `lanes` threads. A GPU has one. A CPU has two by default, each
+  running its own batch on its share of torch's intra-op threads. On 2 cores two one-thread
+  forwards side by side did 1.2-1.5x the tokens of one two-thread forward on query-sized batches
+  (no OpenMP barrier waits for a thread the HTTP side or the client preempted; docs/benchmarks.md).
+  A lane that finds other lanes idle takes only its share of the queued tokens, so a lone request
+  of several sequences still runs on every core.
+- Two batches of one model run side by side unless one of them routes LoRA adapters: those hooks
+  are installed on the model for one forward (layers/lora.py), so such a batch has the model to
+  itself.
 
 - A failed batch is run again one sequence at a time, so only the sequences that fail get an
   error (`InferenceFailed` with the request id; the traceback goes to the log, not the client).
 - Requests whose caller went away or whose deadline passed are dropped before compute.
-- If the thread itself dies, every request it held fails with 503, `ready` turns false, and a new
-  thread starts after `restart_delay_s`.
-- `stop` finishes what is queued, then joins the thread; it reports whether the thread ended, so
-  the caller never frees a model under a running batch.
+- If a lane itself dies, `ready` turns false; once the other lanes have finished their batches,
+  every request still held fails with 503 and new lanes start after `restart_delay_s`.
+- `stop` finishes what is queued, then joins the lanes; it reports whether they ended, so the
+  caller never frees a model under a running batch.
 
-The thread sleeps on a condition variable until work arrives; there is no polling.
+Idle lanes sleep on a condition variable until work arrives; there is no polling.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any, Callable, Sequence
 from ..errors import DeadlineExceeded, InferenceFailed, Overloaded, ShoalError
 from ..metrics import Metrics
 from . import memory
+from .threads import share_threads
 from .scheduler import BatchLimits, Scheduler, Slot
 from .types import Batch
 
@@ -57,12 +68,25 @@ class Pending:
         self.remaining = len(seqs)  # written by the device thread only
         self.error: ShoalError | None = None
         self.enqueued_at = time.perf_counter()
-        self.inference_s = 0.0
+        self._batches: list[tuple[float, float]] = []  # (start, end) of each batch it was in (perf_counter)
         self.finished_at: float | None = None
 
     @property
     def cancelled(self) -> bool:
         return self.future.done() or self.error is not None
+
+    def ran(self, start: float, end: float) -> None:
+        """One of its batches ran from `start` to `end` (on the device thread)."""
+        self._batches.append((start, end))
+
+    @property
+    def inference_s(self) -> float:
+        """Time some batch of it was running: batches on other lanes overlap, so they count once."""
+        total, until = 0.0, float("-inf")
+        for start, end in sorted(self._batches):
+            total += max(0.0, end - max(start, until))
+            until = max(until, end)
+        return total
 
     @property
     def queue_s(self) -> float:
@@ -72,13 +96,23 @@ class Pending:
 
 class DeviceWorker:
     def __init__(self, limits_for: Callable[[str], BatchLimits], metrics: Metrics, *, name: str = "shoal-device",
-                 restart_delay_s: float = 1.0, small_request_tokens: int = 1024, min_rate_tokens: int = 128) -> None:
+                 restart_delay_s: float = 1.0, small_request_tokens: int = 1024, min_rate_tokens: int = 128,
+                 lanes: int = 1) -> None:
+        if lanes < 1:
+            raise ValueError(f"a device needs at least one lane, not {lanes}")
         self._scheduler = Scheduler(limits_for)
         self._metrics = metrics
         self._name = name
         self._restart_delay_s = restart_delay_s
-        self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._lanes = lanes
+        lock = threading.RLock()
+        self._wake = threading.Condition(lock)  # work arrived, a lane died, or the device stops
+        self._turn = threading.Condition(lock)  # a model's batch ended (a lane may wait to run one)
+        self._threads: list[threading.Thread] = []
+        self._alive = 0  # lanes not yet ended (the lock held)
+        self._running = 0  # lanes inside a batch (the lock held)
+        self._shared: dict[int, int] = {}  # id(runner): its batches running side by side
+        self._held: set[int] = set()  # id(runner): a batch with adapters waits for or has it alone
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._dead = False
@@ -103,12 +137,24 @@ class DeviceWorker:
 
     def _spawn(self) -> None:
         self._dead = False
-        self._thread = threading.Thread(target=self._thread_main, name=self._name, daemon=True)
-        self._thread.start()
+        self._alive = self._lanes
+        self._running = 0
+        self._shared.clear()
+        self._held.clear()
+        self._threads = [threading.Thread(target=self._lane_main, daemon=True,
+                                          name=self._name if self._lanes == 1 else f"{self._name}-{i}")
+                         for i in range(self._lanes)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def lanes(self) -> int:
+        return self._lanes
 
     @property
     def ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._dead and not self._stopping
+        return (bool(self._threads) and all(t.is_alive() for t in self._threads) and not self._dead
+                and not self._stopping)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -129,7 +175,7 @@ class DeviceWorker:
         with self._wake:
             if self._stopping:
                 raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
-            if self._dead or self._thread is None:
+            if self._dead or not self._threads:
                 raise Overloaded("the device worker is restarting; retry shortly", retry_after_s=self._restart_delay_s)
             self._live[id(pending)] = pending
             pending.large = sum(pending.lengths) > self._small_request_tokens
@@ -150,21 +196,21 @@ class DeviceWorker:
             self._wake.notify()
 
     async def stop(self, timeout_s: float) -> bool:
-        """Finish the queued work and end the thread; True when it ended within `timeout_s`."""
+        """Finish the queued work and end the lanes; True when they ended within `timeout_s`."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        thread = self._thread
-        if thread is None:
-            return True
-        await asyncio.to_thread(thread.join, timeout_s)
-        if thread.is_alive():
-            log.error("the device thread is still running a batch after %.0f s", timeout_s)
+        end = time.monotonic() + timeout_s
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, max(0.0, end - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            log.error("a device thread is still running a batch after %.0f s", timeout_s)
             return False
         return True
 
     def _died(self) -> None:
-        """On the loop: the thread died. Fail what it held with 503, restart it after a pause."""
+        """On the loop, once every lane has ended after one died: fail what they held with 503, and
+        start new lanes after a pause."""
         self._dead = True
         with self._wake:
             self._scheduler.drain()
@@ -204,29 +250,59 @@ class DeviceWorker:
 
     # --- the device thread ----------------------------------------------------------------------
 
-    def _thread_main(self) -> None:
+    def _lane_main(self) -> None:
+        share_threads(self._lanes)  # this thread's forwards take 1/lanes of a model's threads
         try:
             self._serve()
         except BaseException:
-            log.exception("the device thread died")
-            self._call_soon(self._died)
+            log.exception("a device thread died")
+            with self._wake:
+                self._dead = True  # the other lanes end after their batches
+                self._wake.notify_all()
+        finally:
+            with self._wake:
+                self._alive -= 1
+                last = self._alive == 0
+            if last and self._dead:
+                self._call_soon(self._died)
 
     def _serve(self) -> None:
         """Run batches until stopped; on stop, finish what was already queued (none is dropped)."""
         while True:
             with self._wake:
-                batch, dropped = self._scheduler.next_batch(time.monotonic())
-                while not batch and not dropped and not self._stopping:
+                while True:
+                    if self._dead:  # another lane died: the loop fails what is left once all have ended
+                        return
+                    batch, dropped = self._take()
+                    if batch or dropped or self._stopping:
+                        break
                     self._wake.wait()
                     self._linger()
-                    batch, dropped = self._scheduler.next_batch(time.monotonic())
             if dropped:
                 self._drop(dropped)
             if batch:
-                self._run(batch)
+                try:
+                    self._run(batch)
+                finally:
+                    with self._wake:
+                        self._running -= 1
                 self._trim_if_idle()
             elif self._stopping and not dropped:
                 return
+
+    def _take(self) -> tuple[list[Slot], list[Pending]]:
+        """(this lane's next batch, the requests dropped on the way), the lock held. With other lanes
+        idle, the batch takes only its share of the queued tokens, and an idle lane is woken for the
+        rest: a lone request of several sequences runs on every lane."""
+        idle = self._lanes - self._running
+        queued = self._scheduler.num_tokens
+        share = -(-queued // idle) if idle > 1 and queued else None
+        batch, dropped = self._scheduler.next_batch(time.monotonic(), share)
+        if batch:
+            self._running += 1
+            if len(self._scheduler) and self._running < self._lanes:
+                self._wake.notify()
+        return batch, dropped
 
     def _linger(self) -> None:
         """Woken from idle (the lock held): if the next model's limits ask for a batching wait, wait
@@ -249,7 +325,7 @@ class DeviceWorker:
         batches reuse the freed heap without page faults."""
         now = time.monotonic()
         rss = memory.rss_bytes()
-        idle = len(self._scheduler) == 0 and now - self._trimmed_at >= TRIM_EVERY_S
+        idle = (len(self._scheduler) == 0 and self._running == 0 and now - self._trimmed_at >= TRIM_EVERY_S)
         grown = rss is not None and rss > self._rss_after_trim + memory.RETAINED_HEAP_BYTES
         if idle or grown:
             self._trimmed_at = now
@@ -278,6 +354,9 @@ class DeviceWorker:
             # Each adapter's sequences side by side (the base's first): its LoRA delta is then one
             # slice of the batch's tokens, not a gather and scatter (layers/lora.py).
             slots = sorted(slots, key=lambda slot: slot[0].adapter_slot)
+        alone = any(p.adapter_slot >= 0 for p, _ in slots)
+        self._enter(runner, alone)
+        side_by_side = self._running  # lanes in a batch now, this one included
         started = time.perf_counter()
         try:
             outputs: list[Any] = self._forward(runner, slots)
@@ -288,6 +367,8 @@ class DeviceWorker:
                     outputs.extend(self._forward(runner, [slot]))
                 except Exception as exc:
                     outputs.append(exc)
+        finally:
+            self._leave(runner, alone)
         elapsed = time.perf_counter() - started
         model_id = slots[0][0].model_id
         num_tokens = sum(p.lengths[i] for p, i in slots)
@@ -297,15 +378,17 @@ class DeviceWorker:
         m.tokens.labels(model_id).inc(num_tokens)
         m.items.labels(model_id).inc(len(slots))
         if elapsed > 0:
-            rate = num_tokens / elapsed
-            self._tokens_per_s = rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * rate
+            rate = num_tokens / elapsed  # one lane's: how long a batch of the model takes
+            device_rate = rate * max(1, side_by_side)  # the device's, with the lanes busy beside it
+            self._tokens_per_s = (device_rate if self._tokens_per_s is None
+                                  else 0.8 * self._tokens_per_s + 0.2 * device_rate)
             if num_tokens >= self._min_rate_tokens:
                 old = self._model_rates.get(model_id)
                 self._model_rates[model_id] = rate if old is None else 0.7 * old + 0.3 * rate
         in_batch: dict[int, Pending] = {}
         for (pending, index), output in zip(slots, outputs):
             if id(pending) not in in_batch:
-                pending.inference_s += elapsed
+                pending.ran(started, started + elapsed)
                 in_batch[id(pending)] = pending
             if isinstance(output, Exception):
                 log.error("request %s: inference failed on item %d", pending.request_id, index, exc_info=output)
@@ -325,6 +408,32 @@ class DeviceWorker:
                 self._call_soon(self._settle, pending)
             if pending.remaining == 0:  # every sequence ran: the scheduler holds it no more
                 self._call_soon(self._release, pending)
+
+    def _enter(self, runner: Any, alone: bool) -> None:
+        """Wait until `runner` may run this lane's batch: beside its other batches, or, for a batch
+        with adapters (`alone`), once the batches running on it have ended; no batch starts on it
+        meanwhile, so the adapter batch never waits for long."""
+        key = id(runner)
+        with self._wake:
+            while key in self._held:
+                self._turn.wait()
+            if alone:
+                self._held.add(key)
+                while self._shared.get(key):
+                    self._turn.wait()
+            else:
+                self._shared[key] = self._shared.get(key, 0) + 1
+
+    def _leave(self, runner: Any, alone: bool) -> None:
+        key = id(runner)
+        with self._wake:
+            if alone:
+                self._held.discard(key)
+            elif self._shared[key] > 1:
+                self._shared[key] -= 1
+            else:
+                del self._shared[key]
+            self._turn.notify_all()
 
     @staticmethod
     def _forward(runner: Any, slots: list[Slot]) -> list[Any]:

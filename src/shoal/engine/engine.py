@@ -1,7 +1,7 @@
 """The engine: implements the Service protocol in process.
 
     run(call) ─ task.plan ─ admit (tokens, items) ─ cache.acquire ─ tokenize (pool) ─▶ device worker
-                                                                                   (scheduler + thread)
+                                                                                   (scheduler + lanes)
     every phase runs against the call's deadline; a caller that goes away cancels its call
 
 Admission counts estimated tokens (and items) of everything admitted and not yet answered; a full
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from ..calls import (AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, 
                      timeout_of)
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
-from ..errors import DeadlineExceeded, InvalidRequest, Overloaded
+from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
 from . import memory
@@ -53,6 +54,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.metrics.start_models(card.id for card in catalog)
         self._hardware = hardware_class(settings.device)
+        lanes = device_lanes(settings)
         fetch = None
         if load_runner is None or estimate_bytes is None:
             from ..catalog import resolve_weights
@@ -77,7 +79,7 @@ class Engine:
             pinned=frozenset(settings.pinned_models),
             load_timeout_s=settings.load_timeout_s,
             load_backoff_s=settings.load_backoff_s,
-            metrics=self.metrics, device=settings.device,
+            metrics=self.metrics, device=settings.device, side_by_side=lanes,
         )
         self.fleet = Fleet(catalog, cache, device=settings.device, models_dirs=models_dirs,
                            watch_interval_s=settings.watch_interval_s)
@@ -85,6 +87,7 @@ class Engine:
         self._device = DeviceWorker(
             self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s,
             small_request_tokens=4 * settings.min_batch_tokens, min_rate_tokens=settings.min_batch_tokens // 2,
+            lanes=lanes,
         )
         self._admitted_items = 0
         self._admitted_tokens = 0
@@ -123,6 +126,11 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self._started and not self._stopping and self._device.ready
+
+    @property
+    def device_lanes(self) -> int:
+        """Batches the device runs side by side."""
+        return self._device.lanes
 
     # --- Service --------------------------------------------------------------------------------
 
@@ -305,6 +313,22 @@ class Engine:
     def _record_queue(self) -> None:
         self.metrics.queue_depth.set(self._admitted_items)
         self.metrics.queue_tokens.set(self._admitted_tokens)
+
+
+def device_lanes(settings: EngineSettings) -> int:
+    """Batches the device runs side by side (engine/device.py): the settings' `device_lanes`, else
+    two on a CPU with two or more cores to run on, one elsewhere."""
+    lanes = settings.device_lanes
+    on_cpu = settings.device.split(":")[0] == "cpu"
+    if lanes is None:
+        return 2 if on_cpu and len(os.sched_getaffinity(0)) >= 2 else 1
+    if lanes < 1:
+        raise ConfigError(f"device_lanes must be at least 1, not {lanes}", details={"field": "device_lanes"})
+    if lanes > 1 and not on_cpu:
+        raise ConfigError(f"device_lanes {lanes} is for CPUs: a GPU runs one batch at a time (one launch over "
+                          f"the whole batch is what is fast there); leave it unset or 1 on {settings.device}",
+                          details={"field": "device_lanes", "device": settings.device})
+    return lanes
 
 
 _PHASE_WORDS = {"load": "waiting for the model to load", "tokenize": "being tokenized",

@@ -21,6 +21,7 @@ from ..weights import build_model, estimate_bytes
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
+from .threads import lanes_of_this_thread
 from .tokenizer import TextTokenizer
 from .types import Batch, EncodeSpec, ExtractSpec, ScoreSpec
 
@@ -149,8 +150,10 @@ class ModelRunner:
         return self._adapters.names
 
     def threads_for(self, num_tokens: int) -> int:
-        """Torch intra-op threads for a forward of `num_tokens` tokens."""
-        return max(1, self.threads - 1) if num_tokens < self.small_batch_tokens else self.threads
+        """Torch intra-op threads for a forward of `num_tokens` tokens on the calling thread (a
+        device lane takes its share of them)."""
+        threads = max(1, self.threads // lanes_of_this_thread())
+        return max(1, threads - 1) if num_tokens < self.small_batch_tokens else threads
 
     @torch.inference_mode()
     def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec | ExtractSpec]) -> list:

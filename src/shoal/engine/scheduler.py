@@ -19,7 +19,7 @@ answer them.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 
@@ -81,10 +81,11 @@ class Scheduler:
         self._queues[request.model_id].append(request)
         self._count(request, +1)
 
-    def next_batch(self, now: float) -> tuple[list[Slot], list[Queued]]:
+    def next_batch(self, now: float, max_tokens: int | None = None) -> tuple[list[Slot], list[Queued]]:
         """(the next batch, the requests dropped on the way: cancelled or past their deadline).
 
-        The batch is empty when nothing live is waiting."""
+        `max_tokens` cuts the batch below the model's token budget (a device lane's share of the
+        queued work). The batch is empty when nothing live is waiting."""
         dropped: list[Queued] = []
         while self._ring:
             model_id = self._ring[0]
@@ -99,7 +100,10 @@ class Scheduler:
                 continue
             self._ring.rotate(-1)  # this model's turn is taken
             self._last_served = model_id
-            return self._fill(queue, self._limits_for(model_id)), dropped
+            limits = self._limits_for(model_id)
+            if max_tokens is not None and max_tokens < limits.max_batch_tokens:
+                limits = replace(limits, max_batch_tokens=max(1, max_tokens))
+            return self._fill(queue, limits), dropped
         return [], dropped
 
     def drain(self) -> list[Queued]:

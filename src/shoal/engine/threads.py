@@ -96,3 +96,17 @@ class ThreadPerJob(Executor):
                     return
             for thread in threads:
                 thread.join()
+
+
+# How many device lanes the calling thread is one of (engine/device.py); its forwards take that
+# share of a model's intra-op threads (ModelRunner.threads_for).
+_lane = threading.local()
+
+
+def share_threads(lanes: int) -> None:
+    """The calling thread is one of `lanes` device lanes running batches side by side."""
+    _lane.count = lanes
+
+
+def lanes_of_this_thread() -> int:
+    return getattr(_lane, "count", 1)
