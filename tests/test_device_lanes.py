@@ -33,16 +33,21 @@ def tokenizer() -> TextTokenizer:
 
 
 class Recorder:
-    """A runner stand-in whose forward holds its lane `hold_s` and records what ran when, where."""
+    """A runner stand-in whose forward holds its lane `hold_s` and records what ran when, where; a
+    batch holding token `fail_id` raises at once, one holding `slow_id` takes 1 s."""
 
-    def __init__(self, hold_s: float = 0.2) -> None:
+    def __init__(self, hold_s: float = 0.2, fail_id: int | None = None, slow_id: int | None = None) -> None:
         self.hold_s = hold_s
+        self.fail_id = fail_id
+        self.slow_id = slow_id
         self.runs: list[dict] = []
         self._lock = threading.Lock()
 
     def forward(self, batch, specs):
         start = time.monotonic()
-        time.sleep(self.hold_s)
+        if self.fail_id is not None and (batch.input_ids == self.fail_id).any():
+            raise RuntimeError("a bad item")
+        time.sleep(1.0 if self.slow_id is not None and (batch.input_ids == self.slow_id).any() else self.hold_s)
         with self._lock:
             self.runs.append(dict(start=start, end=time.monotonic(), seqs=batch.num_seqs,
                                   adapters=batch.adapter_slots is not None, thread=threading.current_thread().name))
@@ -59,8 +64,8 @@ def pending(runner, tokenizer, texts, adapter_slot: int = -1, model_id: str = "m
                    future=asyncio.get_running_loop().create_future(), adapter_slot=adapter_slot)
 
 
-def worker(lanes: int, **options) -> DeviceWorker:
-    return DeviceWorker(lambda model_id: BatchLimits(4096, 64), Metrics(), lanes=lanes, **options)
+def worker(lanes: int, max_items: int = 64, **options) -> DeviceWorker:
+    return DeviceWorker(lambda model_id: BatchLimits(4096, max_items), Metrics(), lanes=lanes, **options)
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
@@ -124,6 +129,59 @@ def test_a_batch_with_adapters_has_its_model_to_itself_while_other_models_run_be
     assert len(with_adapter) == 1 and sum(run["seqs"] for run in model.runs) == 3
     assert not any(overlap(with_adapter[0], run) for run in model.runs if not run["adapters"])
     assert any(overlap(a, b) for a in model.runs for b in other.runs)  # the lanes were both in use
+
+
+def test_a_plain_batch_waits_while_an_adapter_batch_has_the_model():
+    device = worker(2)
+    runner = object()
+    events: list[str] = []
+    device._enter(runner, alone=True)
+
+    def plain():
+        device._enter(runner, alone=False)
+        events.append("plain in")
+        device._leave(runner, alone=False)
+
+    thread = threading.Thread(target=plain)
+    thread.start()
+    time.sleep(0.2)
+    events.append("adapter out")
+    device._leave(runner, alone=True)
+    thread.join(5)
+    assert events == ["adapter out", "plain in"]
+
+
+@pytest.mark.parametrize("how", ["a failed item", "a caller gone"])
+def test_a_request_dropped_while_another_lane_runs_part_of_it_is_released_after_that_batch(tokenizer, how):
+    # One sequence a batch: lane A's fails (or its caller goes away) while lane B runs the second,
+    # slower one; the scheduler drops the third, and the model must stay held until B is done.
+    runner = Recorder(hold_s=0.3, fail_id=tokenizer.token_id("poison"), slow_id=tokenizer.token_id("second"))
+    released: list[float] = []
+
+    async def main():
+        device = worker(2, max_items=1)
+        device.start()
+        texts = ["poison" if how == "a failed item" else "first", "second", "third"]
+        request = pending(runner, tokenizer, texts)
+        request.on_released = lambda: released.append(time.monotonic())
+        device.submit(request)
+        if how == "a caller gone":
+            await asyncio.sleep(0.1)  # both lanes hold one of its sequences
+            request.future.cancel()
+            device.wake()
+        else:
+            with pytest.raises(Exception, match="inference failed on items"):
+                await request.future
+        deadline = time.monotonic() + 5
+        while not released:
+            assert time.monotonic() < deadline, "never released"
+            await asyncio.sleep(0.02)
+        assert await device.stop(5)
+
+    asyncio.run(main())
+    assert len(released) == 1
+    assert sum(run["seqs"] for run in runner.runs) <= 2  # the third never ran
+    assert released[0] >= max(run["end"] for run in runner.runs)  # not before the running batch ended
 
 
 def test_each_lane_runs_its_forwards_on_its_share_of_the_threads():

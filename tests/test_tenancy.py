@@ -13,6 +13,7 @@ import asyncio
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -64,18 +65,18 @@ def in_background(fn, *args, **kwargs) -> threading.Thread:
     return thread
 
 
-def hold_device(url: str, results: list) -> threading.Thread:
-    """A request whose batch sleeps SLOW_S; returns once it is on the device."""
-    def send():
-        results.append(httpx.post(f"{url}/v1/encode", json=body([f"a {SLOW_WORD} holds the device"], timeout_s=60),
+def hold_device(url: str, results: list, lanes: int = 1) -> threading.Thread:
+    """A request per device lane whose batch sleeps SLOW_S; returns once they are on the device."""
+    def send(i: int):
+        results.append(httpx.post(f"{url}/v1/encode", json=body([f"a {SLOW_WORD} holds lane {i}"], timeout_s=60),
                                   timeout=60))
-    thread = in_background(send)
+    threads = [in_background(send, i) for i in range(lanes)]
     time.sleep(0.3)  # tokenized and running by now
-    return thread
+    return SimpleNamespace(join=lambda timeout: [t.join(timeout) for t in threads])
 
 
-@pytest.fixture(scope="module")
-def wrapped(serve):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-lane", "two-lanes"])
+def wrapped(serve, request):
     from shoal.config import EngineSettings
 
     runners: list[Instrumented] = []
@@ -84,8 +85,7 @@ def wrapped(serve):
         runners.append(Instrumented(runner))
         return runners[-1]
 
-    # One lane: one slow batch holds the whole device (tests/test_device_lanes.py covers two).
-    url = serve(engine=EngineSettings(device_restart_delay_s=1.5, device_lanes=1), wrap_runner=wrap)
+    url = serve(engine=EngineSettings(device_restart_delay_s=1.5, device_lanes=request.param), wrap_runner=wrap)
     return url, runners[0], serve.engines[url]
 
 
@@ -173,9 +173,9 @@ def test_a_small_request_waits_at_most_one_bulk_batch_on_the_same_or_another_mod
 
 
 def test_a_request_whose_deadline_passes_in_the_queue_gets_504_naming_the_phase_and_is_never_run(wrapped):
-    url, runner, _ = wrapped
+    url, runner, engine = wrapped
     held: list = []
-    thread = hold_device(url, held)
+    thread = hold_device(url, held, engine.device_lanes)
     seen = len(runner.batches)
     late = httpx.post(f"{url}/v1/encode", json=body(["too late", "also too late"], timeout_s=0.2), timeout=30)
     thread.join(30)
@@ -185,7 +185,7 @@ def test_a_request_whose_deadline_passes_in_the_queue_gets_504_naming_the_phase_
     assert error["code"] == "deadline_exceeded"
     assert error["details"]["phase"] == "queue" and "queue" in error["message"]
     assert error["details"]["request_id"] == late.headers["x-request-id"]
-    assert held[0].status_code == 200
+    assert [h.status_code for h in held] == [200] * engine.device_lanes
     assert all(n != 2 for n, _ in runner.batches[seen:])  # its two texts never made a batch
     assert metric(url, "shoal_deadline_exceeded_total", model=MODEL_ID, phase="queue") >= 1
 
@@ -253,12 +253,12 @@ def test_retry_after_is_the_token_backlog_over_the_measured_rate():
 
 
 def test_a_failing_item_fails_only_its_own_request_with_a_request_id_and_no_internal_text(wrapped, reference_model):
-    url, runner, _ = wrapped
+    url, runner, engine = wrapped
     good_a = ["first client, first text", "first client, second text"]
     bad = ["harmless", f"this one is {POISON_WORD}", "also harmless"]
     good_c = ["third client text"]
     held: list = []
-    thread = hold_device(url, held)  # the three requests below queue up behind it and share a batch
+    thread = hold_device(url, held, engine.device_lanes)  # the three requests below queue up behind it
     seen = len(runner.batches)
 
     async def three():
@@ -272,7 +272,10 @@ def test_a_failing_item_fails_only_its_own_request_with_a_request_id_and_no_inte
     a, b, c = asyncio.run(three())
     thread.join(30)
 
-    assert (len(good_a) + len(bad) + len(good_c), True) in runner.batches[seen:]  # they did share a batch
+    if engine.device_lanes == 1:
+        assert (len(good_a) + len(bad) + len(good_c), True) in runner.batches[seen:]  # they did share a batch
+    else:  # the two lanes split them; the poisoned batch held other items too
+        assert any(poisoned and n > 1 for n, poisoned in runner.batches[seen:]), runner.batches[seen:]
     assert a.status_code == 200 and c.status_code == 200, (a.text, c.text)
     assert cosine_ok(a.json()["items"], reference_model, good_a)
     assert cosine_ok(c.json()["items"], reference_model, good_c)

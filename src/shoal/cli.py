@@ -27,7 +27,7 @@ def _settings(args: argparse.Namespace):
         engine = replace(engine, device=args.device)
     if getattr(args, "memory_budget_bytes", None):
         engine = replace(engine, memory_budget_bytes=args.memory_budget_bytes)
-    if getattr(args, "lanes", None):
+    if getattr(args, "lanes", None) is not None:
         engine = replace(engine, device_lanes=args.lanes)
     if getattr(args, "pin", None):
         engine = replace(engine, pinned_models=tuple(args.pin))

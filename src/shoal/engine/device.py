@@ -65,7 +65,10 @@ class Pending:
         self.future = future
         self.next_index = 0  # scheduler state
         self.outputs: list[Any] = [None] * len(seqs)
-        self.remaining = len(seqs)  # written by the device thread only
+        # Written by the lanes with the device's lock held:
+        self.remaining = len(seqs)  # sequences not yet run
+        self.in_batches = 0  # batches running with some of its sequences
+        self.dropped = False  # the scheduler let go of its unscheduled sequences (cancelled, late, failed)
         self.error: ShoalError | None = None
         self.enqueued_at = time.perf_counter()
         self._batches: list[tuple[float, float]] = []  # (start, end) of each batch it was in (perf_counter)
@@ -277,7 +280,8 @@ class DeviceWorker:
                     if batch or dropped or self._stopping:
                         break
                     self._wake.wait()
-                    self._linger()
+                    if self._running == 0:  # a lane woken for another's rest takes it at once
+                        self._linger()
             if dropped:
                 self._drop(dropped)
             if batch:
@@ -298,6 +302,10 @@ class DeviceWorker:
         queued = self._scheduler.num_tokens
         share = -(-queued // idle) if idle > 1 and queued else None
         batch, dropped = self._scheduler.next_batch(time.monotonic(), share)
+        for pending in dropped:
+            pending.dropped = True
+        for pending in {id(p): p for p, _ in batch}.values():
+            pending.in_batches += 1
         if batch:
             self._running += 1
             if len(self._scheduler) and self._running < self._lanes:
@@ -346,7 +354,10 @@ class DeviceWorker:
                     details={"phase": "queue", "request_id": pending.request_id},
                 )
                 self._call_soon(self._settle, pending)
-            self._call_soon(self._release, pending)
+            with self._wake:  # a lane still running some of its sequences releases it when done
+                free = pending.in_batches == 0
+            if free:
+                self._call_soon(self._release, pending)
 
     def _run(self, slots: list[Slot]) -> None:
         runner = slots[0][0].runner
@@ -385,29 +396,34 @@ class DeviceWorker:
             if num_tokens >= self._min_rate_tokens:
                 old = self._model_rates.get(model_id)
                 self._model_rates[model_id] = rate if old is None else 0.7 * old + 0.3 * rate
-        in_batch: dict[int, Pending] = {}
         for (pending, index), output in zip(slots, outputs):
-            if id(pending) not in in_batch:
-                pending.ran(started, started + elapsed)
-                in_batch[id(pending)] = pending
             if isinstance(output, Exception):
                 log.error("request %s: inference failed on item %d", pending.request_id, index, exc_info=output)
                 m.failed_items.labels(model_id).inc()
-                if pending.error is None:
+        in_batch: dict[int, Pending] = {}
+        with self._wake:  # other lanes may hold batches of the same requests
+            for (pending, index), output in zip(slots, outputs):
+                if id(pending) not in in_batch:
+                    pending.ran(started, started + elapsed)
+                    in_batch[id(pending)] = pending
+                if isinstance(output, Exception) and pending.error is None:
                     pending.error = InferenceFailed(
                         f"inference failed on items[{index}] (request id {pending.request_id}); "
                         "the server log has the details",
                         details={"request_id": pending.request_id, "index": index},
                     )
-            pending.outputs[index] = output
-            pending.remaining -= 1
-        finished = time.perf_counter()
-        for pending in in_batch.values():
-            if pending.remaining == 0 or pending.error is not None:
-                pending.finished_at = finished
-                self._call_soon(self._settle, pending)
-            if pending.remaining == 0:  # every sequence ran: the scheduler holds it no more
-                self._call_soon(self._release, pending)
+                pending.outputs[index] = output
+                pending.remaining -= 1
+            finished = time.perf_counter()
+            for pending in in_batch.values():
+                pending.in_batches -= 1
+                if pending.remaining == 0 or pending.error is not None:
+                    pending.finished_at = finished
+                    self._call_soon(self._settle, pending)
+                # Released once no lane will touch it again: every sequence ran, or the scheduler
+                # dropped the rest while this batch ran (then `_drop` left the release to it).
+                if pending.in_batches == 0 and (pending.remaining == 0 or pending.dropped):
+                    self._call_soon(self._release, pending)
 
     def _enter(self, runner: Any, alone: bool) -> None:
         """Wait until `runner` may run this lane's batch: beside its other batches, or, for a batch

@@ -297,7 +297,7 @@ class Engine:
         """The card's (or the settings') limits. While small and large requests share the device, the
         token budget is also cut to about `target_batch_s` of device time at the model's measured
         rate (until a rate is measured, 4 x `min_batch_tokens`); otherwise batches get the full budget.
-        Called by the scheduler on the device thread, once per batch."""
+        Called by the scheduler on a device lane, once per batch."""
         s = self.settings
         # The loaded model's card: the catalog may have changed (hot add) while its work is queued.
         card = getattr(self.cache.runner(model_id), "card", None) or self.catalog.get(model_id)
@@ -321,7 +321,8 @@ def device_lanes(settings: EngineSettings) -> int:
     lanes = settings.device_lanes
     on_cpu = settings.device.split(":")[0] == "cpu"
     if lanes is None:
-        return 2 if on_cpu and len(os.sched_getaffinity(0)) >= 2 else 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return 2 if on_cpu and cores >= 2 else 1
     if lanes < 1:
         raise ConfigError(f"device_lanes must be at least 1, not {lanes}", details={"field": "device_lanes"})
     if lanes > 1 and not on_cpu:

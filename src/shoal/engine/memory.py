@@ -32,7 +32,7 @@ layers/rows.py) stay under it. With a 1 MiB threshold every activation was a fre
 page faults cost a third of a CPU forward's throughput; with 16 MiB the q/k/v projections still
 were, ~65,000 faults per pass over 48 Lee documents, and 64 MiB took MiniLM's forward from
 5,845-6,004 to 6,490-6,723 tokens/s on 2 AVX-512 EPYC cores (docs/benchmarks.md).
-`trim` returns freed heap pages to the OS; the device thread calls it when it goes idle, and after
+`trim` returns freed heap pages to the OS; a device lane calls it when the device goes idle, and after
 a batch once RSS has grown RETAINED_HEAP_BYTES past what it was after the last trim, so a busy
 server's heap stays bounded too. All are no-ops where glibc is not the allocator.
 """

@@ -2,7 +2,7 @@
 
 `forward` takes a padding-free `Batch` and each sequence's spec, runs the encoder once, and lets
 each head that some sequence asked for turn the hidden states into per-sequence outputs. Only the
-device thread calls it.
+device's lanes call it (engine/device.py), two of them at once on a CPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Threads for work beside the device thread that may run torch (loads, adapters, weight fetches).
+"""Threads for work beside the device's threads (its lanes) that may run torch (loads, adapters, weight fetches).
 
 Each job runs on a thread of its own that ends with the job, never on a pooled thread that lives on.
 The reason is libgomp, the OpenMP runtime torch's CPU wheels use. Every thread that runs a parallel
@@ -11,7 +11,7 @@ A server whose model had been loaded on a pooled loader thread kept its device t
 thread's OpenMP worker at 0.88 and 0.71 of a core under load, and ran MiniLM's batches at
 3,900-4,700 tokens/s. In process, the same forward took both cores, 5,850-6,370 tokens/s. With a
 thread per load, the server's two threads ran at 0.97 and 0.89 (docs/benchmarks.md, 2026-12-03
-afternoon). So the device thread stays the only OpenMP team in the process once a job is done.
+afternoon). So the device's lanes keep the only OpenMP teams in the process once a job is done.
 """
 
 from __future__ import annotations
