@@ -259,7 +259,10 @@ def test_the_engine_serves_with_a_tuned_overlays_wait_and_threads(serve, tmp_pat
         runner.forward = wrapped
         return runner
 
-    url = serve(cards_dirs=(tmp_path,), wrap_runner=record)
+    from shoal.config import EngineSettings
+
+    # One lane: with two, the lane that ends the wait takes half of what it gathered.
+    url = serve(cards_dirs=(tmp_path,), wrap_runner=record, engine=EngineSettings(device_lanes=1))
     import httpx
 
     seen.clear()

@@ -62,8 +62,13 @@ def test_token_class_labels_filter_and_threshold(tmp_path, tagger):
                                       catch=(InvalidRequest,))
     everything = [e for item in whole.items for e in item.entities]
     assert {e.label for e in everything} > {"PER"}
-    assert [e for item in only.items for e in item.entities] == [e for e in everything if e.label == "PER"]
-    assert [e for item in above.items for e in item.entities] == [e for e in everything if e.score >= 0.5]
+
+    def same(got, want) -> bool:  # the calls' batches differ (lanes split them): scores to float32's last bits
+        return [(e.text, e.label, e.start, e.end) for e in got] == [(e.text, e.label, e.start, e.end) for e in want] \
+            and [e.score for e in got] == pytest.approx([e.score for e in want], rel=1e-5)
+
+    assert same([e for item in only.items for e in item.entities], [e for e in everything if e.label == "PER"])
+    assert same([e for item in above.items for e in item.entities], [e for e in everything if e.score >= 0.5])
     assert isinstance(unknown, InvalidRequest) and "PER" in unknown.message and "'person'" in unknown.message
 
 

@@ -29,6 +29,7 @@ ANY = "any-model-token-0123456"  # every model, no admin
 ADMIN = "admin-token-0123456789abc"
 LIMITED_ADMIN = "limited-admin-token-0123456"  # admin, but of fleet/b only
 MAX_BATCH_TOKENS = 2048
+LANES = 2  # a CPU's default: the cache counts a batch workspace per lane
 
 
 def card_yaml(model_id: str, path: Path | str, **extra) -> str:
@@ -55,7 +56,8 @@ def wait_for(predicate, timeout_s: float = 10.0):
 
 @pytest.fixture(scope="module")
 def minilm_cost():
-    """(measured bytes, workspace bytes) of a MiniLM runner, as the cache will count them."""
+    """(measured bytes, workspace bytes of its LANES batches) of a MiniLM runner, as the cache will
+    count them."""
     from shoal.catalog import parse_card
     from shoal.engine.runner import ModelRunner
 
@@ -63,7 +65,7 @@ def minilm_cost():
 
     card = parse_card(yaml.safe_load(card_yaml("probe", MINILM_DIR)), "<probe>")
     runner = ModelRunner.from_dir(card, MINILM_DIR, "cpu", max_batch_tokens=MAX_BATCH_TOKENS)
-    return runner.num_bytes, runner.workspace_bytes
+    return runner.num_bytes, LANES * runner.workspace_bytes
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def fleet(serve, tmp_path_factory, minilm_cost):
                       f"  - {{token: {LIMITED_ADMIN}, name: ops-b, scopes: [admin], models: [fleet/b]}}\n")
     weights, workspace = minilm_cost
     engine = EngineSettings(memory_budget_bytes=int(1.5 * weights) + workspace, max_batch_tokens=MAX_BATCH_TOKENS,
-                            load_backoff_s=0.5, watch_interval_s=0.1)
+                            load_backoff_s=0.5, watch_interval_s=0.1, device_lanes=LANES)
     url = serve(engine=engine, preload=(), cards_dirs=(cards,), auth=Auth.from_sources(tokens))
     return url, cards, empty
 
