@@ -205,7 +205,9 @@ def test_top_k_and_max_tokens_per_doc(tmp_path):
     full, top, cut = run(catalog, ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True),
                          ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True, top_k=2),
                          ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True, max_tokens_per_doc=3))
-    assert [(i.index, i.score) for i in top.items] == [(i.index, i.score) for i in full.items[:2]]
+    # The calls' batches differ (two lanes split them): scores agree to float32's last bits.
+    assert [i.index for i in top.items] == [i.index for i in full.items[:2]]
+    assert [i.score for i in top.items] == pytest.approx([i.score for i in full.items[:2]], rel=1e-5)
     # max_tokens_per_doc: each document is its first 3 tokens, as the reference sees them.
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     reference = CrossEncoder(str(directory), max_length=64, device="cpu")
