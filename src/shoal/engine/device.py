@@ -34,8 +34,8 @@ from typing import Any, Callable, Sequence
 from ..errors import DeadlineExceeded, InferenceFailed, Overloaded, ShoalError
 from ..metrics import Metrics
 from . import memory
-from .threads import share_threads
 from .scheduler import BatchLimits, Scheduler, Slot
+from .threads import share_threads
 from .types import Batch
 
 log = logging.getLogger("shoal.device")
@@ -79,7 +79,7 @@ class Pending:
         return self.future.done() or self.error is not None
 
     def ran(self, start: float, end: float) -> None:
-        """One of its batches ran from `start` to `end` (on the device thread)."""
+        """One of its batches ran from `start` to `end` (called by that batch's lane, the lock held)."""
         self._batches.append((start, end))
 
     @property
