@@ -1,9 +1,16 @@
-"""The CPU's model name and feature flags, read once from /proc/cpuinfo (torch-free: the engine's
-hardware classes and the int8 layer's kernel choice both read them)."""
+"""The CPU's model name and feature flags, read once from /proc/cpuinfo, and the cores this
+process may run on (torch-free: the engine's hardware classes and lanes, the int8 layer's kernel
+choice and `shoal tune` read them)."""
 
 from __future__ import annotations
 
 import functools
+import os
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @functools.cache

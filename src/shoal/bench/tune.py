@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import re
 import tempfile
 import time
@@ -31,6 +30,7 @@ import yaml
 
 from ..catalog import TUNED_DIR
 from ..catalog.card import ROW_BLOCK_BYTES, Batching, Tuned, check_batching, load_tuned
+from ..cpuinfo import usable_cores
 from ..errors import ConfigError
 from . import workloads
 from .knee import Bounds, within
@@ -230,7 +230,7 @@ def tune(args) -> int:
                                labels=labels)
     plan = Plan(mode="closed", levels=tuple(args.clients), step_s=args.step_s, warmup_s=1.0,
                 bounds=Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name]), seed=args.seed)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     values = _grid(args.grid, cores, hardware)
     refusal = _quantize_refusal(card, hardware)
     cpu = hardware.startswith("cpu")

@@ -9,7 +9,8 @@
   `load_timeout_s`); when nothing that may ever leave would make room, it fails at once. The
   bytes a model holds are **measured** once it is loaded (its tensors, not its files), and the
   device's workspace (the largest model's, once per batch the device runs side by side: once on
-  a GPU, twice for a CPU's two lanes) comes on top; the budget is checked again against the measured figure.
+  a GPU, twice for a CPU's two lanes) comes on top; the budget is checked again against the
+  measured figure.
 - An adapter load holds its model (never evicts it), fails at once if the adapter cannot fit
   beside it, and backs off after a failure as models do.
 - A request waits up to `load_timeout_s` for a load, then gets Overloaded (503) with a
@@ -123,7 +124,7 @@ class ModelCache:
     def loaded_bytes(self) -> int:
         """Bytes held now: each model's measured tensors and its resident adapters, plus the
         workspace of the largest once per batch the device runs side by side."""
-        return sum(self.model_bytes(m) for m in self._loaded) + self._side_by_side * self._workspace(self._loaded.values())
+        return sum(self.model_bytes(m) for m in self._loaded) + self._workspace(self._loaded.values())
 
     def model_bytes(self, model_id: str) -> int:
         runner = self._loaded.get(model_id)
@@ -141,9 +142,11 @@ class ModelCache:
         return runner.num_bytes + sum(size for key, size in self._adapters.items()
                                       if key[0] == model_id and self._adapter_inflight[key] > 0)
 
-    @staticmethod
-    def _workspace(runners) -> int:
-        return max((getattr(r, "workspace_bytes", 0) for r in runners), default=0)
+    def _workspace(self, runners, at_least: int = 0) -> int:
+        """The largest of `runners`' batch workspaces (or `at_least`), once per batch the device
+        runs side by side."""
+        largest = max((getattr(r, "workspace_bytes", 0) for r in runners), default=0)
+        return self._side_by_side * max(at_least, largest)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -314,7 +317,7 @@ class ModelCache:
         def used(models, fixed: bool = False) -> int:
             runners = [self._loaded[m] for m in models]
             held = sum(self._fixed_bytes(m) if fixed else self.model_bytes(m) for m in models)
-            return held + self._side_by_side * max(workspace, self._workspace(runners))
+            return held + self._workspace(runners, workspace)
 
         staying = [m for m in self._loaded if m == keep]  # what stays whatever happens (less idle adapters)
         if used(staying, fixed=True) + needed > budget:

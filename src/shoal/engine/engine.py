@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from ..calls import (AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, 
                      timeout_of)
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
+from ..cpuinfo import usable_cores
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
@@ -319,10 +319,9 @@ def device_lanes(settings: EngineSettings) -> int:
     """Batches the device runs side by side (engine/device.py): the settings' `device_lanes`, else
     two on a CPU with two or more cores to run on, one elsewhere."""
     lanes = settings.device_lanes
-    on_cpu = settings.device.split(":")[0] == "cpu"
+    on_cpu = settings.device == "cpu"  # hardware_class refuses any other CPU spelling
     if lanes is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return 2 if on_cpu and cores >= 2 else 1
+        return 2 if on_cpu and usable_cores() >= 2 else 1
     if lanes < 1:
         raise ConfigError(f"device_lanes must be at least 1, not {lanes}", details={"field": "device_lanes"})
     if lanes > 1 and not on_cpu:

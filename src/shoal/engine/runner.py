@@ -42,8 +42,9 @@ SMALL_BATCH_TOKENS = 1024
 
 def _use_default_threads() -> None:
     """Torch's default thread count on the calling (load) thread. A new thread inherits the count
-    torch was last given, and the device thread sets it per batch (a thread fewer for small ones,
-    a card's `threads: 1`): loads (packing, calibration, adapters) must not run single-threaded."""
+    torch was last given, and each device lane sets it per batch (its share, a thread fewer for
+    small ones, a card's `threads: 1`): loads (packing, calibration, adapters) must not run
+    single-threaded."""
     if torch.get_num_threads() != _DEFAULT_THREADS:
         torch.set_num_threads(_DEFAULT_THREADS)
 

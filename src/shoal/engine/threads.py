@@ -1,4 +1,4 @@
-"""Threads for work beside the device's threads (its lanes) that may run torch (loads, adapters, weight fetches).
+"""Threads for work beside the device's lanes that may run torch (loads, adapters, weight fetches).
 
 Each job runs on a thread of its own that ends with the job, never on a pooled thread that lives on.
 The reason is libgomp, the OpenMP runtime torch's CPU wheels use. Every thread that runs a parallel
