@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from conftest import need_tool
 
 from shoal.bench import machine, workloads
 from shoal.bench.knee import Bounds, knee
-from shoal.bench.load import HttpTarget, Step, closed_loop, open_loop
+from shoal.bench.load import HttpTarget, Outcome, Step, closed_loop, open_loop
 from shoal.bench.run import Plan, call_tokens, measure_and_close
 from shoal.bench import tune as tune_module
 from shoal.bench.tune import QualityGate, min_cosine, overlay_name, search
@@ -122,6 +123,68 @@ def test_load_against_a_real_server_counts_the_tokens_its_tokenizer_counts(base_
     assert opened.errors == 0 and opened.ok == opened.sent
     assert 10 <= opened.sent <= 55  # Poisson at 20/s for 1.5 s (mean 30)
     assert opened.percentile_ms(99) >= opened.percentile_ms(50) > 0
+
+
+def test_the_load_generators_client_keeps_connections_alive_reads_chunks_and_drops_broken_ones():
+    """The bench's own HTTP/1.1 client (load.py's _Pool) against a plain asyncio server on loopback
+    whose answer each call's text chooses."""
+    accepted = []
+
+    async def handle(reader, writer):
+        accepted.append(writer)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            body = await reader.readexactly(int(re.search(rb"content-length: (\d+)", head, re.I)[1]))
+            kind = json.loads(body)["items"][0]["text"]
+            reply = b'{"usage": {"tokens": 7}}'
+            if kind == "chunked":
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                             + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (reply[:5], reply[5:])) + b"0\r\n\r\n")
+            elif kind == "slow":
+                await asyncio.sleep(1.0)  # past the client's timeout
+                writer.close()
+                return
+            else:
+                status = b"404 Not Found" if kind == "missing" else b"200 OK"
+                close = kind == "close"
+                writer.write(b"HTTP/1.1 %s\r\ncontent-length: %d\r\n%s\r\n%s"
+                             % (status, len(reply), b"connection: close\r\n" if close else b"", reply))
+                if close:
+                    await writer.drain()
+                    writer.close()
+                    return
+            await writer.drain()
+
+    kinds = ("plain", "chunked", "close", "slow", "missing")
+    work = workloads.Workload("kinds", "encode", tuple(workloads.Call((k,)) for k in kinds), "one answer each")
+
+    async def run() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        target = HttpTarget("stub", f"http://127.0.0.1:{port}", "m", work, timeout_s=0.3)
+        try:
+            plain, chunked, close, slow, missing = range(5)
+            assert await target.send(plain) == Outcome(True, 7, 200)
+            assert await target.send(chunked) == Outcome(True, 7, 200)  # de-chunked, on the same connection
+            assert await target.send(plain) == Outcome(True, 7, 200) and len(accepted) == 1
+            assert await target.send(close) == Outcome(True, 7, 200)
+            assert await target.send(plain) == Outcome(True, 7, 200) and len(accepted) == 2  # a new one
+            assert await target.send(slow) == Outcome(False, status=0)  # timed out: an error, not a hang
+            assert await target.send(missing) == Outcome(False, status=404)
+            assert len(accepted) == 3  # the timed-out connection was not reused
+            assert await target.send(plain) == Outcome(True, 7, 200) and len(accepted) == 3  # the 404's was
+            answers = await asyncio.gather(*(target.send(plain) for _ in range(4)))
+            assert answers == [Outcome(True, 7, 200)] * 4 and len(accepted) == 6  # one per exchange in flight
+        finally:
+            await target.aclose()
+            server.close()
+
+    asyncio.run(run())
+    with pytest.raises(ValueError, match="http"):
+        HttpTarget("stub", "ftp://127.0.0.1:1", "m", work)
 
 
 def test_a_ramp_against_a_real_server_finds_a_knee_and_an_unserved_model_errs(base_url):
