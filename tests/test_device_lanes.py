@@ -1,6 +1,6 @@
 """A device's lanes (engine/device.py): batches side by side, each lane on its share of the
 threads; a lone request split over idle lanes; a batch with adapters alone on its model; a lane
-that dies; the lanes a device gets by default."""
+that dies; the lanes a device gets by default; the heap trimmed while busy at most every interval."""
 
 from __future__ import annotations
 
@@ -240,6 +240,46 @@ def test_a_lane_that_dies_lets_the_other_finish_its_batch_then_the_rest_fails_wi
     assert answer == ["out 0"]  # the batch already running was finished and answered
     assert failed_at >= runner.runs[0]["end"]  # the held work failed only after that batch ended
     assert len(again) == 2
+
+
+def test_a_busy_device_trims_the_heap_at_most_every_busy_interval_and_once_idle(tokenizer, monkeypatch):
+    """Two lanes' working sets swing past RETAINED_HEAP_BYTES: a trim per batch would give back
+    memory that the next batch faults straight in again."""
+    from shoal.engine import device as device_module, memory
+
+    trims: list[tuple[float, bool]] = []  # (when, whether the device was idle)
+    real_trim = memory.trim
+    the = {}
+
+    def counted_trim() -> bool:
+        device = the["device"]
+        trims.append((time.monotonic(), len(device._scheduler) == 0 and device._running == 0))
+        return real_trim()
+
+    monkeypatch.setattr(memory, "trim", counted_trim)
+    monkeypatch.setattr(memory, "RETAINED_HEAP_BYTES", -(1 << 50))  # every look finds the heap grown
+    monkeypatch.setattr(device_module, "BUSY_TRIM_EVERY_S", 0.3)
+    monkeypatch.setattr(device_module, "TRIM_EVERY_S", 0.1)
+    runner = Recorder(hold_s=0.01)
+
+    async def main():
+        device = the["device"] = worker(2, max_items=1)  # a batch per sequence: 150 of 10 ms on two lanes
+        device.start()
+        started = time.monotonic()
+        request = pending(runner, tokenizer, [f"sentence {i}" for i in range(150)])
+        device.submit(request)
+        await request.future
+        finished = time.monotonic()
+        await asyncio.sleep(0.4)  # idle now
+        assert await device.stop(5)
+        return started, finished
+
+    started, finished = asyncio.run(main())
+    assert len(runner.runs) == 150 and finished - started >= 0.6
+    busy = [t for t, idle in trims if not idle]
+    assert 1 <= len(busy) <= (finished - started) / 0.3 + 1  # a look per interval, not per batch
+    assert all(b - a >= 0.29 for a, b in zip(busy, busy[1:]))
+    assert any(idle for _, idle in trims)  # and once idle
 
 
 def test_a_cpu_gets_two_lanes_a_gpu_one_and_a_bad_count_is_a_config_error(monkeypatch):
