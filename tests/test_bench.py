@@ -29,7 +29,7 @@ from shoal.catalog import Catalog, load_tuned, parse_card
 from shoal.catalog.card import Batching
 from shoal.cpuinfo import cpu_flags
 from shoal.engine.hardware import cpu_class, cpu_isa
-from shoal.errors import CardError
+from shoal.errors import CardError, ConfigError
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 SHOAL = [str(Path(sys.executable).with_name("shoal"))]
@@ -383,6 +383,45 @@ def test_shoal_tune_writes_an_overlay_that_serve_reads(tmp_path):
     assert served.max_batch_tokens == card_limits.max_batch_tokens
 
 
+def test_tune_searches_one_lane_and_two_on_a_cpu_of_two_cores_and_none_elsewhere():
+    assert tune_module._grid([], 2, cpu_class())["lanes"] == (1, 2)
+    assert tune_module._grid([], 1, cpu_class())["lanes"] == ()
+    assert tune_module._grid([], 16, "cuda:NVIDIA H200")["lanes"] == ()
+    assert tune_module._grid(["lanes=1,3"], 4, cpu_class())["lanes"] == (1, 3)
+    with pytest.raises(ConfigError, match="more than 1 only on a CPU"):
+        tune_module._grid(["lanes=1,2"], 16, "cuda:NVIDIA H200")
+
+
+def test_shoal_tune_searches_the_lanes_first_and_measures_the_cards_knobs_at_the_lanes_kept(tmp_path):
+    out = tmp_path / "models"
+    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--items", "2", "--knobs",
+                                   "max_batch_items,lanes", "--grid", "max_batch_items=16", "--grid", "lanes=1,2",
+                                   "--clients", "2", "--confirm", "1", "--step-s", "1", "--p99-ms", "5000"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "SHOAL_DEVICE_LANES": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [path] = (out / "tuned").iterdir()
+    measured = load_tuned(path).measured
+    trials = measured["trials"]
+    assert measured["serve_lanes"] == 1  # SHOAL_DEVICE_LANES, which the servers tune starts inherit
+    # The card's limits at serve's lanes, then at 2; confirmation turns if 2 gained; then the card's knob.
+    assert [t["lanes"] for t in trials[:2]] == [1, 2] and all(t["settings"] == trials[0]["settings"] for t in trials[:2])
+    first, second = (t["best_tokens_per_s"] for t in trials[:2])
+    kept = measured["lanes"]
+    if second > 1.03 * first:
+        assert [t["lanes"] for t in trials[2:4]] == [1, 2]
+        ours, theirs = trials[3]["best_tokens_per_s"], trials[2]["best_tokens_per_s"]
+        assert kept == (2 if ours > 1.03 * theirs else 1) and measured["lanes_confirmed"] == (kept == 2)
+        rest = trials[4:]
+    else:
+        assert kept == 1 and measured["lanes_confirmed"] is None
+        rest = trials[2:]
+    assert rest and all(t["lanes"] == kept for t in rest)  # the card's knob, measured at the lanes kept
+    assert {t["settings"]["max_batch_items"] for t in rest} >= {16}
+    assert ("serve with --lanes 2" in proc.stdout) == (kept == 2)
+    assert "lanes" not in msgspec.to_builtins(load_tuned(path).batching)  # the device's, not the model's
+
+
 def _scripted(scores: dict[tuple, list[float]]):
     """A trial that gives each (max_batch_items, batch_wait_ms) its listed scores in turn, and the
     order it was asked for them."""
@@ -518,7 +557,8 @@ def test_shoal_tune_tries_int8_behind_a_quality_gate(tmp_path):
 
 @pytest.mark.parametrize("grid, message", [("batch_wait_ms=5000", "between 0 and 1000"),
                                            ("attention=fast", "attention takes padded and each"),
-                                           ("row_block_bytes=0,-5", "must be >= 0")])
+                                           ("row_block_bytes=0,-5", "must be >= 0"),
+                                           ("lanes=0,2", "lanes are 1 or more")])
 def test_shoal_tune_refuses_a_bad_grid_before_measuring_anything(tmp_path, grid, message):
     proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(tmp_path), "--grid", grid],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -114,11 +114,12 @@ def register(sub, common) -> None:
                       "as for shoal bench)")
     tune.add_argument("--knobs", type=lambda t: [k for k in t.split(",") if k], metavar="K1,K2",
                       help="which to search, in order (default max_batch_tokens,max_batch_items,batch_wait_ms,threads, "
-                           "and on a CPU attention and row_block_bytes, then quantize for a float32 dense encoder)")
+                           "and on a CPU attention and row_block_bytes, then quantize for a float32 dense encoder; "
+                           "lanes, the device's, on a CPU of 2+ cores, always first)")
     tune.add_argument("--grid", action="append", metavar="KNOB=V1,V2", default=[],
                       help="the values tried for a knob (default max_batch_tokens=1024,...,16384; max_batch_items="
                            "16,...,256; batch_wait_ms=0,2,5,10; threads=1,cores/2,cores; attention=padded,each; "
-                           "row_block_bytes=0,1048576,3145728,8388608; quantize=int8,none)")
+                           "row_block_bytes=0,1048576,3145728,8388608; quantize=int8,none; lanes=1,2)")
     tune.add_argument("--confirm", type=int, default=2, metavar="N",
                       help="turns the winner and the card's limits then take each, to keep the winner only if its "
                            "mean still gains (default 2; 0: keep the search's pick)")

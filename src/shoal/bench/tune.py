@@ -11,11 +11,17 @@ every dense vector it gives for the workload's texts within `min_cosine` of the 
 scores 0). Only the knobs the search changed are written, as `<dir>/tuned/<model>@<hardware>.yaml`
 with everything measured; `shoal serve --models-dir <dir>` then uses it (a later overlay wins over
 the package's and the card's, field by field).
+
+On a CPU of 2+ cores the device's lanes (1 and 2 batches side by side) are searched first, at the
+card's limits, and the card's knobs then measured at the lanes kept. Lanes belong to the device,
+not the model, so the overlay records them under `measured` and tune prints the `--lanes` to serve
+with when they beat serve's own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 import tempfile
@@ -46,6 +52,7 @@ DEFAULT_VALUES = {
     "attention": ("padded", "each"),
     "row_block_bytes": (0, 1 << 20, 3 << 20, 8 << 20),  # CPU: the feed-forward's row blocks (layers/rows.py)
     "quantize": ("int8", "none"),
+    "lanes": (),  # the device's lanes (engine/device.py): 1 and 2 on a CPU of 2+ cores, searched first
 }
 # Knobs that choose between CPU kernels: searched, and accepted, only for a CPU.
 _CPU_KNOBS = ("attention", "row_block_bytes")
@@ -86,8 +93,17 @@ async def _score_of(url: str, model_id: str, workload: workloads.Workload, plan:
                                    levels=levels)
 
 
+class Lanes(msgspec.Struct, frozen=True):
+    """The one device setting `shoal tune` searches (before the card's knobs, which it then
+    measures at the lanes found): not the model's, so not in the overlay; `measured` records it."""
+
+    lanes: int
+
+
 def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
-    values = dict(DEFAULT_VALUES, threads=tuple(sorted({1, max(1, cores // 2), cores})))
+    cpu = hardware.startswith("cpu")
+    values = dict(DEFAULT_VALUES, threads=tuple(sorted({1, max(1, cores // 2), cores})),
+                  lanes=(1, 2) if cpu and cores >= 2 else ())
     for spec in specs:
         knob, _, listed = spec.partition("=")
         try:
@@ -98,8 +114,13 @@ def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
         if knob not in values or not parsed or not set(parsed) <= _CHOICES.get(knob, set(parsed)):
             raise ConfigError(f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)} "
                               "(attention takes padded and each, quantize int8 and none)")
-        for value in parsed:
-            check_batching(hardware, Batching(**{knob: value}), f"--grid {spec}")
+        if knob == "lanes":
+            if min(parsed) < 1 or (max(parsed) > 1 and not cpu):
+                raise ConfigError(f"--grid {spec}: lanes are 1 or more, and more than 1 only on a CPU "
+                                  "(a GPU runs one batch at a time)")
+        else:
+            for value in parsed:
+                check_batching(hardware, Batching(**{knob: value}), f"--grid {spec}")
         values[knob] = parsed
     return values
 
@@ -215,6 +236,8 @@ def _dense_vectors(url: str, model_id: str, texts: list[str]) -> list[list[float
 
 def tune(args) -> int:
     from ..catalog import Catalog
+    from ..config import Settings
+    from ..engine.engine import device_lanes
     from ..engine.hardware import hardware_class
 
     user_dirs = tuple(Path(d) for d in args.models_dir or ())
@@ -234,10 +257,17 @@ def tune(args) -> int:
     values = _grid(args.grid, cores, hardware)
     refusal = _quantize_refusal(card, hardware)
     cpu = hardware.startswith("cpu")
-    knobs = args.knobs or [k for k in values if (k != "quantize" or refusal is None) and (k not in _CPU_KNOBS or cpu)]
+    knobs = args.knobs or [k for k in values if (k != "quantize" or refusal is None) and (k not in _CPU_KNOBS or cpu)
+                           and (k != "lanes" or values[k])]
     for knob in knobs:
         if knob not in values:
             raise ConfigError(f"--knobs {knob}: use {', '.join(values)}")
+    if "lanes" in knobs and not values["lanes"]:
+        raise ConfigError("--knobs lanes: a device runs more than one lane only on a CPU of 2 or more cores; "
+                          "give --grid lanes=... to try some anyway")
+    # The lanes serve would run (its flag or SHOAL_DEVICE_LANES, which the servers started here inherit, else
+    # the default): the card's knobs are measured at these unless the lanes search finds better.
+    lanes = Lanes(device_lanes(dataclasses.replace(Settings.from_env().engine, device=args.device)))
     if "quantize" in knobs and refusal:
         raise ConfigError(f"--knobs quantize: {card.id} cannot be tuned for int8 here: {refusal}")
     cpu_only = [k for k in knobs if k in _CPU_KNOBS]
@@ -266,7 +296,7 @@ def tune(args) -> int:
             candidate = Tuned(card.id, hardware, batching)
             load_tuned(write_overlay(Path(tmp), candidate))  # valid (else CardError), and the last overlay read
             serve_args = [a for d in (*user_dirs, Path(tmp)) for a in ("--models-dir", str(d))]
-            serve_args += ["--device", args.device]
+            serve_args += ["--device", args.device, "--lanes", str(lanes.lanes)]
             settings = {k: v for k, v in msgspec.to_builtins(batching).items() if v is not None}
             quality: dict = {}
             try:
@@ -278,13 +308,25 @@ def tune(args) -> int:
                         score, measured = asyncio.run(_score_of(url, card.id, workload, plan))
             except ConfigError as exc:  # this setting's server did not start (e.g. out of memory)
                 score, measured = 0.0, dict(best_tokens_per_s=0.0, error=exc.message.splitlines()[0])
-            trials.append(dict(settings=settings, **({"quality": quality} if quality else {}), **measured))
-            shown = settings or "the card's limits"
+            trials.append(dict(settings=settings, lanes=lanes.lanes, **({"quality": quality} if quality else {}),
+                               **measured))
+            what = settings or "the card's limits"
+            shown = f"{what} at {lanes.lanes} lane(s)"
             print(f"  {shown}: " + (f"{score:,.0f} tokens/s at {measured['best_clients']} clients, p99 "
                                      f"{measured['p99_ms']:.0f} ms" if score else measured.get("error", "no level within the bounds")))
             return score
 
-        found = search(trial, start, values, knobs, args.min_gain, args.confirm)
+        serve_lanes = lanes
+        lanes_found = None
+        if "lanes" in knobs:  # first, at the card's limits; the card's knobs are then measured at the lanes kept
+            def lanes_trial(candidate: Lanes) -> float:
+                nonlocal lanes
+                lanes = candidate
+                return trial(start)
+
+            lanes_found = search(lanes_trial, serve_lanes, values, ["lanes"], args.min_gain, args.confirm)
+            lanes = lanes_found.best
+        found = search(trial, start, values, [k for k in knobs if k != "lanes"], args.min_gain, args.confirm)
     if found.best_score <= 0:
         raise ConfigError(f"no setting met p99 <= {plan.bounds.p99_ms:g} ms: raise --p99-ms or lower --clients")
     current, best_score, baseline_score = found.best, found.best_score, found.start_score
@@ -292,7 +334,9 @@ def tune(args) -> int:
                           if getattr(current, f) != getattr(start, f)})
     measured = dict(date=time.strftime("%Y-%m-%d"), workload=workload.name, description=workload.description,
                     mode="closed", clients=[int(c) for c in plan.levels], step_s=plan.step_s,
-                    p99_bound_ms=plan.bounds.p99_ms, cores=cores, best_tokens_per_s=round(best_score, 1),
+                    p99_bound_ms=plan.bounds.p99_ms, cores=cores, lanes=lanes.lanes, serve_lanes=serve_lanes.lanes,
+                    **({"lanes_confirmed": lanes_found.confirmed} if lanes_found else {}),
+                    best_tokens_per_s=round(best_score, 1),
                     card_tokens_per_s=round(baseline_score, 1),
                     gain=round(best_score / baseline_score, 3) if baseline_score else None, confirmed=found.confirmed,
                     **({"min_cosine_bound": args.min_cosine} if "quantize" in knobs else {}), trials=trials)
@@ -300,4 +344,7 @@ def tune(args) -> int:
     gain = f" ({best_score / baseline_score:.2f}x the card's limits)" if baseline_score else ""
     kept = {k: v for k, v in msgspec.to_builtins(changed).items() if v is not None} or "the card's limits, unchanged"
     print(f"best: {kept}: {best_score:,.0f} tokens/s{gain}\nwrote {path}")
+    if lanes != serve_lanes:
+        print(f"measured at {lanes.lanes} lane(s), which beat {serve_lanes.lanes}: serve with --lanes {lanes.lanes} "
+              "(the device's setting, for every model on it; the overlay records it but cannot set it)")
     return 0
