@@ -278,7 +278,7 @@ def test_a_busy_device_trims_the_heap_at_most_every_busy_interval_and_once_idle(
     assert len(runner.runs) == 150 and finished - started >= 0.6
     busy = [t for t, idle in trims if not idle]
     assert 1 <= len(busy) <= (finished - started) / 0.3 + 1  # a look per interval, not per batch
-    assert all(b - a >= 0.29 for a, b in zip(busy, busy[1:]))
+    assert all(b - a >= 0.25 for a, b in zip(busy, busy[1:]))
     assert any(idle for _, idle in trims)  # and once idle
 
 

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import httptools
 import msgspec
 
+from ..errors import ConfigError
 from .workloads import Call, Workload
 
 # A step's in-flight requests past this many are refused on the client (counted as dropped): an
@@ -145,7 +146,7 @@ class HttpTarget:
         try:
             usage = self._decode.decode(content).usage
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return Outcome(False, status=response.status_code)
+            return Outcome(False, status=status)
         if self.call_tokens is not None:
             return Outcome(True, self.call_tokens[k % len(self.call_tokens)], 200)
         return Outcome(True, (usage.tokens or usage.prompt_tokens) if usage else 0, 200)
@@ -174,6 +175,10 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(exc)
+
+    def eof_received(self) -> bool | None:
+        self.reusable = False  # the server is closing it: not for the next exchange
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
@@ -225,10 +230,15 @@ class _Pool:
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"a bench target's URL is http(s)://HOST[:PORT], not {url!r}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+            raise ConfigError(f"a bench target's URL is http(s)://HOST[:PORT][/PATH], not {url!r}")
         self.host, self.tls = parts.hostname, parts.scheme == "https"
-        self.port = parts.port or (443 if self.tls else 80)
+        self.port = port or (443 if self.tls else 80)
+        self._tls = ssl.create_default_context() if self.tls else None
         self.prefix = parts.path.rstrip("/")
         self.authority = parts.netloc.rsplit("@", 1)[-1]
         self._idle: list[_Connection] = []
@@ -241,8 +251,11 @@ class _Pool:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
     async def exchange(self, request: bytes, timeout_s: float) -> tuple[int, bytes]:
-        """(status, body) of one request, on an idle connection or a new one. A connection that
-        failed, timed out, was cancelled or was told to close is not reused."""
+        """(status, body) of one request within `timeout_s` (connecting included), on an idle
+        connection or a new one. A connection that failed, timed out, was cancelled or was told to
+        close is not reused."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while self._idle:
             connection = self._idle.pop()
             if connection.reusable:
@@ -251,7 +264,7 @@ class _Pool:
         else:
             connection = await self._open(timeout_s)
         try:
-            answer = await connection.exchange(request, timeout_s)
+            answer = await connection.exchange(request, max(0.0, deadline - loop.time()))
         except BaseException:
             self._forget(connection)
             raise
@@ -263,9 +276,8 @@ class _Pool:
 
     async def _open(self, timeout_s: float) -> _Connection:
         loop = asyncio.get_running_loop()
-        tls = ssl.create_default_context() if self.tls else None
         _, connection = await asyncio.wait_for(
-            loop.create_connection(_Connection, self.host, self.port, ssl=tls), timeout_s)
+            loop.create_connection(_Connection, self.host, self.port, ssl=self._tls), timeout_s)
         self._all.add(connection)
         return connection
 

@@ -148,7 +148,8 @@ class Searched:
 
 
 def search(trial: Callable[[Batching], float], start: Batching, values: dict[str, tuple], knobs: list[str],
-           min_gain: float, confirm: int, log: Callable[[str], None] = print) -> Searched:
+           min_gain: float, confirm: int, log: Callable[[str], None] = print,
+           start_name: str = "the card's limits") -> Searched:
     """Coordinate search from `start`, one knob at a time over its `values`, scoring each candidate
     by `trial` (tokens/s, 0 for a failure); a value is kept when it beats the best so far by
     `min_gain`, and a candidate already scored keeps its score. A search over noisy single trials
@@ -170,7 +171,7 @@ def search(trial: Callable[[Batching], float], start: Batching, values: dict[str
                 current, best_score = candidate, score
     if current == start or confirm <= 0:
         return Searched(current, best_score, start_score, None)
-    log(f"confirming: the card's limits and the best, {confirm} turns each")
+    log(f"confirming: {start_name} and the best, {confirm} turns each")
     ours, theirs = [], []
     for _ in range(confirm):
         theirs.append(trial(start))
@@ -178,7 +179,7 @@ def search(trial: Callable[[Batching], float], start: Batching, values: dict[str
     mean_ours, mean_theirs = sum(ours) / confirm, sum(theirs) / confirm
     if mean_ours > mean_theirs * (1 + min_gain):
         return Searched(current, mean_ours, mean_theirs, True)
-    log(f"  not confirmed ({mean_ours:,.0f} vs {mean_theirs:,.0f} tokens/s): the card's limits stay")
+    log(f"  not confirmed ({mean_ours:,.0f} vs {mean_theirs:,.0f} tokens/s): {start_name} stay")
     return Searched(start, mean_theirs, mean_theirs, False)
 
 
@@ -263,11 +264,15 @@ def tune(args) -> int:
         if knob not in values:
             raise ConfigError(f"--knobs {knob}: use {', '.join(values)}")
     if "lanes" in knobs and not values["lanes"]:
-        raise ConfigError("--knobs lanes: a device runs more than one lane only on a CPU of 2 or more cores; "
-                          "give --grid lanes=... to try some anyway")
-    # The lanes serve would run (its flag or SHOAL_DEVICE_LANES, which the servers started here inherit, else
-    # the default): the card's knobs are measured at these unless the lanes search finds better.
-    lanes = Lanes(device_lanes(dataclasses.replace(Settings.from_env().engine, device=args.device)))
+        raise ConfigError("--knobs lanes: a device runs more than one lane only on a CPU; on a CPU of one core "
+                          "give --grid lanes=1,2 to try two anyway")
+    # The lanes serve would run (SHOAL_DEVICE_LANES, which the servers started here inherit, else the
+    # default): the card's knobs are measured at these unless the lanes search finds better.
+    try:
+        engine_settings = Settings.from_env().engine
+    except ValueError as exc:
+        raise ConfigError(f"a SHOAL_* environment variable does not parse: {exc}") from exc
+    lanes = Lanes(device_lanes(dataclasses.replace(engine_settings, device=args.device)))
     if "quantize" in knobs and refusal:
         raise ConfigError(f"--knobs quantize: {card.id} cannot be tuned for int8 here: {refusal}")
     cpu_only = [k for k in knobs if k in _CPU_KNOBS]
@@ -324,7 +329,8 @@ def tune(args) -> int:
                 lanes = candidate
                 return trial(start)
 
-            lanes_found = search(lanes_trial, serve_lanes, values, ["lanes"], args.min_gain, args.confirm)
+            lanes_found = search(lanes_trial, serve_lanes, values, ["lanes"], args.min_gain, args.confirm,
+                                 start_name=f"serve's {serve_lanes.lanes} lane(s)")
             lanes = lanes_found.best
         found = search(trial, start, values, [k for k in knobs if k != "lanes"], args.min_gain, args.confirm)
     if found.best_score <= 0:
@@ -335,7 +341,8 @@ def tune(args) -> int:
     measured = dict(date=time.strftime("%Y-%m-%d"), workload=workload.name, description=workload.description,
                     mode="closed", clients=[int(c) for c in plan.levels], step_s=plan.step_s,
                     p99_bound_ms=plan.bounds.p99_ms, cores=cores, lanes=lanes.lanes, serve_lanes=serve_lanes.lanes,
-                    **({"lanes_confirmed": lanes_found.confirmed} if lanes_found else {}),
+                    **(dict(lanes_confirmed=lanes_found.confirmed, lanes_tokens_per_s=round(lanes_found.best_score, 1),
+                            serve_lanes_tokens_per_s=round(lanes_found.start_score, 1)) if lanes_found else {}),
                     best_tokens_per_s=round(best_score, 1),
                     card_tokens_per_s=round(baseline_score, 1),
                     gain=round(best_score / baseline_score, 3) if baseline_score else None, confirmed=found.confirmed,

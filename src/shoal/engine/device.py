@@ -333,27 +333,29 @@ class DeviceWorker:
             self._wake.wait(left)
 
     def _trim_if_idle(self) -> None:
-        """Give freed memory back to the OS when nothing waits (at most every TRIM_EVERY_S), or,
-        while busy, if RSS has grown RETAINED_HEAP_BYTES since the last trim (looked at most every
-        BUSY_TRIM_EVERY_S): below that, and between looks, the next batches reuse the freed heap
-        without page faults."""
+        """Give freed memory back to the OS when the device goes idle (at most every TRIM_EVERY_S;
+        within that, only if RSS grew RETAINED_HEAP_BYTES since the last trim), or, while busy, if
+        RSS grew that much (looked at most every BUSY_TRIM_EVERY_S): below that, and between looks,
+        the next batches reuse the freed heap without page faults."""
         now = time.monotonic()
         with self._wake:  # lanes call this after each batch: one of them looks
             idle = len(self._scheduler) == 0 and self._running == 0
-            last = self._trimmed_at if idle else self._busy_check_at
-            if now - last < (TRIM_EVERY_S if idle else BUSY_TRIM_EVERY_S):
-                return
-            if idle:
+            if idle and now - self._trimmed_at >= TRIM_EVERY_S:
+                look = False
                 self._trimmed_at = now
+            elif idle or now - self._busy_check_at >= BUSY_TRIM_EVERY_S:
+                look = True
+                if not idle:
+                    self._busy_check_at = now
             else:
-                self._busy_check_at = now
-        if not idle:
-            rss = memory.rss_bytes()
-            if rss is None or rss <= self._rss_after_trim + memory.RETAINED_HEAP_BYTES:
                 return
-            self._trimmed_at = now
-        memory.trim()
-        self._rss_after_trim = memory.rss_bytes() or 0
+            if look:
+                rss = memory.rss_bytes()
+                if rss is None or rss <= self._rss_after_trim + memory.RETAINED_HEAP_BYTES:
+                    return
+                self._trimmed_at = now
+            memory.trim()
+            self._rss_after_trim = memory.rss_bytes() or 0
 
     def _drop(self, requests: list[Pending]) -> None:
         now = time.monotonic()
