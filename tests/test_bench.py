@@ -399,6 +399,13 @@ def test_tune_searches_one_lane_and_two_on_a_cpu_of_two_cores_and_none_elsewhere
         tune_module._grid(["lanes=1,2"], 16, "cuda:NVIDIA H200")
 
 
+def test_tune_skips_threads_values_that_give_each_lane_the_same_threads():
+    assert tune_module._distinct_threads((1, 1, 2), None, 2, 2) == ()  # a thread per lane, whatever the value
+    assert tune_module._distinct_threads((1, 2, 4), None, 4, 2) == (1,)  # 1 and 2: a thread a lane; 4: two, as unset
+    assert tune_module._distinct_threads((1, 2), None, 2, 1) == (1,)  # one lane: 2 is the cores, as unset
+    assert tune_module._distinct_threads((1, 2, 4), 1, 4, 1) == (2, 4)
+
+
 def test_shoal_tune_searches_the_lanes_first_and_measures_the_cards_knobs_at_the_lanes_kept(tmp_path):
     out = tmp_path / "models"
     proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--items", "2", "--knobs",

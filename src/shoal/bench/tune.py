@@ -125,6 +125,20 @@ def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
     return values
 
 
+def _distinct_threads(candidates: tuple, start: int | None, cores: int, lanes: int) -> tuple:
+    """The `threads` values that give each lane a thread count that neither the start nor an
+    earlier value gives (a lane runs on `threads // lanes`, unset: the cores): at two lanes on two
+    cores, 1 and 2 are both a thread per lane, the same setting, and a trial of it only measures
+    noise (and would write a core count into an overlay that other machines of the class read)."""
+    per_lane = lambda threads: max(1, (threads or cores) // lanes)  # noqa: E731
+    seen, kept = {per_lane(start)}, []
+    for threads in candidates:
+        if per_lane(threads) not in seen:
+            seen.add(per_lane(threads))
+            kept.append(threads)
+    return tuple(kept)
+
+
 def _quantize_refusal(card, hardware: str) -> str | None:
     """Why `quantize` cannot be tuned for `card` on `hardware`, or None when it can."""
     if not hardware.startswith("cpu"):
@@ -332,6 +346,11 @@ def tune(args) -> int:
             lanes_found = search(lanes_trial, serve_lanes, values, ["lanes"], args.min_gain, args.confirm,
                                  start_name=f"serve's {serve_lanes.lanes} lane(s)")
             lanes = lanes_found.best
+        if "threads" in knobs:
+            values["threads"] = _distinct_threads(values["threads"], start.threads, cores, lanes.lanes)
+            if not values["threads"]:
+                print(f"  threads: every value gives each of the {lanes.lanes} lane(s) the threads the card's "
+                      "limits give: not searched")
         found = search(trial, start, values, [k for k in knobs if k != "lanes"], args.min_gain, args.confirm)
     if found.best_score <= 0:
         raise ConfigError(f"no setting met p99 <= {plan.bounds.p99_ms:g} ms: raise --p99-ms or lower --clients")
