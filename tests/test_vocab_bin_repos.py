@@ -209,4 +209,7 @@ def test_a_sentence_transformers_folder_cut_to_the_download_patterns_loads_the_s
     cut_items = engine_encode(tmp_path, {**card, "id": "local/cut", "source": {"path": str(cut)}})
     expected = SentenceTransformer(str(repo), device="cpu").encode(TEXTS)
     np.testing.assert_allclose(np.stack([i.dense for i in cut_items]), expected, atol=2e-5)
-    np.testing.assert_array_equal(np.stack([i.dense for i in cut_items]), np.stack([i.dense for i in full_items]))
+    # The same weights; float32's last bits may differ, as the device's two lanes may split the texts
+    # into different batches in the two runs.
+    np.testing.assert_allclose(np.stack([i.dense for i in cut_items]), np.stack([i.dense for i in full_items]),
+                               rtol=1e-5, atol=1e-6)
