@@ -34,20 +34,27 @@ def tokenizer() -> TextTokenizer:
 
 class Recorder:
     """A runner stand-in whose forward holds its lane `hold_s` and records what ran when, where; a
-    batch holding token `fail_id` raises at once, one holding `slow_id` takes 1 s."""
+    batch holding token `fail_id` raises (once a batch holding `slow_id` has started, if there is
+    such an id), one holding `slow_id` takes 1 s."""
 
     def __init__(self, hold_s: float = 0.2, fail_id: int | None = None, slow_id: int | None = None) -> None:
         self.hold_s = hold_s
         self.fail_id = fail_id
         self.slow_id = slow_id
         self.runs: list[dict] = []
+        self.slow_started = threading.Event()
         self._lock = threading.Lock()
 
     def forward(self, batch, specs):
         start = time.monotonic()
+        slow = self.slow_id is not None and (batch.input_ids == self.slow_id).any()
         if self.fail_id is not None and (batch.input_ids == self.fail_id).any():
+            if self.slow_id is not None:  # fail while the slow batch runs on the other lane
+                self.slow_started.wait(5)
             raise RuntimeError("a bad item")
-        time.sleep(1.0 if self.slow_id is not None and (batch.input_ids == self.slow_id).any() else self.hold_s)
+        if slow:
+            self.slow_started.set()
+        time.sleep(1.0 if slow else self.hold_s)
         with self._lock:
             self.runs.append(dict(start=start, end=time.monotonic(), seqs=batch.num_seqs,
                                   adapters=batch.adapter_slots is not None, thread=threading.current_thread().name))
