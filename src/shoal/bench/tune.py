@@ -37,6 +37,7 @@ import yaml
 from ..catalog import TUNED_DIR
 from ..catalog.card import ROW_BLOCK_BYTES, Batching, Tuned, check_batching, load_tuned
 from ..cpuinfo import usable_cores
+from ..engine.threads import lane_threads
 from ..errors import ConfigError
 from . import workloads
 from .knee import Bounds, within
@@ -130,7 +131,7 @@ def _distinct_threads(candidates: tuple, start: int | None, cores: int, lanes: i
     earlier value gives (a lane runs on `threads // lanes`, unset: the cores): at two lanes on two
     cores, 1 and 2 are both a thread per lane, the same setting, and a trial of it only measures
     noise (and would write a core count into an overlay that other machines of the class read)."""
-    per_lane = lambda threads: max(1, (threads or cores) // lanes)  # noqa: E731
+    per_lane = lambda threads: lane_threads(threads or cores, lanes)  # noqa: E731
     seen, kept = {per_lane(start)}, []
     for threads in candidates:
         if per_lane(threads) not in seen:

@@ -21,7 +21,7 @@ from ..weights import build_model, estimate_bytes
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
-from .threads import lanes_of_this_thread
+from .threads import lane_threads, lanes_of_this_thread
 from .tokenizer import TextTokenizer
 from .types import Batch, EncodeSpec, ExtractSpec, ScoreSpec
 
@@ -153,7 +153,7 @@ class ModelRunner:
     def threads_for(self, num_tokens: int) -> int:
         """Torch intra-op threads for a forward of `num_tokens` tokens on the calling thread (a
         device lane takes its share of them)."""
-        threads = max(1, self.threads // lanes_of_this_thread())
+        threads = lane_threads(self.threads, lanes_of_this_thread())
         return max(1, threads - 1) if num_tokens < self.small_batch_tokens else threads
 
     @torch.inference_mode()

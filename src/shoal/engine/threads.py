@@ -110,3 +110,8 @@ def share_threads(lanes: int) -> None:
 
 def lanes_of_this_thread() -> int:
     return getattr(_lane, "count", 1)
+
+
+def lane_threads(threads: int, lanes: int) -> int:
+    """The intra-op threads a lane runs a model's forwards on: its share of `threads`."""
+    return max(1, threads // lanes)
