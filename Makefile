@@ -12,7 +12,7 @@ PORT ?= 8080
 MODEL ?= sentence-transformers/all-MiniLM-L6-v2
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev tools serve test bench clean
+.PHONY: install install-dev tools serve test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ serve: install
 
 test: install-dev tools
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff (rules and formatting) and mypy, as pyproject.toml configures them; the tools come with the dev extra.
+lint: install-dev
+	VENV=$(VENV) .ci/lint
 
 bench: install-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/encode_throughput.py
