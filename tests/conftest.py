@@ -177,6 +177,19 @@ def smollm2_causal(tmp_path_factory):
 # --- servers ------------------------------------------------------------------------------------
 
 
+class WrappingBackend:
+    """A backend whose loaded models are wrapped (fault injection, recording batches)."""
+
+    def __init__(self, backend, wrap: Callable) -> None:
+        self.name, self._backend, self._wrap = backend.name, backend, wrap
+
+    def load(self, card):
+        return self._wrap(self._backend.load(card))
+
+    def estimate_bytes(self, card) -> int:
+        return self._backend.estimate_bytes(card)
+
+
 @contextlib.contextmanager
 def running_server(app, settings=None) -> Iterator[str]:
     """Serve `app` on a free port as `shoal serve` does (`shoal.api.server`, same HTTP limits);
@@ -232,7 +245,7 @@ def serve():
     from shoal.catalog import Catalog
     from shoal.config import EngineSettings, ServerSettings, Settings
     from shoal.engine import Engine
-    from shoal.engine.runner import ModelRunner
+    from shoal.engine.runner import TorchBackend
 
     with contextlib.ExitStack() as servers:
 
@@ -241,14 +254,11 @@ def serve():
                   cards_dirs: tuple[Path, ...] = (), auth=None, models: tuple[str, ...] = (),
                   aliases: dict[str, str] | None = None) -> str:
             settings = Settings(server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False)
-            load = None
+            backend = None
             if wrap_runner is not None:
-                def load(card):
-                    return wrap_runner(ModelRunner.load(card, settings.engine.device, allow_download=False))
+                backend = WrappingBackend(TorchBackend(settings.engine.device, allow_download=False), wrap_runner)
             catalog = Catalog.load(extra_dirs=cards_dirs, strict=False).restrict(models).with_aliases(aliases or {})
-            eng = Engine(settings.engine, catalog, allow_download=False, load_runner=load,
-                         estimate_bytes=(lambda card: ModelRunner.estimate_bytes(card, False)) if load else None,
-                         models_dirs=cards_dirs)
+            eng = Engine(settings.engine, catalog, allow_download=False, backend=backend, models_dirs=cards_dirs)
             app = create_app(settings, eng, preload=preload, auth=auth)
             url = servers.enter_context(running_server(app))
             start.engines[url] = eng

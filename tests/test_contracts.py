@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import transformers
 
+from conftest import WrappingBackend
 from shoal import calls
 from shoal.catalog import parse_card
 from shoal.engine.tokenizer import TextTokenizer
@@ -202,7 +203,7 @@ def test_stop_finishes_the_running_batch_before_it_frees_the_model():
     from shoal.catalog import Catalog
     from shoal.config import EngineSettings
     from shoal.engine import EncodeCall, Engine
-    from shoal.engine.runner import ModelRunner
+    from shoal.engine.runner import TorchBackend
 
     events: list[str] = []
 
@@ -225,8 +226,7 @@ def test_stop_finishes_the_running_batch_before_it_frees_the_model():
 
     catalog = Catalog.load()
     card = catalog.get("sentence-transformers/all-MiniLM-L6-v2")
-    engine = Engine(EngineSettings(), catalog, load_runner=lambda c: Slow(ModelRunner.load(c, "cpu", False)),
-                    estimate_bytes=lambda c: 1)
+    engine = Engine(EngineSettings(), catalog, backend=WrappingBackend(TorchBackend("cpu", allow_download=False), Slow))
 
     async def main():
         await engine.start()
@@ -244,7 +244,7 @@ def test_stop_finishes_the_running_batch_before_it_frees_the_model():
 
 def test_an_in_process_call_with_a_lone_surrogate_is_refused_naming_the_text():
     from shoal.catalog import Catalog
-    from shoal.engine.tasks import EncodeTask
+    from shoal.engine.tasks.encode import EncodeTask
     from shoal.errors import InvalidRequest
 
     card = Catalog.load().get("sentence-transformers/all-MiniLM-L6-v2")

@@ -219,18 +219,18 @@ def test_a_heavy_decoding_runs_beside_the_event_loop(tmp_path, deberta_gliner, m
     thread (the event loop keeps serving), a small request's on the loop."""
     import threading
 
-    from shoal.engine.tasks.extract import ExtractTask
+    from shoal.engine.tasks.extract_gliner import GlinerTask
 
     directory, _ = deberta_gliner
     catalog = catalog_with(tmp_path, gliner_card(directory))
     threads = []
-    collect = ExtractTask.collect
+    collect = GlinerTask.collect
 
     def spy(self, *args):
         threads.append(threading.current_thread() is threading.main_thread())
         return collect(self, *args)
 
-    monkeypatch.setattr(ExtractTask, "collect", spy)
+    monkeypatch.setattr(GlinerTask, "collect", spy)
     heavy, light = run(catalog,
                        ExtractCall(model="test/gliner", texts=[long_text(600)[0]], labels=LABEL_SETS[1], threshold=0.0),
                        ExtractCall(model="test/gliner", texts=TEXTS[:1], labels=LABEL_SETS[0], threshold=0.9))

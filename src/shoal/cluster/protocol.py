@@ -25,7 +25,9 @@ import time
 
 import msgspec
 
-from ..calls import AnyCall, EncodeCall, ErrorResult, ExtractCall, ScoreCall
+from .. import verbs
+from ..calls import AnyCall, ErrorResult
+from ..catalog import ModelCard
 from ..config import ClusterSettings
 from ..errors import ShoalError
 from ..service import CardProblem, ModelStatus, Token
@@ -126,18 +128,11 @@ class RpcReply(msgspec.Struct, frozen=True, omit_defaults=True):
     error: dict | None = None  # an ErrorResult's fields
 
 
-def estimate_tokens(call: AnyCall) -> int:
-    """About how many tokens the call will run, from its characters (no tokenizer here): sizes
-    how much a worker pulls, never what it admits."""
-    if isinstance(call, EncodeCall):
-        return sum(len(t) // 4 + 2 for t in call.texts)
-    if isinstance(call, ScoreCall):
-        query = len(call.query) // 4
-        return sum(query + len(d) // 4 + 3 for d in call.documents)
-    if isinstance(call, ExtractCall):
-        labels = sum(len(label) // 4 + 1 for label in call.labels)
-        return sum(len(t) // 4 + 2 + labels for t in call.texts)
-    return 1
+def estimate_tokens(call: AnyCall, card: ModelCard | None = None) -> int:
+    """About how many tokens the call will run (shoal.verbs.estimate_tokens, the engine's own
+    estimate, from characters; no tokenizer here): sizes how much a worker pulls, never what it
+    admits."""
+    return verbs.estimate_tokens(call, card)
 
 
 async def connect(url: str, name: str, *, on_disconnect=None, on_reconnect=None, connect_timeout_s: float = 2.0,

@@ -32,11 +32,12 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ..catalog import ModelCard
 from ..errors import InvalidRequest, ModelLoadError, Overloaded
 from ..metrics import Metrics
+from .backend import LoadedModel
 from .threads import ThreadPerJob
 
 log = logging.getLogger("shoal.cache")
@@ -55,13 +56,13 @@ class _Failure:
 class ModelCache:
     def __init__(
         self,
-        load: Callable[[ModelCard], Any],
+        load: Callable[[ModelCard], LoadedModel],
         estimate_bytes: Callable[[ModelCard], int],
         *,
         memory_budget_bytes: int | None,
         pinned: frozenset[str] = frozenset(),
         load_timeout_s: float = 30.0,
-        fetch: Callable[[ModelCard], Any] | None = None,
+        fetch: Callable[[ModelCard], object] | None = None,
         load_backoff_s: float = 1.0,
         metrics: Metrics | None = None,
         device: str = "cpu",
@@ -77,7 +78,7 @@ class ModelCache:
         self._metrics = metrics
         self._device = device
         self._side_by_side = side_by_side  # batches the device may run at once (its lanes)
-        self._loaded: OrderedDict[str, Any] = OrderedDict()  # least recently used first
+        self._loaded: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
         self._loading: dict[str, asyncio.Task] = {}
         self._loading_since: dict[str, float] = {}
         self._inflight: Counter[str] = Counter()
@@ -110,7 +111,7 @@ class ModelCache:
     def is_loading(self, model_id: str) -> bool:
         return model_id in self._loading
 
-    def runner(self, model_id: str) -> Any | None:
+    def runner(self, model_id: str) -> LoadedModel | None:
         return self._loaded.get(model_id)
 
     def is_pinned(self, model_id: str) -> bool:
@@ -150,7 +151,7 @@ class ModelCache:
 
     # --- requests -------------------------------------------------------------------------------
 
-    async def acquire(self, card: ModelCard, *, patient: bool = False) -> Any:
+    async def acquire(self, card: ModelCard, *, patient: bool = False) -> LoadedModel:
         """The loaded model, counted in flight until `release(card.id)`. A request waits up to
         `load_timeout_s` for a load; `patient` (preloading at start) waits for it to end."""
         if self._drop_when_idle.get(card.id) == "changed":  # the old card's model drains first
@@ -193,7 +194,7 @@ class ModelCache:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), remaining)
 
-    async def _wait_for_load(self, card: ModelCard, patient: bool = False) -> Any:
+    async def _wait_for_load(self, card: ModelCard, patient: bool = False) -> LoadedModel:
         failure = self._failures.get(card.id)
         if failure is not None and time.monotonic() < failure.retry_at and card.id not in self._loading:
             raise _retry_later(failure)
@@ -223,7 +224,7 @@ class ModelCache:
 
     # --- loading --------------------------------------------------------------------------------
 
-    async def _load(self, card: ModelCard) -> Any:
+    async def _load(self, card: ModelCard) -> LoadedModel:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         generation = self._generation[card.id]
@@ -235,7 +236,7 @@ class ModelCache:
                 needed = await loop.run_in_executor(self._executor, self._estimate_fn, card)
             async with self._room(card.id, needed or 0, workspace):
                 runner = await loop.run_in_executor(self._executor, self._load_fn, card)
-                measured = (runner.num_bytes, getattr(runner, "workspace_bytes", 0))
+                measured = (runner.num_bytes, runner.workspace_bytes)
                 try:
                     if self._generation[card.id] != generation:  # its card changed while it loaded
                         raise Overloaded(f"the card of {card.id} changed while it loaded; retry", retry_after_s=1.0,
@@ -267,7 +268,7 @@ class ModelCache:
             self._loading_since.pop(card.id, None)
             self._record()
 
-    def _record_failure(self, store: dict, key: Any, what: str, exc: Exception) -> _Failure:
+    def _record_failure(self, store: dict, key: str | tuple[str, str], what: str, exc: Exception) -> _Failure:
         """Record a failed load of `what` under `key` in `store`, with its back-off."""
         previous = store.get(key)
         attempts = previous.attempts + 1 if previous else 1
@@ -363,7 +364,7 @@ class ModelCache:
 
     # --- adapters -------------------------------------------------------------------------------
 
-    async def acquire_adapter(self, model_id: str, runner: Any, name: str, directory: Path) -> int:
+    async def acquire_adapter(self, model_id: str, runner: LoadedModel, name: str, directory: Path) -> int:
         """The adapter's slot on `runner` (loading it if needed), counted in flight until
         `release_adapter`. The caller holds the model itself (`acquire`)."""
         key = (model_id, name)
@@ -414,7 +415,7 @@ class ModelCache:
         elif key in self._adapters:
             self._drop_adapter(key, "changed")
 
-    async def _load_adapter(self, key: tuple[str, str], runner: Any, directory: Path) -> None:
+    async def _load_adapter(self, key: tuple[str, str], runner: LoadedModel, directory: Path) -> None:
         loop = asyncio.get_running_loop()
         model_id, name = key
         what = f"adapter {name} of {model_id}"

@@ -29,14 +29,15 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ..errors import DeadlineExceeded, InferenceFailed, Overloaded, ShoalError
 from ..metrics import Metrics
 from . import memory
 from .scheduler import BatchLimits, Scheduler, Slot
 from .threads import share_threads
-from .types import Batch
+from .backend import LoadedModel
+from .types import Batch, Encoded, Spec
 
 log = logging.getLogger("shoal.device")
 
@@ -51,7 +52,8 @@ CONTENTION_WINDOW_S = 5.0
 class Pending:
     """One request's sequences on their way through the device, resolved on the event loop."""
 
-    def __init__(self, model_id: str, runner: Any, seqs: Sequence, specs: Sequence, *, deadline: float,
+    def __init__(self, model_id: str, runner: LoadedModel, seqs: Sequence[Encoded], specs: Sequence[Spec], *,
+                 deadline: float,
                  request_id: str | None, future: asyncio.Future,
                  on_released: Callable[[], None] | None = None, adapter_slot: int = -1) -> None:
         self.model_id = model_id
@@ -68,7 +70,7 @@ class Pending:
         self.request_id = request_id
         self.future = future
         self.next_index = 0  # scheduler state
-        self.outputs: list[Any] = [None] * len(seqs)
+        self.outputs: list[object] = [None] * len(seqs)
         # Written by the lanes with the device's lock held:
         self.remaining = len(seqs)  # sequences not yet run
         self.in_batches = 0  # batches running with some of its sequences
@@ -387,7 +389,7 @@ class DeviceWorker:
         side_by_side = self._running  # lanes in a batch now, this one included
         started = time.perf_counter()
         try:
-            outputs: list[Any] = self._forward(runner, slots)
+            outputs: list[object] = self._forward(runner, slots)
         except Exception:  # retried one sequence at a time: only the failing ones err
             outputs = []
             for slot in slots:
@@ -442,7 +444,7 @@ class DeviceWorker:
                 if pending.in_batches == 0 and (pending.remaining == 0 or pending.dropped):
                     self._call_soon(self._release, pending)
 
-    def _enter(self, runner: Any, alone: bool) -> None:
+    def _enter(self, runner: LoadedModel, alone: bool) -> None:
         """Wait until `runner` may run this lane's batch: beside its other batches, or, for a batch
         with adapters (`alone`), once the batches running on it have ended; no batch starts on it
         meanwhile, so the adapter batch never waits for long."""
@@ -457,7 +459,7 @@ class DeviceWorker:
             else:
                 self._shared[key] = self._shared.get(key, 0) + 1
 
-    def _leave(self, runner: Any, alone: bool) -> None:
+    def _leave(self, runner: LoadedModel, alone: bool) -> None:
         key = id(runner)
         with self._wake:
             if alone:
@@ -469,7 +471,7 @@ class DeviceWorker:
             self._turn.notify_all()
 
     @staticmethod
-    def _forward(runner: Any, slots: list[Slot]) -> list[Any]:
+    def _forward(runner: LoadedModel, slots: list[Slot]) -> list[object]:
         batch = Batch.pack([p.seqs[i] for p, i in slots], [p.adapter_slot for p, _ in slots])
         outputs = runner.forward(batch, [p.specs[i] for p, i in slots])
         if len(outputs) != len(slots):

@@ -25,13 +25,15 @@ from ..cpuinfo import usable_cores
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
+from ..verbs import VERB_OF_CALL
 from . import memory
+from .backend import Backend
 from .cache import ModelCache
 from .device import DeviceWorker, Pending
 from .fleet import Fleet
 from .hardware import hardware_class
 from .scheduler import BatchLimits
-from .tasks import TASKS
+from .tasks import task_for
 from .tasks.encode import prompt_of
 from .tokenizer import TokenizerPool
 
@@ -46,8 +48,7 @@ class Engine:
         *,
         metrics: Metrics | None = None,
         allow_download: bool = True,
-        load_runner: Callable[[ModelCard], Any] | None = None,
-        estimate_bytes: Callable[[ModelCard], int] | None = None,
+        backend: Backend | None = None,
         models_dirs: tuple[Path, ...] = (),
     ) -> None:
         self.settings = settings
@@ -55,26 +56,26 @@ class Engine:
         self.metrics.start_models(card.id for card in catalog)
         self._hardware = hardware_class(settings.device)
         lanes = device_lanes(settings)
-        fetch = None
-        if load_runner is None or estimate_bytes is None:
-            from ..catalog import resolve_weights
-            from .runner import ModelRunner  # torch is imported here, not at `import shoal`
+        if backend is None:
+            from .runner import TorchBackend  # torch is imported here, not at `import shoal`
 
             def max_batch_tokens(card: ModelCard) -> int:
                 return card.batching_for(self._hardware).max_batch_tokens or settings.max_batch_tokens
 
-            load_runner = load_runner or (lambda card: ModelRunner.load(card, settings.device, allow_download,
-                                                                         max_batch_tokens(card), settings.onednn_linear))
-            estimate_bytes = estimate_bytes or (
-                lambda card: ModelRunner.estimate_bytes(card, allow_download, settings.device))
-            if allow_download:  # a download happens outside the lock that materializes weights
-                fetch = lambda card: resolve_weights(card, allow_download=True)  # noqa: E731
+            backend = TorchBackend(settings.device, allow_download=allow_download,
+                                   max_batch_tokens_of=max_batch_tokens, pack=settings.onednn_linear)
+        self.backend = backend
+        fetch = None
+        if allow_download:  # a download happens outside the lock that materializes weights
+            from ..catalog import resolve_weights
+
+            fetch = lambda card: resolve_weights(card, allow_download=True)  # noqa: E731
         budget = settings.memory_budget_bytes
         if budget is None:
             budget = memory.default_budget_bytes(settings.device)
         self.metrics.memory_budget_bytes.labels(settings.device).set(budget or 0)
         cache = ModelCache(
-            load_runner, estimate_bytes, fetch=fetch,
+            backend.load, backend.estimate_bytes, fetch=fetch,
             memory_budget_bytes=budget,
             pinned=frozenset(settings.pinned_models),
             load_timeout_s=settings.load_timeout_s,
@@ -151,9 +152,9 @@ class Engine:
         card = self.catalog.get(model_id)
         prefix = prompt_of(card, prompt_name, None)
         deadline = time.monotonic() + self.settings.request_timeout_s
-        runner, _ = await _within(self.fleet.acquire(card, None), deadline, "load")
+        model, _ = await _within(self.fleet.acquire(card, None), deadline, "load")
         try:
-            tokenizer = runner.tokenizer
+            tokenizer = model.info.text
             cut = await self._tokenizers.map(
                 lambda chunk, _: [tokenizer.tokens(prefix + t, add_special_tokens) for t in chunk], texts)
         finally:
@@ -179,12 +180,12 @@ class Engine:
         return await self.run(call)
 
     async def run(self, call: AnyCall) -> AnyResult:
-        task = TASKS.get(type(call))
-        if task is None:
+        if type(call) not in VERB_OF_CALL:
             raise InvalidRequest(f"this server does not serve {type(call).__name__} calls")
         timeout_s = timeout_of(call, self.settings.request_timeout_s)
         deadline = time.monotonic() + timeout_s
         card = self.catalog.get(call.model)
+        task = task_for(call, card)
         plan = task.plan(card, call)
         tokens = plan.estimated_tokens
         self._admit(card.id, plan.num_items, tokens)
@@ -193,7 +194,7 @@ class Engine:
             handed_over = False  # once submitted, the device releases the model when done with it
             try:
                 started = time.perf_counter()
-                seqs = await _within(task.tokenize(plan, runner, self._tokenizers), deadline, "tokenize")
+                seqs = await _within(task.tokenize(plan, runner.info, self._tokenizers), deadline, "tokenize")
                 tokenize_s = time.perf_counter() - started
                 _check_sequences(seqs)
                 task.check_size(plan, seqs, self.settings.max_result_bytes)
@@ -300,7 +301,8 @@ class Engine:
         Called by the scheduler on a device lane, once per batch."""
         s = self.settings
         # The loaded model's card: the catalog may have changed (hot add) while its work is queued.
-        card = getattr(self.cache.runner(model_id), "card", None) or self.catalog.get(model_id)
+        loaded = self.cache.runner(model_id)
+        card = loaded.info.card if loaded is not None else self.catalog.get(model_id)
         batching = card.batching_for(self._hardware)
         max_tokens = batching.max_batch_tokens or s.max_batch_tokens
         if s.target_batch_s and self._device.contended:

@@ -15,13 +15,13 @@ import asyncio
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from ..catalog import ADAPTERS_DIR, TUNED_DIR, Catalog, ModelCard
 from ..errors import InvalidRequest, ModelLoadError
 from ..service import ADMIN_ACTIONS, CardProblem, ModelStatus, status_of_card
+from .backend import LoadedModel
 from .cache import ModelCache
 
 log = logging.getLogger("shoal.fleet")
@@ -62,7 +62,7 @@ class Fleet:
 
     # --- per call -------------------------------------------------------------------------------
 
-    async def acquire(self, card: ModelCard, adapter: str | None) -> tuple[Any, int]:
+    async def acquire(self, card: ModelCard, adapter: str | None) -> tuple[LoadedModel, int]:
         """(runner, adapter slot or -1), both counted in flight until `release`."""
         directory = None
         if adapter is not None:

@@ -1,13 +1,16 @@
-"""One loaded model on one device: tensors start here (the torch backend).
+"""The torch backend: tensors start here.
 
+`TorchBackend` loads a card into a `ModelRunner`, the backend's `LoadedModel` (engine/backend.py):
 `forward` takes a padding-free `Batch` and each sequence's spec, runs the encoder once, and lets
 each head that some sequence asked for turn the hidden states into per-sequence outputs. Only the
-device's lanes call it (engine/device.py), two of them at once on a CPU.
+device's lanes call it (engine/device.py), two of them at once on a CPU. `info` is the torch-free
+description the tasks, the cache and the device read.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,14 +19,15 @@ from ..catalog import ModelCard, resolve_weights
 from ..catalog.card import ROW_BLOCK_BYTES
 from ..errors import ConfigError
 from ..heads import BuildContext, Hidden, build_heads
-from ..layers import AttentionMeta, input_maxima, packed, quantize_linears
+from ..layers import AttentionMeta, PackedInputs, input_maxima, packed, quantize_linears
 from ..weights import build_model, estimate_bytes
+from .backend import ModelInfo
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
 from .threads import lane_threads, lanes_of_this_thread
 from .tokenizer import TextTokenizer
-from .types import Batch, EncodeSpec, ExtractSpec, ScoreSpec
+from .types import Batch, EncodeSpec, Spec
 
 # Heads that read only the encoder's states: LoRA targets outside the encoder (a pooler, an MLM head)
 # are never run under them, so an adapter's tensors for those are dropped rather than refused.
@@ -68,17 +72,33 @@ class ModelRunner:
         self.row_block_bytes = 0
         if self.device.type == "cpu":
             self.row_block_bytes = ROW_BLOCK_BYTES if limits.row_block_bytes is None else limits.row_block_bytes
-        self.tokenizer = self.document_tokenizer = self.query_tokenizer = tokenizer
         dtype = next(model.parameters()).dtype
         self.heads = build_heads(BuildContext(card, model, directory, tokenizer, dict(device=self.device, dtype=dtype)))
+        query = document = None
         for head in self.heads.values():  # late-interaction heads mark queries and documents
             if hasattr(head, "tokenizers"):
-                self.query_tokenizer, self.document_tokenizer = head.tokenizers()
+                query, document = head.tokenizers()
+        # What heads tell the tasks (GLiNER's prompt tokens, label maps, an LLM frame); others say nothing.
+        described = tuple(d for head in self.heads.values() if (d := getattr(head, "describe", _nothing)()) is not None)
+        self.info = ModelInfo(card, tokenizer, tuple(self.heads), query_text=query, document_text=document,
+                              heads=described)
         self._adapters = AdapterTable()  # PEFT LoRA adapters by slot (engine/lora.py)
         # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
         self.num_bytes = tensor_bytes([model, *self.heads.values()]) + packed.packed_bytes(model)
         self.workspace_bytes = workspace_bytes(model, self.heads.values(), max_batch_tokens, tokenizer.max_length,
                                                self.device, flash=_flash_available(self.device, dtype))
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self.info.text
+
+    @property
+    def query_tokenizer(self) -> TextTokenizer:
+        return self.info.tokenizer_for(True)
+
+    @property
+    def document_tokenizer(self) -> TextTokenizer:
+        return self.info.tokenizer_for(False)
 
     @classmethod
     def load(cls, card: ModelCard, device: str, allow_download: bool = True,
@@ -157,7 +177,7 @@ class ModelRunner:
         return max(1, threads - 1) if num_tokens < self.small_batch_tokens else threads
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, specs: list[EncodeSpec | ScoreSpec | ExtractSpec]) -> list:
+    def forward(self, batch: Batch, specs: Sequence[Spec]) -> list[object]:
         # Per thread (OpenMP): the device thread's count; threads it starts later inherit it (loads
         # reset it, see from_dir).
         threads = self.threads_for(batch.num_tokens)
@@ -174,11 +194,12 @@ class ModelRunner:
         # Never in row blocks under LoRA: its hooks route a Linear's rows by batch position (layers/rows.py).
         meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths, each=self.attention_each,
                                    row_block_bytes=self.row_block_bytes if routing is None else 0)
+        inputs = PackedInputs(input_ids, position_ids, meta, token_type_ids, _features(batch, to))
         if routing is None:
-            states = self.model(input_ids, position_ids, meta, token_type_ids)  # [T, hidden]
+            states = self.model(inputs)  # [T, hidden]
         else:  # each sequence's tokens get its adapter's deltas (layers/lora.py)
             with routing.applied(self.model):
-                states = self.model(input_ids, position_ids, meta, token_type_ids)  # [T, hidden]
+                states = self.model(inputs)  # [T, hidden]
         hidden = Hidden(states, input_ids, meta)
 
         wanted = {name for spec in specs for name in spec.outputs}
@@ -198,6 +219,41 @@ class ModelRunner:
         """Called on eviction. A batch already running keeps its reference until it finishes."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class TorchBackend:
+    """The `Backend` (engine/backend.py) that runs shoal's own PyTorch forwards on `device`."""
+
+    name = "torch"
+
+    def __init__(self, device: str, *, allow_download: bool = True, max_batch_tokens: int = 16384,
+                 max_batch_tokens_of: Callable[[ModelCard], int] | None = None, pack: bool = True) -> None:
+        self.device = device
+        self.allow_download = allow_download
+        self._max_batch_tokens = max_batch_tokens
+        self._max_batch_tokens_of = max_batch_tokens_of
+        self.pack = pack
+
+    def load(self, card: ModelCard) -> ModelRunner:
+        max_batch_tokens = self._max_batch_tokens_of(card) if self._max_batch_tokens_of else self._max_batch_tokens
+        return ModelRunner.load(card, self.device, self.allow_download, max_batch_tokens, self.pack)
+
+    def estimate_bytes(self, card: ModelCard) -> int:
+        return ModelRunner.estimate_bytes(card, self.allow_download, self.device)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _features(batch: Batch, to: dict) -> dict[str, torch.Tensor]:
+    """The batch's feature slots on the device: `name` -> its rows `[R, ...]`, and
+    `name + "_cu_rows"` -> `[n+1]` each sequence's first row (PackedInputs.features)."""
+    out = {}
+    for name, slot in batch.features.items():
+        out[name] = torch.from_numpy(slot.values).to(**to)
+        out[f"{name}_cu_rows"] = torch.from_numpy(slot.cu_rows).to(**to)
+    return out
 
 
 # What the float32 model reads once before `quantize: int8`, to find each Linear's outlier input
@@ -220,7 +276,8 @@ def _quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
     batch = Batch.pack(tokenizer.encode(list(_CALIBRATION_TEXTS), truncate=True))
     input_ids, position_ids = torch.from_numpy(batch.input_ids), torch.from_numpy(batch.position_ids)  # [T]
     meta = AttentionMeta.build(torch.from_numpy(batch.cu_seqlens), batch.max_seqlen)
-    quantize_linears(model, input_maxima(model, lambda: model(input_ids, position_ids, meta, None)))
+    inputs = PackedInputs(input_ids, position_ids, meta)
+    quantize_linears(model, input_maxima(model, lambda: model(inputs)))
 
 
 def _quantize_here(card: ModelCard, device: str) -> ModelCard:

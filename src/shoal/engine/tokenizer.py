@@ -17,7 +17,6 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from tokenizers import Tokenizer
 
 from ..errors import InputTooLong, InvalidRequest, ModelLoadError
 from .tokenizer_files import load_tokenizer
+from .types import Encoded
 
 # Characters kept per token of `max_length` before tokenizing (English runs ~4-5 per token).
 CHARS_PER_TOKEN_BOUND = 10
@@ -34,23 +34,6 @@ WIDEN_LIMIT = 256
 # Texts per tokenizer job: a bulk request is tokenized in turns with the others, and stops when
 # its caller goes away.
 TEXTS_PER_JOB = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """One tokenized sequence (a text, or a text pair as one sequence)."""
-
-    ids: np.ndarray  # [n] int64, special tokens included
-    type_ids: np.ndarray | None = None  # [n] int64 segment ids; None: all zero (a single text)
-    offsets: np.ndarray | None = None  # [n, 2] int32 character spans into their text; (0, 0) for specials
-    word_ids: np.ndarray | None = None  # [n] int32 word index; -1 for special tokens
-    truncated: bool = False  # tokens of its text (or of a pair's second text) were cut off
-    # Tokens past the first `num_keys` are attended by none (ColBERT's [MASK] query expansion),
-    # though they get outputs; None: every token is attended to.
-    num_keys: int | None = None
-
-    def __len__(self) -> int:
-        return int(self.ids.shape[0])
 
 
 class TextTokenizer:

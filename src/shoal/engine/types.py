@@ -1,15 +1,46 @@
-"""The padding-free `Batch`, the contract between scheduling and compute, and the per-sequence
-head spec that tells the runner which outputs one sequence wants. No torch here.
+"""The padding-free `Batch`, the contract between scheduling and compute; the preprocessed
+sequence (`Encoded`) it packs; and the per-sequence head spec that tells the backend which
+outputs one sequence wants. No torch, no tokenizers here.
+
+A sequence is token ids (what the scheduler counts and budgets) plus optional feature slots: host
+arrays a model reads beside the ids, such as an image's patch pixels, whose rows count as tokens.
+Text has none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
 
 import numpy as np
 
-from .tokenizer import Encoded
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One preprocessed sequence (a text, a text pair as one sequence; an image's patches later)."""
+
+    ids: np.ndarray  # [n] int64, special tokens included
+    type_ids: np.ndarray | None = None  # [n] int64 segment ids; None: all zero (a single text)
+    offsets: np.ndarray | None = None  # [n, 2] int32 character spans into their text; (0, 0) for specials
+    word_ids: np.ndarray | None = None  # [n] int32 word index; -1 for special tokens
+    truncated: bool = False  # tokens of its text (or of a pair's second text) were cut off
+    # Tokens past the first `num_keys` are attended by none (ColBERT's [MASK] query expansion),
+    # though they get outputs; None: every token is attended to.
+    num_keys: int | None = None
+    # Feature slots by name: `[rows, ...]` host arrays the model reads beside the ids (an image's
+    # `[patches, channels*patch*patch]` pixels); empty for text.
+    features: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass(frozen=True)
+class FeatureSlot:
+    """One feature slot of a batch: every sequence's rows, concatenated in sequence order."""
+
+    values: np.ndarray  # [R, ...] the rows of all sequences that carry this slot
+    cu_rows: np.ndarray  # [n+1] int32 cumulative rows per sequence (0 rows: the sequence has none)
 
 
 @dataclass(frozen=True)
@@ -58,6 +89,9 @@ class ExtractSpec:
     is_query: bool = False
 
 
+Spec = Union[EncodeSpec, ScoreSpec, ExtractSpec]
+
+
 @dataclass(frozen=True)
 class Batch:
     """A padding-free batch: n sequences packed into T tokens."""
@@ -72,6 +106,7 @@ class Batch:
     # [n] int32 keys per sequence: tokens past its first key_lengths[i] are attended by none
     # (`Encoded.num_keys`); None: every token of every sequence is attended to.
     key_lengths: np.ndarray | None = None
+    features: Mapping[str, FeatureSlot] = field(default_factory=dict)  # by slot name; empty for text
 
     @property
     def num_tokens(self) -> int:
@@ -98,4 +133,18 @@ class Batch:
         if any(s.num_keys is not None for s in seqs):
             key_lengths = np.asarray([len(s) if s.num_keys is None else s.num_keys for s in seqs], dtype=np.int32)
         input_ids = np.concatenate([s.ids for s in seqs]).astype(np.int64, copy=False)
-        return cls(input_ids, position_ids, cu, int(lengths.max()), type_ids, slots, key_lengths)
+        return cls(input_ids, position_ids, cu, int(lengths.max()), type_ids, slots, key_lengths, _features(seqs))
+
+
+def _features(seqs: Sequence[Encoded]) -> dict[str, FeatureSlot]:
+    names = sorted({name for s in seqs for name in s.features})
+    slots = {}
+    for name in names:
+        parts = [s.features.get(name) for s in seqs]
+        present = next(p for p in parts if p is not None)
+        rows = np.fromiter((0 if p is None else len(p) for p in parts), dtype=np.int64, count=len(parts))
+        cu_rows = np.zeros(len(parts) + 1, dtype=np.int32)
+        np.cumsum(rows, out=cu_rows[1:])
+        values = np.concatenate([p for p in parts if p is not None]) if rows.any() else present[:0]
+        slots[name] = FeatureSlot(values, cu_rows)
+    return slots

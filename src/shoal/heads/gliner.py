@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 
 from ..errors import ModelLoadError
+from ..head_info import GlinerPrompt
 from ..weights import load_tensors
 
 CONFIG_FILE = "gliner_config.json"
@@ -116,6 +117,10 @@ class GlinerHead:
         else:  # marker: out_project is one Linear(2H, H)
             w, b = t["span_rep_layer.span_rep_layer.out_project.weight"], t["span_rep_layer.span_rep_layer.out_project.bias"]
             self.out_start, self.out_end, self.out_bias = w[:, :h], w[:, h:], b  # [H, H] each, [H]
+
+    def describe(self) -> GlinerPrompt:
+        return GlinerPrompt(self.ent_token, self.sep_token, self.max_width, self.max_len, self.embed_ent_token,
+                            last_subtoken=self.pooling == "last")
 
     @classmethod
     def build(cls, ctx) -> "GlinerHead":

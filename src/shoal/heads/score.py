@@ -13,13 +13,13 @@ logit when the spec says `raw`.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
+from ..head_info import LlmFrame, NliLabels
 from ..layers import activation
 from ..weights import load_tensors, read_config
 from .pooling import pool
@@ -92,6 +92,9 @@ class NliHead(ClassifierHead):
         head.contradiction_id = num_labels - 1 if head.entailment_id == 0 else 0
         return head
 
+    def describe(self) -> NliLabels:
+        return NliLabels(self.entailment_id, self.contradiction_id)
+
     def run(self, hidden, specs) -> list:
         logits = self.logits(hidden).cpu().numpy()
         return [logits[i] if "nli" in s.outputs else None for i, s in enumerate(specs)]
@@ -133,9 +136,9 @@ def classifier_steps(ctx) -> tuple[str, list[Callable[[torch.Tensor], torch.Tens
 
 
 class YesNoHead:
-    """Also says how sequences are framed: `text` fills the card's template; the score task puts
-    `prefix_ids` and `suffix_ids` around it, and `body_tokenizer` cuts only the templated part (as
-    Qwen3-Reranker's reference does)."""
+    """Also says how sequences are framed (`describe`: an LlmFrame): the score task fills the
+    card's template, puts `prefix_ids` and `suffix_ids` around it, and cuts only the templated part
+    with `body_tokenizer` (as Qwen3-Reranker's reference does)."""
 
     output = "score"
 
@@ -145,10 +148,9 @@ class YesNoHead:
         self.prefix_ids, self.suffix_ids = prefix_ids, suffix_ids
         self.body_tokenizer = body_tokenizer  # truncates at max_length minus the prefix and suffix
 
-    def text(self, query: str, document: str, instruction: str | None) -> str:
-        values = {"instruction": self.spec.instruction if instruction is None else instruction,
-                  "query": query, "document": document}
-        return _FIELD.sub(lambda m: values[m.group(1)], self.spec.template)  # one pass: values stay literal
+    def describe(self) -> LlmFrame:
+        return LlmFrame(tuple(self.prefix_ids), tuple(self.suffix_ids), self.spec.template, self.spec.instruction,
+                        self.body_tokenizer)
 
     @classmethod
     def build(cls, ctx) -> "YesNoHead":
@@ -176,9 +178,6 @@ class YesNoHead:
         raw = (logits[:, 1] - logits[:, 0]).cpu().tolist()  # log-odds of yes
         scores = logits.softmax(-1)[:, 1].cpu().tolist()
         return [(raw[i] if s.raw else scores[i]) if "score" in s.outputs else None for i, s in enumerate(specs)]
-
-
-_FIELD = re.compile(r"\{(instruction|query|document)\}")
 
 
 def _tied_embeddings(model: Any) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
+from ..head_info import TokenLabels
 from ..weights import load_tensors, read_config
 
 
@@ -27,6 +28,9 @@ class TokenClassHead:
     @property
     def num_labels(self) -> int:
         return int(self.weight.shape[0])
+
+    def describe(self) -> TokenLabels:
+        return TokenLabels(dict(self.id2label))
 
     @classmethod
     def build(cls, ctx) -> "TokenClassHead":

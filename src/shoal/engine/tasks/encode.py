@@ -8,15 +8,13 @@ from dataclasses import dataclass, replace
 from ...calls import EncodeCall, EncodeResult
 from ...catalog import ModelCard
 from ...errors import InvalidRequest, ResultTooLarge
-from ..types import EncodeSpec
+from ...verbs import estimate_tokens
+from ..backend import ModelInfo
+from ..tokenizer import TextTokenizer, TokenizerPool
+from ..types import EncodeSpec, Encoded
 
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}
 TOKEN_STATES = "token_states"
-
-
-def estimate_tokens(text: str, max_length: int) -> int:
-    """Tokens a text will cost, before tokenizing: ~4 characters a token, plus specials."""
-    return min(max_length, len(text) // 4 + 2)
 
 
 @dataclass
@@ -46,20 +44,19 @@ class EncodeTask:
         spec = _spec(card, call)
         prefix = prompt_of(card, call.prompt_name, call.is_query)
         texts = [prefix + t for t in call.texts] if prefix else list(call.texts)
-        estimated = sum(estimate_tokens(t, card.max_length) for t in texts)
-        return EncodePlan(card, call, spec, texts, estimated, prefix)
+        return EncodePlan(card, call, spec, texts, estimate_tokens(call, card), prefix)
 
-    async def tokenize(self, plan: EncodePlan, runner, pool) -> list:
-        tokenizer = runner.query_tokenizer if plan.spec.is_query else runner.document_tokenizer
+    async def tokenize(self, plan: EncodePlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
+        tokenizer = model.tokenizer_for(plan.spec.is_query)
         seqs = await pool.encode(tokenizer, plan.texts, plan.call.truncate)
         if plan.prompt and "dense" in plan.spec.outputs:
             plan.spec = replace(plan.spec, prompt_tokens=self._prompt_tokens.count(tokenizer, plan.prompt))
         return seqs
 
-    def specs(self, plan: EncodePlan, seqs: list) -> list[EncodeSpec]:
+    def specs(self, plan: EncodePlan, seqs: list[Encoded]) -> list[EncodeSpec]:
         return [plan.spec] * len(seqs)
 
-    def check_size(self, plan: EncodePlan, seqs: list, max_result_bytes: int) -> None:
+    def check_size(self, plan: EncodePlan, seqs: list[Encoded], max_result_bytes: int) -> None:
         per_item = [_item_bytes(plan.card, plan.spec, len(s)) for s in seqs]
         total = sum(per_item)
         if total <= max_result_bytes:
@@ -75,7 +72,7 @@ class EncodeTask:
     def collect_off_loop(self, plan: EncodePlan, outputs: list) -> bool:
         return False  # vectors and scores: collecting them is cheap
 
-    def collect(self, plan: EncodePlan, seqs: list, outputs: list, timings: dict[str, float]) -> EncodeResult:
+    def collect(self, plan: EncodePlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> EncodeResult:
         return EncodeResult(items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
                             **timings)
 
@@ -89,7 +86,7 @@ class PromptTokens:
     def __init__(self) -> None:
         self._counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def count(self, tokenizer, prompt: str) -> int:
+    def count(self, tokenizer: TextTokenizer, prompt: str) -> int:
         counts = self._counts.setdefault(tokenizer, {})
         if prompt not in counts:
             ids = tokenizer.encode([prompt], truncate=True)[0].ids

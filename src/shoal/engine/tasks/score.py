@@ -19,14 +19,15 @@ import numpy as np
 from ...calls import ScoreCall, ScoredItem, ScoreResult, SparseVector
 from ...catalog import ModelCard
 from ...errors import InputTooLong, InvalidRequest
+from ...head_info import LlmFrame
 from ...vectors import maxsim
-from ..tokenizer import Encoded
-from ..types import EncodeSpec, ScoreSpec
-from .encode import PromptTokens, check_texts, estimate_tokens
+from ...verbs import MAX_WINDOWS, estimate_tokens
+from ..backend import ModelInfo
+from ..tokenizer import TokenizerPool
+from ..types import EncodeSpec, Encoded, ScoreSpec
+from .encode import PromptTokens, check_texts
 
 _PAIRED = ("cross_encoder", "llm")
-# Windows per document at most (window_overlap_tokens): a longer document is cut to that many.
-MAX_WINDOWS = 32
 
 
 @dataclass
@@ -79,30 +80,13 @@ class ScoreTask:
         if call.instruction is not None and mode != "llm":
             raise InvalidRequest(f"instruction applies to LLM rerankers; model {card.id} scores by {_HOW[mode]}",
                                  details={"option": "instruction"})
-        longest = card.max_length
-        query_tokens = estimate_tokens(call.query, longest // 2)
-        if overlap is not None:  # every window repeats the query and the overlap; at most MAX_WINDOWS
-            room = max(2, longest - query_tokens - 3)
-            step = max(1, room - overlap)
-            whole = [min(len(d) // 4 + 2, room + (MAX_WINDOWS - 1) * step) for d in call.documents]
-            estimated = sum(d + -(-d // step) * (query_tokens + 3 + overlap) for d in whole)
-        else:
-            doc_tokens = [estimate_tokens(d, call.max_tokens_per_doc or longest) for d in call.documents]
-            if mode == "llm":  # the prefix, template and suffix frame every document
-                s = card.score
-                query_tokens += estimate_tokens(s.prefix + s.template + s.suffix + (call.instruction or s.instruction),
-                                                longest)
-            if mode in _PAIRED:
-                estimated = sum(min(longest, query_tokens + d) for d in doc_tokens)
-            else:
-                estimated = estimate_tokens(call.query, longest) + sum(doc_tokens)
-        return ScorePlan(card, call, mode, estimated)
+        return ScorePlan(card, call, mode, estimate_tokens(call, card))
 
-    async def tokenize(self, plan: ScorePlan, runner, pool) -> list:
+    async def tokenize(self, plan: ScorePlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
         call = plan.call
         documents = call.documents
         if call.max_tokens_per_doc is not None:
-            tok = runner.document_tokenizer
+            tok = model.tokenizer_for(False)
             cuts = await pool.map(lambda chunk, _: [tok.cut_to_tokens(d, call.max_tokens_per_doc) for d in chunk],
                                   documents)
             documents = [text for text, _ in cuts]
@@ -111,23 +95,23 @@ class ScoreTask:
             cut = [False] * len(documents)
 
         if plan.mode == "cross_encoder":
-            seqs, owners, cut_too = await _pairs(plan, runner, pool, documents)
+            seqs, owners, cut_too = await _pairs(plan, model, pool, documents)
             cut = [a or b for a, b in zip(cut, cut_too)]
         elif plan.mode == "llm":
-            seqs = await _framed(plan, runner, pool, documents)
+            seqs = await _framed(plan, model.head(LlmFrame), pool, documents)
             owners = list(range(len(documents)))
         else:
             card = plan.card
             query_prompt, document_prompt = card.prompt_for(None, True), card.prompt_for(None, False)
-            seqs = await pool.encode(runner.query_tokenizer, [query_prompt + call.query], call.truncate,
+            seqs = await pool.encode(model.tokenizer_for(True), [query_prompt + call.query], call.truncate,
                                      what="the query", indexed=False)
-            seqs += await pool.encode(runner.document_tokenizer, [document_prompt + d for d in documents],
+            seqs += await pool.encode(model.tokenizer_for(False), [document_prompt + d for d in documents],
                                       call.truncate, what="documents")
             owners = [-1, *range(len(documents))]
             if plan.mode == "dense":  # a pooling that leaves prompts out needs their lengths
                 plan.prompt_tokens = tuple(self._prompt_tokens.count(tok, prompt) if prompt else 0 for tok, prompt in
-                                           ((runner.query_tokenizer, query_prompt),
-                                            (runner.document_tokenizer, document_prompt)))
+                                           ((model.tokenizer_for(True), query_prompt),
+                                            (model.tokenizer_for(False), document_prompt)))
         truncated = list(cut)
         if call.window_overlap_tokens is None:  # windows cover what one sequence would have cut
             for seq, owner in zip(seqs, owners):
@@ -136,7 +120,7 @@ class ScoreTask:
         plan.owners, plan.truncated = owners, truncated
         return seqs
 
-    def specs(self, plan: ScorePlan, seqs: list) -> list:
+    def specs(self, plan: ScorePlan, seqs: list[Encoded]) -> list[ScoreSpec] | list[EncodeSpec]:
         if plan.mode in _PAIRED:
             return [ScoreSpec(raw=plan.call.raw_scores)] * len(seqs)
         query_tokens, document_tokens = plan.prompt_tokens
@@ -144,13 +128,13 @@ class ScoreTask:
                           prompt_tokens=document_tokens)
         return [replace(spec, is_query=True, prompt_tokens=query_tokens)] + [spec] * (len(seqs) - 1)
 
-    def check_size(self, plan: ScorePlan, seqs: list, max_result_bytes: int) -> None:
+    def check_size(self, plan: ScorePlan, seqs: list[Encoded], max_result_bytes: int) -> None:
         return None  # a score per document: always small
 
     def collect_off_loop(self, plan: ScorePlan, outputs: list) -> bool:
         return False  # vectors and scores: collecting them is cheap
 
-    def collect(self, plan: ScorePlan, seqs: list, outputs: list, timings: dict[str, float]) -> ScoreResult:
+    def collect(self, plan: ScorePlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> ScoreResult:
         n = len(plan.call.documents)
         if plan.mode in _PAIRED:
             scores = np.full(n, -np.inf)
@@ -173,11 +157,12 @@ _HOW = {"cross_encoder": "a cross-encoder", "llm": "an LLM reranker", "dense": "
         "sparse": "dot product of sparse vectors", "multivector": "MaxSim of multi-vectors"}
 
 
-async def _pairs(plan: ScorePlan, runner, pool, documents: list[str]) -> tuple[list, list[int], list[bool]]:
+async def _pairs(plan: ScorePlan, model: ModelInfo, pool: TokenizerPool,
+                 documents: list[str]) -> tuple[list[Encoded], list[int], list[bool]]:
     """Cross-encoder sequences, the document each belongs to, and which documents were cut before
     pairing. Documents are truncated first: the query keeps up to half the length (a longer query
     is cut, and then every pair counts as truncated), so it always leaves the document room."""
-    call, tok = plan.call, runner.tokenizer
+    call, tok = plan.call, model.text
     query, query_cut = tok.cut_to_tokens(call.query, max(1, tok.max_length // 2))
     if query_cut and not call.truncate:
         raise InputTooLong(f"the query is longer than half the model's max_length of {tok.max_length} tokens; "
@@ -192,13 +177,13 @@ async def _pairs(plan: ScorePlan, runner, pool, documents: list[str]) -> tuple[l
     return seqs, owners, [query_cut or cut for _, cut in groups]
 
 
-async def _framed(plan: ScorePlan, runner, pool, documents: list[str]) -> list[Encoded]:
+async def _framed(plan: ScorePlan, frame: LlmFrame, pool: TokenizerPool, documents: list[str]) -> list[Encoded]:
     """LLM-reranker sequences: prefix + the templated pair (cut from its end if too long) + suffix."""
-    frame, call = runner.heads["score"], plan.call
+    call = plan.call
     prefix = np.asarray(frame.prefix_ids, dtype=np.int64)
     suffix = np.asarray(frame.suffix_ids, dtype=np.int64)
     texts = [frame.text(call.query, d, call.instruction) for d in documents]
-    bodies = await pool.encode(frame.body_tokenizer, texts, call.truncate, what="documents")
+    bodies = await pool.encode(frame.body, texts, call.truncate, what="documents")
     return [Encoded(np.concatenate([prefix, body.ids, suffix]), truncated=body.truncated) for body in bodies]
 
 

@@ -1,0 +1,69 @@
+"""What heads tell the tasks that plan for them, torch-free: one frozen dataclass per kind of
+head (a new kind of head adds its own). A head's `describe()` returns one; the backend puts them
+in its `ModelInfo` (engine/backend.py), where tasks read them with `info.head(Kind)`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar, Union
+
+if TYPE_CHECKING:
+    from .engine.tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True)
+class GlinerPrompt:
+    """A GLiNER model's prompt and span limits (its gliner_config.json)."""
+
+    ent_token: str
+    sep_token: str
+    max_width: int  # widest span, in words
+    max_words: int  # words of text the model was trained to read at once
+    embed_ent_token: bool  # a label reads its [ENT] token (else the label's own first token)
+    last_subtoken: bool  # a word reads its last token (else its first)
+
+
+@dataclass(frozen=True)
+class TokenLabels:
+    """A token classifier's labels (config.json's id2label)."""
+
+    id2label: dict[int, str]
+
+    @property
+    def entity_types(self) -> list[str]:
+        """The label names less their B-/I- prefixes and O, sorted."""
+        return sorted({name.split("-", 1)[-1] for name in self.id2label.values() if name != "O"})
+
+
+@dataclass(frozen=True)
+class NliLabels:
+    """Which logits of an NLI classifier mean entailment and contradiction."""
+
+    entailment_id: int
+    contradiction_id: int
+
+
+_FIELD = re.compile(r"\{(instruction|query|document)\}")
+
+
+@dataclass(frozen=True)
+class LlmFrame:
+    """How an LLM reranker frames a pair: `prefix_ids` + tokens of the filled template (cut by
+    `body`, which leaves room for the prefix and suffix) + `suffix_ids`."""
+
+    prefix_ids: tuple[int, ...]
+    suffix_ids: tuple[int, ...]
+    template: str  # with {instruction}, {query} and {document}
+    instruction: str  # the card's default
+    body: TextTokenizer
+
+    def text(self, query: str, document: str, instruction: str | None) -> str:
+        values = {"instruction": self.instruction if instruction is None else instruction,
+                  "query": query, "document": document}
+        return _FIELD.sub(lambda m: values[m.group(1)], self.template)  # one pass: values stay literal
+
+
+HeadInfo = Union[GlinerPrompt, TokenLabels, NliLabels, LlmFrame]
+H = TypeVar("H", GlinerPrompt, TokenLabels, NliLabels, LlmFrame)

@@ -1,0 +1,159 @@
+"""Verbs and extract kinds, one registry entry each: the call and result types, the engine task that
+serves it, and its cost in tokens. Torch-free: the gateway and the worker read it too.
+
+    encode               EncodeCall  -> EncodeResult   engine/tasks/encode.py
+    score                ScoreCall   -> ScoreResult    engine/tasks/score.py
+    extract:gliner       ExtractCall -> ExtractResult  engine/tasks/extract_gliner.py
+    extract:token_class  ExtractCall -> ExtractResult  engine/tasks/extract_token_class.py
+    extract:zero_shot    ExtractCall -> ExtractResult  engine/tasks/extract_zero_shot.py
+
+`estimate_tokens(call, card)` is the one cost function: engine admission, the gateway's token
+header (what workers size their pulls by) and the worker all count a call with it. It runs before
+any tokenizer, from characters (~4 a token), and counts what the task will really run: prompts,
+label prompts repeated per window, one pair per label, the frame around every LLM-reranked pair.
+
+A new verb or kind is a registry line here, its task file, and its estimate below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from .calls import (AnyCall, EncodeCall, EncodeResult, ExtractCall, ExtractResult, Result, ScoreCall,
+                    ScoreResult)
+from .catalog import ModelCard
+from .errors import InvalidRequest
+
+AnyCallType = Union[type[EncodeCall], type[ScoreCall], type[ExtractCall]]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One verb (or extract kind) as the system serves it."""
+
+    name: str
+    call: AnyCallType
+    result: type[Result]
+    task: str  # "module:Class" under shoal.engine.tasks (imported by the engine only)
+    estimate: Callable[[AnyCall, ModelCard], int]
+
+
+# ~4 characters a token, plus the specials around a sequence.
+def text_tokens(text: str, max_length: int) -> int:
+    """Tokens a text will cost, before tokenizing: ~4 characters a token, plus specials."""
+    return min(max_length, len(text) // 4 + 2)
+
+
+# A GLiNER window keeps at least this many tokens for text next to the label prompt.
+MIN_TEXT_TOKENS = 16
+# Windows per document at most when a cross-encoder scores windows (window_overlap_tokens).
+MAX_WINDOWS = 32
+
+
+def _encode(call: AnyCall, card: ModelCard) -> int:
+    assert isinstance(call, EncodeCall)
+    prefix = card.prompts.get(call.prompt_name, "") if call.prompt_name is not None else \
+        card.prompt_for(None, call.is_query)
+    return sum(text_tokens(prefix + t, card.max_length) for t in call.texts)
+
+
+def _score(call: AnyCall, card: ModelCard) -> int:
+    assert isinstance(call, ScoreCall)
+    longest = card.max_length
+    mode = card.score.kind if card.score is not None else card.outputs[0]
+    query_tokens = text_tokens(call.query, longest // 2)
+    overlap = call.window_overlap_tokens
+    if isinstance(overlap, int) and overlap >= 0:  # every window repeats the query and the overlap
+        room = max(2, longest - query_tokens - 3)
+        step = max(1, room - overlap)
+        whole = [min(len(d) // 4 + 2, room + (MAX_WINDOWS - 1) * step) for d in call.documents]
+        return sum(d + -(-d // step) * (query_tokens + 3 + overlap) for d in whole)
+    per_doc = call.max_tokens_per_doc if isinstance(call.max_tokens_per_doc, int) and call.max_tokens_per_doc > 0 \
+        else longest
+    doc_tokens = [text_tokens(d, per_doc) for d in call.documents]
+    if mode == "llm" and card.score is not None:  # the prefix, template and suffix frame every document
+        s = card.score
+        query_tokens += text_tokens(s.prefix + s.template + s.suffix + (call.instruction or s.instruction), longest)
+    if mode in ("cross_encoder", "llm"):
+        return sum(min(longest, query_tokens + d) for d in doc_tokens)
+    return text_tokens(call.query, longest) + sum(doc_tokens)
+
+
+def _labels(call: ExtractCall, card: ModelCard) -> list[str]:
+    labels = [label for label in call.labels if isinstance(label, str)] if isinstance(call.labels, list) else []
+    if card.extract is not None and card.extract.lowercase_labels:
+        labels = [label.lower() for label in labels]
+    return list(dict.fromkeys(labels))
+
+
+def _gliner(call: AnyCall, card: ModelCard) -> int:
+    """Each window of a text repeats the label prompt ([ENT] label ... [SEP])."""
+    assert isinstance(call, ExtractCall)
+    longest = card.max_length
+    prompt = sum(text_tokens(label, longest) for label in _labels(call, card)) + 1
+    room = max(MIN_TEXT_TOKENS, longest - prompt - 2)
+    text = [len(t) // 4 + 2 for t in call.texts]
+    return sum(t + -(-t // room) * prompt for t in text)
+
+
+def _token_class(call: AnyCall, card: ModelCard) -> int:
+    assert isinstance(call, ExtractCall)
+    return sum(len(t) // 4 + 2 for t in call.texts)
+
+
+def _zero_shot(call: AnyCall, card: ModelCard) -> int:
+    """One (text, hypothesis) pair per label."""
+    assert isinstance(call, ExtractCall)
+    labels = max(1, len(_labels(call, card)))
+    return sum(min(card.max_length, len(t) // 4 + 2 + 12) for t in call.texts) * labels
+
+
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (
+    Kind("encode", EncodeCall, EncodeResult, "encode:EncodeTask", _encode),
+    Kind("score", ScoreCall, ScoreResult, "score:ScoreTask", _score),
+    Kind("extract:gliner", ExtractCall, ExtractResult, "extract_gliner:GlinerTask", _gliner),
+    Kind("extract:token_class", ExtractCall, ExtractResult, "extract_token_class:TokenClassTask", _token_class),
+    Kind("extract:zero_shot", ExtractCall, ExtractResult, "extract_zero_shot:ZeroShotTask", _zero_shot),
+)}
+
+VERB_OF_CALL: dict[type, str] = {EncodeCall: "encode", ScoreCall: "score", ExtractCall: "extract"}
+
+
+def kind_of(call: AnyCall, card: ModelCard) -> Kind:
+    """The registry entry that serves `call` on `card`; an InvalidRequest if the card does not
+    serve the call's verb."""
+    verb = VERB_OF_CALL.get(type(call))
+    if verb is None:
+        raise InvalidRequest(f"this server does not serve {type(call).__name__} calls")
+    if verb not in card.tasks or (verb == "extract" and card.extract is None):
+        raise InvalidRequest(f"model {card.id} does not {verb}; it serves: {', '.join(card.tasks)}",
+                             details={"model": card.id, "tasks": list(card.tasks)})
+    name = f"extract:{card.extract.kind}" if verb == "extract" and card.extract is not None else verb
+    kind = KINDS.get(name)
+    if kind is None:
+        raise InvalidRequest(f"model {card.id}: this server has no task for {name}", details={"model": card.id})
+    return kind
+
+
+def extract_kinds() -> list[str]:
+    """The extract kinds served, by their card name (`gliner`, ...)."""
+    return [name.split(":", 1)[1] for name in KINDS if name.startswith("extract:")]
+
+
+def estimate_tokens(call: AnyCall, card: ModelCard | None) -> int:
+    """About how many tokens `call` will run on `card`: the one estimate (see the module's
+    docstring). Without a card (the model is unknown) or for a call the card does not serve, the
+    call's characters alone."""
+    if card is not None:
+        try:
+            return max(1, kind_of(call, card).estimate(call, card))
+        except InvalidRequest:
+            pass  # the engine refuses the call; its size still sizes the pull that carries it
+    return max(1, _characters(call) // 4 + 2)
+
+
+def _characters(call: AnyCall) -> int:
+    if isinstance(call, ScoreCall):
+        return len(call.query) * len(call.documents) + sum(map(len, call.documents))
+    return sum(map(len, call.texts))
