@@ -1,0 +1,84 @@
+"""The verb registry (shoal/verbs.py): one task per verb and extract kind, one token estimate that
+the engine's admission, the gateway's pull-sizing header and the worker share; and the seam's
+promise that planning is torch-free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shoal.calls import EncodeCall, ExtractCall, ScoreCall
+from shoal.catalog import Catalog
+from shoal.cluster import protocol
+from shoal.engine.tasks import task_for
+from shoal.verbs import KINDS, estimate_tokens, kind_of
+
+TEXTS = ["Ada Lovelace wrote the first program for Charles Babbage's engine in London.",
+         "short", "A much longer text about the river Thames, " * 40]
+LABELS = ["person", "place", "machine", "Person"]
+
+
+def calls_for(card):
+    """One call of each verb the card serves, with options that change what the task runs."""
+    out = []
+    if "encode" in card.tasks:
+        out.append(EncodeCall(card.id, TEXTS, is_query=True))
+    if "score" in card.tasks:
+        out.append(ScoreCall(card.id, "who wrote the first program?", TEXTS))
+        if card.score is not None and card.score.kind == "cross_encoder":
+            out.append(ScoreCall(card.id, "who wrote it?", TEXTS, window_overlap_tokens=16))
+    if "extract" in card.tasks and card.extract is not None:
+        labels = [] if card.extract.kind == "token_class" else LABELS
+        out.append(ExtractCall(card.id, TEXTS, labels=labels))
+    return out
+
+
+CATALOG = Catalog.load()
+CASES = [(card.id, call) for card in CATALOG for call in calls_for(card)]
+
+
+@pytest.mark.parametrize(("model_id", "call"), CASES, ids=[f"{m}-{type(c).__name__}-{i}" for i, (m, c) in enumerate(CASES)])
+def test_the_engine_plan_and_the_gateways_header_count_a_call_alike(model_id, call):
+    card = CATALOG.get(model_id)
+    planned = task_for(call, card).plan(card, call).estimated_tokens
+    assert planned == estimate_tokens(call, card) == protocol.estimate_tokens(call, card)
+    assert planned > 0
+
+
+def test_a_zero_shot_call_costs_a_pair_per_label_and_a_gliner_call_a_prompt_per_window():
+    nli = CATALOG.get("MoritzLaurer/deberta-v3-base-zeroshot-v2.0")
+    one = estimate_tokens(ExtractCall(nli.id, TEXTS, labels=["a"]), nli)
+    assert estimate_tokens(ExtractCall(nli.id, TEXTS, labels=["a", "b", "c"]), nli) == 3 * one
+    gliner = next(card for card in CATALOG if card.extract is not None and card.extract.kind == "gliner")
+    few = estimate_tokens(ExtractCall(gliner.id, TEXTS, labels=["person"]), gliner)
+    many = estimate_tokens(ExtractCall(gliner.id, TEXTS, labels=[f"label number {i}" for i in range(20)]), gliner)
+    assert many > few + 20 * len(TEXTS)  # the label prompt is read with every window of every text
+
+
+def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_verb_is_refused():
+    from shoal.errors import InvalidRequest
+
+    kinds = {card.extract.kind for card in CATALOG if card.extract is not None}
+    assert {f"extract:{kind}" for kind in kinds} <= set(KINDS)
+    tasks = {type(task_for(ExtractCall(card.id, ["x"], labels=["y"]), card)).__name__
+             for card in CATALOG if card.extract is not None}
+    assert tasks == {"GlinerTask", "TokenClassTask", "ZeroShotTask"}
+    embedder = CATALOG.get("sentence-transformers/all-MiniLM-L6-v2")
+    with pytest.raises(InvalidRequest, match="does not extract"):
+        kind_of(ExtractCall(embedder.id, ["x"], labels=["y"]), embedder)
+
+
+def test_planning_imports_neither_torch_nor_heads():
+    """Tasks plan from the backend's torch-free ModelInfo: importing every task (and the backend
+    seam) loads no torch and no head module."""
+    code = ("import sys\n"
+            "from shoal.verbs import KINDS\n"
+            "from shoal.engine.tasks import task_of_kind\n"
+            "import shoal.engine.backend\n"
+            "[task_of_kind(name) for name in KINDS]\n"
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('shoal.heads') or m.startswith('shoal.layers'))\n"
+            "print(bad)\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
