@@ -63,7 +63,7 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     threads: int | None = None
     # Batches of fewer tokens than this run on one torch thread fewer than `threads` (at least one),
     # leaving a core to the HTTP side (event loop, tokenizing, answers) when the work comes as many
-    # small requests (docs/benchmarks.md, 2026-12-02 night); 0: off; None: SMALL_BATCH_TOKENS.
+    # small requests; 0: off; None: SMALL_BATCH_TOKENS.
     small_batch_tokens: int | None = None
     # The card's `quantize` on this hardware class (a kernel choice `shoal tune` can make): "int8"
     # or "none" (float32 Linears); None: the card's own.

@@ -3,9 +3,9 @@
     submit(Pending) ─▶ scheduler (fair, token budget) ─▶ device lanes ─▶ runner.forward ─▶ settle on the loop
 
 - A device runs its batches on `lanes` threads. A GPU has one. A CPU has two by default, each
-  running its own batch on its share of torch's intra-op threads. On 2 cores two one-thread
-  forwards side by side did 1.2-1.5x the tokens of one two-thread forward on query-sized batches
-  (no OpenMP barrier waits for a thread the HTTP side or the client preempted; docs/benchmarks.md).
+  running its own batch on its share of torch's intra-op threads: two one-thread forwards side by
+  side wait at no OpenMP barrier for a thread the HTTP side preempted, so they run more tokens than
+  one two-thread forward on query-sized batches (docs/benchmarks.md, lanes).
   A lane that finds other lanes idle takes only its share of the queued tokens, so a lone request
   of several sequences still runs on every core.
 - Two batches of one model run side by side unless one of them routes LoRA adapters: those hooks
@@ -44,7 +44,7 @@ log = logging.getLogger("shoal.device")
 TRIM_EVERY_S = 2.0  # malloc_trim when the device goes idle, at most this often
 # While busy: RSS is read, and the heap trimmed if it grew, at most this often. Two lanes' working
 # sets swing past RETAINED_HEAP_BYTES, so a trim per growth would return memory the next batches
-# fault straight back in (32,000 faults/s at 32 one-sentence clients, against 4,600 without).
+# fault straight back in.
 BUSY_TRIM_EVERY_S = 10.0
 CONTENTION_WINDOW_S = 5.0
 

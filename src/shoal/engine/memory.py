@@ -14,24 +14,18 @@ And one thing outside malloc: oneDNN keeps every primitive it builds in two cach
 `LRU_CACHE_CAPACITY`, and oneDNN's own, `ONEDNN_PRIMITIVE_CACHE_CAPACITY`), 1,024 entries each by
 default, one per op and shape. A packed Linear's or a matmul's shape has the batch's token count in
 it, new almost every batch, so a server's caches fill over its first thousand distinct batches with
-~0.5 MB a primitive: a MiniLM server grew from ~450 to ~930 MiB and stayed there (bench/soak.py, a
-300-batch loop of random shapes in process), MPNet's kept growing past 150 batches. `tune_allocator`
-caps both at PRIMITIVE_CACHE_CAPACITY (unless the environment already sets them), before the first
-primitive is built: the same loop stays flat (MiniLM ~550, MPNet ~880 MiB) at the same tokens/s
-(4,830 vs 5,132; with no cache at all, 4,227-4,360). Small batches are where a miss costs most, and
-they gain nothing from the larger caches either: 2,000 batches of 4-32 one-sentence texts ran at
-3,360-3,615 tokens/s with 1,024 entries (RSS 1,289 -> 1,661 MiB and rising) and 3,456-3,538 with 128
-(723 -> 741 MiB).
+about half a megabyte a primitive and RSS grows by hundreds of MiB (bench/soak.py shows it).
+`tune_allocator` caps both at PRIMITIVE_CACHE_CAPACITY (unless the environment already sets them),
+before the first primitive is built: RSS stays flat at the same speed, and small batches, where a
+miss costs most, gain nothing from the larger caches either (docs/benchmarks.md, memory).
 
 `tune_allocator` fixes the mmap threshold at 64 MiB (buffers above it always go back to the OS when
 freed, and the threshold cannot creep up), caps the arenas and is called once when the engine
 starts, before its threads exist. Buffers below it come from the heap and are reused batch after
 batch, with no page faults: a CPU batch's activations (MiniLM's 4,096-token q/k/v projection is
 19 MB, BERT-base's 38 MB; the feed-forward's wide intermediate runs in 3 MiB row blocks,
-layers/rows.py) stay under it. With a 1 MiB threshold every activation was a fresh mmap and the
-page faults cost a third of a CPU forward's throughput; with 16 MiB the q/k/v projections still
-were, ~65,000 faults per pass over 48 Lee documents, and 64 MiB took MiniLM's forward from
-5,845-6,004 to 6,490-6,723 tokens/s on 2 AVX-512 EPYC cores (docs/benchmarks.md).
+layers/rows.py) stay under it. A lower threshold makes those activations fresh mmaps, whose page
+faults cost a large share of a CPU forward (docs/benchmarks.md, memory).
 `trim` returns freed heap pages to the OS; a device lane calls it when the device goes idle, and after
 a batch once RSS has grown RETAINED_HEAP_BYTES past what it was after the last trim, so a busy
 server's heap stays bounded too. All are no-ops where glibc is not the allocator.
@@ -57,7 +51,7 @@ MMAP_THRESHOLD_BYTES = 64 << 20  # blocks from 64 MiB up are mmapped, and unmapp
 RETAINED_HEAP_BYTES = 64 << 20
 # Free heap at the top past this goes back to the OS on free: no lower than the mmap threshold, or
 # the heap's 16-64 MiB buffers (q/k/v projections) would be given back and fault in again batch
-# after batch (at 16 MiB: ~30,000-50,000 faults a pass, 5-15 % of MiniLM's forward).
+# after batch.
 TRIM_THRESHOLD_BYTES = MMAP_THRESHOLD_BYTES
 ARENA_MAX = 4
 PRIMITIVE_CACHE_CAPACITY = 128  # oneDNN primitives kept per cache (see the module)

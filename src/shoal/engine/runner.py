@@ -38,9 +38,9 @@ _ENCODER_ONLY_HEADS = frozenset({"dense", "multivector"})
 _DEFAULT_THREADS = torch.get_num_threads()
 
 # Batches under this many tokens run on one intra-op thread fewer on a CPU (a card's
-# `batching.small_batch_tokens` overrides it; 0: off). On 2 cores, one-sentence requests arriving
-# at 80-120 req/s kept p99 within 150 ms at a higher rate with it; 32-document calls (4,096-token
-# batches) never take it (docs/benchmarks.md, 2026-12-02 night).
+# `batching.small_batch_tokens` overrides it; 0: off): on a CPU the HTTP side shares the cores with
+# the forward, and a small forward gains least from the extra thread; document-sized batches never
+# take it.
 SMALL_BATCH_TOKENS = 1024
 
 

@@ -7,11 +7,9 @@ process holds more OpenMP threads than cores, libgomp's workers stop spin-waitin
 parallel regions (100 spins, against 300,000 otherwise) and sleep on a futex instead. The device
 thread's forward then pays a wake-up at every op.
 
-A server whose model had been loaded on a pooled loader thread kept its device thread and that
-thread's OpenMP worker at 0.88 and 0.71 of a core under load, and ran MiniLM's batches at
-3,900-4,700 tokens/s. In process, the same forward took both cores, 5,850-6,370 tokens/s. With a
-thread per load, the server's two threads ran at 0.97 and 0.89 (docs/benchmarks.md, 2026-12-03
-afternoon). So the device's lanes keep the only OpenMP teams in the process once a job is done.
+A server whose model had been loaded on a pooled loader thread ran its forwards on well under its
+cores; with a thread per load they run on all of them (docs/benchmarks.md, threads). So the
+device's lanes keep the only OpenMP teams in the process once a job is done.
 """
 
 from __future__ import annotations
