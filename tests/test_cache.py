@@ -40,6 +40,7 @@ class Weights:
     def __init__(self, model_id: str, num_bytes: int) -> None:
         self.model_id = model_id
         self.num_bytes = num_bytes
+        self.workspace_bytes = 0  # no batches run on it
         self.closed = False
 
     def close(self) -> None:

@@ -30,30 +30,25 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from ..catalog import ModelCard
 from ..errors import InvalidRequest, ModelLoadError, Overloaded
 from ..metrics import Metrics
 from .backend import LoadedModel
+from .cache_adapters import AdapterResidency
+from .load_failures import MAX_BACKOFF_S, Failure, retry_later
 from .threads import ThreadPerJob
 
 log = logging.getLogger("shoal.cache")
 
-MAX_BACKOFF_S = 60.0
 _DEFAULT_LOAD_S = 5.0  # the Retry-After guess before any load was measured
 
 
-@dataclass
-class _Failure:
-    error: ModelLoadError
-    attempts: int
-    retry_at: float  # time.monotonic()
+class ModelCache(AdapterResidency):
+    """Models resident on one device within its memory budget (the module's docstring); their
+    adapters are AdapterResidency's (engine/cache_adapters.py)."""
 
-
-class ModelCache:
     def __init__(
         self,
         load: Callable[[ModelCard], LoadedModel],
@@ -82,7 +77,7 @@ class ModelCache:
         self._loading: dict[str, asyncio.Task] = {}
         self._loading_since: dict[str, float] = {}
         self._inflight: Counter[str] = Counter()
-        self._failures: dict[str, _Failure] = {}
+        self._failures: dict[str, Failure] = {}
         self._load_s: dict[str, float] = {}  # measured seconds of each model's last load
         self._measured: dict[str, tuple[int, int]] = {}  # (bytes, workspace) each model measured last
         self._drop_when_idle: dict[str, str] = {}  # model id -> why (unload, changed)
@@ -91,7 +86,7 @@ class ModelCache:
         self._adapter_inflight: Counter[tuple[str, str]] = Counter()
         self._adapter_loading: dict[tuple[str, str], asyncio.Task] = {}
         self._adapter_stale: set[tuple[str, str]] = set()  # changed on disk: dropped once idle
-        self._adapter_failures: dict[tuple[str, str], _Failure] = {}
+        self._adapter_failures: dict[tuple[str, str], Failure] = {}
         # A thread per job, ended with it: a pooled thread that ran torch would keep an OpenMP team
         # and slow the device thread's forward (engine/threads.py).
         self._executor = ThreadPerJob(max_workers=1, thread_name_prefix="shoal-load")
@@ -197,7 +192,7 @@ class ModelCache:
     async def _wait_for_load(self, card: ModelCard, patient: bool = False) -> LoadedModel:
         failure = self._failures.get(card.id)
         if failure is not None and time.monotonic() < failure.retry_at and card.id not in self._loading:
-            raise _retry_later(failure)
+            raise retry_later(failure)
         task = self._loading.get(card.id)
         if task is None:
             task = self._loading[card.id] = asyncio.create_task(self._load(card))
@@ -262,13 +257,13 @@ class ModelCache:
         except Exception as exc:
             failure = self._record_failure(self._failures, card.id, f"model {card.id}", exc)
             self._count_load(card.id, "failed", None)
-            raise _retry_later(failure) from None
+            raise retry_later(failure) from None
         finally:
             del self._loading[card.id]
             self._loading_since.pop(card.id, None)
             self._record()
 
-    def _record_failure(self, store: dict, key: str | tuple[str, str], what: str, exc: Exception) -> _Failure:
+    def _record_failure(self, store: dict, key: str | tuple[str, str], what: str, exc: Exception) -> Failure:
         """Record a failed load of `what` under `key` in `store`, with its back-off."""
         previous = store.get(key)
         attempts = previous.attempts + 1 if previous else 1
@@ -284,7 +279,7 @@ class ModelCache:
         if not isinstance(key, str):
             details["adapter"] = key[1]
         error = ModelLoadError(f"{what} could not be loaded: {cause}", details=details)
-        failure = store[key] = _Failure(error, attempts, time.monotonic() + backoff_s)
+        failure = store[key] = Failure(error, attempts, time.monotonic() + backoff_s)
         return failure
 
     @contextlib.asynccontextmanager
@@ -362,104 +357,6 @@ class ModelCache:
                 self._metrics.model_bytes.remove(model_id)
         self._record()
 
-    # --- adapters -------------------------------------------------------------------------------
-
-    async def acquire_adapter(self, model_id: str, runner: LoadedModel, name: str, directory: Path) -> int:
-        """The adapter's slot on `runner` (loading it if needed), counted in flight until
-        `release_adapter`. The caller holds the model itself (`acquire`)."""
-        key = (model_id, name)
-        if key in self._adapter_stale and key in self._adapters:  # the old files' copy drains first
-            await self._until(lambda: key not in self._adapter_stale, self._load_timeout_s,
-                              f"adapter {name} of {model_id} is reloading its changed files; retry shortly")
-        self._adapter_inflight[key] += 1
-        try:
-            if key in self._adapters and runner.adapter_slot(name) is None:  # recorded for a runner since gone
-                del self._adapters[key]
-            if key not in self._adapters:
-                failure = self._adapter_failures.get(key)
-                if failure is not None and time.monotonic() < failure.retry_at and key not in self._adapter_loading:
-                    raise _retry_later(failure)
-                task = self._adapter_loading.get(key)
-                if task is None:
-                    task = self._adapter_loading[key] = asyncio.create_task(self._load_adapter(key, runner, directory))
-                await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
-            self._adapters.move_to_end(key)
-            slot = runner.adapter_slot(name)
-            if slot is None:
-                raise Overloaded(f"adapter {name} of {model_id} was unloaded while loading; retry", retry_after_s=1.0)
-            return slot
-        except asyncio.TimeoutError:
-            self.release_adapter(model_id, name)
-            raise Overloaded(f"adapter {name} of {model_id} is still loading; retry shortly", retry_after_s=2.0,
-                             details={"model": model_id, "adapter": name}) from None
-        except BaseException:
-            self.release_adapter(model_id, name)
-            raise
-
-    def release_adapter(self, model_id: str, name: str) -> None:
-        key = (model_id, name)
-        self._adapter_inflight[key] -= 1
-        if self._adapter_inflight[key] <= 0:
-            del self._adapter_inflight[key]
-            if key in self._adapter_stale and key not in self._adapter_loading:
-                self._adapter_stale.discard(key)
-                self._drop_adapter(key, "changed")
-            self._notify()
-
-    def invalidate_adapter(self, model_id: str, name: str) -> None:
-        """The adapter's files changed: drop its resident copy once idle (the next request loads it)."""
-        key = (model_id, name)
-        self._adapter_failures.pop(key, None)
-        if key in self._adapter_loading or (key in self._adapters and self._adapter_inflight[key] > 0):
-            self._adapter_stale.add(key)
-        elif key in self._adapters:
-            self._drop_adapter(key, "changed")
-
-    async def _load_adapter(self, key: tuple[str, str], runner: LoadedModel, directory: Path) -> None:
-        loop = asyncio.get_running_loop()
-        model_id, name = key
-        what = f"adapter {name} of {model_id}"
-        self._inflight[model_id] += 1  # the model stays while its adapter loads
-        try:
-            async with self._room(what, _adapter_file_bytes(directory), keep=model_id):
-                if self._loaded.get(model_id) is not runner:
-                    raise Overloaded(f"model {model_id} was unloaded while {what} waited; retry", retry_after_s=1.0)
-                await loop.run_in_executor(self._executor, runner.add_adapter, name, directory)
-                num_bytes = runner.adapter_bytes(name)  # measured: its stacked factors on the device
-                try:
-                    if self.budget_bytes is not None and not self._evict_for(what, num_bytes, keep=model_id):
-                        raise Overloaded(f"no room for {what}: the models in memory are busy; retry shortly",
-                                         retry_after_s=2.0)
-                except BaseException:
-                    runner.remove_adapter(name)
-                    raise
-                self._adapters[key] = num_bytes
-            self._adapter_failures.pop(key, None)
-            log.info("loaded %s (%d bytes)", what, num_bytes)
-        except Overloaded:
-            raise
-        except Exception as exc:  # a broken adapter: a clear 502 and a back-off, never a 500
-            if key in self._adapter_stale:  # its files changed meanwhile: the next try reads the new ones
-                self._adapter_stale.discard(key)
-                raise ModelLoadError(f"{what} changed while it loaded; retry", retry_after_s=1.0) from None
-            raise _retry_later(self._record_failure(self._adapter_failures, key, what, exc)) from None
-        finally:
-            del self._adapter_loading[key]
-            if key in self._adapter_stale and self._adapter_inflight[key] == 0:  # changed, and nobody waits
-                self._adapter_stale.discard(key)
-                self._drop_adapter(key, "changed")
-            self.release(model_id)
-            self._record()
-
-    def _drop_adapter(self, key: tuple[str, str], reason: str) -> None:
-        if self._adapters.pop(key, None) is None:
-            return
-        runner = self._loaded.get(key[0])
-        if runner is not None and runner.adapter_slot(key[1]) is not None:
-            runner.remove_adapter(key[1])
-        log.info("unloaded adapter %s of %s (%s)", key[1], key[0], reason)
-        self._record()
-
     # --- operators ------------------------------------------------------------------------------
 
     def pin(self, model_id: str) -> None:
@@ -523,16 +420,3 @@ class ModelCache:
         self._adapters.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._fetchers.shutdown(wait=False, cancel_futures=True)
-
-
-def _adapter_file_bytes(directory: Path) -> int:
-    """Before an adapter is read: the size of its weights file (its tensors, near enough)."""
-    return sum(p.stat().st_size for p in Path(directory).glob("adapter_model.*") if p.is_file())
-
-
-def _retry_later(failure: _Failure) -> ModelLoadError:
-    """The failure's error again, with the seconds until the next attempt."""
-    wait_s = max(1.0, failure.retry_at - time.monotonic())
-    details = {**failure.error.details, "retry_after_s": round(wait_s, 1)}
-    return ModelLoadError(f"{failure.error.message}; the next attempt is in {wait_s:.0f} s", details=details,
-                          retry_after_s=wait_s)

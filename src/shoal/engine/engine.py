@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..calls import (AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult,
                      timeout_of)
