@@ -161,18 +161,19 @@ def test_python_packages_are_installed_only_by_install_sh(name, target):
 
 @pytest.mark.parametrize("name", IMAGES)
 def test_command_parses_and_the_healthcheck_probes_the_port_it_serves(name):
-    from shoal.cli import build_parser
+    from shoal.cli import _settings, build_parser
 
     final = stages(name)[-1]
     assert exec_form(args_of(final, "ENTRYPOINT")[-1]) == ["shoal"]
     args = build_parser().parse_args(exec_form(args_of(final, "CMD")[-1]))
+    settings = _settings(args, {})
     if name == "Dockerfile.gateway":
         assert args.command == "gateway"
-        host, port = args.host, args.port
+        host, port = settings.server.host, settings.server.port
     else:
         assert args.command == "worker"
         host, port = args.metrics_host, args.metrics_port
-        assert args.device == (["cuda"] if name.endswith("cuda") else None)
+        assert settings.engine.device == ("cuda" if name.endswith("cuda") else "cpu")
     assert host == "0.0.0.0", "bound to loopback, nothing outside the container reaches it"
     check = healthcheck_command(final)
     assert "os.environ['SHOAL_HEALTH_PORT']" in check[-1] and "/healthz" in check[-1]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,13 @@ def parse_args(c: dict):
 
     assert c["command"] == ["shoal"]
     return build_parser().parse_args(c["args"])
+
+
+def settings_of(c: dict):
+    """The settings a container's args give shoal (no SHOAL_* variables)."""
+    from shoal.cli import _settings
+
+    return _settings(parse_args(c), {})
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -147,11 +155,11 @@ def test_keda_watches_each_pools_consumers_by_the_names_the_workers_give_them(re
         docs = rendered[name]
         for scaled in kind(docs, "ScaledObject"):
             deployment = named(docs, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
-            args = parse_args(container(deployment))
-            pool = pools[args.pool]
+            worker_pool = settings_of(container(deployment)).cluster.pool
+            pool = pools[worker_pool]
             assert pool["autoscaling"]["enabled"]
             jetstream = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "nats-jetstream"]
-            assert [t["consumer"] for t in jetstream] == [p.consumer_name(args.pool, m) for m in pool["models"]]
+            assert [t["consumer"] for t in jetstream] == [p.consumer_name(worker_pool, m) for m in pool["models"]]
             assert {t["stream"] for t in jetstream} == {p.STREAM}
             assert "replicas" not in deployment["spec"]  # KEDA owns the count
             [demand] = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
@@ -172,16 +180,15 @@ def test_keda_finds_every_triggers_consumer_where_its_scaler_looks_before_any_wo
     import asyncio
 
     from shoal.catalog import Catalog
-    from shoal.cli import _settings
     from shoal.cluster import protocol as p
-    from shoal.cluster.cli import cluster_settings, free_port, nats_server_binary, wait_for_port
+    from shoal.cluster.cli import free_port, nats_server_binary, wait_for_port
     from shoal.cluster.gateway import RemoteService
 
     docs = rendered["gke"]
     args = parse_args(container(named(docs, "Deployment", "shoal-gateway")))
     client, monitoring = free_port(), free_port()
-    args.nats_url = f"nats://127.0.0.1:{client}"
-    settings = cluster_settings(args, _settings(args))
+    settings = settings_of(container(named(docs, "Deployment", "shoal-gateway")))
+    settings = replace(settings, cluster=replace(settings.cluster, nats_url=f"nats://127.0.0.1:{client}"))
     triggers = [t["metadata"] for so in kind(docs, "ScaledObject") for t in so["spec"]["triggers"]
                 if t["type"] == "nats-jetstream"]
     assert len(triggers) == 4
@@ -243,26 +250,28 @@ def test_every_container_command_is_one_shoal_accepts_and_means_what_the_values_
     values = values_of(name)
     docs = rendered[name]
     gateway = parse_args(container(named(docs, "Deployment", "shoal-gateway")))
+    gs = settings_of(container(named(docs, "Deployment", "shoal-gateway")))
     assert gateway.command == "gateway"
-    assert gateway.host == "0.0.0.0" and gateway.port == 8080
-    assert gateway.default_model == values.get("gateway", {}).get("defaultModel")
-    assert (gateway.ack_wait_s, gateway.max_deliver, gateway.request_timeout_s) == (30.0, 5, 300.0)
+    assert gs.server.host == "0.0.0.0" and gs.server.port == 8080
+    assert gs.server.default_model == values.get("gateway", {}).get("defaultModel")
+    assert (gs.cluster.ack_wait_s, gs.cluster.max_deliver, gs.engine.request_timeout_s) == (30.0, 5, 300.0)
     nats_url = values.get("nats", {}).get("url") or "nats://shoal-nats.ml.svc:4222"
-    assert gateway.nats_url == nats_url
+    assert gs.cluster.nats_url == nats_url
     pools = values.get("pools") or [{"name": "default", "models": ["sentence-transformers/all-MiniLM-L6-v2"]}]
     served = [m for pool in pools for m in pool.get("models", [])]
-    assert gateway.models == [",".join(dict.fromkeys(served))]
+    assert gs.models == tuple(dict.fromkeys(served))
     assert gateway.pool_models == [(pool["name"], pool["models"]) for pool in pools]
     if values.get("auth", {}).get("enabled", True):
-        assert gateway.auth_tokens_file == "/etc/shoal/auth/tokens.yaml" and not gateway.no_auth
+        assert gs.server.auth_tokens_file == Path("/etc/shoal/auth/tokens.yaml") and not gs.server.no_auth
     for pool in pools:
         deployment = named(docs, "Deployment", f"shoal-worker-{pool['name']}")
-        worker = parse_args(container(deployment))
-        assert worker.command == "worker" and worker.pool == pool["name"] and worker.nats_url == nats_url
-        assert (worker.ack_wait_s, worker.max_deliver) == (gateway.ack_wait_s, gateway.max_deliver)
-        assert worker.models == [",".join(pool["models"])]
-        assert (worker.pin or []) == pool.get("pins", []) and (worker.preload or []) == pool.get("preload", [])
-        assert worker.memory_budget_bytes == pool.get("memoryBudgetBytes")
+        worker, ws = parse_args(container(deployment)), settings_of(container(deployment))
+        assert worker.command == "worker" and ws.cluster.pool == pool["name"] and ws.cluster.nats_url == nats_url
+        assert (ws.cluster.ack_wait_s, ws.cluster.max_deliver) == (gs.cluster.ack_wait_s, gs.cluster.max_deliver)
+        assert ws.models == tuple(pool["models"])
+        assert ws.engine.pinned_models == tuple(pool.get("pins", []))
+        assert (worker.preload or []) == pool.get("preload", [])
+        assert ws.engine.memory_budget_bytes == pool.get("memoryBudgetBytes")
         assert worker.drain_timeout_s == pool.get("drainTimeoutS", 120)
         assert worker.metrics_host == "0.0.0.0" and worker.metrics_port == 9090
         spec = deployment["spec"]["template"]["spec"]
@@ -272,14 +281,14 @@ def test_every_container_command_is_one_shoal_accepts_and_means_what_the_values_
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert ports[container(deployment)[probe]["httpGet"]["port"]] == worker.metrics_port
         if pool.get("device") == "cuda":
-            assert worker.device == [",".join(f"cuda:{i}" for i in range(pool["gpus"]))]
+            assert ws.engine.device == ",".join(f"cuda:{i}" for i in range(pool["gpus"]))
             assert container(deployment)["resources"]["limits"]["nvidia.com/gpu"] == pool["gpus"]
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
             assert spec["nodeSelector"] == pool["nodeSelector"]
             cuda = values.get("image", {}).get("workerCuda", {}).get("repository", "ghcr.io/shoal-ai/shoal-worker-cuda")
             assert container(deployment)["image"].startswith(f"{cuda}:")
         else:
-            assert worker.device == ["cpu"] and "nvidia.com/gpu" not in str(container(deployment)["resources"])
+            assert ws.engine.device == "cpu" and "nvidia.com/gpu" not in str(container(deployment)["resources"])
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -288,16 +297,15 @@ def test_every_process_starts_on_the_catalog_its_arguments_give_it(rendered, nam
     the catalog of --models-dir (the cards ConfigMap, written here) restricted to --models, the
     aliases, and every model they name (default, preloads, pins, pools' models) found in it."""
     from shoal.catalog import Catalog
-    from shoal.cli import _settings
 
     docs = rendered[name]
     cards = [d for d in kind(docs, "ConfigMap") if d["metadata"]["name"] == "shoal-cards"]
     for file, text in (cards[0]["data"].items() if cards else ()):
         (tmp_path / file).write_text(text)
     for deployment in kind(docs, "Deployment"):
-        args = parse_args(container(deployment))
-        args.models_dir = [str(tmp_path) if d == "/etc/shoal/models" else d for d in args.models_dir or []]
-        settings = _settings(args)
+        args, settings = parse_args(container(deployment)), settings_of(container(deployment))
+        dirs = tuple(tmp_path if d == Path("/etc/shoal/models") else d for d in settings.models_dirs)
+        settings = replace(settings, models_dirs=dirs)
         catalog = Catalog.load(settings.models_dirs, strict=True).restrict(settings.models)
         catalog.with_aliases(dict(settings.aliases))  # raises when an alias's model is not served
         named_models = [*(getattr(args, "preload", None) or []), *settings.engine.pinned_models,
@@ -309,9 +317,10 @@ def test_every_process_starts_on_the_catalog_its_arguments_give_it(rendered, nam
 
 
 def test_the_gpu_pool_pins_two_models_and_preloads_them(rendered):
-    worker = parse_args(container(named(rendered["gpu-pool"], "Deployment", "shoal-worker-gpu-l4")))
-    assert worker.pin == ["BAAI/bge-m3", "BAAI/bge-reranker-v2-m3"] == worker.preload
-    assert worker.memory_budget_bytes == 18_000_000_000
+    c = container(named(rendered["gpu-pool"], "Deployment", "shoal-worker-gpu-l4"))
+    worker, settings = parse_args(c), settings_of(c)
+    assert list(settings.engine.pinned_models) == ["BAAI/bge-m3", "BAAI/bge-reranker-v2-m3"] == worker.preload
+    assert settings.engine.memory_budget_bytes == 18_000_000_000
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -343,14 +352,14 @@ def test_the_cards_config_map_is_a_models_dir_shoals_catalog_loads(rendered, tmp
     catalog = Catalog.load((tmp_path,), strict=True)
     assert "acme/e5-small-finetuned" in {card.id for card in catalog}
     gateway = named(rendered["cpu-pool"], "Deployment", "shoal-gateway")
-    assert parse_args(container(gateway)).models_dir == ["/etc/shoal/models"]
+    assert settings_of(container(gateway)).models_dirs == (Path("/etc/shoal/models"),)
     mounts = {m["name"]: m["mountPath"] for m in container(gateway)["volumeMounts"]}
     assert mounts["cards"] == "/etc/shoal/models"
-    assert parse_args(container(gateway)).alias == ["text-embedding-3-small=BAAI/bge-small-en-v1.5"]
+    assert settings_of(container(gateway)).aliases == (("text-embedding-3-small", "BAAI/bge-small-en-v1.5"),)
     for pool in ("embed", "rerank"):
-        worker = parse_args(container(named(rendered["cpu-pool"], "Deployment", f"shoal-worker-{pool}")))
-        assert worker.models_dir == ["/etc/shoal/models"]
-        assert worker.alias is None  # the gateway resolves aliases; a worker's catalog may lack the target
+        worker = settings_of(container(named(rendered["cpu-pool"], "Deployment", f"shoal-worker-{pool}")))
+        assert worker.models_dirs == (Path("/etc/shoal/models"),)
+        assert worker.aliases == ()  # the gateway resolves aliases; a worker's catalog may lack the target
 
 
 def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path):
@@ -390,8 +399,8 @@ def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path
 def test_without_auth_the_gateway_is_told_no_auth():
     docs = render({"auth": {"enabled": False}})
     assert not kind(docs, "Secret")
-    args = parse_args(container(named(docs, "Deployment", "shoal-gateway")))
-    assert args.no_auth and args.auth_tokens_file is None
+    server = settings_of(container(named(docs, "Deployment", "shoal-gateway"))).server
+    assert server.no_auth and server.auth_tokens_file is None
 
 
 def test_the_nats_statefulset_runs_a_real_nats_server_with_jetstream(rendered, tmp_path):

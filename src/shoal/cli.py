@@ -8,47 +8,19 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import replace
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
+from .config import Settings, declared
+from .settings_spec import add_flags, given
 
-def _settings(args: argparse.Namespace):
-    from .config import Settings
 
-    settings = Settings.from_env()
-    server, engine = settings.server, settings.engine
-    if getattr(args, "host", None):
-        server = replace(server, host=args.host)
-    if getattr(args, "port", None):
-        server = replace(server, port=args.port)
-    if getattr(args, "device", None):
-        engine = replace(engine, device=args.device)
-    if getattr(args, "memory_budget_bytes", None):
-        engine = replace(engine, memory_budget_bytes=args.memory_budget_bytes)
-    if getattr(args, "lanes", None) is not None:
-        engine = replace(engine, device_lanes=args.lanes)
-    if getattr(args, "pin", None):
-        engine = replace(engine, pinned_models=tuple(args.pin))
-    if getattr(args, "auth_tokens_file", None):
-        server = replace(server, auth_tokens_file=Path(args.auth_tokens_file))
-    if getattr(args, "no_auth", False):
-        server = replace(server, no_auth=True)
-    if getattr(args, "default_model", None):
-        server = replace(server, default_model=args.default_model)
-    models = tuple(m for spec in (getattr(args, "models", None) or []) for m in spec.split(",") if m)
-    aliases = list(settings.aliases)
-    for spec in getattr(args, "alias", None) or []:
-        name, sep, target = spec.partition("=")
-        if not (sep and name.strip() and target.strip()):
-            from .errors import ConfigError
-
-            raise ConfigError(f"--alias {spec!r}: write NAME=MODEL (e.g. text-embedding-3-small=BAAI/bge-small-en-v1.5)")
-        aliases.append((name.strip(), target.strip()))
-    dirs = settings.models_dirs + tuple(Path(d) for d in (args.models_dir or []))
-    return replace(settings, server=server, engine=engine, models_dirs=dirs, models=models or settings.models,
-                   aliases=tuple(aliases))
+def _settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings of a subcommand: defaults < SHOAL_* variables (`environ`, default os.environ) <
+    its flags (generated from the declaration in shoal/config.py)."""
+    return Settings.resolve(environ, given(args, declared()))
 
 
 def _engine(settings, *, strict: bool = True, metrics=None):
@@ -60,12 +32,19 @@ def _engine(settings, *, strict: bool = True, metrics=None):
     try:
         from .engine import Engine
     except ImportError as exc:  # a torch-free install: the API and wire types only
-        raise ConfigError(f"the in-process engine needs {exc.name}; install it with: pip install 'shoal[engine]'") from None
+        raise ConfigError(
+            f"the in-process engine needs {exc.name}; install it with: pip install 'shoal[engine]'"
+        ) from None
 
     catalog = Catalog.load(settings.models_dirs, strict=strict).restrict(settings.models)
     catalog.with_aliases(dict(settings.aliases))
-    return Engine(settings.engine, catalog, allow_download=settings.allow_download, models_dirs=settings.models_dirs,
-                  metrics=metrics)
+    return Engine(
+        settings.engine,
+        catalog,
+        allow_download=settings.allow_download,
+        models_dirs=settings.models_dirs,
+        metrics=metrics,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -74,9 +53,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .api.server import serve
 
     settings = _settings(args)
-    limits = {name: getattr(args, name, None) for name in _SERVE_LIMIT_FLAGS}
-    limits = {name: value for name, value in limits.items() if value is not None}
-    settings = replace(settings, server=replace(settings.server, **limits))
     server = settings.server
     auth = Auth.from_sources(server.auth_tokens_file, server.auth_tokens, server.admin_tokens)  # fails closed
     check_bind(server.host, auth, server.no_auth)
@@ -89,17 +65,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# `shoal serve` flags that override a ServerSettings field of the same name (docs/operations.md).
-_SERVE_LIMIT_FLAGS: dict[str, tuple[type, str]] = {
-    "max_header_bytes": (int, "bytes of request line plus headers before 431 (default 65536)"),
-    "header_read_timeout_s": (float, "seconds to receive a request's headers before 408 (default 10)"),
-    "body_read_timeout_s": (float, "longest gap between request body bytes before 408 (default 30)"),
-    "keep_alive_timeout_s": (float, "seconds an idle kept-alive connection stays open (default 5)"),
-    "max_connections": (int, "open connections before new ones get 503 (default 1000)"),
-    "listen_backlog": (int, "connections the kernel queues before accept (default 2048)"),
-}
-
-
 def cmd_models(args: argparse.Namespace) -> int:
     from .catalog import Catalog
 
@@ -108,8 +73,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     for card in catalog:
         outputs = ",".join(card.outputs) if "encode" in card.tasks else (card.score.kind if card.score else "-")
         adapters = f" adapters: {','.join(sorted(card.adapters))}" if card.adapters else ""
-        print(f"{card.id:48} {card.architecture or '-':12} {','.join(card.tasks):13} {outputs:24} {card.verified}{adapters}")
-    for file, error in sorted(catalog.broken.items()):
+        kind = card.architecture or "-"
+        print(f"{card.id:48} {kind:12} {','.join(card.tasks):13} {outputs:24} {card.verified}{adapters}")
+    for _file, error in sorted(catalog.broken.items()):
         print(f"broken: {error}", file=sys.stderr)
     return 1 if catalog.broken else 0
 
@@ -121,7 +87,7 @@ class _Backend:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
 
-    async def __aenter__(self) -> "_Backend":
+    async def __aenter__(self) -> _Backend:
         if self.args.url:
             from .sdk import AsyncClient
 
@@ -141,13 +107,19 @@ class _Backend:
     async def encode(self, texts: list[str]) -> tuple[np.ndarray, int]:
         a = self.args
         if self.engine is None:
-            got = await self.client.encode(a.model, texts, dimensions=a.dimensions, is_query=a.query_prompt or None,
-                                           batch_size=len(texts))
+            got = await self.client.encode(
+                a.model, texts, dimensions=a.dimensions, is_query=a.query_prompt or None, batch_size=len(texts)
+            )
+            if got.dense is None:
+                from .errors import InvalidRequest
+
+                raise InvalidRequest(f"{a.model} answered no dense vectors")
             return got.dense, got.num_tokens
         from .calls import EncodeCall
 
-        result = await self.engine.run(EncodeCall(model=a.model, texts=texts, dimensions=a.dimensions,
-                                                  is_query=a.query_prompt or None))
+        result = await self.engine.run(
+            EncodeCall(model=a.model, texts=texts, dimensions=a.dimensions, is_query=a.query_prompt or None)
+        )
         return np.stack(result.vectors), result.num_tokens
 
     async def score(self, documents: list[str]) -> tuple[list[tuple[int, float]], int]:
@@ -157,20 +129,34 @@ class _Backend:
             return [(s.index, s.score) for s in ranking], ranking.num_tokens
         from .calls import ScoreCall
 
-        result = await self.engine.run(ScoreCall(model=a.model, query=a.query, documents=documents,
-                                                 raw_scores=a.raw_scores))
+        result = await self.engine.run(
+            ScoreCall(model=a.model, query=a.query, documents=documents, raw_scores=a.raw_scores)
+        )
         return [(item.index, item.score) for item in result.items], result.num_tokens
 
     async def extract(self, texts: list[str]) -> tuple[list, int]:
         a = self.args
         if self.engine is None:
-            items = await self.client.extract(a.model, texts, a.label or [], threshold=a.threshold,
-                                              multi_label=a.multi_label or None, batch_size=len(texts))
+            items = await self.client.extract(
+                a.model,
+                texts,
+                a.label or [],
+                threshold=a.threshold,
+                multi_label=a.multi_label or None,
+                batch_size=len(texts),
+            )
             return items, 0
         from .calls import ExtractCall
 
-        result = await self.engine.run(ExtractCall(model=a.model, texts=texts, labels=a.label or [],
-                                                   threshold=a.threshold, multi_label=a.multi_label or None))
+        result = await self.engine.run(
+            ExtractCall(
+                model=a.model,
+                texts=texts,
+                labels=a.label or [],
+                threshold=a.threshold,
+                multi_label=a.multi_label or None,
+            )
+        )
         return result.items, result.num_tokens
 
 
@@ -204,8 +190,9 @@ def cmd_encode(args: argparse.Namespace) -> int:
     from . import batch
 
     async def work(backend: _Backend, records):
-        chunks = await batch.in_chunks(records, args.batch_size, args.concurrency, backend.encode,
-                                       args.output is not None)
+        chunks = await batch.in_chunks(
+            records, args.batch_size, args.concurrency, backend.encode, args.output is not None
+        )
         dense = np.concatenate([vectors for vectors, _ in chunks])
         rows = [_with_id(r, {"text": r.text, "dense": [round(float(x), 6) for x in v]}) for r, v in zip(records, dense)]
         return rows, dense, sum(tokens for _, tokens in chunks)
@@ -218,14 +205,19 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     async def work(backend: _Backend, records):
         offsets = list(range(0, len(records), args.batch_size))
-        chunks = await batch.in_chunks(records, args.batch_size, args.concurrency, backend.score,
-                                       args.output is not None)
-        scored = sorted(((offset + index, score) for offset, (pairs, _) in zip(offsets, chunks)
-                         for index, score in pairs), key=lambda pair: (-pair[1], pair[0]))
+        chunks = await batch.in_chunks(
+            records, args.batch_size, args.concurrency, backend.score, args.output is not None
+        )
+        scored = sorted(
+            ((offset + index, score) for offset, (pairs, _) in zip(offsets, chunks) for index, score in pairs),
+            key=lambda pair: (-pair[1], pair[0]),
+        )
         if args.top_k:
-            scored = scored[:args.top_k]
-        rows = [_with_id(records[i], {"index": i, "score": round(score, 6), "document": records[i].text})
-                for i, score in scored]
+            scored = scored[: args.top_k]
+        rows = [
+            _with_id(records[i], {"index": i, "score": round(score, 6), "document": records[i].text})
+            for i, score in scored
+        ]
         return rows, None, sum(tokens for _, tokens in chunks)
 
     return _run_batch(args, "score", work)
@@ -235,15 +227,18 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from . import batch
 
     async def work(backend: _Backend, records):
-        chunks = await batch.in_chunks(records, args.batch_size, args.concurrency, backend.extract,
-                                       args.output is not None)
+        chunks = await batch.in_chunks(
+            records, args.batch_size, args.concurrency, backend.extract, args.output is not None
+        )
         items = [item for chunk, _ in chunks for item in chunk]
         rows = []
         for record, item in zip(records, items):
             out: dict = {"text": record.text}
             if item.entities is not None:
-                out["entities"] = [{"text": e.text, "label": e.label, "score": round(e.score, 6), "start": e.start,
-                                    "end": e.end} for e in item.entities]
+                out["entities"] = [
+                    {"text": e.text, "label": e.label, "score": round(e.score, 6), "start": e.start, "end": e.end}
+                    for e in item.entities
+                ]
             if item.labels is not None:
                 out["labels"] = [{"label": s.label, "score": round(s.score, 6)} for s in item.labels]
             rows.append(_with_id(record, out))
@@ -256,87 +251,82 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve small models: encode, score, extract.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--models-dir", action="append", metavar="DIR",
-                       help="add the model cards (*.yaml) and adapters (DIR/adapters/NAME) in DIR; a server watches it")
-        p.add_argument("--models", action="append", metavar="IDS",
-                       help="serve only these model ids or globs (comma-separated, repeatable)")
-        p.add_argument("--alias", action="append", metavar="NAME=MODEL",
-                       help="let requests name MODEL as NAME too (e.g. an OpenAI model name; repeatable)")
+    def settings(p: argparse.ArgumentParser, command: str) -> None:
+        add_flags(p, declared(), command)
 
-    serve = sub.add_parser("serve", help="run the HTTP server")
-    common(serve)
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8080)")
-    serve.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
-    serve.add_argument("--memory-budget-bytes", type=int,
-                       help="bytes resident models may hold before the least recently used are evicted "
-                            "(default: 80%% of the RAM or VRAM free at start)")
-    serve.add_argument("--lanes", type=int, metavar="N",
-                       help="batches a CPU runs side by side, each on its share of the cores (default 2 "
-                            "with 2+ cores; 1 on a GPU)")
-    serve.add_argument("--pin", action="append", metavar="MODEL", help="never evict MODEL")
+    serve = sub.add_parser("serve", allow_abbrev=False, help="run the HTTP server")
     serve.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before accepting requests")
-    serve.add_argument("--auth-tokens-file", metavar="FILE", help="bearer tokens (YAML; see docs/operations.md)")
-    serve.add_argument("--no-auth", action="store_true", help="serve a non-loopback address without tokens")
-    serve.add_argument("--default-model", metavar="MODEL",
-                       help="the model of routes whose bodies name none (TEI's), unless ?model= or X-Shoal-Model says")
     serve.add_argument("--log-level", default="info")
-    for name, (kind, help_text) in _SERVE_LIMIT_FLAGS.items():
-        serve.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+    settings(serve, "serve")
     serve.set_defaults(func=cmd_serve)
 
     from .cluster.cli import register as register_cluster
 
-    register_cluster(sub, common, sys.modules[__name__])
+    register_cluster(sub, settings, sys.modules[__name__])
 
     from .bench.cli import register as register_bench
 
-    register_bench(sub, common)
+    register_bench(sub, lambda p: settings(p, "models"))  # (bench and tune declare their own --models-dir)
 
-    models = sub.add_parser("models", help="list the model cards")
-    common(models)
+    models = sub.add_parser("models", allow_abbrev=False, help="list the model cards")
+    settings(models, "models")
     models.set_defaults(func=cmd_models)
 
     def batch_io(p: argparse.ArgumentParser, writes: str) -> None:
         p.add_argument("--url", help="send to this shoal server (or gateway) instead of running a model in-process")
         p.add_argument("--api-key", help="bearer token for --url")
-        p.add_argument("--input", "-i", type=Path, metavar="FILE", help="more texts: .txt (a line each), .jsonl, .parquet")
+        p.add_argument(
+            "--input", "-i", type=Path, metavar="FILE", help="more texts: .txt (a line each), .jsonl, .parquet"
+        )
         p.add_argument("--field", default="text", help="the text field of .jsonl/.parquet input (default text)")
-        p.add_argument("--output", "-o", type=Path, metavar="FILE",
-                       help=f"write {writes} instead of printing JSON lines (with a progress bar)")
+        p.add_argument(
+            "--output",
+            "-o",
+            type=Path,
+            metavar="FILE",
+            help=f"write {writes} instead of printing JSON lines (with a progress bar)",
+        )
         p.add_argument("--batch-size", type=_positive, default=64, help="texts per request (default 64)")
         p.add_argument("--concurrency", type=_positive, default=4, help="requests at once (default 4)")
-        p.add_argument("--device", help="in-process: cpu, cuda or cuda:N (default cpu)")
 
-    encode = sub.add_parser("encode", help="embed texts (arguments or --input FILE); print JSON lines or write a file")
-    common(encode)
+    encode = sub.add_parser(
+        "encode", allow_abbrev=False, help="embed texts (arguments or --input FILE); print JSON lines or write a file"
+    )
     batch_io(encode, ".jsonl, .npy or .parquet")
     encode.add_argument("model")
     encode.add_argument("text", nargs="*")
     encode.add_argument("--dimensions", type=int)
     encode.add_argument("--query-prompt", action="store_true", help="encode as queries (the card's query prompt)")
+    settings(encode, "encode")  # the in-process engine's (ignored with --url)
     encode.set_defaults(func=cmd_encode)
 
-    score = sub.add_parser("score", help="rank documents (arguments or --input FILE) against a query, best first")
-    common(score)
+    score = sub.add_parser(
+        "score", allow_abbrev=False, help="rank documents (arguments or --input FILE) against a query, best first"
+    )
     batch_io(score, ".jsonl or .parquet")
     score.add_argument("model")
     score.add_argument("query")
     score.add_argument("text", nargs="*", metavar="document")
     score.add_argument("--top-k", type=int)
     score.add_argument("--raw-scores", action="store_true", help="rerankers: the logit, no activation")
+    settings(score, "score")  # the in-process engine's (ignored with --url)
     score.set_defaults(func=cmd_score)
 
-    extract = sub.add_parser("extract", help="extract entities (or zero-shot labels) from texts (arguments or --input)")
-    common(extract)
+    extract = sub.add_parser(
+        "extract", allow_abbrev=False, help="extract entities (or zero-shot labels) from texts (arguments or --input)"
+    )
     batch_io(extract, ".jsonl or .parquet")
     extract.add_argument("model")
     extract.add_argument("text", nargs="*")
-    extract.add_argument("--label", action="append", metavar="LABEL",
-                         help="an entity type or class to look for (repeat; token classifiers need none)")
+    extract.add_argument(
+        "--label",
+        action="append",
+        metavar="LABEL",
+        help="an entity type or class to look for (repeat; token classifiers need none)",
+    )
     extract.add_argument("--threshold", type=float)
     extract.add_argument("--multi-label", action="store_true")
+    settings(extract, "extract")  # the in-process engine's (ignored with --url)
     extract.set_defaults(func=cmd_extract)
     return parser
 

@@ -1,191 +1,251 @@
 """Settings: frozen dataclasses built once at the edge (CLI, tests) and passed down.
 
-This is the only module that reads `os.environ`, and only inside `Settings.from_env`.
-Measured runtime values (loaded models, queue depth) never live here.
+This is the one declaration of every setting: each field's name, type, default and help line (see
+`shoal.settings_spec` for what is made of them: the `SHOAL_<NAME>` variable, the `--<name>` flag
+of each subcommand that takes it, their parsing and the table in docs/operations.md). This is also
+the only module that reads `os.environ`, and only when called. Measured runtime values (loaded
+models, queue depth) never live here.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+from .settings_spec import Declared, build, declare, parse, section, setting, text_of
+
+# The subcommands that take each section's flags (a field may name its own).
+_ONE_SHOT = ("encode", "score", "extract")
+CATALOG_COMMANDS = ("serve", "gateway", "worker", "dev-cluster", "models", *_ONE_SHOT)
+ENGINE_COMMANDS = ("serve", "worker", "dev-cluster", *_ONE_SHOT)
+SERVER_COMMANDS = ("serve", "gateway", "dev-cluster")
+CLUSTER_COMMANDS = ("gateway", "worker", "dev-cluster")
+_WORKER = ("worker", "dev-cluster")
+_GATEWAY = ("gateway", "dev-cluster")
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    device: str = "cpu"
+    device: str = setting(
+        "cpu", "cpu, cuda or cuda:N; a worker serves each device of a comma-separated list", sep=",", metavar="DEVICE"
+    )
     # Batches are cut by real (unpadded) tokens, then by item count.
-    max_batch_tokens: int = 16384
-    max_batch_items: int = 256
+    max_batch_tokens: int = setting(
+        16384, "tokens a batch holds at most, unless the card's batching for this hardware says otherwise"
+    )
+    max_batch_items: int = setting(
+        256, "sequences a batch holds at most, unless the card's batching for this hardware says otherwise"
+    )
     # While small requests (up to 4 x min_batch_tokens) and large ones share the device, a batch is
     # also cut to what the device runs in about this long, at the model's measured token rate
     # (never below min_batch_tokens): a small request never waits long behind a bulk job's batch.
-    # None: token and item limits only.
-    target_batch_s: float | None = 0.1
-    min_batch_tokens: int = 256
-    # Admission: items and estimated tokens admitted (not yet answered) before new requests get
-    # 503 + Retry-After; a single request larger than either is a 400 (split it).
-    max_queue_items: int = 8192
-    max_queue_tokens: int = 1_048_576
-    # The deadline of a call that names none (request option `timeout_s`); work past it is dropped
-    # before compute and answered 504.
-    request_timeout_s: float = 300.0
-    # The largest result one call may produce (estimated before compute, raw array bytes).
-    max_result_bytes: int = 64 * 1024 * 1024
-    # A dead device thread is restarted after this pause; stop() waits this long for a running batch.
-    device_restart_delay_s: float = 1.0
-    stop_timeout_s: float = 60.0
-    tokenizer_threads: int = 2
-    # Batches the device runs side by side, each on its share of torch's threads (engine/device.py);
-    # None: 2 on a CPU with 2+ cores, 1 elsewhere. GPUs take 1.
-    device_lanes: int | None = None
-    # float32 CPU models run their Linears on oneDNN-packed weights (layers/packed.py); False: torch's
-    # own Linear (MKL sgemm). SHOAL_ONEDNN_LINEAR=0 turns it off.
-    onednn_linear: bool = True
-    # Memory budget on the device (resident models, their adapters and the batch workspace);
-    # None: 80 % of the RAM (or VRAM) free when the engine starts (engine/memory.py).
-    memory_budget_bytes: int | None = None
-    # How long a request waits for a cold model to load before 503 + Retry-After.
-    load_timeout_s: float = 30.0
-    # After a failed load, requests get the failure (502) without a new attempt for this long,
-    # doubling per failure up to 60 s.
-    load_backoff_s: float = 1.0
-    # Model ids that are never evicted (cards may also say `pin: true`).
-    pinned_models: tuple[str, ...] = ()
-    # How often the models directories are checked for new, changed or removed cards and adapters;
-    # None: never (no hot add).
-    watch_interval_s: float | None = 2.0
+    target_batch_s: float | None = setting(
+        0.1,
+        "while small and large requests share the device, a batch is also "
+        "cut to about this long; none: token and item limits only",
+    )
+    min_batch_tokens: int = setting(256, "tokens a time-cut batch holds at least; requests up to 4x this are small")
+    # Admission: a single request larger than either is a 400 (split it).
+    max_queue_items: int = setting(8192, "items admitted and not yet answered before new requests get 503")
+    max_queue_tokens: int = setting(
+        1_048_576, "estimated tokens admitted and not yet answered before new requests get 503"
+    )
+    request_timeout_s: float = setting(
+        300.0,
+        "deadline of a call that names none (its options.timeout_s); work past it is dropped and answered 504",
+        commands=(*ENGINE_COMMANDS, "gateway"),
+    )
+    max_result_bytes: int = setting(
+        64 * 1024 * 1024, "largest result one call may produce (raw array bytes, estimated before compute)"
+    )
+    device_restart_delay_s: float = setting(1.0, "pause before a dead device thread is restarted")
+    # dev-cluster has a --stop-timeout-s of its own (how long each process has to stop).
+    stop_timeout_s: float = setting(
+        60.0,
+        "how long stopping waits for a running batch",
+        commands=tuple(c for c in ENGINE_COMMANDS if c != "dev-cluster"),
+    )
+    tokenizer_threads: int = setting(2, "threads of the tokenizer pool")
+    # engine/device.py: each lane runs on its share of torch's threads.
+    device_lanes: int | None = setting(
+        None,
+        "batches a CPU runs side by side (more than 1 is refused on a GPU); none: 2 on a CPU with 2+ cores, else 1",
+        also=("--lanes",),
+    )
+    # layers/packed.py.
+    onednn_linear: bool = setting(
+        True, "float32 CPU models run their Linears on oneDNN-packed weights; false: torch's nn.Linear (MKL sgemm)"
+    )
+    # engine/memory.py: resident models, their adapters and the batch workspace.
+    memory_budget_bytes: int | None = setting(
+        None,
+        "bytes resident models may hold before the least recently used "
+        "idle one is evicted; none: 80% of the RAM or VRAM free at start",
+    )
+    load_timeout_s: float = setting(
+        30.0, "how long a request waits for a cold model to load before 503", commands=(*ENGINE_COMMANDS, "gateway")
+    )
+    load_backoff_s: float = setting(
+        1.0,
+        "after a failed load, requests get its failure (502) without a new "
+        "attempt for this long, doubling per failure up to 60 s",
+    )
+    pinned_models: tuple[str, ...] = setting(
+        (), "model ids never evicted (a card may also say pin: true)", also=("--pin",), metavar="MODEL"
+    )
+    watch_interval_s: float | None = setting(
+        2.0, "how often the models directories are checked for new, changed or removed cards and adapters; none: never"
+    )
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_items_per_request: int = 2048
+    host: str = setting("127.0.0.1", "address to bind", metavar="ADDRESS")
+    port: int = setting(8080, "port to listen on", metavar="PORT")
+    max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body; a larger one gets 413")
+    max_items_per_request: int = setting(2048, "items one request may carry")
     # HTTP limits (enforced in api/server.py, documented in docs/operations.md).
-    # Request line plus headers; more gets 431.
-    max_header_bytes: int = 64 * 1024
-    # From a connection's start (or a kept-alive request's first byte) to the end of its headers.
-    header_read_timeout_s: float = 10.0
-    # Longest gap between body bytes while a body is incomplete; then 408.
-    body_read_timeout_s: float = 30.0
-    # An idle kept-alive connection is closed after this long.
-    keep_alive_timeout_s: float = 5.0
-    # Open connections (idle ones count); the next gets 503 at once. Lowered below the process's
-    # file-descriptor limit when that is smaller.
-    max_connections: int = 1000
-    # Connections the kernel queues before the server accepts them.
-    listen_backlog: int = 2048
-    # Bearer tokens (api/auth.py): a YAML file, and comma-separated tokens (SHOAL_AUTH_TOKENS) and
-    # admin tokens (SHOAL_ADMIN_TOKENS). None of them: no auth (loopback only, unless `no_auth`).
-    auth_tokens_file: Path | None = None
-    auth_tokens: str = field(default="", repr=False)
-    admin_tokens: str = field(default="", repr=False)
-    # Serve a non-loopback address without tokens (`--no-auth`).
-    no_auth: bool = False
-    # The model of routes whose bodies name none (TEI's) when the request picks none either
-    # (`--default-model`); None: the first preloaded model that serves the verb.
-    default_model: str | None = None
+    max_header_bytes: int = setting(64 * 1024, "bytes of request line plus headers; more gets 431")
+    header_read_timeout_s: float = setting(
+        10.0, "from a connection's start (or a kept-alive request's first byte) to the end of its headers; then 408"
+    )
+    body_read_timeout_s: float = setting(30.0, "longest gap between body bytes while a body is incomplete; then 408")
+    keep_alive_timeout_s: float = setting(5.0, "an idle kept-alive connection is closed after this long")
+    max_connections: int = setting(
+        1000,
+        "open connections (idle ones count) before the next gets 503; lowered "
+        "below the process's file-descriptor limit",
+    )
+    listen_backlog: int = setting(2048, "connections the kernel queues before the server accepts them")
+    # Bearer tokens (api/auth.py). None of the three: no auth (loopback only, unless `no_auth`).
+    auth_tokens_file: Path | None = setting(
+        None,
+        "bearer tokens, a YAML file (docs/operations.md); more tokens come "
+        "from the variables SHOAL_AUTH_TOKENS and SHOAL_ADMIN_TOKENS",
+        metavar="FILE",
+    )
+    auth_tokens: str = setting("", "bearer tokens for every model, comma-separated", secret=True)
+    admin_tokens: str = setting("", "bearer tokens with the admin scope, comma-separated", secret=True)
+    no_auth: bool = setting(False, "serve a non-loopback address without tokens")
+    default_model: str | None = setting(
+        None,
+        "the model of routes whose bodies name none (TEI's), unless ?model= "
+        "or X-Shoal-Model says; none: the first preloaded model of the verb",
+        metavar="MODEL",
+    )
 
 
 @dataclass(frozen=True)
 class ClusterSettings:
     """`shoal gateway` and `shoal worker` (shoal/cluster): the NATS JetStream work queue."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    # Workers serve the subjects `shoal.work.<pool>.<model>`; a gateway sends to any pool that serves a model.
-    pool: str = "default"
-    # A delivered call not acked (nor marked in progress) within this long is redelivered to another worker.
-    ack_wait_s: float = 30.0
-    # Deliveries of one call before it goes to the dead-letter stream and its caller gets a 5xx.
-    max_deliver: int = 5
-    # Workers announce themselves this often; one silent for `worker_ttl_s` serves nothing.
-    heartbeat_s: float = 1.0
-    worker_ttl_s: float = 5.0
-    # A worker keeps about this many seconds of work (at each device's measured tokens/s) pulled and
-    # in flight per device, `min_inflight_tokens` before a rate is measured: more stays in the queue
-    # for whichever device frees up first (bench/cluster.py: deeper budgets make pulling no better
-    # than round-robin pushing).
-    prefetch_s: float = 0.2
-    min_inflight_tokens: int = 4096
-    # What a worker pulled beyond that comes back to the queue after this delay (nak).
-    nak_delay_s: float = 0.05
-    # A gateway answers 503 at once while NATS is unreachable; this long at most for a publish's ack.
-    publish_timeout_s: float = 5.0
-    # Calls and results larger than the server's message limit less this go through the Object Store.
-    payload_headroom_bytes: int = 64 * 1024
+    # dev-cluster starts its own NATS.
+    nats_url: str = setting(
+        "nats://127.0.0.1:4222", "the NATS server with JetStream", commands=("gateway", "worker"), metavar="URL"
+    )
+    pool: str = setting(
+        "default",
+        "the worker pool: workers serve the subjects shoal.work.<pool>.<model>; a "
+        "gateway sends to any pool that serves a model",
+        metavar="NAME",
+    )
+    ack_wait_s: float = setting(
+        30.0, "a delivered call not acked (nor marked in progress) within this long is redelivered to another worker"
+    )
+    max_deliver: int = setting(
+        5, "deliveries of one call before it goes to the dead-letter stream and its caller gets a 5xx"
+    )
+    heartbeat_s: float = setting(1.0, "how often a worker announces itself", commands=_WORKER)
+    worker_ttl_s: float = setting(5.0, "a worker silent this long serves nothing", commands=_GATEWAY)
+    # Deeper budgets make pulling no better than round-robin pushing (bench/cluster.py): what stays
+    # in the queue goes to whichever device frees up first.
+    prefetch_s: float = setting(
+        0.2, "seconds of work (at each device's measured tokens/s) a worker keeps pulled per device", commands=_WORKER
+    )
+    min_inflight_tokens: int = setting(
+        4096, "tokens a worker keeps pulled per device before a rate is measured", commands=_WORKER
+    )
+    nak_delay_s: float = setting(
+        0.05, "what a worker pulled beyond that goes back to the queue after this delay", commands=_WORKER
+    )
+    publish_timeout_s: float = setting(
+        5.0,
+        "longest wait for a publish's ack (while NATS is unreachable a gateway answers 503 at once)",
+        commands=_GATEWAY,
+    )
+    payload_headroom_bytes: int = setting(
+        64 * 1024, "calls and results larger than the server's message limit less this go through the Object Store"
+    )
 
 
 @dataclass(frozen=True)
 class Settings:
-    server: ServerSettings = field(default_factory=ServerSettings)
-    engine: EngineSettings = field(default_factory=EngineSettings)
-    # Extra directories of model cards (YAML), searched after the built-in catalog.
-    models_dirs: tuple[Path, ...] = ()
-    # Whether model weights may be fetched from the Hugging Face Hub when not found locally.
-    allow_download: bool = True
-    # `--models`: the ids or globs of the cards this server serves (lists, loads); () all.
-    models: tuple[str, ...] = ()
-    # `--alias NAME=MODEL` (SHOAL_ALIASES="NAME=MODEL,..."): more names for served models.
-    aliases: tuple[tuple[str, str], ...] = ()
-    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    server: ServerSettings = section(ServerSettings, SERVER_COMMANDS)
+    engine: EngineSettings = section(EngineSettings, ENGINE_COMMANDS)
+    models_dirs: tuple[Path, ...] = setting(
+        (),
+        "more directories of model cards (*.yaml) and adapters "
+        "(DIR/adapters/NAME), after the built-in catalog; a server "
+        "watches them",
+        also=("--models-dir",),
+        sep=os.pathsep,
+        metavar="DIR",
+    )
+    allow_download: bool = setting(
+        True,
+        "fetch model weights from the Hugging Face Hub when not found locally (HF_HUB_OFFLINE=1 also turns it off)",
+    )
+    models: tuple[str, ...] = setting(
+        (), "the ids or globs of the cards served (listed, loaded); none: every card", metavar="IDS"
+    )
+    aliases: tuple[tuple[str, str], ...] = setting(
+        (), "more names for served models (e.g. an OpenAI model name)", also=("--alias",), metavar="NAME=MODEL"
+    )
+    cluster: ClusterSettings = section(ClusterSettings, CLUSTER_COMMANDS)
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
-        """Settings from SHOAL_* variables (unset ones keep their defaults)."""
-        env = dict(os.environ if environ is None else environ)
-        server = ServerSettings(
-            host=env.get("SHOAL_HOST", ServerSettings.host),
-            port=int(env.get("SHOAL_PORT", ServerSettings.port)),
-            max_body_bytes=int(env.get("SHOAL_MAX_BODY_BYTES", ServerSettings.max_body_bytes)),
-            max_items_per_request=int(env.get("SHOAL_MAX_ITEMS_PER_REQUEST", ServerSettings.max_items_per_request)),
-            max_header_bytes=int(env.get("SHOAL_MAX_HEADER_BYTES", ServerSettings.max_header_bytes)),
-            header_read_timeout_s=float(env.get("SHOAL_HEADER_READ_TIMEOUT_S", ServerSettings.header_read_timeout_s)),
-            body_read_timeout_s=float(env.get("SHOAL_BODY_READ_TIMEOUT_S", ServerSettings.body_read_timeout_s)),
-            keep_alive_timeout_s=float(env.get("SHOAL_KEEP_ALIVE_TIMEOUT_S", ServerSettings.keep_alive_timeout_s)),
-            max_connections=int(env.get("SHOAL_MAX_CONNECTIONS", ServerSettings.max_connections)),
-            listen_backlog=int(env.get("SHOAL_LISTEN_BACKLOG", ServerSettings.listen_backlog)),
-            auth_tokens_file=Path(env["SHOAL_AUTH_TOKENS_FILE"]) if env.get("SHOAL_AUTH_TOKENS_FILE") else None,
-            auth_tokens=env.get("SHOAL_AUTH_TOKENS", ""),
-            admin_tokens=env.get("SHOAL_ADMIN_TOKENS", ""),
-            no_auth=env.get("SHOAL_NO_AUTH", "").strip().lower() in ("1", "true", "yes", "on"),
-            default_model=env.get("SHOAL_DEFAULT_MODEL") or None,
-        )
-        budget = env.get("SHOAL_MEMORY_BUDGET_BYTES")
-        engine = EngineSettings(
-            device=env.get("SHOAL_DEVICE", EngineSettings.device),
-            max_batch_tokens=int(env.get("SHOAL_MAX_BATCH_TOKENS", EngineSettings.max_batch_tokens)),
-            max_batch_items=int(env.get("SHOAL_MAX_BATCH_ITEMS", EngineSettings.max_batch_items)),
-            target_batch_s=_optional_float(env.get("SHOAL_TARGET_BATCH_S"), EngineSettings.target_batch_s),
-            min_batch_tokens=int(env.get("SHOAL_MIN_BATCH_TOKENS", EngineSettings.min_batch_tokens)),
-            max_queue_items=int(env.get("SHOAL_MAX_QUEUE_ITEMS", EngineSettings.max_queue_items)),
-            max_queue_tokens=int(env.get("SHOAL_MAX_QUEUE_TOKENS", EngineSettings.max_queue_tokens)),
-            request_timeout_s=float(env.get("SHOAL_REQUEST_TIMEOUT_S", EngineSettings.request_timeout_s)),
-            max_result_bytes=int(env.get("SHOAL_MAX_RESULT_BYTES", EngineSettings.max_result_bytes)),
-            memory_budget_bytes=int(budget) if budget else None,
-            device_lanes=int(env["SHOAL_DEVICE_LANES"]) if env.get("SHOAL_DEVICE_LANES") else None,
-            onednn_linear=env.get("SHOAL_ONEDNN_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off"),
-        )
-        dirs = tuple(Path(p) for p in env.get("SHOAL_MODELS_DIRS", "").split(os.pathsep) if p)
-        offline = env.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-        models = tuple(m for m in env.get("SHOAL_MODELS", "").split(",") if m)
-        pairs = [a.split("=", 1) for a in env.get("SHOAL_ALIASES", "").split(",") if "=" in a]
-        aliases = tuple((name.strip(), target.strip()) for name, target in pairs if name.strip() and target.strip())
-        cluster = ClusterSettings(
-            nats_url=env.get("SHOAL_NATS_URL", ClusterSettings.nats_url),
-            pool=env.get("SHOAL_POOL", ClusterSettings.pool),
-            ack_wait_s=float(env.get("SHOAL_ACK_WAIT_S", ClusterSettings.ack_wait_s)),
-            max_deliver=int(env.get("SHOAL_MAX_DELIVER", ClusterSettings.max_deliver)),
-        )
-        return cls(server=server, engine=engine, models_dirs=dirs, allow_download=not offline, models=models,
-                   aliases=aliases, cluster=cluster)
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Settings from SHOAL_* variables (unset ones keep their defaults); `environ` defaults to os.environ."""
+        return cls.resolve(environ)
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, flags: Mapping[str, str] | None = None) -> Settings:
+        """Defaults < environment (`environ`, default os.environ) < `flags` (text keyed by field name,
+        as `settings_spec.given` reads them off the command line). ConfigError names what does not parse."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for d in declared():
+            if env.get(d.env):
+                values[d.path] = parse(d, env[d.env], d.env)
+            elif d.name == "allow_download" and _offline(env.get("HF_HUB_OFFLINE", "")):
+                values[d.path] = False  # huggingface_hub's own switch, read by its rule
+            if flags and flags.get(d.name):
+                values[d.path] = parse(d, flags[d.name], "/".join(d.flags))
+        return build(cls, declared(), values)
 
 
-def _optional_float(value: str | None, default: float | None) -> float | None:
-    """A float setting where "" keeps the default and "none" (or "0") turns it off."""
-    if value is None or value == "":
-        return default
-    if value.lower() in ("none", "off", "0"):
-        return None
-    return float(value)
+@functools.cache
+def declared() -> tuple[Declared, ...]:
+    """Every setting, in declaration order (the sections where Settings holds them)."""
+    return declare(Settings, CATALOG_COMMANDS)
+
+
+def environ_of(settings: Settings) -> dict[str, str]:
+    """Every setting as its SHOAL_* variable: what makes a child process resolve the same settings."""
+    out = {}
+    for d in declared():
+        value = getattr(getattr(settings, d.section), d.name) if d.section else getattr(settings, d.name)
+        out[d.env] = text_of(d, value)
+    return out
+
+
+def child_environ(settings: Settings, **extra: str) -> dict[str, str]:
+    """This process's environment with `settings` (and `extra`) written over it, for a child shoal."""
+    return {**os.environ, **environ_of(settings), **extra}
+
+
+def _offline(value: str) -> bool:
+    return value.strip().lower() not in ("", "0", "false")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -16,14 +15,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..config import Settings, child_environ
+
 log = logging.getLogger("shoal.cluster")
-
-
-def add_cluster_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", help="the NATS server with JetStream (default nats://127.0.0.1:4222; SHOAL_NATS_URL)")
-    p.add_argument("--pool", help="the worker pool (default 'default'; SHOAL_POOL): subjects shoal.work.<pool>.<model>")
-    p.add_argument("--ack-wait-s", type=float, help="seconds before an unacked call is redelivered (default 30)")
-    p.add_argument("--max-deliver", type=int, help="deliveries of a call before it is a dead letter (default 5)")
 
 
 def _seconds(text: str) -> float:
@@ -44,26 +38,13 @@ def _pool_models(text: str) -> tuple[str, list[str]]:
     return pool, names
 
 
-def cluster_settings(args: argparse.Namespace, settings):
-    cluster = settings.cluster
-    for name in ("nats_url", "pool", "ack_wait_s", "max_deliver"):
-        value = getattr(args, name, None)
-        if value is not None:
-            cluster = replace(cluster, **{name: value})
-    engine = settings.engine
-    if getattr(args, "request_timeout_s", None):
-        engine = replace(engine, request_timeout_s=args.request_timeout_s)
-    return replace(settings, cluster=cluster, engine=engine)
-
-
-def cmd_gateway(args: argparse.Namespace, base_settings) -> int:
+def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     from ..api import create_app
     from ..api.auth import Auth, check_bind
     from ..api.server import serve
     from ..catalog import Catalog
     from .gateway import RemoteService
 
-    settings = cluster_settings(args, base_settings)
     server = settings.server
     auth = Auth.from_sources(server.auth_tokens_file, server.auth_tokens, server.admin_tokens)  # fails closed
     check_bind(server.host, auth, server.no_auth)
@@ -80,23 +61,26 @@ def cmd_gateway(args: argparse.Namespace, base_settings) -> int:
     return 0
 
 
-def cmd_worker(args: argparse.Namespace, base_settings, make_engine) -> int:
+def cmd_worker(args: argparse.Namespace, settings: Settings, make_engine) -> int:
     from .worker import Worker
 
-    settings = cluster_settings(args, base_settings)
-    devices = [d for spec in (args.device or ["cpu"]) for d in spec.split(",") if d]
+    devices = [d.strip() for d in settings.engine.device.split(",") if d.strip()] or ["cpu"]
     from ..metrics import Metrics
 
     metrics = Metrics()  # one registry for the host: its /metrics shows every device's engine
-    engines = [make_engine(replace(settings, engine=replace(settings.engine, device=device)), metrics)
-               for device in devices]
+    engines = [
+        make_engine(replace(settings, engine=replace(settings.engine, device=device)), metrics) for device in devices
+    ]
     preload = tuple(dict.fromkeys([*(args.preload or []), *engines[0].fleet.preload_ids]))
     for model_id in preload:
         engines[0].catalog.get(model_id)  # fail fast on a typo
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    worker = Worker(engines, settings.cluster, devices=[f"{d}#{i}" for i, d in enumerate(devices)],
-                    metrics=metrics, preload=preload)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    worker = Worker(
+        engines, settings.cluster, devices=[f"{d}#{i}" for i, d in enumerate(devices)], metrics=metrics, preload=preload
+    )
     if args.drain_timeout_s is not None:
         worker.drain_timeout_s = args.drain_timeout_s
     if args.metrics_port is not None:
@@ -139,7 +123,8 @@ def wait_for_port(port: int, timeout_s: float, process: subprocess.Popen | None 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before listening on {port}")
+            name = process.args[0] if isinstance(process.args, list) else process.args
+            raise RuntimeError(f"{name!s} exited with {process.returncode} before listening on {port}")
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -150,47 +135,46 @@ def wait_for_port(port: int, timeout_s: float, process: subprocess.Popen | None 
 def start_nats(port: int, store_dir: Path, *, log_file=None) -> subprocess.Popen:
     """nats-server with JetStream on loopback, its store in `store_dir`."""
     # Its own session: a Ctrl-C in the terminal reaches dev-cluster, which stops the parts in order.
-    process = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)],
-                               stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)],
+        stdout=log_file or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_for_port(port, 20.0, process)
     return process
 
 
-def cmd_dev_cluster(args: argparse.Namespace) -> int:
+def cmd_dev_cluster(args: argparse.Namespace, settings: Settings) -> int:
     """nats-server, a gateway and N workers on this machine, until Ctrl-C. The children run in
     their own sessions, so the terminal's Ctrl-C reaches only this process, which then stops the
-    gateway, drains the workers (SIGTERM) and stops NATS, in that order."""
+    gateway, drains the workers (SIGTERM) and stops NATS, in that order. The children get the
+    settings through their SHOAL_* variables, the NATS URL as a flag."""
     nats_port = args.nats_port or free_port()
     store = Path(args.store_dir) if args.store_dir else Path(tempfile.mkdtemp(prefix="shoal-nats-"))
     url = f"nats://127.0.0.1:{nats_port}"
     shoal = [sys.executable, "-m", "shoal.cli"]
-    shared: list[str] = []
-    for d in args.models_dir or []:
-        shared += ["--models-dir", d]
-    for m in args.models or []:
-        shared += ["--models", m]
-    for a in args.alias or []:
-        shared += ["--alias", a]
     children: list[tuple[str, subprocess.Popen]] = []
-    env = dict(os.environ)
-    if args.threads_per_worker:
-        env["OMP_NUM_THREADS"] = str(args.threads_per_worker)
+    threads = {"OMP_NUM_THREADS": str(args.threads_per_worker)} if args.threads_per_worker else {}
+    env = child_environ(settings, **threads)
     try:
         children.append(("nats-server", start_nats(nats_port, store)))
         for i in range(args.workers):
-            cmd = [*shoal, "worker", "--nats-url", url, *shared]
+            cmd = [*shoal, "worker", "--nats-url", url]
             for m in args.preload or []:
                 cmd += ["--preload", m]
             if args.metrics_port:
                 cmd += ["--metrics-port", str(args.metrics_port + i)]
             children.append((f"worker {i}", subprocess.Popen(cmd, env=env, start_new_session=True)))
-        gateway = [*shoal, "gateway", "--nats-url", url, "--host", args.host, "--port", str(args.port), *shared]
-        if args.default_model:
-            gateway += ["--default-model", args.default_model]
+        gateway = [*shoal, "gateway", "--nats-url", url]
         children.append(("gateway", subprocess.Popen(gateway, env=env, start_new_session=True)))
-        wait_for_port(args.port, 60.0, children[-1][1])
-        print(f"shoal dev-cluster: http://{args.host}:{args.port} (gateway) · {url} (NATS, store {store}) · "
-              f"{args.workers} worker(s); Ctrl-C stops them all", flush=True)
+        host, port = settings.server.host, settings.server.port
+        wait_for_port(port, 60.0, children[-1][1])
+        print(
+            f"shoal dev-cluster: http://{host}:{port} (gateway) · {url} (NATS, store {store}) · "
+            f"{args.workers} worker(s); Ctrl-C stops them all",
+            flush=True,
+        )
         stop = {"now": False}
 
         def on_signal(signum, frame):
@@ -205,7 +189,7 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
                     stop["now"] = True
             time.sleep(0.2)
     finally:
-        for name, child in reversed(children):  # gateway, workers (they drain), then NATS
+        for _name, child in reversed(children):  # gateway, workers (they drain), then NATS
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
                 try:
@@ -218,52 +202,53 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub, common, cli) -> None:
-    """Add the three subcommands to shoal's parser (`common`: the catalog flags)."""
-    gateway = sub.add_parser("gateway", help="serve the HTTP API over a cluster's work queue (torch-free)")
-    common(gateway)
-    add_cluster_flags(gateway)
-    gateway.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    gateway.add_argument("--port", type=int, help="port (default 8080)")
-    gateway.add_argument("--auth-tokens-file", metavar="FILE", help="bearer tokens (YAML; see docs/operations.md)")
-    gateway.add_argument("--no-auth", action="store_true", help="serve a non-loopback address without tokens")
-    gateway.add_argument("--default-model", metavar="MODEL", help="the model of routes whose bodies name none")
-    gateway.add_argument("--request-timeout-s", type=float, help="deadline of a call that names none (default 300)")
-    gateway.add_argument("--pool-models", action="append", type=_pool_models, metavar="POOL=MODEL[,MODEL...]",
-                         help="make the queue's consumers of POOL for these models at start (repeatable), so a "
-                              "pool with no worker yet has them: what KEDA's nats-jetstream trigger reads")
+def register(sub, settings_flags, cli) -> None:
+    """Add the three subcommands to shoal's parser (`settings_flags(parser, command)`: the flags of
+    the settings that command takes)."""
+    gateway = sub.add_parser(
+        "gateway", allow_abbrev=False, help="serve the HTTP API over a cluster's work queue (torch-free)"
+    )
+    gateway.add_argument(
+        "--pool-models",
+        action="append",
+        type=_pool_models,
+        metavar="POOL=MODEL[,MODEL...]",
+        help="make the queue's consumers of POOL for these models at start (repeatable), so a "
+        "pool with no worker yet has them: what KEDA's nats-jetstream trigger reads",
+    )
     gateway.add_argument("--log-level", default="info")
+    settings_flags(gateway, "gateway")
     gateway.set_defaults(func=lambda args: cmd_gateway(args, cli._settings(args)))
 
-    worker = sub.add_parser("worker", help="run models for a cluster: pull calls from its work queue")
-    common(worker)
-    add_cluster_flags(worker)
-    worker.add_argument("--device", action="append",
-                        help="a device to serve (cpu, cuda:N); several (comma-separated or repeated) share a "
-                             "host-local queue (default cpu)")
-    worker.add_argument("--memory-budget-bytes", type=int, help="each device's memory budget (default: 80%% free)")
-    worker.add_argument("--pin", action="append", metavar="MODEL", help="never evict MODEL")
+    worker = sub.add_parser(
+        "worker", allow_abbrev=False, help="run models for a cluster: pull calls from its work queue"
+    )
     worker.add_argument("--preload", action="append", metavar="MODEL", help="load MODEL before pulling")
-    worker.add_argument("--metrics-port", type=int,
-                        help="serve /metrics (Prometheus), /healthz and /readyz (probes) on this port")
+    worker.add_argument(
+        "--metrics-port", type=int, help="serve /metrics (Prometheus), /healthz and /readyz (probes) on this port"
+    )
     worker.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
-    worker.add_argument("--drain-timeout-s", type=_seconds,
-                        help="on SIGTERM, how long running calls may finish (default 120; past it they are "
-                             "left to be redelivered): keep the pod's grace period above it")
+    worker.add_argument(
+        "--drain-timeout-s",
+        type=_seconds,
+        help="on SIGTERM, how long running calls may finish (default 120; past it they are "
+        "left to be redelivered): keep the pod's grace period above it",
+    )
     worker.add_argument("--log-level", default="info")
-    worker.set_defaults(func=lambda args: cmd_worker(args, cli._settings(args),
-                                                     lambda s, m: cli._engine(s, strict=False, metrics=m)))
+    settings_flags(worker, "worker")
+    worker.set_defaults(
+        func=lambda args: cmd_worker(args, cli._settings(args), lambda s, m: cli._engine(s, strict=False, metrics=m))
+    )
 
-    dev = sub.add_parser("dev-cluster", help="nats-server, a gateway and N workers on this machine (Ctrl-C stops)")
-    common(dev)
+    dev = sub.add_parser(
+        "dev-cluster", allow_abbrev=False, help="nats-server, a gateway and N workers on this machine (Ctrl-C stops)"
+    )
     dev.add_argument("--workers", type=int, default=2, help="workers to start (default 2)")
-    dev.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
-    dev.add_argument("--port", type=int, default=8080, help="the gateway's port (default 8080)")
     dev.add_argument("--nats-port", type=int, help="NATS port (default: a free one)")
     dev.add_argument("--store-dir", help="JetStream's store (default: a temporary directory, removed at exit)")
     dev.add_argument("--preload", action="append", metavar="MODEL", help="each worker loads MODEL before pulling")
-    dev.add_argument("--default-model", metavar="MODEL", help="the gateway's default model")
     dev.add_argument("--metrics-port", type=int, help="worker i serves /metrics on this port + i")
     dev.add_argument("--threads-per-worker", type=int, help="OMP_NUM_THREADS of each worker")
     dev.add_argument("--stop-timeout-s", type=float, default=30.0, help="how long each process has to stop")
-    dev.set_defaults(func=cmd_dev_cluster)
+    settings_flags(dev, "dev-cluster")  # --host, --port: the gateway's
+    dev.set_defaults(func=lambda args: cmd_dev_cluster(args, cli._settings(args)))
