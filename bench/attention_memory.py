@@ -42,10 +42,10 @@ def peak_extra_bytes(forward) -> int:
 
 
 def build_case(case: str):
-    """(model, input_ids, position_ids, meta, description) for one case, random weights, fp32."""
+    """(model, inputs, description) for one case, random weights, fp32."""
     import torch
 
-    from shoal.layers import AttentionMeta
+    from shoal.layers import AttentionMeta, PackedInputs
 
     torch.manual_seed(0)
     if case == "llama":
@@ -84,20 +84,23 @@ def build_case(case: str):
                 layers=cfg.num_hidden_layers,
                 # the [n, H, L, L] fp32 tensor a per-batch bias or mask would cost
                 nHLL_fp32_bytes=len(lengths) * heads * L * L * 4)
-    return model, input_ids, position_ids, meta, info
+    return model, PackedInputs(input_ids, position_ids, meta), info
 
 
 def run_case(case: str) -> dict:
     """Builds the case and measures one forward, in this process."""
     import torch
 
+    from shoal.layers import AttentionMeta, PackedInputs
+
     torch.set_num_threads(1)  # per-thread kernel workspace stays one thread's, run to run
-    model, input_ids, position_ids, meta, info = build_case(case)
+    model, inputs, info = build_case(case)
     with torch.inference_mode():
-        warm = type(meta).build(meta.cu_seqlens[:2].clone(), int(meta.cu_seqlens[1]))  # first sequence only
-        model(input_ids[: int(meta.cu_seqlens[1])], position_ids[: int(meta.cu_seqlens[1])], warm)
+        first = int(inputs.meta.cu_seqlens[1])
+        warm = AttentionMeta.build(inputs.meta.cu_seqlens[:2].clone(), first)  # first sequence only
+        model(PackedInputs(inputs.input_ids[:first], inputs.position_ids[:first], warm))
         started = time.perf_counter()
-        info["peak_extra_bytes"] = peak_extra_bytes(lambda: model(input_ids, position_ids, meta))
+        info["peak_extra_bytes"] = peak_extra_bytes(lambda: model(inputs))
         info["forward_s"] = round(time.perf_counter() - started, 2)
     import shoal
 

@@ -90,13 +90,14 @@ def cases():
 
 def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
     import torch
-    from parity import packed_batch
 
-    from shoal.layers import AttentionMeta
-    from shoal.layers.attention import _flash_varlen
+    from parity import packed_batch
+    from shoal.layers import AttentionMeta, PackedInputs
+    from shoal.layers.attention import flash_available
     from shoal.weights import build_model
 
-    path = "flash-attn varlen" if device.startswith("cuda") and _flash_varlen() is not None else "torch SDPA (length groups)"
+    flash = any(flash_available(torch.device(device), getattr(torch, d)) for d in dtypes)
+    path = "flash-attn varlen (where no score bias)" if flash else "torch SDPA (length groups)"
     print(f"parity on {device}: attention through {path}; per-token cosine to CPU float32, least allowed "
           + ", ".join(f"{d} {MIN_COSINE[d]}" for d in dtypes))
     rows, failures = [], 0
@@ -105,12 +106,13 @@ def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
             save(tmp)
             batch = packed_batch(lengths, vocab, first_id=first_id)
             with torch.inference_mode():
-                ref = build_model(Path(tmp), None, "cpu")(batch.input_ids, batch.position_ids, batch.meta).float()
+                ref = build_model(Path(tmp), None, "cpu")(batch.inputs()).float()
                 row = {"architecture": name, "tokens": int(batch.input_ids.numel())}
                 for dtype in dtypes:
                     model = build_model(Path(tmp), None, device, dtype)
                     meta = AttentionMeta.build(batch.meta.cu_seqlens.to(device), batch.meta.max_seqlen)
-                    out = model(batch.input_ids.to(device), batch.position_ids.to(device), meta).float().cpu()
+                    inputs = PackedInputs(batch.input_ids.to(device), batch.position_ids.to(device), meta)
+                    out = model(inputs).float().cpu()
                     cosine = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
                     row[dtype] = round(float(cosine.min()), 6)
                     row[f"{dtype}_max_abs"] = round(float((out - ref).abs().max()), 5)

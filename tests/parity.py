@@ -17,7 +17,7 @@ import torch
 from transformers.initialization import no_init_weights
 
 from shoal.heads import pool
-from shoal.layers import AttentionMeta
+from shoal.layers import AttentionMeta, PackedInputs
 
 # The reference's side of each pooling method, over one sequence's `[n, hidden]` states.
 REFERENCE_POOLING = {
@@ -48,6 +48,11 @@ class PackedBatch:
     def token_type_ids(self) -> torch.Tensor:
         """[T] segment ids, packed like `input_ids`."""
         return torch.cat(_drawn_types(self))
+
+    def inputs(self, *, with_token_types: bool = False) -> PackedInputs:
+        """What a model's forward takes: the packed ids, positions and meta (and segment ids)."""
+        token_type_ids = self.token_type_ids if with_token_types else None
+        return PackedInputs(self.input_ids, self.position_ids, self.meta, token_type_ids)
 
 
 def _drawn_types(batch: PackedBatch) -> list[torch.Tensor]:
@@ -87,9 +92,8 @@ def packed_batch(
 
 def packed_hidden_states(model: torch.nn.Module, batch: PackedBatch, *, with_token_types: bool = False) -> torch.Tensor:
     """shoal's model on the packed batch, under inference mode: `[T, hidden]`."""
-    extra = {"token_type_ids": batch.token_type_ids} if with_token_types else {}
     with torch.inference_mode():
-        return model(batch.input_ids, batch.position_ids, batch.meta, **extra)
+        return model(batch.inputs(with_token_types=with_token_types))
 
 
 def reference_hidden_states(
@@ -136,11 +140,11 @@ def assert_packing_invariant(
     """Each sequence run alone gives what it gives inside the batch, to `atol`: per token, or per
     pooled vector when `pooling` names a method."""
     with torch.inference_mode():
-        packed = model(batch.input_ids, batch.position_ids, batch.meta)  # [T, hidden]
+        packed = model(batch.inputs())  # [T, hidden]
         in_batch = pool(packed, batch.meta, pooling) if pooling else torch.split(packed, batch.lengths)
         for i, s in enumerate(batch.seqs):
             alone_meta = attention_meta([len(s)])
-            alone = model(s, torch.arange(len(s)), alone_meta)  # [n_i, hidden]
+            alone = model(PackedInputs(s, torch.arange(len(s)), alone_meta))  # [n_i, hidden]
             if pooling:
                 alone = pool(alone, alone_meta, pooling)[0]  # [hidden]
             diff = (alone - in_batch[i]).abs().max().item()

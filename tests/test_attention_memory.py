@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.layers import AttentionMeta
-from shoal.layers import attention
+from shoal.layers import AttentionMeta, PackedInputs, attention
 
 MIXED = [3, 9, 40, 17, 64, 1, 120, 100]  # three length groups, each padded: 1-17, 40-64, 100-120
 
@@ -31,7 +30,7 @@ def run(model: torch.nn.Module, lengths: list[int], meta: AttentionMeta | None =
     ids = torch.randint(3, 100, (sum(lengths),))
     positions = torch.cat([torch.arange(n) for n in lengths])
     with torch.inference_mode():
-        return model.eval()(ids, positions, meta)
+        return model.eval()(PackedInputs(ids, positions, meta))
 
 
 def tiny_modernbert(num_layers: int) -> torch.nn.Module:

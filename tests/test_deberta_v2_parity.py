@@ -82,6 +82,26 @@ def test_a_sequence_alone_and_inside_a_mixed_batch_gives_the_same_output(tmp_pat
     assert_packing_invariant(model, packed_batch(LENGTHS, VOCAB), atol=1e-5)
 
 
+def test_disentangled_attention_runs_through_the_attention_seam(tmp_path, monkeypatch):
+    """Every layer's attention is one `varlen_attention` call with the c2p/p2c terms as its score
+    bias: the seam, not the model file, picks the kernel."""
+    from shoal.layers import attention
+    from shoal.models.deberta_v2 import DisentangledBias
+
+    calls = []
+    real = attention.varlen_attention
+
+    def recording(q, k, v, meta, **kw):
+        calls.append(type(kw.get("bias")))
+        return real(q, k, v, meta, **kw)
+
+    save_random_deberta(tmp_path, **CONFIGS["v3-2l-4h-buckets32"])
+    model = build_model(tmp_path, None, "cpu")
+    monkeypatch.setattr("shoal.models.deberta_v2.varlen_attention", recording)
+    packed_hidden_states(model, packed_batch(LENGTHS, VOCAB))
+    assert calls == [DisentangledBias] * 2
+
+
 def test_a_checkpoint_missing_the_relative_embeddings_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -115,6 +117,38 @@ def test_a_position_bias_with_causal_or_windowed_attention_is_refused():
     for masking in (dict(causal=True), dict(window=(1, 1))):
         with pytest.raises(ValueError, match="not both"):
             varlen_attention(q, q, q, meta, bias=torch.zeros(2, 4, 4), **masking)
+
+
+@dataclass(frozen=True)
+class ContentBias:
+    """A per-sequence score bias that reads q and k, as DeBERTa's c2p/p2c terms do:
+    bias[i, j] = weight * sum(q_i) * sum(k_j), per head."""
+
+    weight: float
+    shared: ClassVar[bool] = False
+    grouping: ClassVar[tuple[float, int]] = (1.25, 4)  # tighter groups than the default
+
+    def for_group(self, g, q, k):  # q, k [ng, H, Lg, D] -> [ng, H, Lg, Lg], fresh
+        return self.weight * q.sum(-1)[..., :, None] * k.sum(-1)[..., None, :]
+
+
+def test_a_per_sequence_score_bias_reading_q_and_k_equals_per_sequence_attention():
+    """The seam hands a `ScoreBias` each group's padded q and k, adds its terms, and keeps every
+    padding key unseen though the bias gives it a finite score."""
+    torch.manual_seed(0)
+    H, T, D, L = 4, sum(LENGTHS), 16, max(LENGTHS)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, H, D), torch.randn(T, H, D)
+    cu = torch.tensor([0] + LENGTHS).cumsum(0).to(torch.int32)
+    meta = AttentionMeta.build(cu, L)
+    bias = ContentBias(0.05)
+    assert attention_path(q, k, meta, bias=bias) == "padded"
+    assert len(meta.groups_within(*bias.grouping)) > len(meta.groups)  # its own, tighter grouping
+    out = varlen_attention(q, k, v, meta, bias=bias)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks = q[start:end], k[start:end]
+        expected_bias = 0.05 * qs.sum(-1).T[:, :, None] * ks.sum(-1).T[:, None, :]  # [H, n, n]
+        expected = naive_attention(qs, ks, v[start:end], False, None, expected_bias)
+        assert (out[start:end] - expected).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["full-rotary", "partial-rotary"])

@@ -11,6 +11,7 @@ import transformers
 from parity import (assert_packing_invariant, attention_meta, max_abs_diff, min_pooled_cosine, packed_batch,
                     packed_hidden_states, randomize_norms, reference_hidden_states)
 from shoal.errors import ModelLoadError
+from shoal.layers import PackedInputs
 from shoal.weights import build_model
 
 VOCAB = 512
@@ -82,8 +83,8 @@ def test_causal_attention_makes_a_prefix_independent_of_what_follows(tmp_path):
     model = build_model(tmp_path, None, "cpu")
     batch = packed_batch([40], VOCAB, first_id=0)
     with torch.inference_mode():
-        full = model(batch.input_ids, batch.position_ids, batch.meta)
-        prefix = model(batch.input_ids[:25], batch.position_ids[:25], attention_meta([25]))
+        full = model(batch.inputs())
+        prefix = model(PackedInputs(batch.input_ids[:25], batch.position_ids[:25], attention_meta([25])))
     assert (full[:25] - prefix).abs().max().item() <= 1e-5
     assert (full[25:] - full[24]).abs().max().item() > 1e-2  # later tokens do differ
 

@@ -1,8 +1,12 @@
 """Variable-length attention over packed sequences: the one seam where kernels are chosen.
 
 Inputs are packed: q `[T, H, D]`, k and v `[T, Hkv, D]` (Hkv divides H: grouped-query attention),
-sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Three kernels (`attention_path`
-says which a call takes):
+sequence boundaries in `cu_seqlens` `[n+1]` (int32, cumulative). Every architecture's attention is a
+call of `varlen_attention`; what differs between them is data: `causal`, a `window`, a `scale`,
+and a `ScoreBias`, an additive score term beside q.k (MPNet's relative-position table as a
+`PositionBias`; DeBERTa's disentangled c2p/p2c terms, which read q and k, as its own). Model files
+never pick a kernel or test a device. Three kernels (`attention_path`, the one place that chooses,
+by device, dtype, flash-attn's presence and the call's masking, says which a call takes):
 
 - flash-attn's `flash_attn_varlen_func` on CUDA in fp16/bf16 when the package is installed: it
   reads the packed layout directly, no padding and no mask anywhere.
@@ -31,11 +35,13 @@ padded path, where it is one more key mask (for causal attention, which otherwis
 Masks on the padded path are built once per forward and length group (cached on the group), never
 per layer, and no `[L, L]` mask is ever copied per sequence: causal attention passes `is_causal`
 (right padding keeps every real query off the pad keys, so no mask at all); full attention gets
-an `[ng, 1, 1, Lg]` key mask; a window is one `[1, 1, Lg, Lg]` band shared by the group; a position
-bias is the caller's `[H, L, L]`, read as a view. Where a shared band or bias meets padding, pad
-keys are dropped by one extra key channel instead (`_sdpa_group`). Masks are additive, in the
-query's dtype: that is what the kernels consume; a bool mask would be converted to one (and its
-negation made) on every call, which costs more than the float mask it saves.
+an `[ng, 1, 1, Lg]` key mask; a window is one `[1, 1, Lg, Lg]` band shared by the group; a shared
+score bias is `[1, H, Lg, Lg]` (a position bias: a view of the caller's `[H, L, L]`), a per-sequence
+one `[ng, H, Lg, Lg]`, built by the bias for each group from its padded q and k. Where a shared band
+or bias meets padding, pad keys are dropped by one extra key channel instead (`_sdpa_group`); a
+per-sequence bias gets -inf written at its pad keys. Masks are additive, in the query's dtype: that
+is what the kernels consume; a bool mask would be converted to one (and its negation made) on every
+call, which costs more than the float mask it saves.
 """
 
 from __future__ import annotations
@@ -44,11 +50,17 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import ClassVar, Protocol
 
 import numpy as np
 
 import torch
 import torch.nn.functional as F
+
+
+# Length groups by default: cut where a length more than doubles the group's shortest and grows by
+# more than 32 tokens (`AttentionMeta.groups_within`).
+GROUP_RATIO, GROUP_SLACK = 2.0, 32
 
 
 @dataclass(frozen=True)
@@ -168,12 +180,13 @@ class AttentionMeta:
         """Sequences sorted by length and cut where the length more than doubles (and grows by
         more than 32 tokens): each group pads to at most about twice its shortest member. A single
         group keeps the packed order, so attention over it needs no gather."""
-        return self.groups_within(2.0, 32)
+        return self.groups_within(GROUP_RATIO, GROUP_SLACK)
 
     def groups_within(self, ratio: float, slack: int) -> tuple[LengthGroup, ...]:
         """Length groups cut where the length grows past `ratio` times the group's shortest (and
-        by more than `slack` tokens); built once per (ratio, slack). Attention whose padded work
-        costs more than its kernel calls (DeBERTa's three score terms) asks for tighter groups."""
+        by more than `slack` tokens); built once per (ratio, slack). A score bias whose padded work
+        costs more than its kernel calls (DeBERTa's three score terms) asks for tighter groups
+        (`ScoreBias.grouping`)."""
         key = (ratio, slack)
         cache = self.__dict__.setdefault("_groups_within", {})
         if key not in cache:
@@ -258,6 +271,45 @@ def _gather_rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).index_select(0, slots)
 
 
+class ScoreBias(Protocol):
+    """An additive term in the attention scores: softmax(scale * q.k + bias) within each sequence.
+
+    The padded path asks it for each length group's bias; no other kernel takes one, so a call with
+    a bias runs padded.
+    """
+
+    @property
+    def shared(self) -> bool:
+        """True: one bias serves every sequence of a group, `[1, H, Lg, Lg]`, and may be a view the
+        seam never writes to. False: `[ng, H, Lg, Lg]`, one per sequence, fresh: the seam writes
+        -inf at its padding keys in place."""
+        ...
+
+    @property
+    def grouping(self) -> tuple[float, int]:
+        """(ratio, slack) of the length groups it is computed over (`AttentionMeta.groups_within`)."""
+        ...
+
+    def for_group(self, g: LengthGroup, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The bias for group `g`, in q's dtype, from its padded q `[ng, H, Lg, D]` and k
+        `[ng, Hkv, Lg, D]` (zeros at padding)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PositionBias:
+    """A `ScoreBias` of positions only, the same for every sequence (MPNet's relative-position
+    buckets): `table` `[H, L, L]` over positions 0..L-1 (L >= the batch's longest), built once per
+    forward; each length group reads its top-left `[H, Lg, Lg]` corner, a view."""
+
+    table: torch.Tensor  # [H, L, L]
+    shared: ClassVar[bool] = True
+    grouping: ClassVar[tuple[float, int]] = (GROUP_RATIO, GROUP_SLACK)
+
+    def for_group(self, g: LengthGroup, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self.table[None, :, : g.max_seqlen, : g.max_seqlen]  # [1, H, Lg, Lg]
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -267,21 +319,22 @@ def varlen_attention(
     causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None,
+    bias: ScoreBias | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each packed sequence. Returns `[T, H, D]`.
 
     `causal`: a token sees only earlier tokens of its sequence. `window` = (left, right): a token at
     position i sees positions i-left..i+right only (local attention, as ModernBERT's local layers).
-    `bias`: an additive score bias `[H, L, L]` over positions 0..L-1 (L >= meta.max_seqlen), the
-    same for every sequence (relative-position biases, as MPNet's), in q's dtype; build it once per
-    forward. Each length group reads its top-left `[H, Lg, Lg]` corner. It forces the padded path
-    and excludes `causal` and `window`.
+    `scale`: multiplies q.k (default D ** -0.5). `bias`: an additive score term (`ScoreBias`); a
+    tensor `[H, L, L]` is read as a `PositionBias`. A bias forces the padded path and excludes
+    `causal` and `window`.
 
     Keys past `meta.key_lengths` are attended by no query (any of the masks above still applies).
     """
     if bias is not None and (causal or window is not None):
         raise ValueError("varlen_attention takes a position bias or causal/window masking, not both")
+    if isinstance(bias, torch.Tensor):
+        bias = PositionBias(bias)
     # Batches with short key lengths (ColBERT queries: a few, of ~32 tokens) take the padded path:
     # flash-attn could read them only through a second, gathered k/v layout with its own
     # cu_seqlens_k, and only without causal or window masking, which it aligns differently when
@@ -292,7 +345,7 @@ def varlen_attention(
     if path == "each":
         return _attend_each(q, k, v, meta, scale)
     attend = functools.partial(_sdpa_group, causal=causal, scale=scale, window=window, bias=bias)
-    return meta.per_group(attend, q, k, v)
+    return meta.per_group(attend, q, k, v, groups=None if bias is None else meta.groups_within(*bias.grouping))
 
 
 # The longest sequence the "each" path takes (see the module).
@@ -300,14 +353,13 @@ EACH_MAX_SEQLEN = 512
 
 
 def attention_path(q: torch.Tensor, k: torch.Tensor, meta: AttentionMeta, *, causal: bool = False,
-                   window: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> str:
+                   window: tuple[int, int] | None = None, bias: ScoreBias | torch.Tensor | None = None) -> str:
     """Which kernel `varlen_attention` runs for these arguments: "flash", "each" or "padded"."""
-    if (bias is None and meta.key_lengths is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and _flash_varlen() is not None):
+    if bias is None and meta.key_lengths is None and flash_available(q.device, q.dtype):
         return "flash"
-    if (meta.each and q.device.type == "cpu" and q.dtype == torch.float32 and not causal and window is None and bias is None
-            and meta.key_lengths is None and k.shape[1] == q.shape[1] and meta.max_seqlen <= EACH_MAX_SEQLEN
-            and not meta.uniform):
+    if (meta.each and q.device.type == "cpu" and q.dtype == torch.float32 and not causal and window is None
+            and bias is None and meta.key_lengths is None and k.shape[1] == q.shape[1]
+            and meta.max_seqlen <= EACH_MAX_SEQLEN and not meta.uniform):
         return "each"
     return "padded"
 
@@ -323,6 +375,13 @@ def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attent
         weights = torch.matmul(qs, ks.transpose(1, 2)).mul_(scale).softmax(-1)  # [H, L, L]
         out[start:stop] = torch.matmul(weights, vs).transpose(0, 1)
     return out
+
+
+def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether attention on `device` in `dtype` runs flash-attn's varlen kernel (when the call has no
+    score bias and no key cut): CUDA, float16 or bfloat16, and `flash_attn` installed. That kernel
+    keeps no `[n, H, L, L]` score matrix, which the runner's workspace estimate reads from here."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None
 
 
 @functools.cache
@@ -343,21 +402,25 @@ def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, wind
     )
 
 
-def _sdpa_group(g: LengthGroup, q, k, v, *, causal: bool, scale: float | None, window, bias) -> torch.Tensor:
+def _sdpa_group(g: LengthGroup, q, k, v, *, causal: bool, scale: float | None, window,
+                bias: ScoreBias | None) -> torch.Tensor:
     """Attention over one length group's padded view: q `[Tg, H, D]`, k/v `[Tg, Hkv, D]` -> `[Tg, H, D]`."""
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
-    if bias is not None:
-        mask = bias[None, :, : g.max_seqlen, : g.max_seqlen]  # [1, H, Lg, Lg], a view
-    else:
-        mask = g.attention_mask(causal, window, q.dtype)  # None, [1, 1, Lg, Lg] or [ng, 1, 1, Lg]
     # A mask shared by the group's sequences cannot hide each one's padding keys. One extra channel
     # does: 1 in every query, a huge negative in pad keys (0 in real ones), so a pad key's score
     # underflows to a zero weight and a real key's score is unchanged. Finite (a quarter of the
     # dtype's largest), so a pad query whose window holds only pad keys still gets no NaN.
     # Causal attention needs none of this, unless keys stop before a sequence's end.
-    drop_pad_keys = (bias is not None or window is not None) and g.key_mask is not None and (not causal or g.cuts_keys)
+    shared = window is not None or (bias is not None and bias.shared)
+    drop_pad_keys = shared and g.key_mask is not None and (not causal or g.cuts_keys)
     width = (D // 8 + 1) * 8 if drop_pad_keys else D  # kernels like head dims in multiples of 8
     qp, kp, vp = (g.pad(x, width).transpose(1, 2) for x in (q, k, v))  # [ng, h, Lg, width]
+    if bias is None:
+        mask = g.attention_mask(causal, window, q.dtype)  # None, [1, 1, Lg, Lg] or [ng, 1, 1, Lg]
+    else:
+        mask = bias.for_group(g, qp[..., :D], kp[..., :D])  # [1, H, Lg, Lg] or [ng, H, Lg, Lg]
+        if not bias.shared and g.key_mask is not None:  # a fresh per-sequence bias: pad keys -inf
+            mask = mask.masked_fill_(~g.key_mask[:, None, None, :], float("-inf"))
     if drop_pad_keys:
         qp[..., D] = 1.0
         kp[..., D].masked_fill_(~g.key_mask[:, None, :], -torch.finfo(q.dtype).max / 4)

@@ -2,7 +2,8 @@
 
 Importing this package does not import torch: entries name their module, loaded on first use.
 Each model class offers `config_class.from_dict(config)`, a `weight_map` (checkpoint name
-pattern -> parameter name, shard) and `forward(input_ids, position_ids, meta, ...) -> [T, hidden]`.
+pattern -> parameter name, shard) and `forward(inputs: layers.PackedInputs) -> [T, hidden]`, its
+attention through the one seam, `layers.varlen_attention`.
 """
 
 from __future__ import annotations

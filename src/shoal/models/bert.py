@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, activation, in_row_blocks, varlen_attention
+from ..layers import AttentionMeta, FusedLinear, PackedInputs, activation, in_row_blocks, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -115,20 +115,15 @@ class BertModel(nn.Module):
         """The longest sequence the position table covers (the runner caps max_length by it)."""
         return self.config.max_position_embeddings
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
-        meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # [T]; segment A/B for sentence pairs
-    ) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+    def forward(self, inputs: PackedInputs) -> torch.Tensor:
+        # position_ids index the position table; token_type_ids: segment A/B for sentence pairs.
+        x = self.word_embeddings(inputs.input_ids) + self.position_embeddings(inputs.position_ids)  # [T, hidden]
         if self.token_type_embeddings is not None:
-            if token_type_ids is None:
+            if inputs.token_type_ids is None:
                 x = x + self.token_type_embeddings.weight[0]
             else:
-                x = x + self.token_type_embeddings(token_type_ids)
+                x = x + self.token_type_embeddings(inputs.token_type_ids)
         x = self.embed_norm(x)
         for layer in self.layers:
-            x = layer(x, meta)
+            x = layer(x, inputs.meta)
         return x  # [T, hidden]

@@ -7,23 +7,22 @@ log-bucketed beyond `position_buckets // 2` (DeBERTa-v3). DeBERTa-v3 adds no abs
 (`position_biased_input: false`).
 
 Every tensor outside attention is packed `[T, hidden]`. The relative-position terms depend on q, k
-and the position embeddings jointly, so attention builds its scores on padded `[ng, H, Lg, Lg]`
-views that exist only inside `disentangled_attention`, one length group at a time. The distance
-indices are built once per forward for positions 0..L-1; each group reads their `[Lg, Lg]` corner.
+and the position embeddings jointly: `DisentangledBias` computes them as a per-sequence score bias
+`[ng, H, Lg, Lg]` for each length group the attention seam (layers/attention.py) hands it, from the
+group's padded q and k; the seam adds the content scores and runs the kernel. The distance indices
+are built once per forward for positions 0..L-1; each group reads their `[Lg, Lg]` corner.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, activation, in_row_blocks, varlen_attention
+from ..layers import AttentionMeta, FusedLinear, PackedInputs, activation, in_row_blocks, varlen_attention
 from ..layers.attention import LengthGroup
 
 
@@ -133,47 +132,40 @@ class RelativeIndex:
         return self._windows[L]
 
 
-def disentangled_attention(
-    q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, H, D]
-    v: torch.Tensor,  # [T, H, D]
-    pos_key: torch.Tensor | None,  # [2S, H, D], keys of the relative-distance embeddings (c2p)
-    pos_query: torch.Tensor | None,  # [2S, H, D], queries of the relative-distance embeddings (p2c)
-    index: RelativeIndex,  # L >= meta.max_seqlen
-    meta: AttentionMeta,
-    scale: float,
-) -> torch.Tensor:
-    """softmax(q_i.k_j + q_i.pos_key[d(i-j)] + k_j.pos_query[-d(j-i)]) v within each sequence.
+@dataclass(frozen=True)
+class DisentangledBias:
+    """The relative-position terms of disentangled attention, a `ScoreBias` (layers/attention.py):
+    softmax(q_i.k_j + q_i.pos_key[d(i-j)] + k_j.pos_query[-d(j-i)]) v within each sequence.
 
     d() is the (bucketed) distance; row r of the position tables holds distance r - S, and
-    distances outside -S..S-1 are clamped. The scale is applied to all three terms. Returns `[T, H, D]`.
+    distances outside -S..S-1 are clamped. The scale is applied to all three terms. At least one of
+    `pos_key`, `pos_query` is given.
     """
-    attend = functools.partial(_disentangled_group, pos_key=pos_key, pos_query=pos_query, index=index, scale=scale)
+
+    pos_key: torch.Tensor | None  # [2S, H, D], keys of the relative-distance embeddings (c2p)
+    pos_query: torch.Tensor | None  # [2S, H, D], queries of the relative-distance embeddings (p2c)
+    index: RelativeIndex  # L >= the batch's longest sequence
+    scale: float
+    shared: ClassVar[bool] = False  # one bias per sequence: it reads each one's q and k
     # Three [L, L] score terms, a gather each: padding costs more here than more groups do.
-    return meta.per_group(attend, q, k, v, groups=meta.groups_within(GROUP_RATIO, GROUP_SLACK))
+    grouping: ClassVar[tuple[float, int]] = (GROUP_RATIO, GROUP_SLACK)
 
-
-def _disentangled_group(g: LengthGroup, q, k, v, *, pos_key, pos_query, index: RelativeIndex, scale: float):
-    """One length group: q, k, v `[Tg, H, D]` -> `[Tg, H, D]`. The two position terms are summed
-    into one additive bias `[ng, H, Lg, Lg]` (padded keys at -inf) for a fused attention kernel,
-    which adds the content scores and softmaxes without materialising them."""
-    n, H, L = g.num_seqs, q.shape[1], g.max_seqlen
-    qp, kp, vp = (g.pad(x).transpose(1, 2) for x in (q, k, v))  # [ng, H, Lg, D]
-    lo, hi, c2p_index, p2c_index = index.window(L)  # the R = hi - lo distance rows these lengths read
-    bias = None
-    if pos_key is not None:  # content -> position: query i against the embedding of distance i - j
-        c2p = (qp * scale) @ pos_key[lo:hi].permute(1, 2, 0)  # [ng, H, Lg, R]
-        bias = c2p.gather(-1, c2p_index.expand(n, H, L, L))
-    if pos_query is not None:  # position -> content: key j against the embedding of distance j - i, negated
-        p2c = (kp * scale) @ pos_query[lo:hi].permute(1, 2, 0)  # [ng, H, Lg(j), R]
-        term = p2c.gather(-1, p2c_index.expand(n, H, L, L)).transpose(-1, -2)
-        bias = term if bias is None else bias.add_(term)
-    if g.key_mask is not None:
-        keys = g.key_mask[:, None, None, :]
-        bias = torch.zeros(n, 1, 1, L, dtype=q.dtype, device=q.device).masked_fill(~keys, float("-inf")) \
-            if bias is None else bias.masked_fill_(~keys, float("-inf"))
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=bias, scale=scale)  # [ng, H, Lg, D]
-    return g.unpad(out.transpose(1, 2))  # [Tg, H, D]
+    def for_group(self, g: LengthGroup, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The two position terms of one length group, summed: q, k `[ng, H, Lg, D]` (padded) ->
+        `[ng, H, Lg, Lg]`, fresh (the seam sets its padding keys to -inf)."""
+        n, H, L = g.num_seqs, q.shape[1], g.max_seqlen
+        lo, hi, c2p_index, p2c_index = self.index.window(L)  # the R = hi - lo distance rows these lengths read
+        bias = None
+        if self.pos_key is not None:  # content -> position: query i against the embedding of distance i - j
+            c2p = (q * self.scale) @ self.pos_key[lo:hi].permute(1, 2, 0)  # [ng, H, Lg, R]
+            bias = c2p.gather(-1, c2p_index.expand(n, H, L, L))
+        if self.pos_query is not None:  # position -> content: key j against the embedding of distance j - i, negated
+            p2c = (k * self.scale) @ self.pos_query[lo:hi].permute(1, 2, 0)  # [ng, H, Lg(j), R]
+            term = p2c.gather(-1, p2c_index.expand(n, H, L, L)).transpose(-1, -2)
+            bias = term if bias is None else bias.add_(term)
+        if bias is None:
+            raise ValueError("DisentangledBias needs pos_key, pos_query or both")
+        return bias
 
 
 class DebertaV2Layer(nn.Module):
@@ -218,11 +210,10 @@ class DebertaV2Layer(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = (t.view(T, self.num_heads, self.head_dim) for t in self.qkv.split(x))  # [T, H, D] each
-        if self.relative:
-            pos_key, pos_query = self.position_projections(rel_emb)
-            a = disentangled_attention(q, k, v, pos_key, pos_query, index, meta, self.scale)
-        else:
-            a = varlen_attention(q, k, v, meta, scale=self.scale)
+        bias = None
+        if index is not None and rel_emb is not None and (self.c2p or self.p2c):  # relative attention
+            bias = DisentangledBias(*self.position_projections(rel_emb), index, self.scale)
+        a = varlen_attention(q, k, v, meta, scale=self.scale, bias=bias)  # [T, H, D]
         x = self.attn_norm(x + self.attn_out(a.reshape(T, -1)))  # [T, hidden]
         return in_row_blocks(self.feed_forward, x, self.ffn_in.out_features, meta.row_block_bytes)
 
@@ -297,21 +288,15 @@ class DebertaV2Model(nn.Module):
             self.conv_act = torch.tanh if cfg.conv_act == "tanh" else activation(cfg.conv_act)
         self.layers = nn.ModuleList(DebertaV2Layer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
-        meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # [T]
-    ) -> torch.Tensor:
-        cfg = self.config
-        x = self.word_embeddings(input_ids)  # [T, embedding_size]
+    def forward(self, inputs: PackedInputs) -> torch.Tensor:
+        cfg, meta = self.config, inputs.meta
+        x = self.word_embeddings(inputs.input_ids)  # [T, embedding_size]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(position_ids)
-        if self.token_type_embeddings is not None and token_type_ids is None:
+            x = x + self.position_embeddings(inputs.position_ids)
+        if self.token_type_embeddings is not None and inputs.token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]
         elif self.token_type_embeddings is not None:
-            x = x + self.token_type_embeddings(token_type_ids)
+            x = x + self.token_type_embeddings(inputs.token_type_ids)
         if self.embed_proj is not None:
             x = self.embed_proj(x)  # [T, hidden]
         # The reference then multiplies by the padding mask: a no-op here, every packed token is real.
@@ -319,7 +304,7 @@ class DebertaV2Model(nn.Module):
 
         index = rel_emb = None
         if cfg.relative_attention:  # shared by all layers: table rows per position pair, and the tables
-            index = RelativeIndex.build(meta.max_seqlen, cfg, input_ids.device)
+            index = RelativeIndex.build(meta.max_seqlen, cfg, x.device)
             rel_emb = self.rel_embeddings.weight  # [2S, hidden]
             if self.rel_norm is not None:
                 rel_emb = self.rel_norm(rel_emb)

@@ -21,7 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, RMSNorm, Rotary, activation, apply_rotary, in_row_blocks, varlen_attention
+from ..layers import (
+    AttentionMeta,
+    FusedLinear,
+    PackedInputs,
+    RMSNorm,
+    Rotary,
+    activation,
+    apply_rotary,
+    in_row_blocks,
+    varlen_attention,
+)
 
 _ROPE_TYPES = ("default", "llama3")
 
@@ -174,15 +184,10 @@ class LlamaModel(nn.Module):
         self.rotary = (Llama3Rotary(cfg.head_dim, cfg.rope_theta, *cfg.rope_llama3) if cfg.rope_llama3
                        else Rotary(cfg.head_dim, cfg.rope_theta))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
-        meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # unused: decoders have no segments
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(position_ids, x.dtype)  # [T, 1, D] each
+    def forward(self, inputs: PackedInputs) -> torch.Tensor:
+        # Decoders have no segments: token_type_ids are ignored.
+        x = self.embed_tokens(inputs.input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(inputs.position_ids, x.dtype)  # [T, 1, D] each
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, cos, sin, inputs.meta)
         return self.norm(x)  # [T, hidden]

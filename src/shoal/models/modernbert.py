@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, Rotary, activation, apply_rotary, in_row_blocks, varlen_attention
+from ..layers import AttentionMeta, PackedInputs, Rotary, activation, apply_rotary, in_row_blocks, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -140,17 +140,12 @@ class ModernBertModel(nn.Module):
         self.global_rotary = Rotary(head_dim, cfg.global_rope_theta)
         self.local_rotary = Rotary(head_dim, cfg.local_rope_theta)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
-        meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # ModernBERT has no segment embeddings: ignored
-    ) -> torch.Tensor:
-        x = self.embed_norm(self.word_embeddings(input_ids))  # [T, hidden]
+    def forward(self, inputs: PackedInputs) -> torch.Tensor:
+        # ModernBERT has no segment embeddings: token_type_ids are ignored.
+        x = self.embed_norm(self.word_embeddings(inputs.input_ids))  # [T, hidden]
         # Two rotary tables per forward, one per layer kind, shared by all layers of that kind.
-        tables = {True: self.global_rotary.cos_sin(position_ids, x.dtype),  # [T, 1, D] each
-                  False: self.local_rotary.cos_sin(position_ids, x.dtype)}
+        tables = {True: self.global_rotary.cos_sin(inputs.position_ids, x.dtype),  # [T, 1, D] each
+                  False: self.local_rotary.cos_sin(inputs.position_ids, x.dtype)}
         for layer in self.layers:
-            x = layer(x, *tables[layer.is_global], meta)
+            x = layer(x, *tables[layer.is_global], inputs.meta)
         return self.final_norm(x)  # [T, hidden]

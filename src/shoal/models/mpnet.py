@@ -5,7 +5,8 @@ BERT's post-LayerNorm layer plus a relative-position bias: the distance j - i be
 position i and a key at position j falls into one of 32 log-spaced buckets, and one learned table
 `[buckets, heads]` (shared by all layers) turns buckets into an additive score bias. The bias is
 computed once per forward for positions 0..L-1, in the model's dtype, and handed to attention as
-`[H, L, L]`: every length group reads its corner of it, no copy per sequence or per layer.
+`[H, L, L]` (a `PositionBias`): every length group reads its corner of it, no copy per sequence or
+per layer.
 Absolute positions are learned too, numbered from the padding index as in RoBERTa.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, in_row_blocks, varlen_attention
+from ..layers import AttentionMeta, PackedInputs, PositionBias, in_row_blocks, varlen_attention
 from .bert import BertConfig, BertLayer
 
 # transformers' MPNet hard-codes these (not read from config.json): the padding index that
@@ -38,7 +39,7 @@ class MPNetLayer(BertLayer):
     """BERT's layer (q/k/v, output, two post-LayerNorms, GELU FFN) with a score bias in attention."""
 
     def forward(  # type: ignore[override]  # BERT's forward plus the bias
-        self, x: torch.Tensor, meta: AttentionMeta, bias: torch.Tensor
+        self, x: torch.Tensor, meta: AttentionMeta, bias: PositionBias
     ) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = (t.view(T, self.num_heads, self.head_dim) for t in self.qkv.split(x))  # [T, H, D] each
@@ -108,16 +109,12 @@ class MPNetModel(nn.Module):
     def max_positions(self) -> int:  # positions start after the padding index
         return self.config.max_position_embeddings - PADDING_IDX - 1
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
-        meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # MPNet has no segments; accepted and ignored
-    ) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids + (PADDING_IDX + 1))  # [T, hidden]
-        x = self.embed_norm(x)
-        bias = self.position_bias(meta.max_seqlen).to(x.dtype)  # [H, L, L], shared by all layers
+    def forward(self, inputs: PackedInputs) -> torch.Tensor:
+        # MPNet has no segments: token_type_ids are ignored.
+        positions = inputs.position_ids + (PADDING_IDX + 1)  # [T]
+        x = self.embed_norm(self.word_embeddings(inputs.input_ids) + self.position_embeddings(positions))  # [T, hidden]
+        meta = inputs.meta
+        bias = PositionBias(self.position_bias(meta.max_seqlen).to(x.dtype))  # [H, L, L], shared by all layers
         for layer in self.layers:
             x = layer(x, meta, bias)
         return x  # [T, hidden]

@@ -20,7 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import AttentionMeta, FusedLinear, Rotary, activation, apply_rotary, in_row_blocks, varlen_attention
+from ..layers import (
+    AttentionMeta,
+    FusedLinear,
+    PackedInputs,
+    Rotary,
+    activation,
+    apply_rotary,
+    in_row_blocks,
+    varlen_attention,
+)
 
 # nomic-layout keys shoal implements one value of: key -> (that value, the default nomic's config
 # class gives when config.json leaves the key out). Other values are refused.
@@ -149,20 +158,14 @@ class NomicBertModel(nn.Module):
         self.layers = nn.ModuleList(NomicBertLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
-        meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # [T]; segment A/B for sentence pairs
-    ) -> torch.Tensor:
-        x = self.word_embeddings(input_ids)  # [T, hidden]
-        if token_type_ids is None:
+    def forward(self, inputs: PackedInputs) -> torch.Tensor:
+        x = self.word_embeddings(inputs.input_ids)  # [T, hidden]
+        if inputs.token_type_ids is None:  # segment A/B for sentence pairs
             x = x + self.token_type_embeddings.weight[0]
         else:
-            x = x + self.token_type_embeddings(token_type_ids)
+            x = x + self.token_type_embeddings(inputs.token_type_ids)
         x = self.embed_norm(x)
-        cos, sin = self.rotary.cos_sin(position_ids, x.dtype)  # [T, 1, D] each, shared by all layers
+        cos, sin = self.rotary.cos_sin(inputs.position_ids, x.dtype)  # [T, 1, D] each, shared by all layers
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, cos, sin, inputs.meta)
         return x  # [T, hidden]

@@ -7,11 +7,11 @@ sequence's first token), and checkpoints put the encoder under `roberta.`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..layers import AttentionMeta
+from ..layers import PackedInputs
 from .bert import BertConfig, BertModel
 
 
@@ -38,14 +38,8 @@ class RobertaModel(BertModel):
     def max_positions(self) -> int:  # ids 0..pad are reserved, so 514 positions hold 512 tokens
         return self.config.max_position_embeddings - self.config.pad_token_id - 1
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T], restarting at 0 for each sequence
-        meta: AttentionMeta,
-        token_type_ids: torch.Tensor | None = None,  # [T]; ignored, see below
-    ) -> torch.Tensor:
+    def forward(self, inputs: PackedInputs) -> torch.Tensor:
         # transformers' create_position_ids_from_input_ids on an unpadded sequence: pad + 1 + index.
-        offset_positions = position_ids + (self.config.pad_token_id + 1)  # [T]
+        offset_positions = inputs.position_ids + (self.config.pad_token_id + 1)  # [T]
         # RoBERTa tokenizers feed no segment ids (a pair is all segment 0; the table has one row).
-        return super().forward(input_ids, offset_positions, meta, None)  # [T, hidden]
+        return super().forward(replace(inputs, position_ids=offset_positions, token_type_ids=None))  # [T, hidden]
