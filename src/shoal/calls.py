@@ -19,7 +19,7 @@ the engine turns it into a deadline at admission and drops work that outlives it
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import msgspec
 import numpy as np
@@ -121,8 +121,11 @@ class EncodeResult(Result, frozen=True, tag="encode"):
 
     @property
     def vectors(self) -> list[np.ndarray]:
-        """The dense vectors, in item order."""
-        return [item.dense for item in self.items]
+        """The dense vectors, in item order (ValueError if the call asked for no dense output)."""
+        vectors = [item.dense for item in self.items if item.dense is not None]
+        if len(vectors) != len(self.items):
+            raise ValueError("this result has no dense vectors: its call asked for other outputs")
+        return vectors
 
 
 class ScoredItem(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -177,7 +180,7 @@ class ErrorResult(Result, frozen=True, tag="error"):
     retry_after_s: float | None = None
 
     @classmethod
-    def of(cls, error: ShoalError, request_id: str | None = None) -> "ErrorResult":
+    def of(cls, error: ShoalError, request_id: str | None = None) -> ErrorResult:
         return cls(code=error.code, message=error.message, details=error.details,
                    retry_after_s=error.retry_after_s, request_id=request_id)
 
@@ -185,7 +188,8 @@ class ErrorResult(Result, frozen=True, tag="error"):
         return error_from_code(self.code, self.message, self.details, self.retry_after_s)
 
 
-AnyCall = Union[EncodeCall, ScoreCall, ExtractCall]
+AnyCall: TypeAlias = EncodeCall | ScoreCall | ExtractCall
+AnyResult: TypeAlias = EncodeResult | ScoreResult | ExtractResult | ErrorResult
 
 
 def timeout_of(call: Call, default_s: float) -> float:
@@ -195,23 +199,23 @@ def timeout_of(call: Call, default_s: float) -> float:
         raise InvalidRequest(f"timeout_s must be a number of seconds > 0, not {timeout_s!r}",
                              details={"option": "timeout_s"})
     return float(timeout_s)
-AnyResult = Union[EncodeResult, ScoreResult, ExtractResult, ErrorResult]
 
 
 # --- codec ---------------------------------------------------------------------------------------
 
 
-def _enc_hook(obj: Any) -> Any:
+def _enc_hook(obj: object) -> dict[str, object]:
     if isinstance(obj, np.ndarray):
         little = np.ascontiguousarray(obj.astype(obj.dtype.newbyteorder("<"), copy=False))
         return {"dtype": obj.dtype.name, "shape": list(obj.shape), "data": little.tobytes()}
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-def _dec_hook(typ: type, obj: Any) -> Any:
-    if typ is np.ndarray:
+def _dec_hook(typ: type, obj: object) -> np.ndarray:
+    if typ is np.ndarray and isinstance(obj, dict):  # the map `_enc_hook` wrote
         dtype = np.dtype(obj["dtype"]).newbyteorder("<")
-        return np.frombuffer(obj["data"], dtype=dtype).reshape(obj["shape"])
+        array: np.ndarray = np.frombuffer(obj["data"], dtype=dtype).reshape(obj["shape"])
+        return array
     raise NotImplementedError(f"cannot decode {typ}")
 
 

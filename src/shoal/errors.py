@@ -29,16 +29,16 @@ status lives in exactly one place: `shoal.api.errors`.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Mapping
 
 
 class ShoalError(Exception):
     code = "internal_error"
 
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, *, details: Mapping[str, object] | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.details = details or {}
+        self.details: dict[str, object] = dict(details or {})  # JSON values: the error body's `details`
 
     @property
     def retry_after_s(self) -> float | None:
@@ -81,7 +81,8 @@ class Forbidden(ShoalError):
 class Overloaded(ShoalError):
     code = "overloaded"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, details: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_s: float = 1.0,
+                 details: Mapping[str, object] | None = None) -> None:
         super().__init__(message, details=details)
         self._retry_after_s = retry_after_s
 
@@ -124,7 +125,7 @@ class ModelLoadError(ShoalError):
 
     code = "model_load_failed"
 
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None, public_message: str | None = None,
+    def __init__(self, message: str, *, details: Mapping[str, object] | None = None, public_message: str | None = None,
                  retry_after_s: float | None = None) -> None:
         super().__init__(message, details=details)
         self.public_message = public_message or _PATH.sub(lambda m: m.group(0).rsplit("/", 1)[-1], message)
@@ -152,7 +153,7 @@ def _all_classes(cls: type[ShoalError]) -> list[type[ShoalError]]:
 _BY_CODE: dict[str, type[ShoalError]] = {cls.code: cls for cls in _all_classes(ShoalError)}
 
 
-def error_from_code(code: str, message: str, details: dict[str, Any] | None = None,
+def error_from_code(code: str, message: str, details: Mapping[str, object] | None = None,
                     retry_after_s: float | None = None) -> ShoalError:
     """The error of class `code` (ShoalError for a code this version does not know)."""
     cls = _BY_CODE.get(code, ShoalError)

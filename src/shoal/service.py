@@ -6,12 +6,15 @@ routes serve a single node and a cluster. Nothing here imports torch, tokenizers
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
 from .calls import AnyCall, AnyResult
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from .catalog import ModelCard
 
 
 class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -41,14 +44,18 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     aliases: tuple[str, ...] = ()  # other names a request may use for it
 
 
-def status_of_card(card, **residency) -> ModelStatus:
-    """A card's `ModelStatus`; `residency` sets the fields the server measures (state, bytes...)."""
+def status_of_card(card: ModelCard, *, loaded: bool = False, state: str = "not_loaded", bytes: int | None = None,
+                   pinned: bool = False, device: str | None = None, adapters_loaded: tuple[str, ...] = (),
+                   error: str | None = None, aliases: tuple[str, ...] = ()) -> ModelStatus:
+    """A card's `ModelStatus`; the keywords are the fields the server measures (residency: state,
+    bytes...), as `ModelStatus` documents them."""
     return ModelStatus(
         id=card.id, tasks=card.tasks, outputs=card.outputs if "encode" in card.tasks else (),
         max_length=card.max_length, verified=card.verified, architecture=card.architecture,
         dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
         description=card.description, extract=card.extract.kind if card.extract else None,
-        adapters=tuple(sorted(card.adapters)), **{"loaded": False, **residency})
+        adapters=tuple(sorted(card.adapters)), loaded=loaded, state=state, bytes=bytes, pinned=pinned, device=device,
+        adapters_loaded=adapters_loaded, error=error, aliases=aliases)
 
 
 class Token(msgspec.Struct, frozen=True):

@@ -1,9 +1,10 @@
 """`create_app(settings, service)`: the HTTP surface over any `Service`.
 
-Body limits, format negotiation, request ids, cancellation on disconnect, error mapping, metrics
-and the timing header are written once, in `endpoint`; handlers in `routes` only translate wire
-types to calls. The app imports no engine: the in-process Engine and the cluster's remote service
-both plug in through `shoal.service.Service`.
+The routes are the rows of the route table (`api/table.py`), which the OpenAPI document is built
+from too. Body limits, format negotiation, request ids, cancellation on disconnect, error mapping,
+metrics and the timing header are written once, in `endpoint`; handlers in `routes` and `tei` only
+translate wire types to calls. The app imports no engine: the in-process Engine and the cluster's
+remote service both plug in through `shoal.service.Service`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
-
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -28,13 +29,14 @@ from .. import wire
 from ..config import Settings
 from ..errors import Cancelled, Overloaded, PayloadTooLarge, ShoalError
 from ..service import Service
-from . import openapi, routes, tei
+from . import openapi, routes
 from .auth import Auth
 from .errors import error_response, http_error
+from .table import ROUTES, RouteSpec
 
 log = logging.getLogger("shoal.api")
 
-Handler = Callable[[routes.Context], Awaitable[Any]]
+T = TypeVar("T")
 _REQUEST_ID = re.compile(r"[\w.:/-]{1,128}")
 # Responses larger than this are encoded in a worker thread, off the event loop.
 _OFF_LOOP_BYTES = 1 << 20
@@ -47,7 +49,7 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
     auth = auth or Auth([])
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await service.start()
         await service.warm(list(preload))
         try:
@@ -58,15 +60,21 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
     server = settings.server
     metrics = service.metrics
 
-    def endpoint(name: str, handler: Handler, *, reads_body: bool = True,
-                 admin: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    def endpoint(spec: RouteSpec) -> Callable[[Request], Awaitable[Response]]:
+        """`spec.handler` inside what every verb's route does: auth, body, formats, errors, metrics."""
+        name, handler, reads_body, admin = spec.name, spec.handler, spec.reads_body, spec.admin
+        if handler is None:
+            raise TypeError(f"route {spec.name} is plain: it is served as it is, not through `endpoint`")
+
         async def run(request: Request) -> Response:
             started = time.perf_counter()
             request_id = _request_id(request)
             fmt_out = wire.Format.JSON
             ctx = None
             try:
-                fmt_in = wire.format_of_content_type(request.headers.get("content-type")) if reads_body else wire.Format.JSON
+                fmt_in = wire.Format.JSON
+                if reads_body:
+                    fmt_in = wire.format_of_content_type(request.headers.get("content-type"))
                 fmt_out = wire.format_of_accept(request.headers.get("accept"), fmt_in)
                 principal = auth.authenticate(request.headers.get("authorization"))  # before reading a body
                 if admin:
@@ -75,8 +83,9 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
                 ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id,
                                      preload=preload, principal=principal, default=server.default_model)
                 result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
-                if isinstance(getattr(result, "timings", None), wire.Timings):
-                    result.timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
+                timings = getattr(result, "timings", None)
+                if isinstance(timings, wire.Timings):
+                    timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
                 if ctx.result_bytes > _OFF_LOOP_BYTES:
                     content = await asyncio.to_thread(_encode_large, result, fmt_out)
                 else:
@@ -86,7 +95,7 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
                 response = error_response(exc, fmt_out)
             except ClientDisconnect:
                 response = error_response(Cancelled("the client disconnected while sending its body"), fmt_out)
-            except Exception:
+            except Exception:  # a bug in a handler: the client gets a 500 naming its request id, the log the traceback
                 log.exception("request %s: unhandled error in %s", request_id, name)
                 response = error_response(
                     ShoalError(f"internal error (request id {request_id}); the server log has the traceback",
@@ -101,74 +110,29 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
 
         return run
 
-    async def healthz(request: Request) -> Response:
-        return Response(b'{"status":"ok"}', media_type=wire.JSON)
-
-    async def readyz(request: Request) -> Response:
-        if service.ready:
-            return Response(b'{"status":"ready"}', media_type=wire.JSON)
-        return Response(b'{"status":"not ready"}', status_code=503, media_type=wire.JSON)
-
-    async def metrics_route(request: Request) -> Response:
-        return Response(metrics.exposition(), media_type=metrics.content_type)
-
-    async def openapi_route(request: Request) -> Response:
-        return Response(app.state.openapi, media_type=wire.JSON)
-
-    async def docs_route(request: Request) -> Response:
-        return Response(openapi.DOCS_HTML, media_type="text/html")
-
-    async def on_http_error(request: Request, exc: HTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        fmt = wire.format_of_accept(request.headers.get("accept"), wire.Format.JSON)
-        return http_error(code, message, exc.status_code, headers=exc.headers, fmt=fmt)
-
     app = Starlette(
-        routes=[
-            Route("/v1/encode", endpoint("encode", routes.encode), methods=["POST"]),
-            Route("/v1/score", endpoint("score", routes.score), methods=["POST"]),
-            Route("/v1/extract", endpoint("extract", routes.extract), methods=["POST"]),
-            Route("/v1/embeddings", endpoint("embeddings", routes.embeddings), methods=["POST"]),
-            Route("/v1/rerank", endpoint("rerank", routes.rerank), methods=["POST"]),
-            Route("/v2/rerank", endpoint("rerank_v2", routes.rerank_v2), methods=["POST"]),
-            Route("/v2/embed", endpoint("embed_v2", routes.embed_v2), methods=["POST"]),
-            Route("/v1/embed", endpoint("cohere_embed_v1", routes.cohere_embed_v1), methods=["POST"]),
-            Route("/rerank", endpoint("tei_rerank", routes.tei_rerank), methods=["POST"]),
-            # TEI (text-embeddings-inference): bodies name no model (api/tei.py).
-            Route("/embed", endpoint("tei_embed", tei.embed), methods=["POST"]),
-            Route("/embed_sparse", endpoint("tei_embed_sparse", tei.embed_sparse), methods=["POST"]),
-            Route("/embed_all", endpoint("tei_embed_all", tei.embed_all), methods=["POST"]),
-            Route("/tokenize", endpoint("tei_tokenize", tei.tokenize), methods=["POST"]),
-            Route("/similarity", endpoint("tei_similarity", tei.similarity), methods=["POST"]),
-            Route("/", endpoint("tei_root", tei.root), methods=["POST"]),
-            Route("/info", endpoint("tei_info", tei.info, reads_body=False), methods=["GET"]),
-            Route("/health", healthz, methods=["GET"]),
-            Route("/", healthz, methods=["GET"]),
-            Route("/v1/models", endpoint("models", routes.models, reads_body=False), methods=["GET"]),
-            # Model ids contain "/": the rest of the path is the id (then, for POST, the action).
-            Route("/v1/models/{model_path:path}", endpoint("model", routes.model, reads_body=False), methods=["GET"]),
-            Route("/v1/models/{model_path:path}", endpoint("model_admin", routes.model_admin, reads_body=False,
-                                                           admin=True), methods=["POST"]),
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics_route, methods=["GET"]),
-            Route("/openapi.json", openapi_route, methods=["GET"]),
-            Route("/docs", docs_route, methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: on_http_error},
+        routes=[Route(spec.path, endpoint(spec) if spec.plain is None else spec.plain, methods=[spec.method],
+                      name=spec.name) for spec in ROUTES],
+        exception_handlers={HTTPException: _on_http_error},
         lifespan=lifespan,
     )
     app.state.service = service
     app.state.settings = settings
-    # Described from the wire types; an undescribed route stops the app here (api/openapi.py).
-    served = [(route.path.replace(":path}", "}"), method.lower())
-              for route in app.routes for method in route.methods if method != "HEAD"]
-    app.state.openapi = msgspec.json.encode(openapi.describe(served))
+    app.state.openapi = msgspec.json.encode(openapi.describe(ROUTES))
     return app
 
 
-def _encode_large(result: Any, fmt: wire.Format) -> bytes:
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    """The errors the router raises itself: 404 (no such path), 405 (wrong method; keeps its `Allow`)."""
+    if not isinstance(exc, HTTPException):  # registered for HTTPException only (Starlette types it Exception)
+        exc = HTTPException(500, str(exc))
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    fmt = wire.format_of_accept(request.headers.get("accept"), wire.Format.JSON)
+    return http_error(code, message, exc.status_code, headers=exc.headers, fmt=fmt)
+
+
+def _encode_large(result: object, fmt: wire.Format) -> bytes:
     """Encode a large response; runs in a worker thread so the event loop keeps serving."""
     return wire.encode(result, fmt)
 
@@ -181,7 +145,7 @@ def _request_id(request: Request) -> str:
     return uuid.uuid4().hex[:16]
 
 
-async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
+async def _unless_disconnected(work: Awaitable[T], request: Request) -> T:
     """`work`'s result; Cancelled (and `work` cancelled) if the client disconnects first.
 
     The body has been read, so the next ASGI message is `http.disconnect`, sent when the client
@@ -212,7 +176,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:

@@ -75,7 +75,7 @@ class Auth:
         return any(ADMIN in t.principal.scopes for t in self._tokens)
 
     @classmethod
-    def from_sources(cls, file: Path | None = None, tokens: str = "", admin_tokens: str = "") -> "Auth":
+    def from_sources(cls, file: Path | None = None, tokens: str = "", admin_tokens: str = "") -> Auth:
         entries = _read_file(file) if file is not None else []
         for variable, value, scopes in (("SHOAL_AUTH_TOKENS", tokens, frozenset()),
                                         ("SHOAL_ADMIN_TOKENS", admin_tokens, frozenset({ADMIN}))):
@@ -168,6 +168,9 @@ def _read_file(path: Path) -> list[_Token]:
         if models is not None and (not isinstance(models, list) or not models
                                    or not all(isinstance(m, str) and m for m in models)):
             raise fail(f"{where}.models must be a non-empty list of model ids or globs")
-        digest = _digest(token) if token is not None else bytes.fromhex(sha.lower())
+        if token is not None:
+            digest = _digest(token)
+        elif sha is not None:
+            digest = bytes.fromhex(sha.lower())
         entries.append(_Token(digest, Principal(name, frozenset(scopes), tuple(models) if models else None)))
     return entries

@@ -7,14 +7,18 @@ Each handler takes the request context and returns the response object; `endpoin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar, overload
 
 from starlette.requests import Request
 
 from .. import wire
-from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractResult, ScoreResult
+from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult
+from ..calls import EncodedItem as CallEncodedItem
 from ..errors import InputTooLong, InvalidRequest, UnknownModel
 from ..service import ADMIN_ACTIONS, ModelStatus, Service
 from .auth import ANONYMOUS, Principal
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -31,7 +35,8 @@ class Context:
     principal: Principal = ANONYMOUS  # who is calling (api/auth.py)
     default: str | None = None  # the server's `--default-model`
 
-    def decode(self, typ: type):
+    def decode(self, typ: type[T]) -> T:
+        """The body as `typ` (InvalidRequest, naming the problem, if it is not one)."""
         return wire.decode(self.body, self.fmt_in, typ)
 
     def status(self, model_id: str) -> ModelStatus:
@@ -41,8 +46,16 @@ class Context:
         self.principal.check_model(status.id)
         return status
 
+    @overload
+    async def run(self, call: EncodeCall) -> EncodeResult: ...
+    @overload
+    async def run(self, call: ScoreCall) -> ScoreResult: ...
+    @overload
+    async def run(self, call: ExtractCall) -> ExtractResult: ...
+
     async def run(self, call: AnyCall) -> AnyResult:
-        """The service's answer, if this caller may use the call's model."""
+        """The service's answer, if this caller may use the call's model (the result of the call's
+        verb: the service raises the error a call ends in)."""
         self.status(call.model)
         return await self.service.run(call)
 
@@ -65,13 +78,13 @@ class Context:
             else None  # an alias names its model
         tasks = {m: s.tasks for m, s in statuses.items()}
 
-        def serves(m: str | None) -> bool:
-            return bool(m) and task in tasks.get(m, ()) and (output is None or output in statuses[m].outputs)
+        def serves(m: str) -> bool:
+            return task in tasks.get(m, ()) and (output is None or output in statuses[m].outputs)
 
-        preloaded = [m for m in self.preload if serves(m)]
+        preloaded = [m for m in self.preload if m and serves(m)]
         if task == "score":  # among preloaded models, a reranker before an embedder that scores by cosine
             preloaded = [m for m in preloaded if "encode" not in tasks[m]] + preloaded
-        candidates = ([default] if serves(default) else []) + preloaded
+        candidates = ([default] if default and serves(default) else []) + preloaded
         if candidates:
             return candidates[0]
         verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
@@ -157,9 +170,9 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     ctx.model = req.model
     texts = req.texts()
     ctx.check_count(len(texts))
-    result: EncodeResult = await ctx.run(
-        EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",), request_id=ctx.request_id,
-                   is_query=req.is_query, prompt_name=req.prompt_name)
+    result = await ctx.run(
+        EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",),
+                   request_id=ctx.request_id, is_query=req.is_query, prompt_name=req.prompt_name)
     )
     ctx.result_bytes = _array_bytes(result) * (1 if req.format == "base64" else 4)
     data = [wire.openai_embedding(i, v, req.format) for i, v in enumerate(result.vectors)]
@@ -167,23 +180,27 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     return wire.EmbeddingsResponse(data=data, model=req.model, usage=usage)
 
 
-async def models(ctx: Context) -> dict:
+async def models(ctx: Context) -> wire.ModelList:
     """OpenAI's list shape; only the models this caller may use; cards that could not be read."""
     data = [_model_entry(status) for status in ctx.service.models() if ctx.principal.may_use(status.id)]
-    problems = [{"file": p.file, "error": p.error} for p in ctx.service.problems()]
-    return {"object": "list", "data": data, **({"errors": problems} if problems else {})}
+    listed: wire.ModelList = {"object": "list", "data": data}
+    problems: list[wire.models.CardProblemEntry] = [{"file": p.file, "error": p.error} for p in ctx.service.problems()]
+    if problems:
+        listed["errors"] = problems
+    return listed
 
 
-async def model(ctx: Context) -> dict:
+async def model(ctx: Context) -> wire.ModelEntry:
     """`GET /v1/models/{id}` (what the OpenAI client's `models.retrieve` calls)."""
-    model_id = ctx.request.path_params["model_path"]
+    model_id: str = ctx.request.path_params["model_path"]
     ctx.model = model_id
     return _model_entry(ctx.status(model_id))
 
 
-async def model_admin(ctx: Context) -> dict:
+async def model_admin(ctx: Context) -> wire.ModelEntry:
     """`POST /v1/models/{id}/load|unload|pin|unpin` (admin scope): the action, then the status."""
-    model_id, _, action = ctx.request.path_params["model_path"].rpartition("/")
+    path: str = ctx.request.path_params["model_path"]
+    model_id, _, action = path.rpartition("/")
     if action not in ADMIN_ACTIONS or not model_id:
         raise UnknownModel(f"POST /v1/models/{{id}}/ACTION: ACTION is one of {', '.join(ADMIN_ACTIONS)}, "
                            f"not {action!r}", details={"actions": list(ADMIN_ACTIONS)})
@@ -192,8 +209,8 @@ async def model_admin(ctx: Context) -> dict:
     return _model_entry(await ctx.service.admin(model_id, action))
 
 
-def _model_entry(status: ModelStatus) -> dict:
-    return {
+def _model_entry(status: ModelStatus) -> wire.ModelEntry:
+    entry: wire.ModelEntry = {
         "id": status.id,
         "object": "model",
         "created": 0,
@@ -214,9 +231,12 @@ def _model_entry(status: ModelStatus) -> dict:
         "adapters": [{"id": name, "loaded": name in status.adapters_loaded} for name in status.adapters],
         "aliases": list(status.aliases),
         "description": status.description,
-        **({"extract": status.extract} if status.extract else {}),
-        **({"error": status.error} if status.error else {}),
     }
+    if status.extract:
+        entry["extract"] = status.extract
+    if status.error:
+        entry["error"] = status.error
+    return entry
 
 
 def _array_bytes(result: EncodeResult) -> int:
@@ -229,7 +249,7 @@ def _array_bytes(result: EncodeResult) -> int:
     return per_item * len(result.items)
 
 
-def _item(item_id, out) -> wire.EncodedItem:
+def _item(item_id: wire.ItemId, out: CallEncodedItem) -> wire.EncodedItem:
     sparse = None
     if out.sparse is not None:
         sparse = wire.SparseOut(indices=out.sparse.indices, values=out.sparse.values, tokens=out.sparse.tokens)
@@ -247,7 +267,7 @@ async def embed_v2(ctx: Context) -> wire.cohere.EmbedByTypeResponse:
         req.check_max_tokens(ctx.status(req.model).max_length)
     result = await _cohere_encode(ctx, call)
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
-    return wire.cohere.embed_response(req, "2", texts, result, ctx.request_id)
+    return wire.cohere.embed_by_type_response(req, "2", texts, result, ctx.request_id)
 
 
 async def cohere_embed_v1(ctx: Context) -> wire.cohere.EmbedByTypeResponse | wire.cohere.EmbedFloatsResponse:

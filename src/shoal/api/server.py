@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from ..config import ServerSettings
@@ -70,7 +71,7 @@ def connection_cap(max_connections: int, fd_limit: int | None) -> int:
     return max(1, min(max_connections, fd_limit - reserve))
 
 
-def build_server(app: Any, settings: ServerSettings, *, log_level: str | int | None = "info") -> uvicorn.Server:
+def build_server(app: ASGIApp, settings: ServerSettings, *, log_level: str | int | None = "info") -> uvicorn.Server:
     """A uvicorn server for `app` on `settings.host:settings.port` with every limit of `settings`.
 
     `server.run()` serves until SIGINT/SIGTERM; `server.run(sockets=[sock])` serves on a socket
@@ -99,7 +100,7 @@ def build_server(app: Any, settings: ServerSettings, *, log_level: str | int | N
     return uvicorn.Server(config)
 
 
-def serve(app: Any, settings: ServerSettings, *, log_level: str | int | None = "info") -> None:
+def serve(app: ASGIApp, settings: ServerSettings, *, log_level: str | int | None = "info") -> None:
     """Serve `app` until SIGINT/SIGTERM (`shoal serve`)."""
     build_server(app, settings, log_level=log_level).run()
 
@@ -259,7 +260,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         status: int,
         code: str,
         message: str,
-        details: dict[str, Any],
+        details: dict[str, object],
         *,
         answer: bool = True,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
@@ -310,4 +311,4 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
 
 def _peer(client: tuple[str, int] | None) -> str:
-    return "%s:%d" % client if client else "-"
+    return f"{client[0]}:{client[1]}" if client else "-"

@@ -7,38 +7,41 @@ lives with the other rerank routes (`routes.tei_rerank`). Bodies name no model: 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from .. import __version__, wire
-from ..calls import EncodeResult
-from ..service import ModelStatus
+from ..config import Settings
 from ..errors import InvalidRequest
+from ..service import ModelStatus, Token
 from . import routes
 from .routes import Context
 
 
-async def embed(ctx: Context) -> list:
-    req: wire.tei.EmbedRequest = ctx.decode(wire.tei.EmbedRequest)
+async def embed(ctx: Context) -> list[np.ndarray]:
+    req = ctx.decode(wire.tei.EmbedRequest)
     ctx.model = model = ctx.default_model("encode", output="dense")
     call = wire.tei.embed_call(req, model, ctx.request_id)
     ctx.check_count(len(call.texts))
-    result: EncodeResult = await ctx.run(call)
+    result = await ctx.run(call)
     ctx.result_bytes = sum(v.nbytes for v in result.vectors) * 4  # JSON floats
     return result.vectors
 
 
-async def embed_all(ctx: Context) -> list:
-    req: wire.tei.EmbedSparseRequest = ctx.decode(wire.tei.EmbedSparseRequest)
+async def embed_all(ctx: Context) -> list[np.ndarray]:
+    req = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode")
     call = wire.tei.unpooled_call(req, model, "token_states", ctx.request_id)
     ctx.check_count(len(call.texts))
-    result: EncodeResult = await ctx.run(call)
-    states = [item.token_states for item in result.items]
+    result = await ctx.run(call)
+    states = [item.token_states for item in result.items if item.token_states is not None]
+    if len(states) != len(result.items):
+        raise ValueError("an /embed_all result without token states")
     ctx.result_bytes = sum(s.nbytes for s in states) * 4  # JSON floats
     return states
 
 
-async def tokenize(ctx: Context) -> list:
-    req: wire.tei.TokenizeRequest = ctx.decode(wire.tei.TokenizeRequest)
+async def tokenize(ctx: Context) -> list[list[Token]]:
+    req = ctx.decode(wire.tei.TokenizeRequest)
     ctx.model = model = ctx.default_model("encode")
     texts = wire.tei.texts_of(req.inputs)
     ctx.check_count(len(texts))
@@ -46,8 +49,8 @@ async def tokenize(ctx: Context) -> list:
     return await ctx.service.tokenize(model, texts, req.add_special_tokens, req.prompt_name)
 
 
-async def embed_sparse(ctx: Context) -> list:
-    req: wire.tei.EmbedSparseRequest = ctx.decode(wire.tei.EmbedSparseRequest)
+async def embed_sparse(ctx: Context) -> list[list[wire.tei.SparseValue]]:
+    req = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode", output="sparse")
     call = wire.tei.unpooled_call(req, model, "sparse", ctx.request_id)
     ctx.check_count(len(call.texts))
@@ -55,15 +58,16 @@ async def embed_sparse(ctx: Context) -> list:
 
 
 async def similarity(ctx: Context) -> list[float]:
-    req: wire.tei.SimilarityRequest = ctx.decode(wire.tei.SimilarityRequest)
+    req = ctx.decode(wire.tei.SimilarityRequest)
     ctx.model = model = ctx.default_model("encode", output="dense")
     call = wire.tei.similarity_call(req, model, ctx.request_id)
     ctx.check_count(len(req.inputs.sentences))  # the source sentence rides along, as on TEI
     return wire.tei.similarities(await ctx.run(call))
 
 
-async def root(ctx: Context):
+async def root(ctx: Context) -> list[np.ndarray] | list[float] | list[wire.tei.Rank]:
     """`POST /`: TEI serves its model's one verb here; shoal reads the body to tell which."""
+    shape: object
     try:
         shape = msgspec.json.decode(ctx.body) if ctx.fmt_in is wire.Format.JSON else msgspec.msgpack.decode(ctx.body)
     except (msgspec.DecodeError, RecursionError):
@@ -75,8 +79,8 @@ async def root(ctx: Context):
     return await embed(ctx)
 
 
-async def info(ctx: Context) -> dict:
-    settings = ctx.request.app.state.settings
+async def info(ctx: Context) -> wire.JSONObject:
+    settings: Settings = ctx.request.app.state.settings
     task = ctx.request.query_params.get("task", "encode")
     if task not in ("encode", "score", "extract"):
         raise InvalidRequest(f"task {task!r} is not one of encode, score, extract", details={"option": "task"})
@@ -88,10 +92,10 @@ async def info(ctx: Context) -> dict:
 
 
 def _info(status: ModelStatus, *, max_batch_tokens: int, max_client_batch_size: int, tokenization_workers: int,
-         max_concurrent_requests: int, version: str) -> dict:
+         max_concurrent_requests: int, version: str) -> wire.JSONObject:
     """TEI's `/info` for the model a request would use."""
     if "encode" in status.tasks:
-        model_type: dict = {"embedding": {"pooling": "splade" if status.outputs == ("sparse",)
+        model_type: wire.JSONObject = {"embedding": {"pooling": "splade" if status.outputs == ("sparse",)
                                           else status.pooling or "none"}}
     elif "score" in status.tasks:
         model_type = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}

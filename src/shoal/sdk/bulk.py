@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -53,9 +53,16 @@ async def map_chunks(chunks: list[list[T]], send: Callable[[list[T]], Awaitable[
             bar.close()
 
 
-def _progress_bar(total: int, desc: str) -> Any:
+class _Bar(Protocol):
+    def update(self, n: int) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def _progress_bar(total: int, desc: str) -> _Bar:
     try:
         from tqdm.auto import tqdm
     except ImportError as exc:
         raise ImportError("show_progress=True needs tqdm: pip install 'shoal[sdk]'") from exc
-    return tqdm(total=total, desc=desc, unit="text")
+    bar: _Bar = tqdm(total=total, desc=desc, unit="text")
+    return bar

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 from urllib.parse import quote
 
 from .. import wire
@@ -57,8 +57,9 @@ class AsyncClient:
     # --- verbs -----------------------------------------------------------------------------------
 
     async def encode(self, model: str, texts: Sequence[str], *, adapter: str | None = None,
-                     normalize: bool | None = None, dimensions: int | None = None, output_dtype: wire.OutputDtype | None = None,
-                     is_query: bool | None = None, prompt_name: str | None = None, truncate: bool | None = None,
+                     normalize: bool | None = None, dimensions: int | None = None,
+                     output_dtype: wire.OutputDtype | None = None, is_query: bool | None = None,
+                     prompt_name: str | None = None, truncate: bool | None = None,
                      outputs: Sequence[wire.OutputKind] | None = None, sparse_top_k: int | None = None,
                      return_tokens: bool = False, batch_size: int | None = None, concurrency: int = 4,
                      show_progress: bool = False) -> Encoded:
@@ -100,8 +101,9 @@ class AsyncClient:
                 raw_scores=bool(raw_scores), truncate=True if truncate is None else truncate,
                 max_tokens_per_doc=max_tokens_per_doc, window_overlap_tokens=window_overlap_tokens,
                 instruction=instruction, timeout_s=timeout_s)
-            return wire.ScoreRequest(model=model, query=query, items=[wire.ScoreItem(text=d) for d in _texts(documents)],
-                                     top_k=top_k, options=options, adapter=adapter)
+            items = [wire.ScoreItem(text=d) for d in _texts(documents)]
+            return wire.ScoreRequest(model=model, query=query, items=items, top_k=top_k, options=options,
+                                     adapter=adapter)
 
         return results.ranking(await self._http.post("/v1/score", body, wire.ScoreResponse, deadline))
 
@@ -130,13 +132,15 @@ class AsyncClient:
                                         show_progress=show_progress, desc="extract")
         return results.extracted(answers)
 
-    async def models(self) -> list[dict[str, Any]]:
+    async def models(self) -> list[wire.ModelEntry]:
         """Every model the server serves to this caller (`GET /v1/models`), loaded or not."""
-        return (await self._http.get("/v1/models", self._deadline()))["data"]
+        listed = cast(wire.ModelList, await self._http.get("/v1/models", self._deadline()))  # as the server sent it
+        return listed["data"]
 
-    async def model(self, model_id: str) -> dict[str, Any]:
+    async def model(self, model_id: str) -> wire.ModelEntry:
         """One model's entry (`GET /v1/models/{id}`): tasks, outputs, dimensions, residency, adapters."""
-        return await self._http.get(f"/v1/models/{quote(model_id, safe='/')}", self._deadline())
+        entry = await self._http.get(f"/v1/models/{quote(model_id, safe='/')}", self._deadline())
+        return cast(wire.ModelEntry, entry)  # as the server sent it: not checked field by field
 
     def _deadline(self) -> float | None:
         return None if self.deadline_s is None else time.monotonic() + self.deadline_s

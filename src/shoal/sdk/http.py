@@ -17,7 +17,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 
@@ -42,6 +42,10 @@ _CODE_OF_STATUS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden"
 
 FORMATS = {"msgpack": wire.Format.MSGPACK, "json": wire.Format.JSON}
 
+T = TypeVar("T")
+# Builds a request's body (a wire Struct) from the seconds the server may take (None: no deadline).
+BodyMaker = Callable[[float | None], object]
+
 
 class Http:
     """Sends one logical request as up to `1 + max_retries` attempts over a pooled httpx.AsyncClient."""
@@ -61,17 +65,17 @@ class Http:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    async def post(self, path: str, make_body: Callable[[float | None], Any], response_type: type,
-                   deadline: float | None) -> Any:
+    async def post(self, path: str, make_body: BodyMaker, response_type: type[T], deadline: float | None) -> T:
         """POST `make_body(server_timeout_s)` (a wire Struct, rebuilt per attempt so the server's
         `timeout_s` is what is left of the deadline); the answer decoded as `response_type`."""
         response = await self.send("POST", path, make_body, deadline)
         return _decode(response, response_type)
 
-    async def get(self, path: str, deadline: float | None) -> Any:
-        return _decode(await self.send("GET", path, None, deadline), Any)
+    async def get(self, path: str, deadline: float | None) -> object:
+        """GET `path`; the answer as plain JSON values (dicts, lists, strings, numbers)."""
+        return _decode(await self.send("GET", path, None, deadline), object)
 
-    async def send(self, method: str, path: str, make_body: Callable[[float | None], Any] | None,
+    async def send(self, method: str, path: str, make_body: BodyMaker | None,
                    deadline: float | None) -> httpx.Response:
         for attempt in range(self.max_retries + 1):
             left_s = _left_s(deadline)
@@ -120,7 +124,7 @@ def _left_s(deadline: float | None) -> float | None:
 def _backoff_s(attempt: int, retry_after_s: float | None) -> float:
     """The wait before retry `attempt`: the server's Retry-After (at most MAX_RETRY_AFTER_S: a proxy
     asking for an hour is not waited on), or a doubling back-off, with jitter."""
-    backoff_s = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
+    backoff_s = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0**attempt)
     asked_s = min(retry_after_s or 0.0, MAX_RETRY_AFTER_S)
     return max(asked_s, backoff_s) * (1.0 + random.uniform(0.0, JITTER))
 
@@ -153,7 +157,7 @@ def error_of(response: httpx.Response) -> ShoalError:
     return error_from_code(body.code, body.message, body.details, retry_after_s)
 
 
-def _decode(response: httpx.Response, type: Any) -> Any:
+def _decode(response: httpx.Response, type: type[T]) -> T:
     fmt = wire.format_of_content_type(response.headers.get("content-type"))
     if fmt is wire.Format.MSGPACK:
         return msgspec.msgpack.decode(response.content, type=type)

@@ -7,7 +7,7 @@ kept); JSON as nested lists, read back in the dtype the request asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -15,7 +15,8 @@ from .. import wire
 from ..calls import ExtractedItem
 
 # JSON lists back to arrays: the dtype each `output_dtype` is sent in (binary: packed uint8 bytes).
-JSON_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "binary": np.uint8}
+JSON_DTYPES: dict[str, type[np.generic]] = {
+    "float32": np.float32, "float16": np.float16, "int8": np.int8, "binary": np.uint8}
 
 
 class Sparse(NamedTuple):
@@ -36,7 +37,8 @@ class Encoded:
 
 
 class Scored(NamedTuple):
-    index: int  # position in the documents sent
+    # The position in the documents sent; the public name hides tuple.index.
+    index: int  # type: ignore[assignment]
     score: float
 
 
@@ -51,10 +53,10 @@ class Ranking(list[Scored]):
         self.truncated = truncated
 
 
-def array_of(value: Any, json_dtype: Any) -> np.ndarray:
+def array_of(value: object, json_dtype: type[np.generic]) -> np.ndarray:
     """A msgpack `{dtype, shape, data}` map or a JSON (nested) list as an array."""
     if isinstance(value, dict):
-        return wire.array_from_msgpack(value)
+        return wire.array_from_msgpack(cast(wire.MsgpackArray, value))  # the only map an array is sent as
     return np.asarray(value, dtype=json_dtype)
 
 

@@ -12,7 +12,7 @@ import functools
 import threading
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from .client import AsyncClient
 
@@ -21,11 +21,14 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 R = TypeVar("R")
+P = ParamSpec("P")
 
 
-def _blocking(method: Callable[..., Coroutine[Any, Any, R]]) -> Callable[..., R]:
+def _blocking(method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]
+              ) -> Callable[Concatenate[Client, P], R]:
+    """`AsyncClient`'s method as a blocking method of `Client`, with the same arguments."""
     @functools.wraps(method)
-    def call(self: Client, *args: Any, **kwargs: Any) -> R:
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(method(self._async, *args, **kwargs))
 
     return call
@@ -49,7 +52,7 @@ class Client:
 
         try:
             self._async = self._run(build())
-        except BaseException:
+        except BaseException:  # whatever stops the build (even an interrupt): stop the loop's thread, re-raise
             self._stop_loop()
             raise
 
@@ -88,6 +91,6 @@ class Client:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
             return future.result()
-        except BaseException:
-            future.cancel()  # an interrupted wait (KeyboardInterrupt) must not leave the call running
+        except BaseException:  # any end of the wait, an interrupt (KeyboardInterrupt) too; re-raised
+            future.cancel()  # an interrupted wait must not leave the call running
             raise

@@ -1,10 +1,13 @@
 """Wire types: what crosses the HTTP boundary, one module per route family, in JSON or msgpack.
 
     codec     formats (Content-Type, Accept), encode/decode, array encoding, error bodies
-    native    /v1/encode, /v1/score
-    openai    /v1/embeddings
-    cohere    /v1/rerank (Cohere v1 and Jina), /v2/rerank, /v1/embed, /v2/embed
-    tei       /rerank
+    native    shoal's own verbs: encode, score, extract
+    models    the model list and model objects (OpenAI's shape, shoal's fields)
+    openai    OpenAI's embeddings
+    cohere    Cohere's (and Jina's) rerank and embed, v1 and v2
+    tei       Hugging Face text-embeddings-inference's routes
+
+Which route takes which type is the route table's to say (`shoal.api.table`).
 
 Each family translates its requests to `shoal.calls` and results back. No torch, no web framework
 here. The names below are re-exported so `wire.EncodeRequest`, `wire.decode` and friends work.
@@ -12,13 +15,15 @@ here. The names below are re-exported so `wire.EncodeRequest`, `wire.decode` and
 
 from __future__ import annotations
 
-from . import codec, cohere, native, openai, tei
+from . import codec, cohere, models, native, openai, tei
 from .codec import (
     JSON,
     MSGPACK,
     ErrorBody,
     ErrorResponse,
     Format,
+    JSONObject,
+    MsgpackArray,
     array_from_msgpack,
     array_to_msgpack,
     decode,
@@ -26,6 +31,7 @@ from .codec import (
     format_of_accept,
     format_of_content_type,
 )
+from .models import ModelEntry, ModelList
 from .native import (
     EncodedItem,
     EncodeItem,
@@ -66,6 +72,10 @@ __all__ = [
     "ErrorBody",
     "ErrorResponse",
     "Format",
+    "JSONObject",
+    "ModelEntry",
+    "ModelList",
+    "MsgpackArray",
     "ItemId",
     "OutputDtype",
     "OutputKind",
@@ -86,6 +96,7 @@ __all__ = [
     "encode",
     "format_of_accept",
     "format_of_content_type",
+    "models",
     "native",
     "openai",
     "openai_embedding",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any
+from typing import Any, TypedDict, TypeVar
 
 import msgspec
 import numpy as np
@@ -19,6 +19,11 @@ from ..errors import InvalidRequest, UnsupportedMediaType
 JSON = "application/json"
 MSGPACK = "application/msgpack"
 _MSGPACK_ALIASES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+# A JSON object whose fields no wire type fixes (TEI's `/info`, an error's details).
+JSONObject = dict[str, object]
+T = TypeVar("T")
 
 
 class Format(enum.Enum):
@@ -57,7 +62,7 @@ def format_of_accept(accept: str | None, default: Format) -> Format:
 class ErrorBody(msgspec.Struct):
     code: str
     message: str
-    details: dict[str, Any] = {}
+    details: dict[str, Any] = {}  # any JSON (Any, not object: its schema must stay an open object)
 
 
 class ErrorResponse(msgspec.Struct):
@@ -67,23 +72,31 @@ class ErrorResponse(msgspec.Struct):
 # --- arrays -------------------------------------------------------------------------------------
 
 
-def array_to_msgpack(array: np.ndarray) -> dict[str, Any]:
+class MsgpackArray(TypedDict):
+    """An array in msgpack: its dtype's name, its shape, its raw little-endian bytes."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+def array_to_msgpack(array: np.ndarray) -> MsgpackArray:
     little = array.astype(array.dtype.newbyteorder("<"), copy=False)
     return {"dtype": str(array.dtype.name), "shape": list(array.shape), "data": np.ascontiguousarray(little).tobytes()}
 
 
-def array_from_msgpack(obj: dict[str, Any]) -> np.ndarray:
+def array_from_msgpack(obj: MsgpackArray) -> np.ndarray:
     dtype = np.dtype(obj["dtype"]).newbyteorder("<")
     return np.frombuffer(obj["data"], dtype=dtype).reshape(obj["shape"])
 
 
-def _msgpack_hook(obj: Any) -> Any:
+def _msgpack_hook(obj: object) -> MsgpackArray:
     if isinstance(obj, np.ndarray):
         return array_to_msgpack(obj)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-def _json_hook(obj: Any) -> Any:
+def _json_hook(obj: object) -> object:
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
@@ -96,13 +109,13 @@ _json_encoder = msgspec.json.Encoder(enc_hook=_json_hook)
 _msgpack_encoder = msgspec.msgpack.Encoder(enc_hook=_msgpack_hook)
 
 
-def encode(obj: Any, fmt: Format) -> bytes:
+def encode(obj: object, fmt: Format) -> bytes:
     if fmt is Format.MSGPACK:
         return _msgpack_encoder.encode(obj)
     return _json_encoder.encode(obj)
 
 
-def decode(body: bytes, fmt: Format, type: type[Any]) -> Any:
+def decode(body: bytes, fmt: Format, type: type[T]) -> T:
     """Decode and validate a request body; every failure is an InvalidRequest naming the problem."""
     name = "msgpack" if fmt is Format.MSGPACK else "JSON"
     try:

@@ -230,8 +230,10 @@ class _EmbedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def is_query(self) -> bool | None:
         kind = self.input_type
-        if kind is None or kind in INPUT_TYPES:
-            return INPUT_TYPES.get(kind)
+        if kind is None:
+            return None
+        if kind in INPUT_TYPES:
+            return INPUT_TYPES[kind]
         if kind == "image":
             raise InvalidRequest("input_type 'image' is not supported: shoal embeds text only; send texts with "
                                  f"input_type one of {', '.join(INPUT_TYPES)}", details={"path": "$.input_type"})
@@ -377,10 +379,19 @@ class EmbedFloatsResponse(msgspec.Struct):
 def embed_response(req: _EmbedRequest, version: str, texts: list[str], result: EncodeResult,
                    request_id: str) -> EmbedByTypeResponse | EmbedFloatsResponse:
     """v2 always answers by type; v1 answers floats unless `embedding_types` was sent."""
-    billed = EmbedBilledUnits(input_tokens=result.num_tokens)
-    meta = EmbedMeta(api_version=ApiVersion(version=version), billed_units=billed)
     if version == "1" and req.embedding_types is None:
         return EmbedFloatsResponse(id=request_id, embeddings=embeddings_by_type(result.vectors, ("float",))["float"],
-                                   texts=texts, meta=meta)
+                                   texts=texts, meta=_embed_meta(version, result))
+    return embed_by_type_response(req, version, texts, result, request_id)
+
+
+def embed_by_type_response(req: _EmbedRequest, version: str, texts: list[str], result: EncodeResult,
+                           request_id: str) -> EmbedByTypeResponse:
+    """Every requested type of every vector (v2, and v1 with `embedding_types`)."""
     return EmbedByTypeResponse(id=request_id, embeddings=embeddings_by_type(result.vectors, req.types()),
-                               texts=texts, meta=meta)
+                               texts=texts, meta=_embed_meta(version, result))
+
+
+def _embed_meta(version: str, result: EncodeResult) -> EmbedMeta:
+    billed = EmbedBilledUnits(input_tokens=result.num_tokens)
+    return EmbedMeta(api_version=ApiVersion(version=version), billed_units=billed)

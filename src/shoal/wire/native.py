@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..calls import EncodeCall, Entity, ExtractCall, ExtractResult, LabelScore, ScoreCall, ScoreResult
+from ..calls import EncodeCall, EncodeResult, Entity, ExtractCall, ExtractResult, LabelScore, ScoreCall, ScoreResult
 
 OutputDtype = Literal["float32", "float16", "int8", "binary"]
 OutputKind = Literal["dense", "sparse", "multivector"]
@@ -33,7 +33,7 @@ class Timings(msgspec.Struct):
     total_ms: float  # 0 until the endpoint, which sees the whole request, fills it in
 
 
-def timings_of(result: Any) -> Timings:
+def timings_of(result: EncodeResult | ScoreResult | ExtractResult) -> Timings:
     """The phases of an engine result (seconds) in milliseconds."""
     ms = 1000.0
     return Timings(
@@ -73,6 +73,9 @@ class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     adapter: NonEmpty | None = None  # a LoRA adapter of the model (GET /v1/models/{id} lists them)
 
 
+# The arrays below are numpy arrays on the server; a client decodes them as the msgpack map of an
+# array (`codec.MsgpackArray`) or JSON's nested lists (`sdk.results.array_of`). `Any` keeps the
+# schema open: both forms are the same array.
 class SparseOut(msgspec.Struct, omit_defaults=True):
     indices: Any  # int32 array
     values: Any  # float32 array

@@ -33,10 +33,11 @@ class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
         return None if self.input_type is None else self.input_type in ("query", "search_query")
 
     def texts(self) -> list[str]:
-        texts = [self.input] if isinstance(self.input, str) else self.input
-        if not texts:
+        given = [self.input] if isinstance(self.input, str) else self.input
+        if not given:
             raise InvalidRequest("`input` is empty: send a string or a non-empty list of strings")
-        for i, text in enumerate(texts):
+        texts: list[str] = []
+        for i, text in enumerate(given):
             if not isinstance(text, str):
                 raise InvalidRequest(
                     f"`input[{i}]` is {'token ids' if isinstance(text, list) else type(text).__name__}: "
@@ -45,6 +46,7 @@ class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
                     "`OpenAIEmbeddings(..., check_embedding_ctx_length=False)`; other clients: send strings",
                     details={"path": f"$.input[{i}]"},
                 )
+            texts.append(text)
         return texts
 
 

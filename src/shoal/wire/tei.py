@@ -13,12 +13,10 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
-
 import numpy as np
 
 from ..calls import EncodeCall, EncodeResult, ScoreCall, ScoreResult
 from ..errors import InvalidRequest
-
 
 Inputs = str | Annotated[list[str], msgspec.Meta(min_length=1)]
 Direction = Literal["Right", "right", "Left", "left"]
@@ -145,5 +143,8 @@ def similarities(result: EncodeResult) -> list[float]:
 
 
 def sparse_values(result: EncodeResult) -> list[list[SparseValue]]:
-    return [[SparseValue(int(i), float(v)) for i, v in zip(item.sparse.indices, item.sparse.values)]
-            for item in result.items]
+    """Each text's (index, value) pairs, heaviest first; the call asked for sparse output."""
+    sparse = [item.sparse for item in result.items if item.sparse is not None]
+    if len(sparse) != len(result.items):
+        raise ValueError("this result has no sparse vectors: its call asked for other outputs")
+    return [[SparseValue(int(i), float(v)) for i, v in zip(s.indices, s.values)] for s in sparse]

@@ -1,0 +1,127 @@
+"""The route table: every operation the app serves, listed once.
+
+`create_app` builds its Starlette routes from `ROUTES` and `openapi.describe` builds the OpenAPI
+document from it, so the two cannot disagree. A row is one operation, a path and a method:
+
+    path       Starlette's pattern; `{name:path}` takes the rest of the path (model ids contain `/`)
+    name       the route's name: the `route` label of its request metrics
+    summary    the operation's summary in the document
+    handler    a verb's handler (`routes`, `tei`): takes a `routes.Context` and runs inside
+               `app.endpoint`, which checks auth, reads the body, picks the formats, maps errors and
+               records the metrics and the timing header
+    plain      or a handler served as it is (`plain`: probes, metrics, the document itself)
+    request    the body type the handler decodes (a msgspec type; a tuple: any one of them);
+               None: the route reads no body
+    response   the 200 body's type (a tuple: any one of them); None: not JSON, or empty
+    media      the 200 body's media type when `response` is None
+    admin      needs a token with the admin scope
+
+The order is the app's match order (Starlette takes the first route whose path and method match)
+and the document's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .. import wire
+from ..service import Token
+from . import plain, routes, tei
+
+# A verb's handler: the decoded request's answer (a wire Struct, or a bare list as TEI answers).
+Handler: TypeAlias = Callable[[routes.Context], Awaitable[object]]
+# A handler served as it is, outside `app.endpoint`.
+Plain: TypeAlias = Callable[[Request], Awaitable[Response]]
+# A body's type as msgspec reads it (for the schema), or a tuple of them: any one of them.
+Schema: TypeAlias = type[object] | tuple[type[object], ...]
+# An open JSON object (/v1/models entries, TEI's /info): msgspec's schema of it is {"type": "object"}.
+OPEN_OBJECT: type[object] = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One operation of the HTTP API (the module's docstring says what each field is)."""
+
+    path: str
+    method: Literal["GET", "POST"]
+    name: str
+    summary: str
+    handler: Handler | None = None
+    plain: Plain | None = None
+    request: Schema | None = None
+    response: Schema | None = None
+    media: str = "application/json"
+    admin: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.handler is None) == (self.plain is None):
+            raise TypeError(f"route {self.method} {self.path}: give exactly one of `handler` and `plain`")
+        if self.plain is not None and (self.request is not None or self.admin):
+            raise TypeError(f"route {self.method} {self.path}: a plain route reads no body and checks no token")
+
+    @property
+    def reads_body(self) -> bool:
+        return self.request is not None
+
+
+_TEI_ROOT_REQUEST = (wire.tei.EmbedRequest, wire.tei.SimilarityRequest, wire.tei.RerankRequest)
+_TEI_ROOT_RESPONSE = (list[list[float]], list[float], list[wire.tei.Rank])
+
+ROUTES: tuple[RouteSpec, ...] = (
+    # Native verbs (wire/native.py).
+    RouteSpec("/v1/encode", "POST", "encode", "Encode texts: dense, sparse and multi-vector outputs",
+              routes.encode, request=wire.EncodeRequest, response=wire.EncodeResponse),
+    RouteSpec("/v1/score", "POST", "score", "Score documents against a query (rerank)",
+              routes.score, request=wire.ScoreRequest, response=wire.ScoreResponse),
+    RouteSpec("/v1/extract", "POST", "extract", "Extract entities or zero-shot labels",
+              routes.extract, request=wire.ExtractRequest, response=wire.ExtractResponse),
+    # OpenAI (wire/openai.py), Cohere and Jina (wire/cohere.py).
+    RouteSpec("/v1/embeddings", "POST", "embeddings", "OpenAI-compatible embeddings",
+              routes.embeddings, request=wire.EmbeddingsRequest, response=wire.EmbeddingsResponse),
+    RouteSpec("/v1/rerank", "POST", "rerank", "Cohere v1 (and Jina) rerank",
+              routes.rerank, request=wire.cohere.RerankRequest, response=wire.cohere.RerankResponse),
+    RouteSpec("/v2/rerank", "POST", "rerank_v2", "Cohere v2 rerank",
+              routes.rerank_v2, request=wire.cohere.RerankV2Request, response=wire.cohere.RerankV2Response),
+    RouteSpec("/v1/embed", "POST", "cohere_embed_v1", "Cohere v1 embed",
+              routes.cohere_embed_v1, request=wire.cohere.EmbedRequest,
+              response=(wire.cohere.EmbedFloatsResponse, wire.cohere.EmbedByTypeResponse)),
+    RouteSpec("/v2/embed", "POST", "embed_v2", "Cohere v2 embed",
+              routes.embed_v2, request=wire.cohere.EmbedV2Request, response=wire.cohere.EmbedByTypeResponse),
+    # TEI, text-embeddings-inference (wire/tei.py): bodies name no model (api/tei.py).
+    RouteSpec("/rerank", "POST", "tei_rerank", "TEI rerank",
+              routes.tei_rerank, request=wire.tei.RerankRequest, response=list[wire.tei.Rank]),
+    RouteSpec("/embed", "POST", "tei_embed", "TEI embed",
+              tei.embed, request=wire.tei.EmbedRequest, response=list[list[float]]),
+    RouteSpec("/embed_all", "POST", "tei_embed_all", "TEI token states (unpooled)",
+              tei.embed_all, request=wire.tei.EmbedSparseRequest, response=list[list[list[float]]]),
+    RouteSpec("/tokenize", "POST", "tei_tokenize", "TEI tokenize",
+              tei.tokenize, request=wire.tei.TokenizeRequest, response=list[list[Token]]),
+    RouteSpec("/embed_sparse", "POST", "tei_embed_sparse", "TEI sparse embed",
+              tei.embed_sparse, request=wire.tei.EmbedSparseRequest, response=list[list[wire.tei.SparseValue]]),
+    RouteSpec("/similarity", "POST", "tei_similarity", "TEI sentence similarity",
+              tei.similarity, request=wire.tei.SimilarityRequest, response=list[float]),
+    RouteSpec("/", "POST", "tei_root", "TEI's root: embed, similarity or rerank, by the body",
+              tei.root, request=_TEI_ROOT_REQUEST, response=_TEI_ROOT_RESPONSE),
+    RouteSpec("/info", "GET", "tei_info", "TEI model info", tei.info, response=OPEN_OBJECT),
+    # Models (OpenAI's list shape, and shoal's admin actions).
+    RouteSpec("/v1/models", "GET", "models", "The models this server serves (OpenAI list shape)",
+              routes.models, response=OPEN_OBJECT),
+    RouteSpec("/v1/models/{model_path:path}", "GET", "model", "One model (ids contain `/`)",
+              routes.model, response=OPEN_OBJECT),
+    RouteSpec("/v1/models/{model_path:path}", "POST", "model_admin",
+              "Admin: `{id}/load`, `/unload`, `/pin`, `/unpin` (admin scope)",
+              routes.model_admin, response=OPEN_OBJECT, admin=True),
+    # Served as they are (api/plain.py).
+    RouteSpec("/healthz", "GET", "healthz", "Process up", plain=plain.healthz),
+    RouteSpec("/health", "GET", "health", "Process up (TEI's name)", plain=plain.healthz),
+    RouteSpec("/", "GET", "root", "Process up (TEI's root)", plain=plain.healthz),
+    RouteSpec("/readyz", "GET", "readyz", "Engine ready (503 otherwise)", plain=plain.readyz),
+    RouteSpec("/metrics", "GET", "metrics", "Prometheus metrics", plain=plain.metrics, media="text/plain"),
+    RouteSpec("/openapi.json", "GET", "openapi", "This document", plain=plain.openapi_json, response=OPEN_OBJECT),
+    RouteSpec("/docs", "GET", "docs", "This document, rendered", plain=plain.docs, media="text/html"),
+)
