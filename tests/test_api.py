@@ -208,7 +208,8 @@ def test_openai_client_dimensions_128_returns_unit_prefix_of_reference(openai_cl
         assert cosine(datum.embedding, expected[:128]) >= 0.99999
 
 
-def test_openai_client_single_string_input_returns_one_reference_vector(openai_client, card, embed_reference, count_tokens):
+def test_openai_client_single_string_input_returns_one_reference_vector(openai_client, card, embed_reference,
+                                                                        count_tokens):
     text = SENTENCES[1]
     result = openai_client.embeddings.create(model=card.id, input=text)
 
@@ -231,7 +232,8 @@ def test_32_concurrent_requests_each_get_their_own_reference_vector(base_url, ca
     async def send_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as http:
             return await asyncio.gather(*(
-                http.post("/v1/encode", json=encode_body(card, [text], ids=[f"req-{i}"])) for i, text in enumerate(texts)
+                http.post("/v1/encode", json=encode_body(card, [text], ids=[f"req-{i}"]))
+                for i, text in enumerate(texts)
             ))
 
     responses = asyncio.run(send_all())
