@@ -16,7 +16,7 @@ from shoal.config import EngineSettings
 from shoal.engine import EncodeCall, Engine
 from shoal.engine.tokenizer import TextTokenizer
 from shoal.heads import pool
-from shoal.layers import AttentionMeta
+from shoal.layers import AttentionMeta, PackedInputs
 from shoal.weights import build_model
 
 MAX_LENGTH = 512  # MiniLM's position table: the longest sequence, the longest sum
@@ -37,7 +37,7 @@ def half_states(request, minilm_dir):
     ids = torch.from_numpy(seq.ids)
     meta = AttentionMeta.build(torch.tensor([0, len(seq)], dtype=torch.int32), len(seq))
     with torch.inference_mode():
-        states = model(ids, torch.arange(len(seq)), meta)
+        states = model(PackedInputs(ids, torch.arange(len(seq)), meta))
     assert states.dtype == getattr(torch, request.param)
     return request.param, states, meta
 

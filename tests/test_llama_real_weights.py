@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shoal.heads import pool
-from shoal.layers import AttentionMeta
+from shoal.layers import AttentionMeta, PackedInputs
 from shoal.weights import build_model
 
 TEXTS = [
@@ -48,7 +48,7 @@ def outputs(smollm2):
     meta = AttentionMeta.build(torch.tensor([0] + lengths).cumsum(0).to(torch.int32), max(lengths))
     ours = build_model(directory, None, "cpu")
     with torch.inference_mode():
-        hidden = ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lengths]), meta)
+        hidden = ours(PackedInputs(torch.cat(seqs), torch.cat([torch.arange(n) for n in lengths]), meta))
 
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)  # right padding: causal attention
     mask = torch.zeros_like(ids)  # keeps real tokens blind to the pads

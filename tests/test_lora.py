@@ -24,7 +24,7 @@ from parity import attention_meta, max_abs_diff
 from shoal.engine.lora import read_adapter
 from shoal.engine.runner import ModelRunner
 from shoal.errors import InferenceFailed, ModelLoadError
-from shoal.layers import LoraRouting
+from shoal.layers import LoraRouting, PackedInputs
 from shoal.weights import build_model
 
 LENGTHS = [1, 40, 7, 2, 23, 64, 5]
@@ -54,11 +54,11 @@ def test_adapted_outputs_equal_peft_per_token_and_through_the_runner(tmp_path, n
     ids = torch.from_numpy(np.concatenate(seqs))
     positions = torch.cat([torch.arange(n) for n in LENGTHS])
     with torch.inference_mode(), routing.applied(model):
-        hidden = model(ids, positions, attention_meta(LENGTHS, row_block_bytes=0))  # [T, hidden], whole as the runner runs adapters
+        hidden = model(PackedInputs(ids, positions, attention_meta(LENGTHS, row_block_bytes=0)))  # [T, hidden], whole as the runner runs adapters
     assert max_abs_diff(hidden, expected) <= 1e-4
     assert max_abs_diff(hidden, merged) <= 1e-4
     with torch.inference_mode():  # the adapter really moves the states, so the check above could fail
-        assert max_abs_diff(model(ids, positions, attention_meta(LENGTHS)), expected) > 0.1
+        assert max_abs_diff(model(PackedInputs(ids, positions, attention_meta(LENGTHS))), expected) > 0.1
 
     # Through the runner: add_adapter, then a batch whose sequences name its slot.
     runner = ModelRunner.from_dir(card(name, base_dir), base_dir, "cpu")

@@ -27,6 +27,7 @@ from shoal.engine.tokenizer import TextTokenizer
 from shoal.errors import ModelLoadError
 from shoal.heads import BuildContext
 from shoal.heads.token_class import TokenClassHead
+from shoal.layers import PackedInputs
 from shoal.weights import build_model
 from shoal.weights_onnx import convert, dequantize_nbits, onnx_bert_state_dict
 
@@ -186,8 +187,9 @@ def shoal_tagger(directory: Path):
         lengths = [len(s) for s in seqs]
         input_ids = torch.from_numpy(np.concatenate(seqs).astype(np.int64))  # [T]
         position_ids = torch.cat([torch.arange(n) for n in lengths])  # [T]
+        inputs = PackedInputs(input_ids, position_ids, attention_meta(lengths))
         with torch.inference_mode():
-            out = head.logits(model(input_ids, position_ids, attention_meta(lengths))).numpy()  # [T, 35]
+            out = head.logits(model(inputs)).numpy()  # [T, 35]
         return np.split(out, np.cumsum(lengths)[:-1])
 
     return head, logits

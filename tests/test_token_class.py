@@ -17,6 +17,7 @@ from rerankers import minilm_dir
 from shoal.engine.tokenizer import TextTokenizer
 from shoal.heads import BuildContext
 from shoal.heads.token_class import TokenClassHead
+from shoal.layers import PackedInputs
 from shoal.spans import STRATEGIES, aggregate_entities
 from shoal.weights import build_model
 
@@ -54,8 +55,9 @@ def shoal_entities(directory, texts: list[str], strategy: str) -> list[list[dict
     lengths = [len(e) for e in encoded]
     input_ids = torch.from_numpy(np.concatenate([e.ids for e in encoded]))  # [T]
     position_ids = torch.cat([torch.arange(n) for n in lengths])  # [T]
+    inputs = PackedInputs(input_ids, position_ids, attention_meta(lengths))
     with torch.inference_mode():
-        logits = head.logits(model(input_ids, position_ids, attention_meta(lengths))).numpy()  # [T, labels]
+        logits = head.logits(model(inputs)).numpy()  # [T, labels]
     out, start = [], 0
     for text, e in zip(texts, encoded):
         out.append(aggregate_entities(logits[start:start + len(e)], head.id2label, e.offsets, e.word_ids, text,

@@ -20,6 +20,7 @@ from ..catalog.card import ROW_BLOCK_BYTES
 from ..errors import ConfigError
 from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta, PackedInputs, input_maxima, packed, quantize_linears
+from ..layers.attention import flash_available
 from ..weights import build_model, estimate_bytes
 from .backend import ModelInfo
 from .hardware import hardware_class
@@ -86,7 +87,7 @@ class ModelRunner:
         # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
         self.num_bytes = tensor_bytes([model, *self.heads.values()]) + packed.packed_bytes(model)
         self.workspace_bytes = workspace_bytes(model, self.heads.values(), max_batch_tokens, tokenizer.max_length,
-                                               self.device, flash=_flash_available(self.device, dtype))
+                                               self.device, flash=flash_available(self.device, dtype))
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -299,11 +300,3 @@ def _check_quantize(card: ModelCard, device: str) -> None:
         raise ConfigError(f"{card.id}: quantize {card.quantize} runs with float32 activations, not dtype "
                           f"{card.dtype}: leave dtype unset (float32) or drop quantize",
                           details={"model": card.id, "field": "quantize", "dtype": card.dtype})
-
-
-def _flash_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether attention takes flash-attn's varlen kernel (no score matrix in the workspace)."""
-    import importlib.util
-
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and \
-        importlib.util.find_spec("flash_attn") is not None
