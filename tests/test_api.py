@@ -208,8 +208,9 @@ def test_openai_client_dimensions_128_returns_unit_prefix_of_reference(openai_cl
         assert cosine(datum.embedding, expected[:128]) >= 0.99999
 
 
-def test_openai_client_single_string_input_returns_one_reference_vector(openai_client, card, embed_reference,
-                                                                        count_tokens):
+def test_openai_client_single_string_input_returns_one_reference_vector(
+    openai_client, card, embed_reference, count_tokens
+):
     text = SENTENCES[1]
     result = openai_client.embeddings.create(model=card.id, input=text)
 
@@ -220,8 +221,16 @@ def test_openai_client_single_string_input_returns_one_reference_vector(openai_c
 
 # --- concurrency --------------------------------------------------------------------------------
 
-SUBJECTS = ["A cat", "The committee", "My grandmother", "A rocket engineer", "The river", "Every student",
-            "A jazz band", "The old lighthouse"]
+SUBJECTS = [
+    "A cat",
+    "The committee",
+    "My grandmother",
+    "A rocket engineer",
+    "The river",
+    "Every student",
+    "A jazz band",
+    "The old lighthouse",
+]
 PREDICATES = ["sleeps through the storm", "votes on the budget", "bakes bread at dawn", "tests a new valve"]
 
 
@@ -231,10 +240,12 @@ def test_32_concurrent_requests_each_get_their_own_reference_vector(base_url, ca
 
     async def send_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as http:
-            return await asyncio.gather(*(
-                http.post("/v1/encode", json=encode_body(card, [text], ids=[f"req-{i}"]))
-                for i, text in enumerate(texts)
-            ))
+            return await asyncio.gather(
+                *(
+                    http.post("/v1/encode", json=encode_body(card, [text], ids=[f"req-{i}"]))
+                    for i, text in enumerate(texts)
+                )
+            )
 
     responses = asyncio.run(send_all())
 

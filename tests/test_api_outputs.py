@@ -19,7 +19,8 @@ def test_sparse_output_in_json_and_msgpack_carries_the_same_indices_values_and_t
     as_json = client.post("/v1/encode", json=body(SPLADE, outputs=["sparse"], sparse_top_k=6, return_tokens=True))
     assert as_json.status_code == 200, as_json.text
     as_msgpack = client.post(
-        "/v1/encode", content=msgspec.msgpack.encode(body(SPLADE, sparse_top_k=6, return_tokens=True)),
+        "/v1/encode",
+        content=msgspec.msgpack.encode(body(SPLADE, sparse_top_k=6, return_tokens=True)),
         headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"},
     )
     assert as_msgpack.status_code == 200

@@ -35,13 +35,16 @@ def body_schema(document: dict, path: str, method: str, part: str) -> dict:
     return {**media["application/json"]["schema"], "components": document["components"]}
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/encode", {"model": MODEL_ID, "items": [{"id": 1, "text": "hi"}], "options": {"dimensions": 64}}),
-    ("/v1/embeddings", {"model": MODEL_ID, "input": ["hi", "there"], "encoding_format": "float"}),
-    ("/v1/score", {"model": MODEL_ID, "query": "q", "items": [{"text": "a"}, {"text": "b"}]}),
-    ("/embed", {"inputs": ["hi"], "normalize": False}),
-    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/encode", {"model": MODEL_ID, "items": [{"id": 1, "text": "hi"}], "options": {"dimensions": 64}}),
+        ("/v1/embeddings", {"model": MODEL_ID, "input": ["hi", "there"], "encoding_format": "float"}),
+        ("/v1/score", {"model": MODEL_ID, "query": "q", "items": [{"text": "a"}, {"text": "b"}]}),
+        ("/embed", {"inputs": ["hi"], "normalize": False}),
+        ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}}),
+    ],
+)
 def test_the_schemas_accept_what_clients_send_and_what_the_server_answers(base_url, document, path, body):
     jsonschema.validate(body, body_schema(document, path, "post", "request"))
     response = httpx.post(f"{base_url}{path}", json=body, timeout=60)

@@ -181,8 +181,13 @@ class ErrorResult(Result, frozen=True, tag="error"):
 
     @classmethod
     def of(cls, error: ShoalError, request_id: str | None = None) -> ErrorResult:
-        return cls(code=error.code, message=error.message, details=error.details,
-                   retry_after_s=error.retry_after_s, request_id=request_id)
+        return cls(
+            code=error.code,
+            message=error.message,
+            details=error.details,
+            retry_after_s=error.retry_after_s,
+            request_id=request_id,
+        )
 
     def error(self) -> ShoalError:
         return error_from_code(self.code, self.message, self.details, self.retry_after_s)
@@ -196,8 +201,9 @@ def timeout_of(call: Call, default_s: float) -> float:
     """The call's budget in seconds (`default_s` when it names none); InvalidRequest unless > 0."""
     timeout_s = default_s if call.timeout_s is None else call.timeout_s
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise InvalidRequest(f"timeout_s must be a number of seconds > 0, not {timeout_s!r}",
-                             details={"option": "timeout_s"})
+        raise InvalidRequest(
+            f"timeout_s must be a number of seconds > 0, not {timeout_s!r}", details={"option": "timeout_s"}
+        )
     return float(timeout_s)
 
 

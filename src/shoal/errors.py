@@ -81,8 +81,9 @@ class Forbidden(ShoalError):
 class Overloaded(ShoalError):
     code = "overloaded"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0,
-                 details: Mapping[str, object] | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, details: Mapping[str, object] | None = None
+    ) -> None:
         super().__init__(message, details=details)
         self._retry_after_s = retry_after_s
 
@@ -125,8 +126,14 @@ class ModelLoadError(ShoalError):
 
     code = "model_load_failed"
 
-    def __init__(self, message: str, *, details: Mapping[str, object] | None = None, public_message: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        details: Mapping[str, object] | None = None,
+        public_message: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message, details=details)
         self.public_message = public_message or _PATH.sub(lambda m: m.group(0).rsplit("/", 1)[-1], message)
         self._retry_after_s = retry_after_s
@@ -153,8 +160,9 @@ def _all_classes(cls: type[ShoalError]) -> list[type[ShoalError]]:
 _BY_CODE: dict[str, type[ShoalError]] = {cls.code: cls for cls in _all_classes(ShoalError)}
 
 
-def error_from_code(code: str, message: str, details: Mapping[str, object] | None = None,
-                    retry_after_s: float | None = None) -> ShoalError:
+def error_from_code(
+    code: str, message: str, details: Mapping[str, object] | None = None, retry_after_s: float | None = None
+) -> ShoalError:
     """The error of class `code` (ShoalError for a code this version does not know)."""
     cls = _BY_CODE.get(code, ShoalError)
     if issubclass(cls, Overloaded):

@@ -44,18 +44,42 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     aliases: tuple[str, ...] = ()  # other names a request may use for it
 
 
-def status_of_card(card: ModelCard, *, loaded: bool = False, state: str = "not_loaded", bytes: int | None = None,
-                   pinned: bool = False, device: str | None = None, adapters_loaded: tuple[str, ...] = (),
-                   error: str | None = None, aliases: tuple[str, ...] = ()) -> ModelStatus:
+def status_of_card(
+    card: ModelCard,
+    *,
+    loaded: bool = False,
+    state: str = "not_loaded",
+    bytes: int | None = None,
+    pinned: bool = False,
+    device: str | None = None,
+    adapters_loaded: tuple[str, ...] = (),
+    error: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> ModelStatus:
     """A card's `ModelStatus`; the keywords are the fields the server measures (residency: state,
     bytes...), as `ModelStatus` documents them."""
     return ModelStatus(
-        id=card.id, tasks=card.tasks, outputs=card.outputs if "encode" in card.tasks else (),
-        max_length=card.max_length, verified=card.verified, architecture=card.architecture,
-        dimensions=card.dimensions, pooling=card.pooling, prompts=tuple(sorted(card.prompts)),
-        description=card.description, extract=card.extract.kind if card.extract else None,
-        adapters=tuple(sorted(card.adapters)), loaded=loaded, state=state, bytes=bytes, pinned=pinned, device=device,
-        adapters_loaded=adapters_loaded, error=error, aliases=aliases)
+        id=card.id,
+        tasks=card.tasks,
+        outputs=card.outputs if "encode" in card.tasks else (),
+        max_length=card.max_length,
+        verified=card.verified,
+        architecture=card.architecture,
+        dimensions=card.dimensions,
+        pooling=card.pooling,
+        prompts=tuple(sorted(card.prompts)),
+        description=card.description,
+        extract=card.extract.kind if card.extract else None,
+        adapters=tuple(sorted(card.adapters)),
+        loaded=loaded,
+        state=state,
+        bytes=bytes,
+        pinned=pinned,
+        device=device,
+        adapters_loaded=adapters_loaded,
+        error=error,
+        aliases=aliases,
+    )
 
 
 class Token(msgspec.Struct, frozen=True):
@@ -119,8 +143,9 @@ class Service(Protocol):
         """One of ADMIN_ACTIONS on a model, then its status."""
         ...
 
-    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
-                       prompt_name: str | None = None) -> list[list[Token]]:
+    async def tokenize(
+        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+    ) -> list[list[Token]]:
         """Each text's tokens as the model's tokenizer cuts it (TEI's /tokenize)."""
         ...
 

@@ -42,8 +42,9 @@ _REQUEST_ID = re.compile(r"[\w.:/-]{1,128}")
 _OFF_LOOP_BYTES = 1 << 20
 
 
-def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...] = (),
-               auth: Auth | None = None) -> Starlette:
+def create_app(
+    settings: Settings, service: Service, *, preload: tuple[str, ...] = (), auth: Auth | None = None
+) -> Starlette:
     """The ASGI app; its lifespan starts the service and loads `preload` models before serving.
     `auth`: the bearer tokens it accepts (None or none: open, as on loopback)."""
     auth = auth or Auth([])
@@ -80,8 +81,17 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
                 if admin:
                     auth.check_admin(principal)
                 body = await _read_body(request, server.max_body_bytes) if reads_body else b""
-                ctx = routes.Context(request, service, body, fmt_in, server.max_items_per_request, request_id,
-                                     preload=preload, principal=principal, default=server.default_model)
+                ctx = routes.Context(
+                    request,
+                    service,
+                    body,
+                    fmt_in,
+                    server.max_items_per_request,
+                    request_id,
+                    preload=preload,
+                    principal=principal,
+                    default=server.default_model,
+                )
                 result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
                 timings = getattr(result, "timings", None)
                 if isinstance(timings, wire.Timings):
@@ -98,8 +108,12 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
             except Exception:  # a bug in a handler: the client gets a 500 naming its request id, the log the traceback
                 log.exception("request %s: unhandled error in %s", request_id, name)
                 response = error_response(
-                    ShoalError(f"internal error (request id {request_id}); the server log has the traceback",
-                               details={"request_id": request_id}), fmt_out)
+                    ShoalError(
+                        f"internal error (request id {request_id}); the server log has the traceback",
+                        details={"request_id": request_id},
+                    ),
+                    fmt_out,
+                )
             elapsed = time.perf_counter() - started
             model = ctx.model if ctx and ctx.model is not None and service.has_model(ctx.model) else "-"
             metrics.requests.labels(name, model, str(response.status_code)).inc()
@@ -111,8 +125,12 @@ def create_app(settings: Settings, service: Service, *, preload: tuple[str, ...]
         return run
 
     app = Starlette(
-        routes=[Route(spec.path, endpoint(spec) if spec.plain is None else spec.plain, methods=[spec.method],
-                      name=spec.name) for spec in ROUTES],
+        routes=[
+            Route(
+                spec.path, endpoint(spec) if spec.plain is None else spec.plain, methods=[spec.method], name=spec.name
+            )
+            for spec in ROUTES
+        ],
         exception_handlers={HTTPException: _on_http_error},
         lifespan=lifespan,
     )

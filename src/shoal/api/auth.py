@@ -49,8 +49,10 @@ class Principal:
 
     def check_model(self, model_id: str) -> None:
         if not self.may_use(model_id):
-            raise Forbidden(f"this token may not use model {model_id!r} (its models: {', '.join(self.models or ())})",
-                            details={"model": model_id})
+            raise Forbidden(
+                f"this token may not use model {model_id!r} (its models: {', '.join(self.models or ())})",
+                details={"model": model_id},
+            )
 
 
 ANONYMOUS = Principal("anonymous")  # auth off: every model, no admin scope
@@ -77,8 +79,10 @@ class Auth:
     @classmethod
     def from_sources(cls, file: Path | None = None, tokens: str = "", admin_tokens: str = "") -> Auth:
         entries = _read_file(file) if file is not None else []
-        for variable, value, scopes in (("SHOAL_AUTH_TOKENS", tokens, frozenset()),
-                                        ("SHOAL_ADMIN_TOKENS", admin_tokens, frozenset({ADMIN}))):
+        for variable, value, scopes in (
+            ("SHOAL_AUTH_TOKENS", tokens, frozenset()),
+            ("SHOAL_ADMIN_TOKENS", admin_tokens, frozenset({ADMIN})),
+        ):
             for i, token in enumerate(_split(value)):
                 if len(token) < 16:
                     raise ConfigError(f"{variable}: token {i} is shorter than 16 characters")
@@ -108,8 +112,10 @@ class Auth:
 
     def check_admin(self, principal: Principal) -> None:
         if not self.has_admin:
-            raise Forbidden("admin routes are off: this server has no admin token (give one the `admin` scope "
-                            "in the tokens file, or set SHOAL_ADMIN_TOKENS)")
+            raise Forbidden(
+                "admin routes are off: this server has no admin token (give one the `admin` scope "
+                "in the tokens file, or set SHOAL_ADMIN_TOKENS)"
+            )
         if ADMIN not in principal.scopes:
             raise Forbidden("this route needs a token with the `admin` scope")
 
@@ -118,8 +124,10 @@ def check_bind(host: str, auth: Auth, no_auth: bool) -> None:
     """Refuse to serve a non-loopback address without tokens unless `--no-auth` says so."""
     if auth.enabled or no_auth or host in _LOOPBACK or host.startswith("127."):
         return
-    raise ConfigError(f"refusing to serve {host} without auth: give tokens (--auth-tokens-file, SHOAL_AUTH_TOKENS) "
-                      "or pass --no-auth to serve it open")
+    raise ConfigError(
+        f"refusing to serve {host} without auth: give tokens (--auth-tokens-file, SHOAL_AUTH_TOKENS) "
+        "or pass --no-auth to serve it open"
+    )
 
 
 def _digest(token: str) -> bytes:
@@ -165,8 +173,9 @@ def _read_file(path: Path) -> list[_Token]:
         if not isinstance(scopes, list) or any(s not in _SCOPES for s in scopes):
             raise fail(f"{where}.scopes must be a list of: {', '.join(_SCOPES)}")
         models = entry.get("models")
-        if models is not None and (not isinstance(models, list) or not models
-                                   or not all(isinstance(m, str) and m for m in models)):
+        if models is not None and (
+            not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models)
+        ):
             raise fail(f"{where}.models must be a non-empty list of model ids or globs")
         if token is not None:
             digest = _digest(token)

@@ -1,6 +1,6 @@
 """The one map from shoal errors to HTTP status, and the one error body shape.
 
-    {"error": {"code": "...", "message": "...", "details": {...}}}
+{"error": {"code": "...", "message": "...", "details": {...}}}
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def error_response(error: ShoalError, fmt: wire.Format = wire.Format.JSON) -> Re
     return Response(wire.encode(body, fmt), status_code=status_of(error), media_type=fmt.value, headers=headers)
 
 
-def http_error(code: str, message: str, status: int, headers: Mapping[str, str] | None = None,
-               fmt: wire.Format = wire.Format.JSON) -> Response:
+def http_error(
+    code: str, message: str, status: int, headers: Mapping[str, str] | None = None, fmt: wire.Format = wire.Format.JSON
+) -> Response:
     """For errors the router raises itself (unknown path, wrong method: keeps its `Allow`)."""
     body = wire.ErrorResponse(wire.ErrorBody(code=code, message=message))
     return Response(wire.encode(body, fmt), status_code=status, media_type=fmt.value, headers=dict(headers or {}))

@@ -27,7 +27,8 @@ def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
     """The OpenAPI 3.1 document of `routes` (by default, the app's table)."""
     types = [m for route in routes for t in (route.request, route.response) if t is not None for m in _members(t)]
     schemas, components = msgspec.json.schema_components(
-        [*types, wire.ErrorResponse], schema_hook=_array_schema, ref_template="#/components/schemas/{name}")
+        [*types, wire.ErrorResponse], schema_hook=_array_schema, ref_template="#/components/schemas/{name}"
+    )
     of_type = dict(zip(map(id, types), schemas))
     error_schema = schemas[-1]
 
@@ -40,35 +41,46 @@ def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
         entry: JSONObject = {"summary": route.summary, "operationId": _operation_id(path, method)}
         params = _PARAM.findall(route.path)
         if params:
-            entry["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-                                   for name in params]
+            entry["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in params
+            ]
         if route.request is not None:
             body = {"schema": schema(route.request)}
-            entry["requestBody"] = {"required": True, "content": {"application/json": body,
-                                                                  "application/msgpack": body}}
+            entry["requestBody"] = {
+                "required": True,
+                "content": {"application/json": body, "application/msgpack": body},
+            }
         ok: JSONObject = {"description": "OK"}
         if route.response is not None:
             ok["content"] = {"application/json": {"schema": schema(route.response)}}
         elif route.media != "application/json":
             ok["content"] = {route.media: {"schema": {"type": "string"}}}
-        entry["responses"] = {"200": ok, "default": {
-            "description": "An error: {error: {code, message, details}} (docs/api.md#errors)",
-            "content": {"application/json": {"schema": error_schema}}}}
+        entry["responses"] = {
+            "200": ok,
+            "default": {
+                "description": "An error: {error: {code, message, details}} (docs/api.md#errors)",
+                "content": {"application/json": {"schema": error_schema}},
+            },
+        }
         paths.setdefault(path, {})[method] = entry
     return {
         "openapi": "3.1.0",
-        "info": {"title": "shoal", "version": __version__,
-                 "description": "Serve small models: encode, score, extract (docs/api.md)."},
+        "info": {
+            "title": "shoal",
+            "version": __version__,
+            "description": "Serve small models: encode, score, extract (docs/api.md).",
+        },
         "paths": paths,
-        "components": {"schemas": components,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
 
 
 def _array_schema(t: type[object]) -> JSONObject:
     if t is np.ndarray:  # a vector or matrix: nested lists in JSON, {dtype, shape, data} in msgpack
-        return {"description": "an array: nested lists of numbers in JSON; in msgpack a map of dtype, shape and "
-                               "raw little-endian bytes (docs/api.md)"}
+        return {
+            "description": "an array: nested lists of numbers in JSON; in msgpack a map of dtype, shape and "
+            "raw little-endian bytes (docs/api.md)"
+        }
     raise NotImplementedError(f"no JSON schema for {t!r}")
 
 

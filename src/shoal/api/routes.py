@@ -74,8 +74,9 @@ class Context:
         if model:
             return model
         statuses = {status.id: status for status in self.service.models()}
-        default = self.service.model(self.default).id if self.default and self.service.has_model(self.default) \
-            else None  # an alias names its model
+        default = (
+            self.service.model(self.default).id if self.default and self.service.has_model(self.default) else None
+        )  # an alias names its model
         tasks = {m: s.tasks for m, s in statuses.items()}
 
         def serves(m: str) -> bool:
@@ -171,8 +172,15 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     texts = req.texts()
     ctx.check_count(len(texts))
     result = await ctx.run(
-        EncodeCall(model=req.model, texts=texts, dimensions=req.dimensions, outputs=("dense",),
-                   request_id=ctx.request_id, is_query=req.is_query, prompt_name=req.prompt_name)
+        EncodeCall(
+            model=req.model,
+            texts=texts,
+            dimensions=req.dimensions,
+            outputs=("dense",),
+            request_id=ctx.request_id,
+            is_query=req.is_query,
+            prompt_name=req.prompt_name,
+        )
     )
     ctx.result_bytes = _array_bytes(result) * (1 if req.format == "base64" else 4)
     data = [wire.openai_embedding(i, v, req.format) for i, v in enumerate(result.vectors)]
@@ -202,8 +210,10 @@ async def model_admin(ctx: Context) -> wire.ModelEntry:
     path: str = ctx.request.path_params["model_path"]
     model_id, _, action = path.rpartition("/")
     if action not in ADMIN_ACTIONS or not model_id:
-        raise UnknownModel(f"POST /v1/models/{{id}}/ACTION: ACTION is one of {', '.join(ADMIN_ACTIONS)}, "
-                           f"not {action!r}", details={"actions": list(ADMIN_ACTIONS)})
+        raise UnknownModel(
+            f"POST /v1/models/{{id}}/ACTION: ACTION is one of {', '.join(ADMIN_ACTIONS)}, not {action!r}",
+            details={"actions": list(ADMIN_ACTIONS)},
+        )
     ctx.model = model_id
     ctx.status(model_id)  # an admin token's allow-list binds it too
     return _model_entry(await ctx.service.admin(model_id, action))

@@ -82,7 +82,9 @@ def build_server(app: ASGIApp, settings: ServerSettings, *, log_level: str | int
     if cap < settings.max_connections:
         log.warning(
             "max_connections %d lowered to %d to stay below the file-descriptor limit %s; raise `ulimit -n` for more",
-            settings.max_connections, cap, limit,
+            settings.max_connections,
+            cap,
+            limit,
         )
     headroom = (limit - cap) if limit is not None else 10 * cap
     gate = _Gate(max_connections=cap, max_lingering=max(1, headroom // 2))

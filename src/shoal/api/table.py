@@ -72,6 +72,8 @@ class RouteSpec:
 _TEI_ROOT_REQUEST = (wire.tei.EmbedRequest, wire.tei.SimilarityRequest, wire.tei.RerankRequest)
 _TEI_ROOT_RESPONSE = (list[list[float]], list[float], list[wire.tei.Rank])
 
+# One row per route, read as a table (the formatter would give each argument its own line).
+# fmt: off
 ROUTES: tuple[RouteSpec, ...] = (
     # Native verbs (wire/native.py).
     RouteSpec("/v1/encode", "POST", "encode", "Encode texts: dense, sparse and multi-vector outputs",
@@ -125,3 +127,4 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/openapi.json", "GET", "openapi", "This document", plain=plain.openapi_json, response=OPEN_OBJECT),
     RouteSpec("/docs", "GET", "docs", "This document, rendered", plain=plain.docs, media="text/html"),
 )
+# fmt: on

@@ -85,26 +85,48 @@ async def info(ctx: Context) -> wire.JSONObject:
     if task not in ("encode", "score", "extract"):
         raise InvalidRequest(f"task {task!r} is not one of encode, score, extract", details={"option": "task"})
     ctx.model = model = ctx.default_model(task)
-    return _info(ctx.status(model), max_batch_tokens=settings.engine.max_batch_tokens,
-                 max_client_batch_size=settings.server.max_items_per_request,
-                 tokenization_workers=settings.engine.tokenizer_threads,
-                 max_concurrent_requests=settings.server.max_connections, version=__version__)
+    return _info(
+        ctx.status(model),
+        max_batch_tokens=settings.engine.max_batch_tokens,
+        max_client_batch_size=settings.server.max_items_per_request,
+        tokenization_workers=settings.engine.tokenizer_threads,
+        max_concurrent_requests=settings.server.max_connections,
+        version=__version__,
+    )
 
 
-def _info(status: ModelStatus, *, max_batch_tokens: int, max_client_batch_size: int, tokenization_workers: int,
-         max_concurrent_requests: int, version: str) -> wire.JSONObject:
+def _info(
+    status: ModelStatus,
+    *,
+    max_batch_tokens: int,
+    max_client_batch_size: int,
+    tokenization_workers: int,
+    max_concurrent_requests: int,
+    version: str,
+) -> wire.JSONObject:
     """TEI's `/info` for the model a request would use."""
     if "encode" in status.tasks:
-        model_type: wire.JSONObject = {"embedding": {"pooling": "splade" if status.outputs == ("sparse",)
-                                          else status.pooling or "none"}}
+        model_type: wire.JSONObject = {
+            "embedding": {"pooling": "splade" if status.outputs == ("sparse",) else status.pooling or "none"}
+        }
     elif "score" in status.tasks:
         model_type = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
     else:
         model_type = {"classifier": {"id2label": {}, "label2id": {}}}
     return {
-        "model_id": status.id, "model_sha": None, "model_dtype": "float32", "served_model_name": status.id,
-        "model_type": model_type, "max_concurrent_requests": max_concurrent_requests,
-        "max_input_length": status.max_length, "max_batch_tokens": max_batch_tokens, "max_batch_requests": None,
-        "max_client_batch_size": max_client_batch_size, "auto_truncate": False,
-        "tokenization_workers": tokenization_workers, "version": version, "sha": None, "docker_label": None,
+        "model_id": status.id,
+        "model_sha": None,
+        "model_dtype": "float32",
+        "served_model_name": status.id,
+        "model_type": model_type,
+        "max_concurrent_requests": max_concurrent_requests,
+        "max_input_length": status.max_length,
+        "max_batch_tokens": max_batch_tokens,
+        "max_batch_requests": None,
+        "max_client_batch_size": max_client_batch_size,
+        "auto_truncate": False,
+        "tokenization_workers": tokenization_workers,
+        "version": version,
+        "sha": None,
+        "docker_label": None,
     }

@@ -24,11 +24,12 @@ def chunks_of(items: Sequence[T], batch_size: int | None) -> list[list[T]]:
     size = batch_size or DEFAULT_BATCH_SIZE
     if size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-    return [list(items[i:i + size]) for i in range(0, len(items), size)] or [[]]
+    return [list(items[i : i + size]) for i in range(0, len(items), size)] or [[]]
 
 
-async def map_chunks(chunks: list[list[T]], send: Callable[[list[T]], Awaitable[R]], *, concurrency: int,
-                     show_progress: bool, desc: str) -> list[R]:
+async def map_chunks(
+    chunks: list[list[T]], send: Callable[[list[T]], Awaitable[R]], *, concurrency: int, show_progress: bool, desc: str
+) -> list[R]:
     """`send(chunk)` for every chunk, `concurrency` at a time; the answers in chunk order."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")

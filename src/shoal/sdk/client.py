@@ -37,18 +37,35 @@ class AsyncClient:
     httpx's network transport (an `httpx.MockTransport` in tests).
     """
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0, max_retries: int = 5,
-                 deadline_s: float | None = None, format: str = "msgpack",
-                 transport: httpx.AsyncBaseTransport | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 5,
+        deadline_s: float | None = None,
+        format: str = "msgpack",
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.deadline_s = deadline_s
-        self._http = Http(base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries, format=format,
-                          transport=transport, headers=headers)
+        self._http = Http(
+            base_url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            format=format,
+            transport=transport,
+            headers=headers,
+        )
 
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -56,13 +73,25 @@ class AsyncClient:
 
     # --- verbs -----------------------------------------------------------------------------------
 
-    async def encode(self, model: str, texts: Sequence[str], *, adapter: str | None = None,
-                     normalize: bool | None = None, dimensions: int | None = None,
-                     output_dtype: wire.OutputDtype | None = None, is_query: bool | None = None,
-                     prompt_name: str | None = None, truncate: bool | None = None,
-                     outputs: Sequence[wire.OutputKind] | None = None, sparse_top_k: int | None = None,
-                     return_tokens: bool = False, batch_size: int | None = None, concurrency: int = 4,
-                     show_progress: bool = False) -> Encoded:
+    async def encode(
+        self,
+        model: str,
+        texts: Sequence[str],
+        *,
+        adapter: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        output_dtype: wire.OutputDtype | None = None,
+        is_query: bool | None = None,
+        prompt_name: str | None = None,
+        truncate: bool | None = None,
+        outputs: Sequence[wire.OutputKind] | None = None,
+        sparse_top_k: int | None = None,
+        return_tokens: bool = False,
+        batch_size: int | None = None,
+        concurrency: int = 4,
+        show_progress: bool = False,
+    ) -> Encoded:
         """Vectors for `texts`, one row each in the order sent (`docs/api.md`, `POST /v1/encode`,
         says what each option does; None: the server's default).
 
@@ -75,44 +104,83 @@ class AsyncClient:
         async def send(chunk: list[str]) -> wire.EncodeResponse:
             def body(timeout_s: float | None) -> wire.EncodeRequest:
                 options = wire.EncodeOptions(
-                    normalize=normalize, dimensions=dimensions, output_dtype=dtype,
-                    is_query=is_query, prompt_name=prompt_name, truncate=True if truncate is None else truncate,
-                    outputs=list(outputs) if outputs else None, sparse_top_k=sparse_top_k,
-                    return_tokens=return_tokens, timeout_s=timeout_s)
-                return wire.EncodeRequest(model=model, items=[wire.EncodeItem(text=t) for t in chunk],
-                                          options=options, adapter=adapter)
+                    normalize=normalize,
+                    dimensions=dimensions,
+                    output_dtype=dtype,
+                    is_query=is_query,
+                    prompt_name=prompt_name,
+                    truncate=True if truncate is None else truncate,
+                    outputs=list(outputs) if outputs else None,
+                    sparse_top_k=sparse_top_k,
+                    return_tokens=return_tokens,
+                    timeout_s=timeout_s,
+                )
+                return wire.EncodeRequest(
+                    model=model, items=[wire.EncodeItem(text=t) for t in chunk], options=options, adapter=adapter
+                )
 
             return await self._http.post("/v1/encode", body, wire.EncodeResponse, deadline)
 
-        answers = await bulk.map_chunks(bulk.chunks_of(_texts(texts), batch_size), send, concurrency=concurrency,
-                                        show_progress=show_progress, desc="encode")
+        answers = await bulk.map_chunks(
+            bulk.chunks_of(_texts(texts), batch_size),
+            send,
+            concurrency=concurrency,
+            show_progress=show_progress,
+            desc="encode",
+        )
         return results.encoded(answers, dtype)
 
-    async def score(self, model: str, query: str, documents: Sequence[str], *, top_k: int | None = None,
-                    adapter: str | None = None, raw_scores: bool | None = None, truncate: bool | None = None,
-                    max_tokens_per_doc: int | None = None, window_overlap_tokens: int | None = None,
-                    instruction: str | None = None) -> Ranking:
+    async def score(
+        self,
+        model: str,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_k: int | None = None,
+        adapter: str | None = None,
+        raw_scores: bool | None = None,
+        truncate: bool | None = None,
+        max_tokens_per_doc: int | None = None,
+        window_overlap_tokens: int | None = None,
+        instruction: str | None = None,
+    ) -> Ranking:
         """`documents` ranked for `query`: `Scored(index, score)` best first, cut to `top_k`.
         Cross-encoders and LLM rerankers score pairs; an embedder scores by cosine (`POST /v1/score`)."""
         deadline = self._deadline()
 
         def body(timeout_s: float | None) -> wire.ScoreRequest:
             options = wire.ScoreOptions(
-                raw_scores=bool(raw_scores), truncate=True if truncate is None else truncate,
-                max_tokens_per_doc=max_tokens_per_doc, window_overlap_tokens=window_overlap_tokens,
-                instruction=instruction, timeout_s=timeout_s)
+                raw_scores=bool(raw_scores),
+                truncate=True if truncate is None else truncate,
+                max_tokens_per_doc=max_tokens_per_doc,
+                window_overlap_tokens=window_overlap_tokens,
+                instruction=instruction,
+                timeout_s=timeout_s,
+            )
             items = [wire.ScoreItem(text=d) for d in _texts(documents)]
-            return wire.ScoreRequest(model=model, query=query, items=items, top_k=top_k, options=options,
-                                     adapter=adapter)
+            return wire.ScoreRequest(
+                model=model, query=query, items=items, top_k=top_k, options=options, adapter=adapter
+            )
 
         return results.ranking(await self._http.post("/v1/score", body, wire.ScoreResponse, deadline))
 
-    async def extract(self, model: str, texts: Sequence[str], labels: Sequence[str] = (), *,
-                      threshold: float | None = None, adapter: str | None = None, flat_ner: bool | None = None,
-                      multi_label: bool | None = None, max_span_width: int | None = None,
-                      hypothesis_template: str | None = None, aggregation: str | None = None,
-                      batch_size: int | None = None, concurrency: int = 4,
-                      show_progress: bool = False) -> list[ExtractedItem]:
+    async def extract(
+        self,
+        model: str,
+        texts: Sequence[str],
+        labels: Sequence[str] = (),
+        *,
+        threshold: float | None = None,
+        adapter: str | None = None,
+        flat_ner: bool | None = None,
+        multi_label: bool | None = None,
+        max_span_width: int | None = None,
+        hypothesis_template: str | None = None,
+        aggregation: str | None = None,
+        batch_size: int | None = None,
+        concurrency: int = 4,
+        show_progress: bool = False,
+    ) -> list[ExtractedItem]:
         """Each text's `entities` (span and token-class NER: text, label, score, start, end in
         characters) or `labels` (zero-shot classification, best first), in the order sent;
         chunked like `encode`. `labels`: the entity types or classes (`POST /v1/extract`)."""
@@ -121,15 +189,31 @@ class AsyncClient:
         async def send(chunk: list[str]) -> wire.ExtractResponse:
             def body(timeout_s: float | None) -> wire.ExtractRequest:
                 options = wire.native.ExtractOptions(
-                    threshold=threshold, flat_ner=flat_ner, multi_label=multi_label, max_span_width=max_span_width,
-                    hypothesis_template=hypothesis_template, aggregation=aggregation, timeout_s=timeout_s)
-                return wire.ExtractRequest(model=model, items=[wire.native.ExtractItem(text=t) for t in chunk],
-                                           labels=list(labels), options=options, adapter=adapter)
+                    threshold=threshold,
+                    flat_ner=flat_ner,
+                    multi_label=multi_label,
+                    max_span_width=max_span_width,
+                    hypothesis_template=hypothesis_template,
+                    aggregation=aggregation,
+                    timeout_s=timeout_s,
+                )
+                return wire.ExtractRequest(
+                    model=model,
+                    items=[wire.native.ExtractItem(text=t) for t in chunk],
+                    labels=list(labels),
+                    options=options,
+                    adapter=adapter,
+                )
 
             return await self._http.post("/v1/extract", body, wire.ExtractResponse, deadline)
 
-        answers = await bulk.map_chunks(bulk.chunks_of(_texts(texts), batch_size), send, concurrency=concurrency,
-                                        show_progress=show_progress, desc="extract")
+        answers = await bulk.map_chunks(
+            bulk.chunks_of(_texts(texts), batch_size),
+            send,
+            concurrency=concurrency,
+            show_progress=show_progress,
+            desc="extract",
+        )
         return results.extracted(answers)
 
     async def models(self) -> list[wire.ModelEntry]:

@@ -36,9 +36,18 @@ MAX_RETRY_AFTER_S = 60.0  # the longest Retry-After honoured
 JITTER = 0.25  # each wait is stretched by a random 0..25 %
 
 # A body that is not shoal's error shape (a proxy's 502 page): the code its status stands for.
-_CODE_OF_STATUS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-                   413: "payload_too_large", 415: "unsupported_media_type", 422: "input_too_long",
-                   429: "overloaded", 503: "overloaded", 504: "deadline_exceeded"}
+_CODE_OF_STATUS = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "input_too_long",
+    429: "overloaded",
+    503: "overloaded",
+    504: "deadline_exceeded",
+}
 
 FORMATS = {"msgpack": wire.Format.MSGPACK, "json": wire.Format.JSON}
 
@@ -50,8 +59,17 @@ BodyMaker = Callable[[float | None], object]
 class Http:
     """Sends one logical request as up to `1 + max_retries` attempts over a pooled httpx.AsyncClient."""
 
-    def __init__(self, base_url: str, *, api_key: str | None, timeout_s: float, max_retries: int, format: str,
-                 transport: httpx.AsyncBaseTransport | None, headers: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None,
+        timeout_s: float,
+        max_retries: int,
+        format: str,
+        transport: httpx.AsyncBaseTransport | None,
+        headers: dict[str, str] | None,
+    ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be 'msgpack' or 'json', not {format!r}")
         self.format = FORMATS[format]
@@ -59,8 +77,9 @@ class Http:
         sent = {"Content-Type": self.format.value, "Accept": self.format.value, **(headers or {})}
         if api_key is not None:
             sent["Authorization"] = f"Bearer {api_key}"
-        self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=sent, transport=transport,
-                                        timeout=timeout_s)
+        self.client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=sent, transport=transport, timeout=timeout_s
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -75,8 +94,7 @@ class Http:
         """GET `path`; the answer as plain JSON values (dicts, lists, strings, numbers)."""
         return _decode(await self.send("GET", path, None, deadline), object)
 
-    async def send(self, method: str, path: str, make_body: BodyMaker | None,
-                   deadline: float | None) -> httpx.Response:
+    async def send(self, method: str, path: str, make_body: BodyMaker | None, deadline: float | None) -> httpx.Response:
         for attempt in range(self.max_retries + 1):
             left_s = _left_s(deadline)
             content = None if make_body is None else wire.encode(make_body(left_s), self.format)
@@ -85,8 +103,9 @@ class Http:
                 # httpx's timeout bounds each read and write; the deadline bounds the whole exchange.
                 response = await (request if left_s is None else asyncio.wait_for(request, left_s))
             except asyncio.TimeoutError as exc:
-                raise DeadlineExceeded(f"{method} {path}: the client's deadline passed",
-                                       details={"phase": "client"}) from exc
+                raise DeadlineExceeded(
+                    f"{method} {path}: the client's deadline passed", details={"phase": "client"}
+                ) from exc
             except httpx.TimeoutException as exc:
                 if isinstance(exc, httpx.ReadTimeout) or attempt == self.max_retries:
                     raise  # the server took the request: sending it again doubles its load
@@ -102,7 +121,8 @@ class Http:
                 error = error_of(response)
                 retry_after_s = _retry_after_s(response)
                 retryable = response.status_code in RETRY_STATUSES or (
-                    response.status_code == 502 and retry_after_s is not None)
+                    response.status_code == 502 and retry_after_s is not None
+                )
                 if not retryable or attempt == self.max_retries:
                     raise error
                 wait_s = _backoff_s(attempt, retry_after_s)
@@ -152,8 +172,9 @@ def error_of(response: httpx.Response) -> ShoalError:
     except (msgspec.DecodeError, msgspec.ValidationError, ShoalError):
         code = _CODE_OF_STATUS.get(response.status_code, "internal_error")
         text = response.text[:200] if response.content else ""
-        return error_from_code(code, f"HTTP {response.status_code}: {text}".rstrip(": "),
-                               {"status": response.status_code}, retry_after_s)
+        return error_from_code(
+            code, f"HTTP {response.status_code}: {text}".rstrip(": "), {"status": response.status_code}, retry_after_s
+        )
     return error_from_code(body.code, body.message, body.details, retry_after_s)
 
 

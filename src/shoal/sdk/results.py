@@ -16,7 +16,11 @@ from ..calls import ExtractedItem
 
 # JSON lists back to arrays: the dtype each `output_dtype` is sent in (binary: packed uint8 bytes).
 JSON_DTYPES: dict[str, type[np.generic]] = {
-    "float32": np.float32, "float16": np.float16, "int8": np.int8, "binary": np.uint8}
+    "float32": np.float32,
+    "float16": np.float16,
+    "int8": np.int8,
+    "binary": np.uint8,
+}
 
 
 class Sparse(NamedTuple):
@@ -94,6 +98,10 @@ def ranking(response: wire.ScoreResponse) -> Ranking:
 
 def extracted(responses: list[wire.ExtractResponse]) -> list[ExtractedItem]:
     """Each text's entities or labels, in the order sent, across the call's chunks."""
-    return [ExtractedItem(entities=item.entities, labels=item.labels, num_windows=item.num_windows,
-                          truncated=item.truncated)
-            for response in responses for item in response.items]
+    return [
+        ExtractedItem(
+            entities=item.entities, labels=item.labels, num_windows=item.num_windows, truncated=item.truncated
+        )
+        for response in responses
+        for item in response.items
+    ]

@@ -24,9 +24,11 @@ R = TypeVar("R")
 P = ParamSpec("P")
 
 
-def _blocking(method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]
-              ) -> Callable[Concatenate[Client, P], R]:
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[Client, P], R]:
     """`AsyncClient`'s method as a blocking method of `Client`, with the same arguments."""
+
     @functools.wraps(method)
     def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(method(self._async, *args, **kwargs))
@@ -38,17 +40,34 @@ class Client:
     """A blocking client of one shoal server: `with Client(url) as client: client.encode(...)`.
     Arguments, results and errors are `AsyncClient`'s; one instance is safe to share between threads."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0, max_retries: int = 5,
-                 deadline_s: float | None = None, format: str = "msgpack",
-                 transport: httpx.AsyncBaseTransport | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 5,
+        deadline_s: float | None = None,
+        format: str = "msgpack",
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-sdk-loop", daemon=True)
         self._thread.start()
         self._closed = False
 
         async def build() -> AsyncClient:  # on the loop that will use its connections
-            return AsyncClient(base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
-                               deadline_s=deadline_s, format=format, transport=transport, headers=headers)
+            return AsyncClient(
+                base_url,
+                api_key=api_key,
+                timeout_s=timeout_s,
+                max_retries=max_retries,
+                deadline_s=deadline_s,
+                format=format,
+                transport=transport,
+                headers=headers,
+            )
 
         try:
             self._async = self._run(build())
@@ -80,8 +99,9 @@ class Client:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _run(self, coroutine: Coroutine[Any, Any, R]) -> R:

@@ -130,7 +130,9 @@ def decode(body: bytes, fmt: Format, type: type[T]) -> T:
             raise InvalidRequest(
                 f"malformed JSON body: a \\u escape at byte {byte} is half of a UTF-16 surrogate pair with no "
                 "other half, which is not text; send valid Unicode (escape a character outside the BMP as a pair, "
-                "or send it as UTF-8)", details={"byte": byte}) from None
+                "or send it as UTF-8)",
+                details={"byte": byte},
+            ) from None
         raise InvalidRequest(f"malformed {name} body: {exc}") from None
 
 

@@ -61,7 +61,7 @@ class RerankV2Request(_RerankRequest, kw_only=True):
         if self.relevant_spans is not None and self.relevant_spans.mode != "disabled":
             raise InvalidRequest(
                 f"relevant_spans mode {self.relevant_spans.mode!r} is not supported: shoal does not compute "
-                "relevant spans; omit `relevant_spans` or set its mode to \"disabled\"",
+                'relevant spans; omit `relevant_spans` or set its mode to "disabled"',
                 details={"path": "$.relevant_spans.mode"},
             )
 
@@ -126,8 +126,14 @@ def texts_of(documents: list[Document], rank_fields: list[str] | None = None) ->
 
 
 def score_call(req: _RerankRequest, model: str, texts: list[str], request_id: str | None = None) -> ScoreCall:
-    return ScoreCall(model=model, query=req.query, documents=texts, top_k=req.top_n,
-                     max_tokens_per_doc=req.max_tokens_per_doc, request_id=request_id)
+    return ScoreCall(
+        model=model,
+        query=req.query,
+        documents=texts,
+        top_k=req.top_n,
+        max_tokens_per_doc=req.max_tokens_per_doc,
+        request_id=request_id,
+    )
 
 
 def _results(req: _RerankRequest, result: ScoreResult) -> list[RerankResult]:
@@ -137,8 +143,10 @@ def _results(req: _RerankRequest, result: ScoreResult) -> list[RerankResult]:
         doc = req.documents[index]
         return {"text": doc} if isinstance(doc, str) else doc
 
-    return [RerankResult(index=item.index, relevance_score=item.score, document=document(item.index))
-            for item in result.items]
+    return [
+        RerankResult(index=item.index, relevance_score=item.score, document=document(item.index))
+        for item in result.items
+    ]
 
 
 def _meta(version: str, num_documents: int) -> Meta:
@@ -148,7 +156,10 @@ def _meta(version: str, num_documents: int) -> Meta:
 
 def rerank_response(req: RerankRequest, model: str, result: ScoreResult, request_id: str) -> RerankResponse:
     return RerankResponse(
-        id=request_id, model=model, results=_results(req, result), meta=_meta("1", len(req.documents)),
+        id=request_id,
+        model=model,
+        results=_results(req, result),
+        meta=_meta("1", len(req.documents)),
         usage=JinaUsage(total_tokens=result.num_tokens, prompt_tokens=result.num_tokens),
     )
 
@@ -179,8 +190,12 @@ def rerank_v2_response(req: RerankV2Request, result: ScoreResult, request_id: st
 
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
 # input_type -> EncodeCall.is_query (None: no prompt)
-INPUT_TYPES: dict[str, bool | None] = {"search_query": True, "search_document": False,
-                                        "classification": None, "clustering": None}
+INPUT_TYPES: dict[str, bool | None] = {
+    "search_query": True,
+    "search_document": False,
+    "classification": None,
+    "clustering": None,
+}
 TRUNCATE_MODES = ("NONE", "START", "END")
 
 
@@ -206,8 +221,9 @@ class _EmbedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def texts_of(self) -> list[str]:
         """The texts to embed; refuses images and an empty request."""
         if self.images:
-            raise InvalidRequest("`images` is not supported: shoal embeds text only; send `texts`",
-                                 details={"path": "$.images"})
+            raise InvalidRequest(
+                "`images` is not supported: shoal embeds text only; send `texts`", details={"path": "$.images"}
+            )
         if self.texts is None:
             raise InvalidRequest("no `texts`: send a non-empty list of strings", details={"path": "$.texts"})
         if not self.texts:
@@ -219,13 +235,16 @@ class _EmbedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.embedding_types is None:
             return ("float",)
         if not self.embedding_types:
-            raise InvalidRequest(f"`embedding_types` is empty: name one or more of {', '.join(EMBEDDING_TYPES)}",
-                                 details={"path": "$.embedding_types", "allowed": list(EMBEDDING_TYPES)})
+            raise InvalidRequest(
+                f"`embedding_types` is empty: name one or more of {', '.join(EMBEDDING_TYPES)}",
+                details={"path": "$.embedding_types", "allowed": list(EMBEDDING_TYPES)},
+            )
         for i, kind in enumerate(self.embedding_types):
             if kind not in EMBEDDING_TYPES:
                 raise InvalidRequest(
                     f"unknown embedding type {kind!r}: `embedding_types` takes {', '.join(EMBEDDING_TYPES)}",
-                    details={"path": f"$.embedding_types[{i}]", "allowed": list(EMBEDDING_TYPES)})
+                    details={"path": f"$.embedding_types[{i}]", "allowed": list(EMBEDDING_TYPES)},
+                )
         return tuple(dict.fromkeys(self.embedding_types))
 
     def is_query(self) -> bool | None:
@@ -235,20 +254,29 @@ class _EmbedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if kind in INPUT_TYPES:
             return INPUT_TYPES[kind]
         if kind == "image":
-            raise InvalidRequest("input_type 'image' is not supported: shoal embeds text only; send texts with "
-                                 f"input_type one of {', '.join(INPUT_TYPES)}", details={"path": "$.input_type"})
-        raise InvalidRequest(f"unknown input_type {kind!r}: send one of {', '.join(INPUT_TYPES)}",
-                             details={"path": "$.input_type", "allowed": list(INPUT_TYPES)})
+            raise InvalidRequest(
+                "input_type 'image' is not supported: shoal embeds text only; send texts with "
+                f"input_type one of {', '.join(INPUT_TYPES)}",
+                details={"path": "$.input_type"},
+            )
+        raise InvalidRequest(
+            f"unknown input_type {kind!r}: send one of {', '.join(INPUT_TYPES)}",
+            details={"path": "$.input_type", "allowed": list(INPUT_TYPES)},
+        )
 
     def truncates(self) -> bool:
         mode = self.truncate or "END"
         if mode == "START":
-            raise InvalidRequest("truncate START is not supported: shoal cuts long texts at the end; send END "
-                                 "(the default) or NONE (a text too long for the model is then a 422)",
-                                 details={"path": "$.truncate", "allowed": ["NONE", "END"]})
+            raise InvalidRequest(
+                "truncate START is not supported: shoal cuts long texts at the end; send END "
+                "(the default) or NONE (a text too long for the model is then a 422)",
+                details={"path": "$.truncate", "allowed": ["NONE", "END"]},
+            )
         if mode not in TRUNCATE_MODES:
-            raise InvalidRequest(f"unknown truncate {mode!r}: send NONE, START or END",
-                                 details={"path": "$.truncate", "allowed": list(TRUNCATE_MODES)})
+            raise InvalidRequest(
+                f"unknown truncate {mode!r}: send NONE, START or END",
+                details={"path": "$.truncate", "allowed": list(TRUNCATE_MODES)},
+            )
         return mode == "END"
 
 
@@ -259,8 +287,9 @@ class EmbedRequest(_EmbedRequest, kw_only=True):
 
     def model_of(self) -> str:
         if not self.model:
-            raise InvalidRequest("no `model`: name the embedding model to use (`GET /v1/models` lists them)",
-                                 details={"path": "$.model"})
+            raise InvalidRequest(
+                "no `model`: name the embedding model to use (`GET /v1/models` lists them)", details={"path": "$.model"}
+            )
         return self.model
 
 
@@ -274,8 +303,9 @@ class EmbedV2Request(_EmbedRequest, kw_only=True):
     def texts_of(self) -> list[str]:
         """`texts`, or each of `inputs` as its text parts joined by newlines."""
         if self.inputs is None and self.texts is None and not self.images:
-            raise InvalidRequest("nothing to embed: send `texts` (strings) or `inputs` (text content)",
-                                 details={"path": "$.texts"})
+            raise InvalidRequest(
+                "nothing to embed: send `texts` (strings) or `inputs` (text content)", details={"path": "$.texts"}
+            )
         if self.inputs is None or self.images:
             return super().texts_of()  # refuses images
         if self.texts is not None:
@@ -290,22 +320,28 @@ class EmbedV2Request(_EmbedRequest, kw_only=True):
             raise InvalidRequest(
                 f"max_tokens {self.max_tokens} is below model {self.model}'s max_length of {max_length} tokens: "
                 f"shoal cuts encode inputs at the model's max_length only; omit max_tokens or send at least "
-                f"{max_length}", details={"path": "$.max_tokens", "min": max_length})
+                f"{max_length}",
+                details={"path": "$.max_tokens", "min": max_length},
+            )
 
 
 def _input_text(index: int, item: EmbedInput) -> str:
     if not item.content:
-        raise InvalidRequest(f"inputs[{index}] has no content: send at least one text part",
-                             details={"path": f"$.inputs[{index}].content"})
+        raise InvalidRequest(
+            f"inputs[{index}] has no content: send at least one text part",
+            details={"path": f"$.inputs[{index}].content"},
+        )
     parts = []
     for j, part in enumerate(item.content):
         path = f"$.inputs[{index}].content[{j}]"
         if part.type == "image_url":
-            raise InvalidRequest(f"inputs[{index}].content[{j}] is an image: shoal embeds text only",
-                                 details={"path": path})
+            raise InvalidRequest(
+                f"inputs[{index}].content[{j}] is an image: shoal embeds text only", details={"path": path}
+            )
         if part.type != "text" or part.text is None:
-            raise InvalidRequest(f"inputs[{index}].content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}",
-                                 details={"path": path})
+            raise InvalidRequest(
+                f'inputs[{index}].content[{j}] must be {{"type": "text", "text": "..."}}', details={"path": path}
+            )
         parts.append(part.text)
     return "\n".join(parts)
 
@@ -314,8 +350,15 @@ def encode_call(req: _EmbedRequest, model: str, texts: list[str], request_id: st
     """One float32 dense forward; every embedding type is derived from it (`embeddings_by_type`).
     Checks every option first, so a bad one costs no forward."""
     req.types()
-    return EncodeCall(model=model, texts=texts, is_query=req.is_query(), truncate=req.truncates(),
-                      dimensions=getattr(req, "output_dimension", None), outputs=("dense",), request_id=request_id)
+    return EncodeCall(
+        model=model,
+        texts=texts,
+        is_query=req.is_query(),
+        truncate=req.truncates(),
+        dimensions=getattr(req, "output_dimension", None),
+        outputs=("dense",),
+        request_id=request_id,
+    )
 
 
 def too_long(error: InputTooLong) -> InputTooLong:
@@ -323,8 +366,11 @@ def too_long(error: InputTooLong) -> InputTooLong:
     index, max_length = error.details.get("index"), error.details.get("max_length")
     if index is None or max_length is None:
         return error
-    return InputTooLong(f"texts[{index}] is longer than the model's max_length of {max_length} tokens: shorten it, "
-                        "or send truncate END (the default) to cut it at the end", details=error.details)
+    return InputTooLong(
+        f"texts[{index}] is longer than the model's max_length of {max_length} tokens: shorten it, "
+        "or send truncate END (the default) to cut it at the end",
+        details=error.details,
+    )
 
 
 def embeddings_by_type(vectors: list[np.ndarray], types: tuple[str, ...]) -> dict[str, list[Any]]:
@@ -340,8 +386,9 @@ def embeddings_by_type(vectors: list[np.ndarray], types: tuple[str, ...]) -> dic
             packed = [finish(v, dimensions=None, normalize=False, output_dtype="binary") for v in vectors]
             out[kind] = packed if kind == "ubinary" else [(p.astype(np.int16) - 128).astype(np.int8) for p in packed]
         elif kind == "base64":
-            out[kind] = [base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
-                         for v in vectors]
+            out[kind] = [
+                base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii") for v in vectors
+            ]
         else:
             raise ValueError(f"unknown embedding type {kind!r}")
     return out
@@ -376,20 +423,30 @@ class EmbedFloatsResponse(msgspec.Struct):
     response_type: str = "embeddings_floats"
 
 
-def embed_response(req: _EmbedRequest, version: str, texts: list[str], result: EncodeResult,
-                   request_id: str) -> EmbedByTypeResponse | EmbedFloatsResponse:
+def embed_response(
+    req: _EmbedRequest, version: str, texts: list[str], result: EncodeResult, request_id: str
+) -> EmbedByTypeResponse | EmbedFloatsResponse:
     """v2 always answers by type; v1 answers floats unless `embedding_types` was sent."""
     if version == "1" and req.embedding_types is None:
-        return EmbedFloatsResponse(id=request_id, embeddings=embeddings_by_type(result.vectors, ("float",))["float"],
-                                   texts=texts, meta=_embed_meta(version, result))
+        return EmbedFloatsResponse(
+            id=request_id,
+            embeddings=embeddings_by_type(result.vectors, ("float",))["float"],
+            texts=texts,
+            meta=_embed_meta(version, result),
+        )
     return embed_by_type_response(req, version, texts, result, request_id)
 
 
-def embed_by_type_response(req: _EmbedRequest, version: str, texts: list[str], result: EncodeResult,
-                           request_id: str) -> EmbedByTypeResponse:
+def embed_by_type_response(
+    req: _EmbedRequest, version: str, texts: list[str], result: EncodeResult, request_id: str
+) -> EmbedByTypeResponse:
     """Every requested type of every vector (v2, and v1 with `embedding_types`)."""
-    return EmbedByTypeResponse(id=request_id, embeddings=embeddings_by_type(result.vectors, req.types()),
-                               texts=texts, meta=_embed_meta(version, result))
+    return EmbedByTypeResponse(
+        id=request_id,
+        embeddings=embeddings_by_type(result.vectors, req.types()),
+        texts=texts,
+        meta=_embed_meta(version, result),
+    )
 
 
 def _embed_meta(version: str, result: EncodeResult) -> EmbedMeta:

@@ -190,19 +190,36 @@ class ExtractResponse(msgspec.Struct):
 def extract_call(req: ExtractRequest, request_id: str | None = None) -> ExtractCall:
     opts = req.options
     return ExtractCall(
-        model=req.model, texts=[item.text for item in req.items], labels=req.labels, threshold=opts.threshold,
-        flat_ner=opts.flat_ner, multi_label=opts.multi_label, max_span_width=opts.max_span_width,
-        hypothesis_template=opts.hypothesis_template, aggregation=opts.aggregation,
-        request_id=request_id, timeout_s=opts.timeout_s, adapter=req.adapter,
+        model=req.model,
+        texts=[item.text for item in req.items],
+        labels=req.labels,
+        threshold=opts.threshold,
+        flat_ner=opts.flat_ner,
+        multi_label=opts.multi_label,
+        max_span_width=opts.max_span_width,
+        hypothesis_template=opts.hypothesis_template,
+        aggregation=opts.aggregation,
+        request_id=request_id,
+        timeout_s=opts.timeout_s,
+        adapter=req.adapter,
     )
 
 
 def extract_response(req: ExtractRequest, result: ExtractResult) -> ExtractResponse:
-    items = [ExtractedItem(id=item.id, index=i, entities=out.entities, labels=out.labels,
-                           num_windows=out.num_windows, truncated=out.truncated)
-             for i, (item, out) in enumerate(zip(req.items, result.items))]
-    return ExtractResponse(model=req.model, items=items, usage=Usage(tokens=result.num_tokens),
-                           timings=timings_of(result))
+    items = [
+        ExtractedItem(
+            id=item.id,
+            index=i,
+            entities=out.entities,
+            labels=out.labels,
+            num_windows=out.num_windows,
+            truncated=out.truncated,
+        )
+        for i, (item, out) in enumerate(zip(req.items, result.items))
+    ]
+    return ExtractResponse(
+        model=req.model, items=items, usage=Usage(tokens=result.num_tokens), timings=timings_of(result)
+    )
 
 
 def encode_call(req: EncodeRequest, request_id: str | None = None) -> EncodeCall:
@@ -245,9 +262,15 @@ def score_call(req: ScoreRequest, request_id: str | None = None) -> ScoreCall:
 
 def score_response(req: ScoreRequest, result: ScoreResult) -> ScoreResponse:
     items = [
-        ScoredItem(id=req.items[out.index].id, index=out.index, score=out.score, truncated=out.truncated,
-                   num_windows=out.num_windows)
+        ScoredItem(
+            id=req.items[out.index].id,
+            index=out.index,
+            score=out.score,
+            truncated=out.truncated,
+            num_windows=out.num_windows,
+        )
         for out in result.items
     ]
-    return ScoreResponse(model=req.model, items=items, usage=Usage(tokens=result.num_tokens),
-                         timings=timings_of(result))
+    return ScoreResponse(
+        model=req.model, items=items, usage=Usage(tokens=result.num_tokens), timings=timings_of(result)
+    )

@@ -40,18 +40,25 @@ class Rank(msgspec.Struct, omit_defaults=True):
 
 def score_call(req: RerankRequest, model: str, request_id: str | None = None) -> ScoreCall:
     check_direction(req.truncation_direction)
-    return ScoreCall(model=model, query=req.query, documents=req.texts, raw_scores=req.raw_scores,
-                     truncate=bool(req.truncate), request_id=request_id)
+    return ScoreCall(
+        model=model,
+        query=req.query,
+        documents=req.texts,
+        raw_scores=req.raw_scores,
+        truncate=bool(req.truncate),
+        request_id=request_id,
+    )
 
 
 def ranks(req: RerankRequest, result: ScoreResult) -> list[Rank]:
     """Best first, as TEI sorts them."""
-    return [Rank(index=item.index, score=item.score, text=req.texts[item.index] if req.return_text else None)
-            for item in result.items]
+    return [
+        Rank(index=item.index, score=item.score, text=req.texts[item.index] if req.return_text else None)
+        for item in result.items
+    ]
 
 
 # --- embeddings: /embed, /embed_sparse, /similarity, / -------------------------------------------
-
 
 
 class EmbedRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -108,32 +115,53 @@ def texts_of(inputs: Inputs) -> list[str]:
 
 def check_direction(direction: str) -> None:
     if direction.lower() == "left":
-        raise InvalidRequest("truncation_direction \"Left\" is not supported: shoal truncates on the right only; "
-                             "send \"Right\" or omit it", details={"path": "$.truncation_direction"})
+        raise InvalidRequest(
+            'truncation_direction "Left" is not supported: shoal truncates on the right only; send "Right" or omit it',
+            details={"path": "$.truncation_direction"},
+        )
 
 
 def embed_call(req: EmbedRequest, model: str, request_id: str | None = None) -> EncodeCall:
     check_direction(req.truncation_direction)
-    return EncodeCall(model=model, texts=texts_of(req.inputs), normalize=req.normalize, dimensions=req.dimensions,
-                      prompt_name=req.prompt_name, truncate=bool(req.truncate), outputs=("dense",),
-                      request_id=request_id)
+    return EncodeCall(
+        model=model,
+        texts=texts_of(req.inputs),
+        normalize=req.normalize,
+        dimensions=req.dimensions,
+        prompt_name=req.prompt_name,
+        truncate=bool(req.truncate),
+        outputs=("dense",),
+        request_id=request_id,
+    )
 
 
 def unpooled_call(req: EmbedSparseRequest, model: str, output: str, request_id: str | None = None) -> EncodeCall:
     """`/embed_sparse` (`output` "sparse") or `/embed_all` ("token_states": every token's last
     hidden state, unpooled and unnormalised)."""
     check_direction(req.truncation_direction)
-    return EncodeCall(model=model, texts=texts_of(req.inputs), prompt_name=req.prompt_name,
-                      truncate=bool(req.truncate), outputs=(output,), request_id=request_id)
+    return EncodeCall(
+        model=model,
+        texts=texts_of(req.inputs),
+        prompt_name=req.prompt_name,
+        truncate=bool(req.truncate),
+        outputs=(output,),
+        request_id=request_id,
+    )
 
 
 def similarity_call(req: SimilarityRequest, model: str, request_id: str | None = None) -> EncodeCall:
     """The source sentence and the others in one call; `similarities` turns the vectors into scores."""
     params = req.parameters or SimilarityParameters()
     check_direction(params.truncation_direction)
-    return EncodeCall(model=model, texts=[req.inputs.source_sentence, *req.inputs.sentences], normalize=True,
-                      prompt_name=params.prompt_name, truncate=bool(params.truncate), outputs=("dense",),
-                      request_id=request_id)
+    return EncodeCall(
+        model=model,
+        texts=[req.inputs.source_sentence, *req.inputs.sentences],
+        normalize=True,
+        prompt_name=params.prompt_name,
+        truncate=bool(params.truncate),
+        outputs=("dense",),
+        request_id=request_id,
+    )
 
 
 def similarities(result: EncodeResult) -> list[float]:
