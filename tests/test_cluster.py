@@ -23,10 +23,8 @@ import numpy as np
 import pytest
 
 from conftest import MODEL_ID, metric_total, query_of
+from extract_models import build_token_classifier, extract_card
 from rerankers import build_minilm_reranker, reranker_card
-
-from extract_models import build_token_classifier, extract_card  # noqa: E402
-
 from shoal.cluster.cli import free_port, start_nats, wait_for_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -160,7 +158,8 @@ def vectors(out: dict) -> np.ndarray:
     """The dense vectors of an encode response: lists in JSON, {dtype, shape, data} in msgpack."""
     def array(dense):
         if isinstance(dense, dict):
-            return np.frombuffer(dense["data"], dtype=np.dtype(dense["dtype"]).newbyteorder("<")).reshape(dense["shape"])
+            dtype = np.dtype(dense["dtype"]).newbyteorder("<")
+            return np.frombuffer(dense["data"], dtype=dtype).reshape(dense["shape"])
         return np.asarray(dense, dtype=np.float32)
 
     return np.stack([array(item["dense"]) for item in out["items"]])

@@ -163,8 +163,9 @@ async def connect(url: str, name: str, *, on_disconnect=None, on_reconnect=None,
             return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                       connect_timeout=connect_timeout_s, disconnected_cb=disconnected,
                                       reconnected_cb=reconnected, error_cb=error, allow_reconnect=True)
-        except Exception as exc:  # noqa: BLE001 (unreachable, refused, DNS: all retried)
-            log.warning("%s: cannot reach NATS at %s (%s); retrying in %.1f s", name, redact(url), exc, delay)
+        except Exception as exc:  # broad: every failure to connect is retried (unreachable, refused, DNS...)
+            log.warning("%s: cannot reach NATS at %s (%s); retrying in %.1f s", name, redact(url), exc, delay,
+                        exc_info=not is_nats_error(exc))
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)
 
@@ -173,7 +174,7 @@ async def ensure_queue(js, settings: ClusterSettings) -> None:
     """The work stream, the dead-letter stream and the payload bucket, created when missing
     (idempotent; every gateway and worker calls it on start and after a reconnect)."""
     from nats.js import api
-    from nats.js.errors import BadRequestError
+    from nats.js.errors import BadRequestError, NotFoundError
 
     streams = [
         # max_age: a backstop for calls nobody will read (their gateway and its callers are gone).
@@ -191,7 +192,7 @@ async def ensure_queue(js, settings: ClusterSettings) -> None:
             await js.update_stream(config)
     try:
         await js.object_store(PAYLOADS)
-    except Exception:  # noqa: BLE001 (BucketNotFoundError and its kin)
+    except NotFoundError:  # BucketNotFoundError: make it
         from nats.js.api import ObjectStoreConfig
 
         # Objects outlive a crashed gateway by at most a day.
@@ -215,14 +216,18 @@ def now() -> float:
     return time.time()
 
 
-async def read_object(store, name: str) -> bytes:
-    """An Object Store object's bytes (into a buffer: nats-py's default concatenates per chunk,
-    quadratic in the object's size). No time limit of its own: callers bound it."""
-    import io
+def nats_errors() -> tuple[type[BaseException], ...]:
+    """What talking to NATS raises when it is away, slow or refusing: nats-py's errors (JetStream's
+    API errors among them), socket errors and timeouts. (nats-py, the cluster extra, is imported
+    only when asked.)"""
+    import nats.errors
 
-    buffer = io.BytesIO()
-    await store.get(name, writeinto=buffer)
-    return buffer.getvalue()
+    return (nats.errors.Error, OSError, asyncio.TimeoutError)
+
+
+def is_nats_error(exc: BaseException) -> bool:
+    """Whether `exc` is one of `nats_errors()` (expected: NATS away) rather than a bug."""
+    return isinstance(exc, nats_errors())
 
 
 def redact(url: str) -> str:
