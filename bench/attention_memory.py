@@ -51,16 +51,30 @@ def build_case(case: str):
     if case == "llama":
         from shoal.models.llama import LlamaConfig, LlamaModel
 
-        cfg = LlamaConfig(model_type="qwen3", vocab_size=1000, hidden_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
-                          qk_norm=True)
+        cfg = LlamaConfig(
+            model_type="qwen3",
+            vocab_size=1000,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            qk_norm=True,
+        )
         model, lengths = LlamaModel(cfg), [LONG_TEXT_TOKENS]
         heads = cfg.num_attention_heads
     elif case == "mpnet":
         from shoal.models.mpnet import MPNetConfig, MPNetModel
 
-        cfg = MPNetConfig(vocab_size=1000, hidden_size=192, num_hidden_layers=2, num_attention_heads=12,
-                          intermediate_size=384, max_position_embeddings=MPNET_LENGTHS[1] + 2)
+        cfg = MPNetConfig(
+            vocab_size=1000,
+            hidden_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=12,
+            intermediate_size=384,
+            max_position_embeddings=MPNET_LENGTHS[1] + 2,
+        )
         model = MPNetModel(cfg)
         g = torch.Generator().manual_seed(0)
         lengths = torch.randint(MPNET_LENGTHS[0], MPNET_LENGTHS[1] + 1, (MPNET_ITEMS,), generator=g).tolist()
@@ -68,8 +82,14 @@ def build_case(case: str):
     elif case == "modernbert":
         from shoal.models.modernbert import ModernBertConfig, ModernBertModel
 
-        cfg = ModernBertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                               intermediate_size=256, global_layers=(True, False, False))
+        cfg = ModernBertConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=256,
+            global_layers=(True, False, False),
+        )
         model, lengths = ModernBertModel(cfg), [LONG_TEXT_TOKENS]
         heads = cfg.num_attention_heads
     else:
@@ -80,10 +100,16 @@ def build_case(case: str):
     input_ids = torch.randint(2, 1000, (int(cu_seqlens[-1]),))
     position_ids = torch.cat([torch.arange(n) for n in lengths])
     meta = AttentionMeta.build(cu_seqlens, L)
-    info = dict(case=case, num_seqs=len(lengths), max_seqlen=L, num_tokens=int(cu_seqlens[-1]), heads=heads,
-                layers=cfg.num_hidden_layers,
-                # the [n, H, L, L] fp32 tensor a per-batch bias or mask would cost
-                nHLL_fp32_bytes=len(lengths) * heads * L * L * 4)
+    info = dict(
+        case=case,
+        num_seqs=len(lengths),
+        max_seqlen=L,
+        num_tokens=int(cu_seqlens[-1]),
+        heads=heads,
+        layers=cfg.num_hidden_layers,
+        # the [n, H, L, L] fp32 tensor a per-batch bias or mask would cost
+        nHLL_fp32_bytes=len(lengths) * heads * L * L * 4,
+    )
     return model, PackedInputs(input_ids, position_ids, meta), info
 
 
@@ -110,8 +136,9 @@ def run_case(case: str) -> dict:
 
 def measure_in_subprocess(case: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, __file__, "--case", case, "--here"], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", case, "--here"], env=env, check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -125,10 +152,12 @@ def main() -> None:
         return
     for case in args.case or CASES:
         r = measure_in_subprocess(case)
-        print(f"{r['case']:>10}: n={r['num_seqs']} L={r['max_seqlen']} T={r['num_tokens']} H={r['heads']} "
-              f"layers={r['layers']}  peak extra {r['peak_extra_bytes']:,} B "
-              f"({r['peak_extra_bytes'] / 2**20:.1f} MiB; n*H*L*L*4 = {r['nHLL_fp32_bytes'] / 2**20:.0f} MiB)  "
-              f"forward {r['forward_s']} s  [{r['shoal']}]")
+        print(
+            f"{r['case']:>10}: n={r['num_seqs']} L={r['max_seqlen']} T={r['num_tokens']} H={r['heads']} "
+            f"layers={r['layers']}  peak extra {r['peak_extra_bytes']:,} B "
+            f"({r['peak_extra_bytes'] / 2**20:.1f} MiB; n*H*L*L*4 = {r['nHLL_fp32_bytes'] / 2**20:.0f} MiB)  "
+            f"forward {r['forward_s']} s  [{r['shoal']}]"
+        )
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ import statistics
 import time
 
 import torch
-from spawn import machine_line
 
 from shoal.bench import workloads
 from shoal.catalog import Catalog
 from shoal.engine.runner import ModelRunner
 from shoal.engine.types import Batch, EncodeSpec
 from shoal.layers import attention
+from spawn import machine_line
 
 
 def main() -> None:
@@ -72,11 +72,15 @@ def main() -> None:
     padded = [item.dense for b, g in zip(packed, batches) for item in runner.forward(b, [spec] * len(g))]
     attention.EACH_MAX_SEQLEN = bound
     worst = min(float((a * b).sum()) for a, b in zip(first, padded))  # unit vectors: cosine
-    print(f"{card.id}: {len(seqs)} Lee documents, {tokens} tokens, {len(batches)} batches of <= {args.batch_tokens} "
-          f"tokens, max length {card.max_length}; median of {args.rounds} passes each")
+    print(
+        f"{card.id}: {len(seqs)} Lee documents, {tokens} tokens, {len(batches)} batches of <= {args.batch_tokens} "
+        f"tokens, max length {card.max_length}; median of {args.rounds} passes each"
+    )
     for each, label in ((False, "padded groups"), (True, f"each (<= {bound} tokens)")):
         median = statistics.median(times[each])
-        print(f"  {label:24s} {tokens / median:8.0f} tokens/s  (passes {min(times[each]):.2f}-{max(times[each]):.2f} s)")
+        print(
+            f"  {label:24s} {tokens / median:8.0f} tokens/s  (passes {min(times[each]):.2f}-{max(times[each]):.2f} s)"
+        )
     ratio = statistics.median(times[False]) / statistics.median(times[True])
     print(f"  each / padded: {ratio:.3f}x; smallest cosine between the two paths' vectors {worst:.7f}")
 

@@ -64,7 +64,6 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-from spawn import machine_line
 
 from shoal import calls
 from shoal.calls import EncodeCall, EncodedItem, EncodeResult, ErrorResult
@@ -74,6 +73,7 @@ from shoal.cluster.cli import free_port, start_nats
 from shoal.errors import DeadlineExceeded, InvalidRequest, ShoalError, UnknownModel
 from shoal.metrics import Metrics
 from shoal.service import Capacity, CardProblem, ModelStatus
+from spawn import machine_line
 
 DISPATCHERS = ("pull", "round-robin", "ll-report", "ll-fresh")
 # Ramp steps, as fractions of the fleet's peak requests/s; then --refine bisections at the knee.
@@ -119,9 +119,19 @@ class SimDevice:
         self.name = name
         self.cost = cost
         self.metrics = Metrics()
-        self._statuses = {m: ModelStatus(id=m, tasks=("encode",), outputs=("dense",), max_length=512,
-                                         verified="simulated", loaded=True, state="loaded", architecture="sim")
-                          for m in model_ids}
+        self._statuses = {
+            m: ModelStatus(
+                id=m,
+                tasks=("encode",),
+                outputs=("dense",),
+                max_length=512,
+                verified="simulated",
+                loaded=True,
+                state="loaded",
+                architecture="sim",
+            )
+            for m in model_ids
+        }
         self._queues: dict[str, collections.deque[_Pending]] = {m: collections.deque() for m in model_ids}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -171,8 +181,9 @@ class SimDevice:
     async def admin(self, model_id: str, action: str) -> ModelStatus:
         return self.model(model_id)
 
-    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
-                       prompt_name: str | None = None):
+    async def tokenize(
+        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+    ):
         raise InvalidRequest("a simulated device has no tokenizer")
 
     def capacity(self) -> Capacity:
@@ -182,14 +193,16 @@ class SimDevice:
         loop = asyncio.get_running_loop()
         self.model(call.model)
         now = loop.time()
-        pending = _Pending(p.estimate_tokens(call), len(call.texts), now, now + (call.timeout_s or 300.0),
-                           loop.create_future())
+        pending = _Pending(
+            p.estimate_tokens(call), len(call.texts), now, now + (call.timeout_s or 300.0), loop.create_future()
+        )
         self._queues[call.model].append(pending)
         self.queued_tokens += pending.tokens
         self._wake.set()
         queue_s, inference_s = await pending.future
-        return EncodeResult(items=[EncodedItem()] * pending.items, num_tokens=pending.tokens, queue_s=queue_s,
-                            inference_s=inference_s)
+        return EncodeResult(
+            items=[EncodedItem()] * pending.items, num_tokens=pending.tokens, queue_s=queue_s, inference_s=inference_s
+        )
 
     def _next_batch(self, now: float) -> tuple[str | None, list[_Pending]]:
         """The model whose oldest live call is the oldest, and its calls in order up to the token
@@ -324,19 +337,27 @@ async def _host(spec: HostSpec, index: int) -> None:
     running: set[asyncio.Task] = set()  # push calls in flight (held, so they are not collected)
     if spec.mode == "pull":
         settings = ClusterSettings(nats_url=spec.nats_url, pool=spec.tag, **spec.cluster)
-        workers = [Worker([device], settings, devices=[device.name], metrics=Metrics(),
-                          worker_id=f"{spec.tag}-{device.name}") for device in devices]
+        workers = [
+            Worker([device], settings, devices=[device.name], metrics=Metrics(), worker_id=f"{spec.tag}-{device.name}")
+            for device in devices
+        ]
         tasks = [asyncio.create_task(worker.run(stop)) for worker in workers]
     else:
         for i, device in zip(spec.devices, devices):
             await device.start()
             await nc.subscribe(push_subject(spec.tag, i), cb=_push_handler(device, running))
-        tasks = [asyncio.create_task(_report_load(nc, spec, i, device, stop))
-                 for i, device in zip(spec.devices, devices)]
+        tasks = [
+            asyncio.create_task(_report_load(nc, spec, i, device, stop)) for i, device in zip(spec.devices, devices)
+        ]
 
     def naks() -> float:
-        return sum(sample.value for worker in workers for family in worker.metrics.registry.collect()
-                   for sample in family.samples if sample.name == "shoal_worker_naks_total")
+        return sum(
+            sample.value
+            for worker in workers
+            for family in worker.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == "shoal_worker_naks_total"
+        )
 
     async def on_ctl(msg) -> None:
         if msg.data == b"stop":
@@ -347,10 +368,16 @@ async def _host(spec: HostSpec, index: int) -> None:
             await msg.respond(b"stopped")
             done.set()
             return
-        stats = {"started": sum(w.started.is_set() for w in workers) if workers else len(devices),
-                 "cpu_s": time.process_time(), "lag_s": lag.take(), "naks": naks(),
-                 "busy_s": [d.busy_s for d in devices], "overslept_s": [d.overslept_s for d in devices],
-                 "tokens": [d.tokens for d in devices], "outstanding": [d.outstanding_tokens for d in devices]}
+        stats = {
+            "started": sum(w.started.is_set() for w in workers) if workers else len(devices),
+            "cpu_s": time.process_time(),
+            "lag_s": lag.take(),
+            "naks": naks(),
+            "busy_s": [d.busy_s for d in devices],
+            "overslept_s": [d.overslept_s for d in devices],
+            "tokens": [d.tokens for d in devices],
+            "outstanding": [d.outstanding_tokens for d in devices],
+        }
         await msg.respond(msgspec.msgpack.encode(stats))
 
     await nc.subscribe(ctl_subject(spec.tag, index), cb=on_ctl)
@@ -395,15 +422,18 @@ class PullDispatcher:
         from shoal.config import ClusterSettings, Settings
 
         self.tag = tag
-        self.gateway = RemoteService(Settings(cluster=ClusterSettings(nats_url=nats_url, pool=tag, **cluster)),
-                                     Catalog.load())
+        self.gateway = RemoteService(
+            Settings(cluster=ClusterSettings(nats_url=nats_url, pool=tag, **cluster)), Catalog.load()
+        )
 
     async def start(self, num_workers: int) -> None:
         await self.gateway.start()
         deadline = time.monotonic() + 60.0
         registry = self.gateway.metrics.registry
-        while not self.gateway.ready or (registry.get_sample_value("shoal_gateway_workers", {"pool": self.tag})
-                                         or 0) < num_workers:
+        while (
+            not self.gateway.ready
+            or (registry.get_sample_value("shoal_gateway_workers", {"pool": self.tag}) or 0) < num_workers
+        ):
             if time.monotonic() > deadline:
                 raise SystemExit(f"the gateway does not see {num_workers} workers after 60 s")
             await asyncio.sleep(0.1)
@@ -471,8 +501,14 @@ class Workload:
         texts = [" ".join(rng.choices(words, k=rng.randint(4, 48))) for _ in range(5000)]
         weights = [1.0 / (rank + 1) ** zipf_s for rank in range(len(model_ids))]
         self.shares = [w / sum(weights) for w in weights]
-        self.calls = [EncodeCall(model=rng.choices(model_ids, weights)[0], texts=rng.sample(texts, rng.randint(1, 8)),
-                                 timeout_s=timeout_s) for _ in range(20_000)]
+        self.calls = [
+            EncodeCall(
+                model=rng.choices(model_ids, weights)[0],
+                texts=rng.sample(texts, rng.randint(1, 8)),
+                timeout_s=timeout_s,
+            )
+            for _ in range(20_000)
+        ]
         self.mean_tokens = float(np.mean([p.estimate_tokens(c) for c in self.calls]))
         self._at = 0
 
@@ -551,8 +587,9 @@ class Bench:
         self.nats.wait(10)
         shutil.rmtree(self.store, ignore_errors=True)
 
-    async def config(self, dispatcher: str, costs: list[Cost], rates: list[float], bound_s: float,
-                     num_hosts: int = 1) -> list[Step]:
+    async def config(
+        self, dispatcher: str, costs: list[Cost], rates: list[float], bound_s: float, num_hosts: int = 1
+    ) -> list[Step]:
         """Start the hosts (a device per cost) and the dispatcher; ramp through `rates` until a step
         fails, bisect; stop them."""
         self.runs += 1
@@ -563,12 +600,23 @@ class Bench:
         hosts = []
         for index, share in enumerate(np.array_split(np.arange(num_workers), num_hosts)):
             devices = range(int(share[0]), int(share[-1]) + 1)
-            spec = HostSpec(self.url, tag, mode, devices, tuple(self.model_ids), tuple(costs[i] for i in devices),
-                            self.args.report_ms / 1000.0, self.cluster)
+            spec = HostSpec(
+                self.url,
+                tag,
+                mode,
+                devices,
+                tuple(self.model_ids),
+                tuple(costs[i] for i in devices),
+                self.args.report_ms / 1000.0,
+                self.cluster,
+            )
             hosts.append(ctx.Process(target=host_main, args=(spec, index), daemon=True))
             hosts[-1].start()
-        front = PullDispatcher(self.url, tag, self.cluster) if mode == "pull" else \
-            PushDispatcher(self.nc, tag, num_workers, dispatcher)
+        front = (
+            PullDispatcher(self.url, tag, self.cluster)
+            if mode == "pull"
+            else PushDispatcher(self.nc, tag, num_workers, dispatcher)
+        )
         try:
             await self._wait_hosts(tag, hosts, num_workers)
             await front.start(num_workers)
@@ -582,21 +630,25 @@ class Bench:
                 failed = [s.rate for s in steps if not s.ok and s.rate > max(passed, default=0.0)]
                 if not passed or not failed:
                     break
-                steps.append(await self._step(front, dispatcher, num_workers, tag, hosts,
-                                              (max(passed) + min(failed)) / 2, bound_s))
+                steps.append(
+                    await self._step(
+                        front, dispatcher, num_workers, tag, hosts, (max(passed) + min(failed)) / 2, bound_s
+                    )
+                )
         finally:
             await front.stop()
             for index, process in enumerate(hosts):
                 try:
                     await self.nc.request(ctl_subject(tag, index), b"stop", timeout=30.0)
-                except Exception:  # noqa: BLE001 (it died: its error is above)
+                except Exception:
                     process.terminate()
                 process.join(10)
         return steps
 
     async def _stats(self, tag: str, hosts: list) -> list[dict]:
-        replies = await asyncio.gather(*(self.nc.request(ctl_subject(tag, i), b"stats", timeout=5.0)
-                                         for i in range(len(hosts))))
+        replies = await asyncio.gather(
+            *(self.nc.request(ctl_subject(tag, i), b"stats", timeout=5.0) for i in range(len(hosts)))
+        )
         return [msgspec.msgpack.decode(r.data) for r in replies]
 
     async def _wait_hosts(self, tag: str, hosts: list, num_workers: int) -> None:
@@ -607,7 +659,7 @@ class Bench:
             try:
                 if sum(s["started"] for s in await self._stats(tag, hosts)) == num_workers:
                     return
-            except Exception:  # noqa: BLE001, S110 (not listening yet)
+            except Exception:
                 pass
             await asyncio.sleep(0.2)
         raise SystemExit(f"the device hosts of {tag} did not start in 60 s")
@@ -637,8 +689,14 @@ class Bench:
 
         async def snapshot(name: str, at: float) -> None:  # each take() also restarts the lag windows
             await asyncio.sleep(max(0.0, at - loop.time()))
-            snapshots[name] = (loop.time(), await self._stats(tag, hosts), time.process_time(),
-                               proc_cpu_s(self.nats.pid), machine_cpu(), self.lag.take())
+            snapshots[name] = (
+                loop.time(),
+                await self._stats(tag, hosts),
+                time.process_time(),
+                proc_cpu_s(self.nats.pid),
+                machine_cpu(),
+                self.lag.take(),
+            )
 
         start = loop.time()
         window = (start + self.warmup_s, start + self.args.duration_s)
@@ -665,12 +723,15 @@ class Bench:
         print(step_line(step), flush=True)
         return step
 
-    def _measure(self, dispatcher, num_workers, rate, window, arrivals, records, unfinished, snapshots,
-                 bound_s) -> Step:
+    def _measure(
+        self, dispatcher, num_workers, rate, window, arrivals, records, unfinished, snapshots, bound_s
+    ) -> Step:
         """Latency of the calls that arrived in the window; throughput of the answers in it, against
         the arrivals of the same span shifted by the median latency (so the edges cancel)."""
-        (t0, hosts0, front0, nats0, mach0, _), (t1, hosts1, front1, nats1, mach1, lag_front) = \
-            snapshots["start"], snapshots["end"]
+        (t0, hosts0, front0, nats0, mach0, _), (t1, hosts1, front1, nats1, mach1, lag_front) = (
+            snapshots["start"],
+            snapshots["end"],
+        )
         span = t1 - t0
         in_window = [r for r in records if window[0] <= r[0] <= window[1]]
         latencies = [done - arrival for arrival, done, _ in in_window] + [float("inf")] * unfinished
@@ -685,19 +746,30 @@ class Bench:
 
         busy, overslept = per_device("busy_s"), per_device("overslept_s")
         step = Step(
-            dispatcher=dispatcher, workers=num_workers, rate=rate, offered=offered,
+            dispatcher=dispatcher,
+            workers=num_workers,
+            rate=rate,
+            offered=offered,
             achieved=sum(1 for _, done, ok in records if ok and t0 <= done <= t1) / span,
-            tokens_per_s=float(per_device("tokens").sum()) / span, p50_ms=p50_s * 1000,
+            tokens_per_s=float(per_device("tokens").sum()) / span,
+            p50_ms=p50_s * 1000,
             p99_ms=float(np.percentile(latencies, 99, method="higher")) * 1000 if latencies else float("nan"),
             failed=failed,
-            busy=float(np.mean(busy)) / span, overslept=float(overslept.sum() / max(1e-9, (busy + overslept).sum())),
-            naks=int(sum(b["naks"] - a["naks"] for a, b in zip(hosts0, hosts1))), cpu_front=(front1 - front0) / span,
+            busy=float(np.mean(busy)) / span,
+            overslept=float(overslept.sum() / max(1e-9, (busy + overslept).sum())),
+            naks=int(sum(b["naks"] - a["naks"] for a, b in zip(hosts0, hosts1))),
+            cpu_front=(front1 - front0) / span,
             cpu_host=max((b["cpu_s"] - a["cpu_s"]) / span for a, b in zip(hosts0, hosts1)),
-            cpu_nats=(nats1 - nats0) / span, cpu_machine=(mach1[0] - mach0[0]) / max(1.0, mach1[1] - mach0[1]),
-            lag_front_ms=lag_front * 1000, lag_host_ms=max(b["lag_s"] for b in hosts1) * 1000)
+            cpu_nats=(nats1 - nats0) / span,
+            cpu_machine=(mach1[0] - mach0[0]) / max(1.0, mach1[1] - mach0[1]),
+            lag_front_ms=lag_front * 1000,
+            lag_host_ms=max(b["lag_s"] for b in hosts1) * 1000,
+        )
         step.ok = step.achieved >= 0.95 * offered and step.p99_ms <= bound_s * 1000 and not failed
-        step.harness = (max(step.cpu_front, step.cpu_host, step.cpu_nats, step.cpu_machine) > HARNESS_CPU
-                        or max(step.lag_front_ms, step.lag_host_ms) > bound_s * 100)
+        step.harness = (
+            max(step.cpu_front, step.cpu_host, step.cpu_nats, step.cpu_machine) > HARNESS_CPU
+            or max(step.lag_front_ms, step.lag_host_ms) > bound_s * 100
+        )
         return step
 
 
@@ -705,11 +777,13 @@ class Bench:
 
 
 def step_line(s: Step) -> str:
-    return (f"  {s.dispatcher:>11} {s.workers:>2}w  rate {s.rate:6.1f}  offered {s.offered:6.1f}  achieved "
-            f"{s.achieved:6.1f} req/s  p50 {s.p50_ms:6.0f}  p99 {s.p99_ms:6.0f} ms  busy {s.busy:4.0%}  "
-            f"failed {s.failed:>3}  naks {s.naks:>4}  cpu f/h/n/all {s.cpu_front:.2f}/{s.cpu_host:.2f}/"
-            f"{s.cpu_nats:.2f}/{s.cpu_machine:.0%}  lag f/h {s.lag_front_ms:4.1f}/{s.lag_host_ms:4.1f} ms  "
-            f"{'ok' if s.ok else '--'}{'!' if s.harness else ''}")
+    return (
+        f"  {s.dispatcher:>11} {s.workers:>2}w  rate {s.rate:6.1f}  offered {s.offered:6.1f}  achieved "
+        f"{s.achieved:6.1f} req/s  p50 {s.p50_ms:6.0f}  p99 {s.p99_ms:6.0f} ms  busy {s.busy:4.0%}  "
+        f"failed {s.failed:>3}  naks {s.naks:>4}  cpu f/h/n/all {s.cpu_front:.2f}/{s.cpu_host:.2f}/"
+        f"{s.cpu_nats:.2f}/{s.cpu_machine:.0%}  lag f/h {s.lag_front_ms:4.1f}/{s.lag_host_ms:4.1f} ms  "
+        f"{'ok' if s.ok else '--'}{'!' if s.harness else ''}"
+    )
 
 
 def knee(steps: list[Step]) -> Step | None:
@@ -718,15 +792,22 @@ def knee(steps: list[Step]) -> Step | None:
 
 
 def why_failed(s: Step, bound_s: float) -> str:
-    reasons = [f"answered {s.achieved / max(1e-9, s.offered):.0%}" if s.achieved < 0.95 * s.offered else "",
-               f"p99 {s.p99_ms:,.0f} ms" if s.p99_ms > bound_s * 1000 else "",
-               f"{s.failed} failed" if s.failed else ""]
+    reasons = [
+        f"answered {s.achieved / max(1e-9, s.offered):.0%}" if s.achieved < 0.95 * s.offered else "",
+        f"p99 {s.p99_ms:,.0f} ms" if s.p99_ms > bound_s * 1000 else "",
+        f"{s.failed} failed" if s.failed else "",
+    ]
     return f"{s.rate:,.0f} req/s: " + ", ".join(r for r in reasons if r)
 
 
 def table(title: str, results: dict[str, list[Step]], peak_tokens_per_s: float | None, bound_s: float) -> str:
-    lines = [title, (f"{'dispatcher':>12} {'knee req/s':>10} {'tokens/s':>9} {'of peak':>7} {'busy':>5} "
-                     f"{'p50 ms':>6} {'p99 ms':>6} {'naks':>5} {'cpu f/h/n/all':>19}  first failing step")]
+    lines = [
+        title,
+        (
+            f"{'dispatcher':>12} {'knee req/s':>10} {'tokens/s':>9} {'of peak':>7} {'busy':>5} "
+            f"{'p50 ms':>6} {'p99 ms':>6} {'naks':>5} {'cpu f/h/n/all':>19}  first failing step"
+        ),
+    ]
     for name, steps in results.items():
         best = knee(steps)
         later = [s for s in steps if not s.ok and (best is None or s.rate > best.rate)]
@@ -736,9 +817,11 @@ def table(title: str, results: dict[str, list[Step]], peak_tokens_per_s: float |
             continue
         cpu = f"{best.cpu_front:.2f}/{best.cpu_host:.2f}/{best.cpu_nats:.2f}/{best.cpu_machine:.0%}"
         of_peak = f"{best.tokens_per_s / peak_tokens_per_s:7.0%}" if peak_tokens_per_s else f"{'-':>7}"
-        lines.append(f"{name:>12} {best.achieved:10.1f} {best.tokens_per_s:9,.0f} {of_peak} {best.busy:5.0%} "
-                     f"{best.p50_ms:6.0f} {best.p99_ms:6.0f} {best.naks:5d} {cpu:>18}{'!' if best.harness else ' '}  "
-                     f"{fail}")
+        lines.append(
+            f"{name:>12} {best.achieved:10.1f} {best.tokens_per_s:9,.0f} {of_peak} {best.busy:5.0%} "
+            f"{best.p50_ms:6.0f} {best.p99_ms:6.0f} {best.naks:5d} {cpu:>18}{'!' if best.harness else ' '}  "
+            f"{fail}"
+        )
     return "\n".join(lines)
 
 
@@ -752,20 +835,30 @@ def ratio(a: Step | None, b: Step | None) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workers", default="4,8,16", help="worker counts, comma-separated (default 4,8,16)")
-    ap.add_argument("--dispatchers", default=",".join(DISPATCHERS),
-                    help=f"any of {', '.join(DISPATCHERS)} (default all)")
-    ap.add_argument("--duration-s", type=float, default=5.0,
-                    help="seconds per ramp step, 1 s of it warm-up (default 5)")
+    ap.add_argument(
+        "--dispatchers", default=",".join(DISPATCHERS), help=f"any of {', '.join(DISPATCHERS)} (default all)"
+    )
+    ap.add_argument(
+        "--duration-s", type=float, default=5.0, help="seconds per ramp step, 1 s of it warm-up (default 5)"
+    )
     ap.add_argument("--refine", type=int, default=1, help="bisections between the knee and the first failing step")
     ap.add_argument("--quick", action="store_true", help="4 workers, 2.5 s steps, a short gateway ramp (< 2 min)")
     ap.add_argument("--batch-ms", type=float, default=2.0, help="fixed cost of a batch (default 2, before --slowdown)")
     ap.add_argument("--token-us", type=float, default=20.0, help="cost per token (default 20, before --slowdown)")
-    ap.add_argument("--switch-ms", type=float, default=0.0,
-                    help="extra cost of a batch whose model is not the last one's (default 0)")
+    ap.add_argument(
+        "--switch-ms",
+        type=float,
+        default=0.0,
+        help="extra cost of a batch whose model is not the last one's (default 0)",
+    )
     ap.add_argument("--slowdown", type=float, default=10.0, help="device times are multiplied by this (default 10)")
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
-    ap.add_argument("--slow-share", type=float, default=0.0,
-                    help="this share of the devices is --slow-factor times slower (default 0: all alike)")
+    ap.add_argument(
+        "--slow-share",
+        type=float,
+        default=0.0,
+        help="this share of the devices is --slow-factor times slower (default 0: all alike)",
+    )
     ap.add_argument("--slow-factor", type=float, default=2.0)
     ap.add_argument("--models", type=int, default=8, help="model ids (default 8)")
     ap.add_argument("--zipf", type=float, default=1.1, help="popularity exponent, 0 for uniform (default 1.1)")
@@ -790,35 +883,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def main_async(args) -> int:
     model_ids = [f"sim/model-{i}" for i in range(args.models)]
     scale = args.slowdown
-    cost = Cost(args.batch_ms / 1000 * scale, args.token_us / 1e6 * scale, args.switch_ms / 1000 * scale,
-                args.max_batch_tokens)
+    cost = Cost(
+        args.batch_ms / 1000 * scale, args.token_us / 1e6 * scale, args.switch_ms / 1000 * scale, args.max_batch_tokens
+    )
     workload = Workload(model_ids, args.zipf, args.timeout_s)
     lone_s = cost.of(round(workload.mean_tokens), False)
     bound_s = args.p99_bound_ms / 1000 if args.p99_bound_ms else 10 * lone_s
     tuned = (("prefetch_s", args.prefetch_s), ("min_inflight_tokens", args.min_inflight_tokens))
     cluster = "shoal's ClusterSettings" + "".join(f", {name} {value}" for name, value in tuned if value is not None)
     print("shoal cluster bench: pull (JetStream + real Workers) vs push routers, on simulated devices")
-    print(machine_line(os.getloadavg(), "nats-server, the gateway/router and the load in one process, the devices "
-                                        "in another"))
-    print(f"device:      {cost.batch_s * 1000:g} ms + {cost.token_s * 1e6:g} us/token a batch ({args.batch_ms:g} ms + "
-          f"{args.token_us:g} us x slowdown {scale:g}), +{cost.switch_s * 1000:g} ms on a model switch, batches of "
-          f"one model <= {cost.max_batch_tokens} tokens; peak {cost.peak_tokens_per_s:,.0f} tokens/s")
-    print(f"load:        Poisson, 1-8 texts of 4-48 words a call, {workload.mean_tokens:.0f} tokens a call (gateway "
-          f"estimate); {args.models} models, shares {', '.join(f'{s:.2f}' for s in workload.shares)}")
-    print(f"knee:        answered >= 95 % of arrivals, p99 <= {bound_s * 1000:.0f} ms (10 x {lone_s * 1000:.0f} ms, "
-          f"a lone mean call), none failed; {args.duration_s:g} s steps; ll-report every {args.report_ms:g} ms")
+    print(
+        machine_line(
+            os.getloadavg(), "nats-server, the gateway/router and the load in one process, the devices in another"
+        )
+    )
+    print(
+        f"device:      {cost.batch_s * 1000:g} ms + {cost.token_s * 1e6:g} us/token a batch ({args.batch_ms:g} ms + "
+        f"{args.token_us:g} us x slowdown {scale:g}), +{cost.switch_s * 1000:g} ms on a model switch, batches of "
+        f"one model <= {cost.max_batch_tokens} tokens; peak {cost.peak_tokens_per_s:,.0f} tokens/s"
+    )
+    print(
+        f"load:        Poisson, 1-8 texts of 4-48 words a call, {workload.mean_tokens:.0f} tokens a call (gateway "
+        f"estimate); {args.models} models, shares {', '.join(f'{s:.2f}' for s in workload.shares)}"
+    )
+    print(
+        f"knee:        answered >= 95 % of arrivals, p99 <= {bound_s * 1000:.0f} ms (10 x {lone_s * 1000:.0f} ms, "
+        f"a lone mean call), none failed; {args.duration_s:g} s steps; ll-report every {args.report_ms:g} ms"
+    )
     print(f"pull:        {cluster}; heartbeat 0.5 s")
-    print("columns:     busy = modelled device time / wall time, mean over devices; of peak = tokens/s over the "
-          "fleet's peak;\n             cpu f/h/n/all = cores used by this process / the busiest device host / "
-          "nats-server, and the machine's share in use; ! = the harness may have limited it\n", flush=True)
+    print(
+        "columns:     busy = modelled device time / wall time, mean over devices; of peak = tokens/s over the "
+        "fleet's peak;\n             cpu f/h/n/all = cores used by this process / the busiest device host / "
+        "nats-server, and the machine's share in use; ! = the harness may have limited it\n",
+        flush=True,
+    )
     all_steps: list[Step] = []
     async with Bench(args, workload, model_ids) as bench:
         if args.limit != "only":
             tables, summary = [], []
             for num_workers in [int(n) for n in args.workers.split(",")]:
                 num_slow = round(num_workers * args.slow_share)
-                slow = replace(cost, batch_s=cost.batch_s * args.slow_factor, token_s=cost.token_s * args.slow_factor,
-                               switch_s=cost.switch_s * args.slow_factor)
+                slow = replace(
+                    cost,
+                    batch_s=cost.batch_s * args.slow_factor,
+                    token_s=cost.token_s * args.slow_factor,
+                    switch_s=cost.switch_s * args.slow_factor,
+                )
                 costs = [cost] * (num_workers - num_slow) + [slow] * num_slow
                 peak_tokens_per_s = sum(c.peak_tokens_per_s for c in costs)
                 peak_req_s = peak_tokens_per_s / workload.mean_tokens
@@ -827,37 +937,56 @@ async def main_async(args) -> int:
                     results[name] = await bench.config(name, costs, [f * peak_req_s for f in RAMP], bound_s)
                     all_steps += results[name]
                 slowed = f" ({num_slow} of them {args.slow_factor:g}x slower)" if num_slow else ""
-                title = (f"{num_workers} workers{slowed}: fleet peak {peak_req_s:,.0f} req/s "
-                         f"({peak_tokens_per_s:,.0f} tokens/s)")
+                title = (
+                    f"{num_workers} workers{slowed}: fleet peak {peak_req_s:,.0f} req/s "
+                    f"({peak_tokens_per_s:,.0f} tokens/s)"
+                )
                 tables.append(table(title, results, peak_tokens_per_s, bound_s))
                 print("\n" + tables[-1] + "\n", flush=True)
                 knees = {name: knee(steps) for name, steps in results.items()}
-                summary.append(f"{num_workers:>3} workers: " + ", ".join(
-                    f"{name}/round-robin {ratio(knees[name], knees.get('round-robin'))} (busy "
-                    f"{knees[name].busy:.0%})" if knees[name] else f"{name}: no knee"
-                    for name in knees if name != "round-robin"))
+                summary.append(
+                    f"{num_workers:>3} workers: "
+                    + ", ".join(
+                        f"{name}/round-robin {ratio(knees[name], knees.get('round-robin'))} (busy "
+                        f"{knees[name].busy:.0%})"
+                        if knees[name]
+                        else f"{name}: no knee"
+                        for name in knees
+                        if name != "round-robin"
+                    )
+                )
             print("\n\n".join(tables))
             print("\nthroughput at the knee over round-robin's, and the devices' busy share there:")
             print("\n".join(summary))
             pull, push = knees.get("pull"), knees.get("round-robin")
             if pull and push:
-                print(f"aim at {num_workers} workers, pull: busy {pull.busy:.0%} (>= 90 %: "
-                      f"{'met' if pull.busy >= 0.9 else 'NOT met'}), {ratio(pull, push)} round-robin's throughput "
-                      f"(>= 1.5x: {'met' if pull.achieved >= 1.5 * push.achieved else 'NOT met'})")
+                print(
+                    f"aim at {num_workers} workers, pull: busy {pull.busy:.0%} (>= 90 %: "
+                    f"{'met' if pull.busy >= 0.9 else 'NOT met'}), {ratio(pull, push)} round-robin's throughput "
+                    f"(>= 1.5x: {'met' if pull.achieved >= 1.5 * push.achieved else 'NOT met'})"
+                )
             sys.stdout.flush()
         if args.limit != "off":
             zero = replace(cost, batch_s=0.0, token_s=0.0, switch_s=0.0)
             rates = [float(r) for r in args.limit_rates.split(",")]
-            print(f"\ngateway limit: zero-cost devices, {args.limit_workers} workers in {args.limit_hosts} host "
-                  f"processes, one gateway (or router) in this process; a step follows when it answers >= 95 % of "
-                  f"arrivals with p99 <= {args.limit_p99_ms:g} ms", flush=True)
+            print(
+                f"\ngateway limit: zero-cost devices, {args.limit_workers} workers in {args.limit_hosts} host "
+                f"processes, one gateway (or router) in this process; a step follows when it answers >= 95 % of "
+                f"arrivals with p99 <= {args.limit_p99_ms:g} ms",
+                flush=True,
+            )
             results = {}
             for name in args.limit_dispatchers.split(","):
-                results[name] = await bench.config(name, [zero] * args.limit_workers, rates, args.limit_p99_ms / 1000,
-                                                   num_hosts=args.limit_hosts)
+                results[name] = await bench.config(
+                    name, [zero] * args.limit_workers, rates, args.limit_p99_ms / 1000, num_hosts=args.limit_hosts
+                )
                 all_steps += results[name]
-            print("\n" + table(f"gateway limit, {args.limit_workers} zero-cost workers", results, None,
-                               args.limit_p99_ms / 1000))
+            print(
+                "\n"
+                + table(
+                    f"gateway limit, {args.limit_workers} zero-cost workers", results, None, args.limit_p99_ms / 1000
+                )
+            )
     if args.out:
         Path(args.out).write_text(json.dumps([asdict(s) for s in all_steps], indent=1))
     return 0

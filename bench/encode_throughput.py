@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 import msgspec
 import numpy as np
+
 from shoal.wire import Timings, Usage
 from spawn import free_port, log_tail, machine_line, spawned_server
 
@@ -131,7 +132,11 @@ class Codec:
         return msgspec.msgpack.encode(request) if self.name == "msgpack" else msgspec.json.encode(request)
 
     def decode(self, content: bytes, typ: type) -> Any:
-        return msgspec.msgpack.decode(content, type=typ) if self.name == "msgpack" else msgspec.json.decode(content, type=typ)
+        return (
+            msgspec.msgpack.decode(content, type=typ)
+            if self.name == "msgpack"
+            else msgspec.json.decode(content, type=typ)
+        )
 
 
 def dense_vector(dense: Any) -> np.ndarray:
@@ -203,8 +208,13 @@ def process_cpu_s(pid: int | None) -> float | None:
 
 
 async def run_http(
-    client: httpx.AsyncClient, codec: Codec, work: Workload, *, duration_s: float,
-    max_requests: int | None, server_pid: int | None,
+    client: httpx.AsyncClient,
+    codec: Codec,
+    work: Workload,
+    *,
+    duration_s: float,
+    max_requests: int | None,
+    server_pid: int | None,
 ) -> Row:
     bodies = [codec.body(g) for g in work.groups]  # encoded once, outside the timed loop
     headers = codec.headers
@@ -219,7 +229,9 @@ async def run_http(
         nonlocal issued
         while True:
             k = next(next_k)  # draw and check with no await between: sent requests are a prefix
-            if (max_requests is not None and k >= max_requests) or (max_requests is None and time.perf_counter() >= deadline):
+            if (max_requests is not None and k >= max_requests) or (
+                max_requests is None and time.perf_counter() >= deadline
+            ):
                 return
             issued = max(issued, k + 1)
             index = k % len(bodies)
@@ -235,7 +247,9 @@ async def run_http(
                 continue
             decoded = codec.decode(response.content, UsageOnly)
             if decoded.usage.tokens != work.tokens[index]:
-                errors.append(f"request {k}: usage.tokens {decoded.usage.tokens} != tokenizer count {work.tokens[index]}")
+                errors.append(
+                    f"request {k}: usage.tokens {decoded.usage.tokens} != tokenizer count {work.tokens[index]}"
+                )
             if (t := decoded.timings) is not None:
                 server_ms.append((t.tokenize_ms, t.queue_ms, t.inference_ms, t.total_ms))
             latencies_s.append(latency_s)
@@ -250,14 +264,23 @@ async def run_http(
 
     p50, p95, p99 = (np.percentile(latencies_s, [50, 95, 99]) * 1000.0).tolist() if latencies_s else (None,) * 3
     return Row(
-        workload=work.name, runner=f"shoal http {codec.name}", clients=work.clients,
-        items_per_request=len(work.groups[0]), requests=issued,
-        items=sum(len(work.groups[i]) for i in answered), tokens=sum(work.tokens[i] for i in answered),
-        wall_s=wall_s, p50_ms=p50, p95_ms=p95, p99_ms=p99,
+        workload=work.name,
+        runner=f"shoal http {codec.name}",
+        clients=work.clients,
+        items_per_request=len(work.groups[0]),
+        requests=issued,
+        items=sum(len(work.groups[i]) for i in answered),
+        tokens=sum(work.tokens[i] for i in answered),
+        wall_s=wall_s,
+        p50_ms=p50,
+        p95_ms=p95,
+        p99_ms=p99,
         mean_ms=float(np.mean(latencies_s)) * 1000.0 if latencies_s else None,
         client_cpu_cores=None if client_cpu0 is None else (client_cpu1 - client_cpu0) / wall_s,
         server_cpu_cores=None if server_cpu0 is None else (server_cpu1 - server_cpu0) / wall_s,
-        server_mean_ms=dict(zip(("tokenize", "queue", "inference", "total"), np.mean(server_ms, axis=0).tolist())) if server_ms else None,
+        server_mean_ms=dict(zip(("tokenize", "queue", "inference", "total"), np.mean(server_ms, axis=0).tolist()))
+        if server_ms
+        else None,
         errors=errors,
     )
 
@@ -285,9 +308,14 @@ def run_baseline(st_model: Any, work: Workload, num_requests: int) -> Row:
     wall_s = time.perf_counter() - started
     tokens = sum(work.tokens[k % len(work.groups)] for k in range(num_requests))
     return Row(
-        workload=work.name, runner=f"ST encode bs={work.baseline_batch_size}", clients=None,
-        items_per_request=len(work.groups[0]), requests=num_requests,
-        items=sum(len(g) for g in groups), tokens=tokens, wall_s=wall_s,
+        workload=work.name,
+        runner=f"ST encode bs={work.baseline_batch_size}",
+        clients=None,
+        items_per_request=len(work.groups[0]),
+        requests=num_requests,
+        items=sum(len(g) for g in groups),
+        tokens=tokens,
+        wall_s=wall_s,
     )
 
 
@@ -295,12 +323,18 @@ def run_baseline(st_model: Any, work: Workload, num_requests: int) -> Row:
 
 
 async def check_correctness(
-    client: httpx.AsyncClient, codec: Codec, st_model: Any, counter: TokenCounter,
-    sentences: list[str], groups: list[list[str]],
+    client: httpx.AsyncClient,
+    codec: Codec,
+    st_model: Any,
+    counter: TokenCounter,
+    sentences: list[str],
+    groups: list[list[str]],
 ) -> tuple[list[str], str]:
     """Shoal's vectors against ST's on 32 sentences (one per request) and 2 groups of 64."""
     requests = [[s] for s in sentences[:32]] + groups[:2]
-    responses = await asyncio.gather(*(client.post("/v1/encode", content=codec.body(r), headers=codec.headers) for r in requests))
+    responses = await asyncio.gather(
+        *(client.post("/v1/encode", content=codec.body(r), headers=codec.headers) for r in requests)
+    )
     failures: list[str] = []
     texts: list[str] = []
     vectors: list[np.ndarray] = []
@@ -331,7 +365,6 @@ async def check_correctness(
         failures.append("sentence-transformers' tokenizer counts differ from tokenizer.json's")
     summary = f"{len(texts)} vectors in {len(requests)} requests, min cosine {float(np.min(cosines)):.7f} (need >= {MIN_COSINE})"
     return failures, summary
-
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -373,10 +406,14 @@ def print_table(rows: list[Row]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="use this running server instead of spawning `shoal serve`")
     p.add_argument(
-        "--duration-s", type=float, default=20.0,
+        "--duration-s",
+        type=float,
+        default=20.0,
         help="seconds each HTTP run keeps sending (default 20); requests in flight then are awaited and counted",
     )
     p.add_argument("--requests", type=int, help="single workload: this many requests instead of --duration-s")
@@ -410,8 +447,12 @@ async def bench(args: argparse.Namespace, url: str, server_pid: int | None, head
     counter = TokenCounter(model_dir)
     sentences, groups = make_texts(load_words(model_dir), args.seed)
     workloads = {
-        "single": Workload("single", [[s] for s in sentences], counter.count(sentences), args.concurrency, ST_DEFAULT_BATCH_SIZE, True),
-        "batch": Workload("batch", groups, [sum(counter.count(g)) for g in groups], args.batch_clients, GROUP_SIZE, False),
+        "single": Workload(
+            "single", [[s] for s in sentences], counter.count(sentences), args.concurrency, ST_DEFAULT_BATCH_SIZE, True
+        ),
+        "batch": Workload(
+            "batch", groups, [sum(counter.count(g)) for g in groups], args.batch_clients, GROUP_SIZE, False
+        ),
     }
     codecs = [Codec("json")] + ([Codec("msgpack")] if args.msgpack else [])
 
@@ -445,7 +486,9 @@ async def bench(args: argparse.Namespace, url: str, server_pid: int | None, head
             work = workloads[name]
             max_requests = args.requests if name == "single" else args.batch_requests
             for codec in codecs:
-                http_row = await run_http(client, codec, work, duration_s=args.duration_s, max_requests=max_requests, server_pid=server_pid)
+                http_row = await run_http(
+                    client, codec, work, duration_s=args.duration_s, max_requests=max_requests, server_pid=server_pid
+                )
                 base_row = run_baseline(st_model, work, http_row.requests)  # the server is idle now
                 http_row.vs_baseline = http_row.tokens_per_s / base_row.tokens_per_s
                 rows += [http_row, base_row]
@@ -466,9 +509,18 @@ async def bench(args: argparse.Namespace, url: str, server_pid: int | None, head
     )
     if args.json_out:
         record = {
-            "model": MODEL, "url": url, "spawned_server": server_pid is not None, "torch_threads": num_threads,
-            "cpu_count": os.cpu_count(), "loadavg_at_start": [load1, load5, load15], "args": {k: str(v) for k, v in vars(args).items()},
-            "rows": [asdict(r) | {"requests_per_s": r.requests_per_s, "items_per_s": r.items_per_s, "tokens_per_s": r.tokens_per_s} for r in rows],
+            "model": MODEL,
+            "url": url,
+            "spawned_server": server_pid is not None,
+            "torch_threads": num_threads,
+            "cpu_count": os.cpu_count(),
+            "loadavg_at_start": [load1, load5, load15],
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": [
+                asdict(r)
+                | {"requests_per_s": r.requests_per_s, "items_per_s": r.items_per_s, "tokens_per_s": r.tokens_per_s}
+                for r in rows
+            ],
         }
         args.json_out.write_text(json.dumps(record, indent=2))
     if failures:

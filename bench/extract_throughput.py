@@ -49,6 +49,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import numpy as np
+
 from extract_f1 import wnut_tweets
 from spawn import free_port, log_tail, machine_line, spawned_server
 
@@ -82,10 +83,20 @@ def text_pool(corpus: str, size: int, seed: int = 0) -> list[str]:
 
 
 def build_model(directory: Path, args):
-    sizes = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-             "intermediate_size": args.intermediate_size}
-    return extract_models().build_gliner(directory, args.backbone, seed=0, hidden_size=args.gliner_hidden_size or args.hidden_size,
-                        backbone_sizes=sizes, tokenizer_kind=args.tokenizer)
+    sizes = {
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "intermediate_size": args.intermediate_size,
+    }
+    return extract_models().build_gliner(
+        directory,
+        args.backbone,
+        seed=0,
+        hidden_size=args.gliner_hidden_size or args.hidden_size,
+        backbone_sizes=sizes,
+        tokenizer_kind=args.tokenizer,
+    )
 
 
 def span_logits(reference, texts: list[str], labels: list[str]) -> list[np.ndarray]:
@@ -121,8 +132,9 @@ def entities_per_text(logits: list[np.ndarray], scale: float, threshold_logit: f
     return found / len(logits)
 
 
-def calibrate(reference, directory: Path, texts: list[str], labels: list[str], threshold: float,
-              target: float) -> tuple[float, float]:
+def calibrate(
+    reference, directory: Path, texts: list[str], labels: list[str], threshold: float, target: float
+) -> tuple[float, float]:
     """Scale the span head's last linear layer (the logits scale with it) so that flat decoding
     finds about `target` entities per text at `threshold`, and save the model again. The scale is
     negative (the lowest old logits become the highest) where the old ones sit mostly below zero.
@@ -147,7 +159,9 @@ def calibrate(reference, directory: Path, texts: list[str], labels: list[str], t
     for _ in range(24):  # bisect on log |scale|
         mid = np.sign(guess) * float(np.sqrt(lo * hi))
         lo, hi = (mid, hi) if entities_per_text(logits, mid, t) <= target else (lo, mid)
-    scale = hi if abs(entities_per_text(logits, hi, t) - target) < abs(entities_per_text(logits, lo, t) - target) else lo
+    scale = (
+        hi if abs(entities_per_text(logits, hi, t) - target) < abs(entities_per_text(logits, lo, t) - target) else lo
+    )
     layer = dict(reference.model.named_modules())[OUT_PROJECT]
     with torch.no_grad():
         layer.weight.mul_(scale)
@@ -158,8 +172,12 @@ def calibrate(reference, directory: Path, texts: list[str], labels: list[str], t
 
 
 def body(texts: list[str], threshold: float) -> dict:
-    return {"model": MODEL_ID, "items": [{"text": t} for t in texts], "labels": LABELS,
-            "options": {"threshold": threshold}}
+    return {
+        "model": MODEL_ID,
+        "items": [{"text": t} for t in texts],
+        "labels": LABELS,
+        "options": {"threshold": threshold},
+    }
 
 
 def encode(payload: dict, use_msgpack: bool) -> tuple[bytes, dict]:
@@ -173,12 +191,26 @@ def decode(response: httpx.Response, use_msgpack: bool) -> dict:
     return msgspec.msgpack.decode(response.content) if use_msgpack else response.json()
 
 
-async def http_run(url: str, pool: list[str], per_request: int, clients: int, duration_s: float,
-                   threshold: float, use_msgpack: bool, first_request: int = 0) -> dict:
+async def http_run(
+    url: str,
+    pool: list[str],
+    per_request: int,
+    clients: int,
+    duration_s: float,
+    threshold: float,
+    use_msgpack: bool,
+    first_request: int = 0,
+) -> dict:
     """Requests `first_request`, `first_request + 1`, ... (request k: the k-th slice of the pool,
     cycled) from `clients` concurrent clients for `duration_s`; raw counts."""
-    run = {"requests": 0, "texts": 0, "tokens": 0, "entities": 0, "latencies": [],
-           "phases": {"tokenize_ms": 0.0, "queue_ms": 0.0, "inference_ms": 0.0}}
+    run = {
+        "requests": 0,
+        "texts": 0,
+        "tokens": 0,
+        "entities": 0,
+        "latencies": [],
+        "phases": {"tokenize_ms": 0.0, "queue_ms": 0.0, "inference_ms": 0.0},
+    }
     next_index = first_request
     deadline = time.perf_counter() + duration_s
 
@@ -213,11 +245,17 @@ def shoal_figures(runs: list[dict]) -> dict:
     seconds = sum(r["seconds"] for r in runs)
     latencies = [x for r in runs for x in r["latencies"]]
     phases = {phase: sum(r["phases"][phase] for r in runs) / max(1, requests) for phase in runs[0]["phases"]}
-    return {"requests": requests, "texts": texts, "seconds": seconds, "texts_per_s": texts / seconds,
-            "tokens_per_text": sum(r["tokens"] for r in runs) / max(1, texts),
-            "entities_per_text": sum(r["entities"] for r in runs) / max(1, texts),
-            "p50_ms": 1e3 * float(np.percentile(latencies, 50)), "p99_ms": 1e3 * float(np.percentile(latencies, 99)),
-            **{f"mean_{phase}": value for phase, value in phases.items()}}
+    return {
+        "requests": requests,
+        "texts": texts,
+        "seconds": seconds,
+        "texts_per_s": texts / seconds,
+        "tokens_per_text": sum(r["tokens"] for r in runs) / max(1, texts),
+        "entities_per_text": sum(r["entities"] for r in runs) / max(1, texts),
+        "p50_ms": 1e3 * float(np.percentile(latencies, 50)),
+        "p99_ms": 1e3 * float(np.percentile(latencies, 99)),
+        **{f"mean_{phase}": value for phase, value in phases.items()},
+    }
 
 
 def check_entities(url: str, reference, texts: list[str], threshold: float, use_msgpack: bool) -> dict:
@@ -245,8 +283,14 @@ def check_entities(url: str, reference, texts: list[str], threshold: float, use_
         shared = set(got_keys) & set(want_keys)
         compared += len(shared)
         worst = max([worst] + [abs(got_keys[k]["score"] - want_keys[k]["score"]) for k in shared])
-    return {"texts": len(texts), "entities": compared, "max_score_diff": worst, "borderline": borderline,
-            "windowed": windowed, "mismatched": mismatched}
+    return {
+        "texts": len(texts),
+        "entities": compared,
+        "max_score_diff": worst,
+        "borderline": borderline,
+        "windowed": windowed,
+        "mismatched": mismatched,
+    }
 
 
 def baseline_predict(reference, pool: list[str], duration_s: float, threshold: float, first: int = 0) -> dict:
@@ -259,8 +303,9 @@ def baseline_predict(reference, pool: list[str], duration_s: float, threshold: f
     return {"texts": done, "seconds": time.perf_counter() - started}
 
 
-def baseline_inference(reference, pool: list[str], duration_s: float, threshold: float, chunk: int,
-                       first: int = 0) -> dict:
+def baseline_inference(
+    reference, pool: list[str], duration_s: float, threshold: float, chunk: int, first: int = 0
+) -> dict:
     """inference(texts, labels, batch_size=8) over `chunk` texts a call, from `first` on, cycling."""
     done = 0
     started = time.perf_counter()
@@ -282,16 +327,21 @@ def rate(part: dict) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration-s", type=float, default=30.0,
-                        help="seconds each of the three sides runs, over all rounds (default 30)")
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=30.0,
+        help="seconds each of the three sides runs, over all rounds (default 30)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="turns the three sides take (default 3)")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--texts-per-request", type=int, default=8)
     parser.add_argument("--corpus", choices=("wnut", "lee"), default="wnut")
     parser.add_argument("--pool-size", type=int, default=256, help="texts in the pool (default 256)")
-    parser.add_argument("--inference-chunk", type=int, default=64,
-                        help="texts per gliner inference() call (default 64)")
+    parser.add_argument(
+        "--inference-chunk", type=int, default=64, help="texts per gliner inference() call (default 64)"
+    )
     parser.add_argument("--backbone", choices=("deberta-v3", "bert"), default="deberta-v3")
     parser.add_argument("--tokenizer", choices=("wordpiece", "unigram"), default="wordpiece")
     parser.add_argument("--hidden-size", type=int, default=384)
@@ -300,8 +350,12 @@ def main() -> None:
     parser.add_argument("--intermediate-size", type=int, default=1536)
     parser.add_argument("--gliner-hidden-size", type=int, help="GLiNER's own width (default: the backbone's)")
     parser.add_argument("--threshold", type=float, default=0.9)
-    parser.add_argument("--entities-per-text", type=float, default=1.0,
-                        help="what the random model is calibrated to find per text (default 1.0)")
+    parser.add_argument(
+        "--entities-per-text",
+        type=float,
+        default=1.0,
+        help="what the random model is calibrated to find per text (default 1.0)",
+    )
     parser.add_argument("--check-texts", type=int, default=32)
     parser.add_argument("--msgpack", action="store_true", help="requests and responses in msgpack")
     parser.add_argument("--json-out", type=Path)
@@ -321,27 +375,33 @@ def bench(args, work: Path, load_at_start: tuple[float, float, float]) -> None:
     cards.mkdir()
     pool = text_pool(args.corpus, args.pool_size)
     reference = build_model(model_dir, args)
-    scale, entities_per_text = calibrate(reference, model_dir, pool[:CALIBRATION_TEXTS], LABELS, args.threshold,
-                                         args.entities_per_text)
-    print(f"calibration: span head scaled by {scale:.3g}: {entities_per_text:.2f} entities per text at threshold "
-          f"{args.threshold} (gliner, first {CALIBRATION_TEXTS} texts)")
+    scale, entities_per_text = calibrate(
+        reference, model_dir, pool[:CALIBRATION_TEXTS], LABELS, args.threshold, args.entities_per_text
+    )
+    print(
+        f"calibration: span head scaled by {scale:.3g}: {entities_per_text:.2f} entities per text at threshold "
+        f"{args.threshold} (gliner, first {CALIBRATION_TEXTS} texts)"
+    )
     (cards / "gliner.yaml").write_text(extract_models().gliner_card(model_dir, MODEL_ID))
     words = [len(t.split()) for t in pool]
 
     log = work / "server.log"
     with spawned_server(free_port(), [MODEL_ID], ["--models-dir", str(cards)], log) as (url, _):
         check = check_entities(url, reference, pool[: args.check_texts], args.threshold, args.msgpack)
-        print(f"entities vs predict_entities on {check['texts']} texts: {len(check['mismatched'])} differ, "
-              f"{check['borderline']} differ only at the threshold, {check['windowed']} too long to compare; "
-              f"{check['entities']} entities equal, "
-              f"max |score diff| {check['max_score_diff']:.2e}")
+        print(
+            f"entities vs predict_entities on {check['texts']} texts: {len(check['mismatched'])} differ, "
+            f"{check['borderline']} differ only at the threshold, {check['windowed']} too long to compare; "
+            f"{check['entities']} entities equal, "
+            f"max |score diff| {check['max_score_diff']:.2e}"
+        )
         if check["mismatched"] or check["max_score_diff"] > 1e-4:
             for m in check["mismatched"][:3]:
                 print(json.dumps(m, indent=1))
             print(log_tail(log))
             sys.exit(1)
-        asyncio.run(http_run(url, pool, args.texts_per_request, args.clients, args.warmup_s, args.threshold,
-                             args.msgpack))
+        asyncio.run(
+            http_run(url, pool, args.texts_per_request, args.clients, args.warmup_s, args.threshold, args.msgpack)
+        )
         for text in pool[:4]:  # warm-up of the in-process side
             reference.predict_entities(text, LABELS, threshold=args.threshold)
         # The three sides take turns, --rounds times, so that a change in the machine's load (other
@@ -349,41 +409,84 @@ def bench(args, work: Path, load_at_start: tuple[float, float, float]) -> None:
         slice_s = args.duration_s / args.rounds
         runs, predicts, batches = [], [], []
         for _ in range(args.rounds):
-            runs.append(asyncio.run(http_run(url, pool, args.texts_per_request, args.clients, slice_s, args.threshold,
-                                             args.msgpack, runs[-1]["next_request"] if runs else 0)))
-            predicts.append(baseline_predict(reference, pool, slice_s, args.threshold, sum(p["texts"] for p in predicts)))
-            batches.append(baseline_inference(reference, pool, slice_s, args.threshold, args.inference_chunk,
-                                              sum(b["texts"] for b in batches)))
+            runs.append(
+                asyncio.run(
+                    http_run(
+                        url,
+                        pool,
+                        args.texts_per_request,
+                        args.clients,
+                        slice_s,
+                        args.threshold,
+                        args.msgpack,
+                        runs[-1]["next_request"] if runs else 0,
+                    )
+                )
+            )
+            predicts.append(
+                baseline_predict(reference, pool, slice_s, args.threshold, sum(p["texts"] for p in predicts))
+            )
+            batches.append(
+                baseline_inference(
+                    reference, pool, slice_s, args.threshold, args.inference_chunk, sum(b["texts"] for b in batches)
+                )
+            )
     shoal, predict, batch = shoal_figures(runs), together(predicts), together(batches)
     ratio_predict = shoal["texts_per_s"] / predict["texts_per_s"]
     ratio_batch = shoal["texts_per_s"] / batch["texts_per_s"]
     per_round = [(rate(r) / rate(p), rate(r) / rate(b)) for r, p, b in zip(runs, predicts, batches)]
 
     print(machine_line(load_at_start, f"torch threads {torch.get_num_threads()}; client and server share the cores"))
-    print(f"model:       GLiNER on {args.backbone} ({args.tokenizer} vocabulary), hidden {args.hidden_size}, "
-          f"{args.layers} layers, {args.heads} heads, intermediate {args.intermediate_size}; random weights")
-    print(f"texts:       {args.corpus}, pool of {len(pool)}, {np.mean(words):.1f} words mean (min {min(words)}, "
-          f"max {max(words)}), {shoal['tokens_per_text']:.1f} tokens per text with the prompt (shoal's usage); "
-          f"{len(LABELS)} labels, threshold {args.threshold}, {shoal['entities_per_text']:.2f} entities per text")
-    print(f"shoal HTTP          {shoal['texts_per_s']:8.1f} texts/s  p50 {shoal['p50_ms']:.0f} ms  "
-          f"p99 {shoal['p99_ms']:.0f} ms  ({shoal['requests']} requests of {args.texts_per_request}, "
-          f"{args.clients} clients, {'msgpack' if args.msgpack else 'JSON'})")
-    print(f"                    server timings per request (mean): tokenize {shoal['mean_tokenize_ms']:.0f} ms, "
-          f"queue {shoal['mean_queue_ms']:.0f} ms, inference {shoal['mean_inference_ms']:.0f} ms")
+    print(
+        f"model:       GLiNER on {args.backbone} ({args.tokenizer} vocabulary), hidden {args.hidden_size}, "
+        f"{args.layers} layers, {args.heads} heads, intermediate {args.intermediate_size}; random weights"
+    )
+    print(
+        f"texts:       {args.corpus}, pool of {len(pool)}, {np.mean(words):.1f} words mean (min {min(words)}, "
+        f"max {max(words)}), {shoal['tokens_per_text']:.1f} tokens per text with the prompt (shoal's usage); "
+        f"{len(LABELS)} labels, threshold {args.threshold}, {shoal['entities_per_text']:.2f} entities per text"
+    )
+    print(
+        f"shoal HTTP          {shoal['texts_per_s']:8.1f} texts/s  p50 {shoal['p50_ms']:.0f} ms  "
+        f"p99 {shoal['p99_ms']:.0f} ms  ({shoal['requests']} requests of {args.texts_per_request}, "
+        f"{args.clients} clients, {'msgpack' if args.msgpack else 'JSON'})"
+    )
+    print(
+        f"                    server timings per request (mean): tokenize {shoal['mean_tokenize_ms']:.0f} ms, "
+        f"queue {shoal['mean_queue_ms']:.0f} ms, inference {shoal['mean_inference_ms']:.0f} ms"
+    )
     print(f"predict_entities    {predict['texts_per_s']:8.1f} texts/s  (one text a call, {predict['texts']} texts)")
-    print(f"inference batch     {batch['texts_per_s']:8.1f} texts/s  (inference(texts, batch_size=8), "
-          f"{args.inference_chunk} texts a call, {batch['texts']} texts)")
-    print("per round:   shoal / predict_entities " + ", ".join(f"{a:.2f}x" for a, _ in per_round)
-          + "; shoal / inference batch " + ", ".join(f"{b:.2f}x" for _, b in per_round))
-    print(f"ratio shoal / predict_entities: {ratio_predict:.2f}x (aim >= {AIM}x: {'met' if ratio_predict >= AIM else 'NOT met'}); "
-          f"shoal / inference batch: {ratio_batch:.2f}x")
+    print(
+        f"inference batch     {batch['texts_per_s']:8.1f} texts/s  (inference(texts, batch_size=8), "
+        f"{args.inference_chunk} texts a call, {batch['texts']} texts)"
+    )
+    print(
+        "per round:   shoal / predict_entities "
+        + ", ".join(f"{a:.2f}x" for a, _ in per_round)
+        + "; shoal / inference batch "
+        + ", ".join(f"{b:.2f}x" for _, b in per_round)
+    )
+    print(
+        f"ratio shoal / predict_entities: {ratio_predict:.2f}x (aim >= {AIM}x: {'met' if ratio_predict >= AIM else 'NOT met'}); "
+        f"shoal / inference batch: {ratio_batch:.2f}x"
+    )
     if args.json_out:
-        args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "scale": scale,
-                                             "check": {k: v for k, v in check.items() if k != "mismatched"},
-                                             "shoal": shoal, "predict_entities": predict, "inference": batch,
-                                             "ratio_predict_entities": ratio_predict, "ratio_inference": ratio_batch,
-                                             "per_round": per_round},
-                                            indent=2))
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "scale": scale,
+                    "check": {k: v for k, v in check.items() if k != "mismatched"},
+                    "shoal": shoal,
+                    "predict_entities": predict,
+                    "inference": batch,
+                    "ratio_predict_entities": ratio_predict,
+                    "ratio_inference": ratio_batch,
+                    "per_round": per_round,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

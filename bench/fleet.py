@@ -54,8 +54,15 @@ def lee_sentences() -> list[str]:
 
 
 def card(model_id: str, adapters: dict[str, str] | None = None):
-    data = dict(id=model_id, architecture="bert", source={"path": str(MINILM_DIR)}, max_length=256,
-                pooling="mean", dimensions=384, adapters=adapters or {})
+    data = dict(
+        id=model_id,
+        architecture="bert",
+        source={"path": str(MINILM_DIR)},
+        max_length=256,
+        pooling="mean",
+        dimensions=384,
+        adapters=adapters or {},
+    )
     return parse_card(data, f"<bench {model_id}>")
 
 
@@ -86,14 +93,23 @@ async def closed_loop(engine: Engine, make_call, clients: int, duration_s: float
     started = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(clients)))
     elapsed = time.perf_counter() - started
-    return dict(requests=len(latencies), req_per_s=len(latencies) / elapsed, p50_ms=percentile(latencies, 50),
-                p99_ms=percentile(latencies, 99), retries=retries)
+    return dict(
+        requests=len(latencies),
+        req_per_s=len(latencies) / elapsed,
+        p50_ms=percentile(latencies, 50),
+        p99_ms=percentile(latencies, 99),
+        retries=retries,
+    )
 
 
 def metric_sum(engine: Engine, name: str, **labels: str) -> float:
     """The sum of the samples named `name` whose labels include `labels`."""
-    return sum(sample.value for family in engine.metrics.registry.collect() for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        sample.value
+        for family in engine.metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 async def run_zipf(args) -> None:
@@ -101,13 +117,15 @@ async def run_zipf(args) -> None:
     ids = [f"bench/minilm-{i}" for i in range(NUM_MODELS)]
     weights = np.array([1.0 / (rank + 1) ** ZIPF_S for rank in range(NUM_MODELS)])
     weights /= weights.sum()
-    print(f"zipf: {NUM_MODELS} models, shares {', '.join(f'{w:.2f}' for w in weights)}; {args.clients} clients, "
-          f"{TEXTS_PER_REQUEST} Lee sentences per request, {args.duration_s:.0f} s per run")
+    print(
+        f"zipf: {NUM_MODELS} models, shares {', '.join(f'{w:.2f}' for w in weights)}; {args.clients} clients, "
+        f"{TEXTS_PER_REQUEST} Lee sentences per request, {args.duration_s:.0f} s per run"
+    )
 
     def make_call(rng: random.Random):
         model = rng.choices(ids, weights)[0]
         start = rng.randrange(len(sentences) - TEXTS_PER_REQUEST)
-        return EncodeCall(model=model, texts=sentences[start:start + TEXTS_PER_REQUEST])
+        return EncodeCall(model=model, texts=sentences[start : start + TEXTS_PER_REQUEST])
 
     probe_engine = Engine(EngineSettings(watch_interval_s=None), Catalog([card(ids[0])]), allow_download=False)
     await probe_engine.start()
@@ -116,8 +134,10 @@ async def run_zipf(args) -> None:
     model_bytes, workspace = runner.num_bytes, runner.workspace_bytes
     await probe_engine.stop()
     rows = []
-    for label, budget in (("budget for 3", 3 * model_bytes + workspace + model_bytes // 2),
-                          ("all 6 resident", NUM_MODELS * model_bytes + workspace + model_bytes // 2)):
+    for label, budget in (
+        ("budget for 3", 3 * model_bytes + workspace + model_bytes // 2),
+        ("all 6 resident", NUM_MODELS * model_bytes + workspace + model_bytes // 2),
+    ):
         settings = EngineSettings(memory_budget_bytes=budget, watch_interval_s=None)
         engine = Engine(settings, Catalog([card(i) for i in ids]), allow_download=False)
         await engine.start()
@@ -135,15 +155,23 @@ async def run_zipf(args) -> None:
         await engine.stop()
         rows.append((label, result, loads, evictions, load_s / loads if loads else float("nan"), budget, resident_peak))
 
-    print(f"{'run':16} {'budget MB':>10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>9} {'loads':>6} {'evict':>6} "
-          f"{'cold load s':>12} {'retries':>8}")
+    print(
+        f"{'run':16} {'budget MB':>10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>9} {'loads':>6} {'evict':>6} "
+        f"{'cold load s':>12} {'retries':>8}"
+    )
     for label, r, loads, evictions, cold_s, budget, _ in rows:
-        print(f"{label:16} {budget / 2**20:10.0f} {r['req_per_s']:8.1f} {r['p50_ms']:8.1f} {r['p99_ms']:9.1f} "
-              f"{loads:6.0f} {evictions:6.0f} {cold_s:12.3f} {r['retries']:8d}")
+        print(
+            f"{label:16} {budget / 2**20:10.0f} {r['req_per_s']:8.1f} {r['p50_ms']:8.1f} {r['p99_ms']:9.1f} "
+            f"{loads:6.0f} {evictions:6.0f} {cold_s:12.3f} {r['retries']:8d}"
+        )
     constrained, resident = rows[0][1], rows[1][1]
-    print(f"ratio (budget for 3 / all resident): throughput {constrained['req_per_s'] / resident['req_per_s']:.2f}, "
-          f"p99 {constrained['p99_ms'] / resident['p99_ms']:.2f}")
-    print(f"measured bytes per model: {model_bytes / 2**20:.1f} MiB, workspace (counted once) {workspace / 2**20:.1f} MiB")
+    print(
+        f"ratio (budget for 3 / all resident): throughput {constrained['req_per_s'] / resident['req_per_s']:.2f}, "
+        f"p99 {constrained['p99_ms'] / resident['p99_ms']:.2f}"
+    )
+    print(
+        f"measured bytes per model: {model_bytes / 2**20:.1f} MiB, workspace (counted once) {workspace / 2**20:.1f} MiB"
+    )
 
 
 def make_adapters(directory: Path) -> dict[str, str]:
@@ -156,9 +184,12 @@ def make_adapters(directory: Path) -> dict[str, str]:
     paths = {}
     for i in range(NUM_ADAPTERS):
         torch.manual_seed(100 + i)
-        config = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                 target_modules=["query", "key", "value", "attention.output.dense",
-                                                 "intermediate.dense", "output.dense"])
+        config = peft.LoraConfig(
+            r=8,
+            lora_alpha=16,
+            init_lora_weights=False,
+            target_modules=["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"],
+        )
         model = peft.get_peft_model(base, config)
         path = directory / f"adapter-{i}"
         model.save_pretrained(path)
@@ -173,9 +204,13 @@ async def run_adapters(args) -> None:
         adapters = make_adapters(Path(tmp))
         names = sorted(adapters)
         model_id = "bench/minilm-lora"
-        print(f"adapters: {NUM_ADAPTERS} random LoRA adapters (r=8, attention and MLP) on MiniLM; {args.clients} "
-              f"clients, {TEXTS_PER_REQUEST} Lee sentences per request, {args.duration_s:.0f} s per run")
-        engine = Engine(EngineSettings(watch_interval_s=None), Catalog([card(model_id, adapters)]), allow_download=False)
+        print(
+            f"adapters: {NUM_ADAPTERS} random LoRA adapters (r=8, attention and MLP) on MiniLM; {args.clients} "
+            f"clients, {TEXTS_PER_REQUEST} Lee sentences per request, {args.duration_s:.0f} s per run"
+        )
+        engine = Engine(
+            EngineSettings(watch_interval_s=None), Catalog([card(model_id, adapters)]), allow_download=False
+        )
         await engine.start()
         await engine.warm([model_id])
 
@@ -183,7 +218,8 @@ async def run_adapters(args) -> None:
             def make_call(rng: random.Random):
                 start = rng.randrange(len(sentences) - TEXTS_PER_REQUEST)
                 adapter = rng.choice(names) if with_adapters else None
-                return EncodeCall(model=model_id, texts=sentences[start:start + TEXTS_PER_REQUEST], adapter=adapter)
+                return EncodeCall(model=model_id, texts=sentences[start : start + TEXTS_PER_REQUEST], adapter=adapter)
+
             return make_call
 
         for name in names:  # every adapter resident before timing
@@ -197,8 +233,10 @@ async def run_adapters(args) -> None:
     for label, r in results.items():
         print(f"{label:12} {r['req_per_s']:8.1f} {r['p50_ms']:8.1f} {r['p99_ms']:9.1f}")
     base = (results["base"]["req_per_s"] + results["base again"]["req_per_s"]) / 2
-    print(f"ratio (8 adapters / base, mean of the base runs before and after): "
-          f"{results['8 adapters']['req_per_s'] / base:.2f} (aim >= 0.8)")
+    print(
+        f"ratio (8 adapters / base, mean of the base runs before and after): "
+        f"{results['8 adapters']['req_per_s'] / base:.2f} (aim >= 0.8)"
+    )
 
 
 def main() -> int:

@@ -66,25 +66,65 @@ def cases():
     mixed = [1, 128, 7, 2, 63, 100, 30, 5]
     return [
         ("bert", lambda d: bert.save_random_bert(d, **bert.SHAPES["wide-3l-12h"]), bert.VOCAB, mixed, 1),
-        ("roberta", lambda d: roberta.save_random_roberta(d, "roberta-3l-12h-gelu-tanh"), roberta.VOCAB,
-         [1, roberta.MAX_LENGTH, 7, 2, 63, 30], roberta.PAD + 1),
-        ("xlm-roberta", lambda d: roberta.save_random_roberta(d, "xlm-roberta-4l-8h-2types"), roberta.VOCAB,
-         [1, roberta.MAX_LENGTH, 7, 2, 63, 30], roberta.PAD + 1),
-        ("distilbert", lambda d: distilbert.save_random(d, **distilbert.SHAPES["mini-3l-8h-gelu-tanh"]), 1000,
-         [1, distilbert.MAX_LENGTH, 7, 2, 63, 30], 1),
-        ("mpnet", lambda d: mpnet.save_random_mpnet(d, **mpnet.SHAPES["mini-3l-12h"]), mpnet.VOCAB,
-         [1, mpnet.MAX_LENGTH, 7, 2, 63, 30], mpnet.PAD + 1),
-        ("deberta-v2", lambda d: deberta.save_random_deberta(d, **deberta.CONFIGS["v3-3l-6h-buckets16"]),
-         deberta.VOCAB, deberta.LENGTHS, 1),
-        ("modernbert", lambda d: modernbert.save_random_modernbert(d, **modernbert.SHAPES["wide-3l-8h-gelu-tanh"]),
-         modernbert.VOCAB, modernbert.LENGTHS, 3),
-        ("nomic-bert", lambda d: nomic.save_random_nomic_bert(d, **nomic.SHAPES["wide-3l-12h"]), nomic.VOCAB,
-         nomic.LENGTHS, 1),
+        (
+            "roberta",
+            lambda d: roberta.save_random_roberta(d, "roberta-3l-12h-gelu-tanh"),
+            roberta.VOCAB,
+            [1, roberta.MAX_LENGTH, 7, 2, 63, 30],
+            roberta.PAD + 1,
+        ),
+        (
+            "xlm-roberta",
+            lambda d: roberta.save_random_roberta(d, "xlm-roberta-4l-8h-2types"),
+            roberta.VOCAB,
+            [1, roberta.MAX_LENGTH, 7, 2, 63, 30],
+            roberta.PAD + 1,
+        ),
+        (
+            "distilbert",
+            lambda d: distilbert.save_random(d, **distilbert.SHAPES["mini-3l-8h-gelu-tanh"]),
+            1000,
+            [1, distilbert.MAX_LENGTH, 7, 2, 63, 30],
+            1,
+        ),
+        (
+            "mpnet",
+            lambda d: mpnet.save_random_mpnet(d, **mpnet.SHAPES["mini-3l-12h"]),
+            mpnet.VOCAB,
+            [1, mpnet.MAX_LENGTH, 7, 2, 63, 30],
+            mpnet.PAD + 1,
+        ),
+        (
+            "deberta-v2",
+            lambda d: deberta.save_random_deberta(d, **deberta.CONFIGS["v3-3l-6h-buckets16"]),
+            deberta.VOCAB,
+            deberta.LENGTHS,
+            1,
+        ),
+        (
+            "modernbert",
+            lambda d: modernbert.save_random_modernbert(d, **modernbert.SHAPES["wide-3l-8h-gelu-tanh"]),
+            modernbert.VOCAB,
+            modernbert.LENGTHS,
+            3,
+        ),
+        (
+            "nomic-bert",
+            lambda d: nomic.save_random_nomic_bert(d, **nomic.SHAPES["wide-3l-12h"]),
+            nomic.VOCAB,
+            nomic.LENGTHS,
+            1,
+        ),
     ] + [
-        (name, lambda d, family=family, shape=shape: llama.save_random_decoder(d, family, **shape), llama.VOCAB,
-         llama.LENGTHS, 0)
-        for name, (family, shape) in llama.CASES.items() if name in ("llama-gqa-2l-4h-2kv", "qwen2-mha-3l-6h",
-                                                                      "qwen3-gqa-2l-4h-2kv-hd32")
+        (
+            name,
+            lambda d, family=family, shape=shape: llama.save_random_decoder(d, family, **shape),
+            llama.VOCAB,
+            llama.LENGTHS,
+            0,
+        )
+        for name, (family, shape) in llama.CASES.items()
+        if name in ("llama-gqa-2l-4h-2kv", "qwen2-mha-3l-6h", "qwen3-gqa-2l-4h-2kv-hd32")
     ]
 
 
@@ -98,8 +138,10 @@ def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
 
     flash = any(flash_available(torch.device(device), getattr(torch, d)) for d in dtypes)
     path = "flash-attn varlen (where no score bias)" if flash else "torch SDPA (length groups)"
-    print(f"parity on {device}: attention through {path}; per-token cosine to CPU float32, least allowed "
-          + ", ".join(f"{d} {MIN_COSINE[d]}" for d in dtypes))
+    print(
+        f"parity on {device}: attention through {path}; per-token cosine to CPU float32, least allowed "
+        + ", ".join(f"{d} {MIN_COSINE[d]}" for d in dtypes)
+    )
     rows, failures = [], 0
     for name, save, vocab, lengths, first_id in cases():
         with tempfile.TemporaryDirectory() as tmp:
@@ -120,8 +162,13 @@ def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
                     failures += not ok
                     row[f"{dtype}_ok"] = ok
         rows.append(row)
-        print(f"  {name:12s} {row['tokens']:4d} tokens  " + "  ".join(
-            f"{d} cos>={row[d]:.5f} |d|<={row[d + '_max_abs']:.4f} {'ok' if row[d + '_ok'] else 'FAIL'}" for d in dtypes))
+        print(
+            f"  {name:12s} {row['tokens']:4d} tokens  "
+            + "  ".join(
+                f"{d} cos>={row[d]:.5f} |d|<={row[d + '_max_abs']:.4f} {'ok' if row[d + '_ok'] else 'FAIL'}"
+                for d in dtypes
+            )
+        )
     return rows, failures
 
 
@@ -166,17 +213,24 @@ def prepare() -> int:
             if (source / file).exists():
                 shutil.copy(source / file, twin / file)
         fields = msgspec.to_builtins(card)
-        fields.update(id=f"gpu-twin/{name}", source={"path": f"../twins/{name}"}, dtype="bfloat16",
-                      verified="random_weights", description=f"{model_id}'s shapes and tokenizer, random weights")
+        fields.update(
+            id=f"gpu-twin/{name}",
+            source={"path": f"../twins/{name}"},
+            dtype="bfloat16",
+            verified="random_weights",
+            description=f"{model_id}'s shapes and tokenizer, random weights",
+        )
         (GPU_DIR / "cards" / f"{name}.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
         print(f"wrote {twin} and .gpu/cards/{name}.yaml")
-    print("\nthen, for the device call (bench/gpu_check.py's docstring):\n"
-          "  echo /.gpu/ >> .git/info/exclude; echo /.whl/ >> .git/info/exclude\n"
-          "  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
-          "--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "
-          f"-d .whl {' '.join(WHEELS)}\n"
-          "  run(carry=['.gpu', '.whl'], command='python3 -m pip install -q --no-index --no-deps --target /tmp/site "
-          ".whl/*.whl && PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 bench/gpu_check.py run --out $OUT')")
+    print(
+        "\nthen, for the device call (bench/gpu_check.py's docstring):\n"
+        "  echo /.gpu/ >> .git/info/exclude; echo /.whl/ >> .git/info/exclude\n"
+        "  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
+        "--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "
+        f"-d .whl {' '.join(WHEELS)}\n"
+        "  run(carry=['.gpu', '.whl'], command='python3 -m pip install -q --no-index --no-deps --target /tmp/site "
+        ".whl/*.whl && PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 bench/gpu_check.py run --out $OUT')"
+    )
     return 0
 
 
@@ -196,11 +250,33 @@ def bench(name: str, device: str, out: Path, levels: str, step_s: float) -> dict
     randomize_twin(name)
     model = f"gpu-twin/{name}"
     json_path = out / f"bench-{name}.json"
-    with targets.shoal_serve(model, out / f"serve-{name}.log",
-                             args=["--device", device, "--models-dir", str(GPU_DIR / "cards")]) as (url, _):
-        subprocess.run([sys.executable, "-m", "shoal.cli", "bench", model, "--models-dir", str(GPU_DIR / "cards"),
-                        "--url", url, "--workload", "passages", "--mode", "closed", "--levels", levels,
-                        "--step-s", str(step_s), "--json-out", str(json_path)], check=False)
+    with targets.shoal_serve(
+        model, out / f"serve-{name}.log", args=["--device", device, "--models-dir", str(GPU_DIR / "cards")]
+    ) as (url, _):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "shoal.cli",
+                "bench",
+                model,
+                "--models-dir",
+                str(GPU_DIR / "cards"),
+                "--url",
+                url,
+                "--workload",
+                "passages",
+                "--mode",
+                "closed",
+                "--levels",
+                levels,
+                "--step-s",
+                str(step_s),
+                "--json-out",
+                str(json_path),
+            ],
+            check=False,
+        )
     return json.loads(json_path.read_text()) if json_path.exists() else {}
 
 
@@ -228,8 +304,10 @@ def run(args) -> int:
             tokens = knee.get("tokens_per_s")
             share = tokens * per_token / peak if tokens and per_token else None
             record["bench"][twin] = {"knee": knee, "flops_per_token": per_token, "share_of_bf16_peak": share}
-            print(f"{twin}: knee {tokens or 0:,.0f} tokens/s"
-                  + (f", {100 * share:.1f} % of the bf16 peak ({per_token / 1e6:.1f} MFLOP/token)" if share else ""))
+            print(
+                f"{twin}: knee {tokens or 0:,.0f} tokens/s"
+                + (f", {100 * share:.1f} % of the bf16 peak ({per_token / 1e6:.1f} MFLOP/token)" if share else "")
+            )
     (out / "gpu_check.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out / 'gpu_check.json'}; parity failures: {failures}")
     return 1 if failures else 0

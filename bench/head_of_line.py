@@ -43,13 +43,14 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import msgspec
 import numpy as np
+
 from shoal.wire import Timings, Usage
 from spawn import free_port, log_tail, machine_line, shoal_command, spawned_server
 
@@ -164,7 +165,10 @@ def _percentiles_ms(values_s: list[float], qs: list[float]) -> list[float | None
 
 
 async def small_clients(
-    client: httpx.AsyncClient, bodies: list[bytes], num_clients: int, stop: Callable[[], bool],
+    client: httpx.AsyncClient,
+    bodies: list[bytes],
+    num_clients: int,
+    stop: Callable[[], bool],
 ) -> tuple[list[float], list[tuple[float, float]], list[str]]:
     """Closed-loop clients until `stop()` is true; (latencies s, server (queue_ms, total_ms), errors)."""
     next_k = itertools.count()
@@ -212,7 +216,9 @@ async def send_bulk(url: str, bulk: Bulk, body: bytes, max_bulk_s: float) -> Non
             return
         answer = msgspec.msgpack.decode(response.content, type=_Answer)
         bulk.tokens = answer.usage.tokens
-        bulk.server_ms = {k: getattr(answer.timings, k) for k in ("tokenize_ms", "queue_ms", "inference_ms", "total_ms")}
+        bulk.server_ms = {
+            k: getattr(answer.timings, k) for k in ("tokenize_ms", "queue_ms", "inference_ms", "total_ms")
+        }
         if len(answer.items) != bulk.docs:
             bulk.error = f"{len(answer.items)} items answered for {bulk.docs} documents"
             return
@@ -220,8 +226,17 @@ async def send_bulk(url: str, bulk: Bulk, body: bytes, max_bulk_s: float) -> Non
 
 
 async def run_phase(
-    name: str, client: httpx.AsyncClient, url: str, server_pid: int, bodies: list[bytes], num_clients: int,
-    *, duration_s: float | None = None, bulk: Bulk | None = None, bulk_body: bytes = b"", max_bulk_s: float = 0.0,
+    name: str,
+    client: httpx.AsyncClient,
+    url: str,
+    server_pid: int,
+    bodies: list[bytes],
+    num_clients: int,
+    *,
+    duration_s: float | None = None,
+    bulk: Bulk | None = None,
+    bulk_body: bytes = b"",
+    max_bulk_s: float = 0.0,
 ) -> Phase:
     """`alone` for `duration_s`, or while `bulk` runs (at most `max_bulk_s`, then it is cancelled)."""
     cpu0 = (process_cpu_s(os.getpid()), process_cpu_s(server_pid))
@@ -255,14 +270,26 @@ async def run_phase(
     total_ms = [t for _, t in totals]
 
     p50, p90, p99, pmax = _percentiles_ms(latencies_s, [50, 90, 99, 100])
-    q50, q99 = (np.percentile(queue_ms, [50, 99]).tolist() if queue_ms else [None, None])
-    t50, t99 = (np.percentile(total_ms, [50, 99]).tolist() if total_ms else [None, None])
+    q50, q99 = np.percentile(queue_ms, [50, 99]).tolist() if queue_ms else [None, None]
+    t50, t99 = np.percentile(total_ms, [50, 99]).tolist() if total_ms else [None, None]
     cores = [None if a is None or b is None else (b - a) / window_s for a, b in zip(cpu0, cpu1)]
     return Phase(
-        name=name, window_s=window_s, requests=len(latencies_s) + len(errors), errors=len(errors),
-        p50_ms=p50, p90_ms=p90, p99_ms=p99, max_ms=pmax, server_queue_p50_ms=q50, server_queue_p99_ms=q99,
-        server_total_p50_ms=t50, server_total_p99_ms=t99,
-        client_cpu_cores=cores[0], server_cpu_cores=cores[1], bulk=bulk, error_examples=errors[:5],
+        name=name,
+        window_s=window_s,
+        requests=len(latencies_s) + len(errors),
+        errors=len(errors),
+        p50_ms=p50,
+        p90_ms=p90,
+        p99_ms=p99,
+        max_ms=pmax,
+        server_queue_p50_ms=q50,
+        server_queue_p99_ms=q99,
+        server_total_p50_ms=t50,
+        server_total_p99_ms=t99,
+        client_cpu_cores=cores[0],
+        server_cpu_cores=cores[1],
+        bulk=bulk,
+        error_examples=errors[:5],
     )
 
 
@@ -317,7 +344,11 @@ _COLUMNS = [
     ("max ms", 7, lambda p, a: _ms(p.max_ms)),
     ("srv queue p50/p99", 17, lambda p, a: f"{_ms(p.server_queue_p50_ms)}/{_ms(p.server_queue_p99_ms)}"),
     ("srv total p50/p99", 17, lambda p, a: f"{_ms(p.server_total_p50_ms)}/{_ms(p.server_total_p99_ms)}"),
-    ("cpu cli/srv", 11, lambda p, a: "-" if p.client_cpu_cores is None else f"{p.client_cpu_cores:.2f}/{p.server_cpu_cores or 0:.2f}"),
+    (
+        "cpu cli/srv",
+        11,
+        lambda p, a: "-" if p.client_cpu_cores is None else f"{p.client_cpu_cores:.2f}/{p.server_cpu_cores or 0:.2f}",
+    ),
     ("p99/alone", 9, lambda p, a: "-" if p.p99_ms is None or not a.p99_ms else f"{p.p99_ms / a.p99_ms:.2f}x"),
 ]
 
@@ -352,12 +383,23 @@ def ratios(phases: list[Phase]) -> dict[str, float | None]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration-s", type=float, default=30.0, help="seconds of each `alone` phase (default 30)")
     p.add_argument("--bulk-docs", type=int, default=2048, help="documents in the bulk request (default 2048)")
     p.add_argument("--clients", type=int, default=8, help="closed-loop one-sentence clients (default 8)")
-    p.add_argument("--max-bulk-s", type=float, default=600.0, help="longest a loaded phase runs; an unanswered bulk is then cancelled (default 600)")
-    p.add_argument("--small-model", default=SMALL_MODEL, help=f"model of the one-sentence requests and the same-model bulk (default {SMALL_MODEL})")
+    p.add_argument(
+        "--max-bulk-s",
+        type=float,
+        default=600.0,
+        help="longest a loaded phase runs; an unanswered bulk is then cancelled (default 600)",
+    )
+    p.add_argument(
+        "--small-model",
+        default=SMALL_MODEL,
+        help=f"model of the one-sentence requests and the same-model bulk (default {SMALL_MODEL})",
+    )
     p.add_argument("--other-model", default=OTHER_MODEL, help=f"model of the other-model bulk (default {OTHER_MODEL})")
     p.add_argument("--port", type=int, help="port of the spawned server (default: a free one)")
     p.add_argument("--server-args", default="", help="extra arguments for `shoal serve`, one shell-quoted string")
@@ -393,10 +435,20 @@ async def bench(args: argparse.Namespace, url: str, server_pid: int) -> list[Pha
                 print(f"warning: the server's queue was not empty before `{name}`", file=sys.stderr)
             bulk = None if bulk_model is None else Bulk(bulk_model, len(docs))
             print(f"phase {name}...", flush=True)
-            phases.append(await run_phase(
-                name, client, url, server_pid, bodies, args.clients, duration_s=args.duration_s,
-                bulk=bulk, bulk_body=bulk_bodies.get(bulk_model or "", b""), max_bulk_s=args.max_bulk_s,
-            ))
+            phases.append(
+                await run_phase(
+                    name,
+                    client,
+                    url,
+                    server_pid,
+                    bodies,
+                    args.clients,
+                    duration_s=args.duration_s,
+                    bulk=bulk,
+                    bulk_body=bulk_bodies.get(bulk_model or "", b""),
+                    max_bulk_s=args.max_bulk_s,
+                )
+            )
     return phases
 
 
@@ -405,13 +457,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` and kill still stop the server
     port = args.port or free_port()
     load_avg = os.getloadavg()
-    print(f"shoal head-of-line: {args.clients} one-sentence clients on {args.small_model}; bulk of {args.bulk_docs} docs")
+    print(
+        f"shoal head-of-line: {args.clients} one-sentence clients on {args.small_model}; bulk of {args.bulk_docs} docs"
+    )
     print(machine_line(load_avg, "client and server share the cores"))
     with tempfile.TemporaryDirectory(prefix="shoal-hol-") as tmp:
         log_path = Path(tmp) / "server.log"
-        with spawned_server(port, [args.small_model, args.other_model], shlex.split(args.server_args), log_path) as (url, pid):
-            print(f"server:      {' '.join(shoal_command())} serve --port {port} --preload {args.small_model} "
-                  f"--preload {args.other_model} {args.server_args} (pid {pid})".rstrip(), flush=True)
+        with spawned_server(port, [args.small_model, args.other_model], shlex.split(args.server_args), log_path) as (
+            url,
+            pid,
+        ):
+            print(
+                f"server:      {' '.join(shoal_command())} serve --port {port} --preload {args.small_model} "
+                f"--preload {args.other_model} {args.server_args} (pid {pid})".rstrip(),
+                flush=True,
+            )
             phases = asyncio.run(bench(args, url, pid))
         server_log = log_tail(log_path)
     print()
@@ -420,25 +480,35 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, ratio in by_phase.items():
         verdict = "-" if ratio is None else ("met" if ratio <= AIM_P99_RATIO else "MISSED")
-        print(f"p99({name}) / p99(alone) = {'-' if ratio is None else f'{ratio:.2f}x'}  (aim <= {AIM_P99_RATIO:g}x: {verdict})")
+        print(
+            f"p99({name}) / p99(alone) = {'-' if ratio is None else f'{ratio:.2f}x'}  (aim <= {AIM_P99_RATIO:g}x: {verdict})"
+        )
     unfinished = [p.name for p in phases if p.bulk is not None and not p.bulk.finished]
     if unfinished:
-        print(f"note: the bulk was not answered within its window in: {', '.join(unfinished)}; those figures cover the window only")
+        print(
+            f"note: the bulk was not answered within its window in: {', '.join(unfinished)}; those figures cover the window only"
+        )
     errors = sum(p.errors for p in phases)
     failed_bulks = [p.name for p in phases if p.bulk is not None and p.bulk.status not in (None, 200)]
     if args.out:
         record = {
-            "benchmark": "head_of_line", "small_model": args.small_model, "other_model": args.other_model,
-            "cpu_count": os.cpu_count(), "loadavg_at_start": list(load_avg),
+            "benchmark": "head_of_line",
+            "small_model": args.small_model,
+            "other_model": args.other_model,
+            "cpu_count": os.cpu_count(),
+            "loadavg_at_start": list(load_avg),
             "args": {k: str(v) for k, v in vars(args).items()},
             "phases": [asdict(p) | {"requests_per_s": p.requests_per_s} for p in phases],
-            "p99_ratio_vs_alone": by_phase, "aim_p99_ratio": AIM_P99_RATIO, "bulk_unfinished_in": unfinished,
+            "p99_ratio_vs_alone": by_phase,
+            "aim_p99_ratio": AIM_P99_RATIO,
+            "bulk_unfinished_in": unfinished,
         }
         args.out.write_text(json.dumps(record, indent=2))
     if errors or failed_bulks:
         print(
             f"\nFAILED: {errors} one-sentence requests failed, bulk refused in: {', '.join(failed_bulks) or 'none'};"
-            f" server log (tail):\n{server_log}", file=sys.stderr,
+            f" server log (tail):\n{server_log}",
+            file=sys.stderr,
         )
         return 1
     return 0

@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 import torch
 from scipy.stats import spearmanr
+
 from spawn import machine_line
 
 MODELS = ("sentence-transformers/all-MiniLM-L6-v2", "sentence-transformers/all-mpnet-base-v2")
@@ -80,8 +81,12 @@ def vectors(runner, texts: list[str], max_tokens: int = 4096) -> np.ndarray:
     from shoal.engine.types import EncodeSpec
 
     spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
-    return np.concatenate([np.stack([item.dense for item in runner.forward(batch, [spec] * batch.num_seqs)])
-                           for batch in batches(runner, texts, max_tokens)])
+    return np.concatenate(
+        [
+            np.stack([item.dense for item in runner.forward(batch, [spec] * batch.num_seqs)])
+            for batch in batches(runner, texts, max_tokens)
+        ]
+    )
 
 
 def one_pass(runner, work: list) -> float:
@@ -127,7 +132,9 @@ def bench_model(model_id: str, args: argparse.Namespace) -> bool:
         runners[f"int8{suffix[b]}"] = variant("int8", b)
 
     data = lee_files()
-    work = batches(next(iter(runners.values())), read_docs(data / "lee_background.cor")[: args.num_docs], args.batch_tokens)
+    work = batches(
+        next(iter(runners.values())), read_docs(data / "lee_background.cor")[: args.num_docs], args.batch_tokens
+    )
     num_tokens = sum(batch.num_tokens for batch in work)
     times: dict[str, list[float]] = {name: [] for name in runners}
     for runner in runners.values():  # warm-up
@@ -140,26 +147,38 @@ def bench_model(model_id: str, args: argparse.Namespace) -> bool:
     human = np.loadtxt(data / "similarities0-1.txt")[np.triu_indices(50, 1)]
     words = sorted({w.strip(".,\"'()") for doc in docs for w in doc.split()} - {""})[:300]
     sentences = [s for doc in docs for s in doc.split(". ") if s][:155]
-    quality = {name: {kind: vectors(runner, texts) for kind, texts in
-                      (("docs", docs), ("words", words), ("sentences", sentences))} for name, runner in runners.items()}
+    quality = {
+        name: {
+            kind: vectors(runner, texts) for kind, texts in (("docs", docs), ("words", words), ("sentences", sentences))
+        }
+        for name, runner in runners.items()
+    }
     rho = {name: spearman(quality[name]["docs"], human) for name in runners}
 
-    print(f"{model_id}: {len(work)} batches, {num_tokens} tokens ({args.num_docs} Lee background documents, "
-          f"<= {args.batch_tokens} tokens a batch); median of {args.rounds} passes each")
+    print(
+        f"{model_id}: {len(work)} batches, {num_tokens} tokens ({args.num_docs} Lee background documents, "
+        f"<= {args.batch_tokens} tokens a batch); median of {args.rounds} passes each"
+    )
     first = statistics.median(times[f"float32{suffix[blocks[0]]}"])
     for name, runner in runners.items():
         median = statistics.median(times[name])
-        print(f"  {name:22s} {num_tokens / median:8.0f} tokens/s  {first / median:.2f}x the first  "
-              f"(passes {min(times[name]):.2f}-{max(times[name]):.2f} s)  weights+heads {runner.num_bytes / 2**20:6.1f} MiB  "
-              f"Lee Spearman {rho[name]:.4f}")
+        print(
+            f"  {name:22s} {num_tokens / median:8.0f} tokens/s  {first / median:.2f}x the first  "
+            f"(passes {min(times[name]):.2f}-{max(times[name]):.2f} s)  weights+heads {runner.num_bytes / 2**20:6.1f} MiB  "
+            f"Lee Spearman {rho[name]:.4f}"
+        )
     for b in blocks:
         f32, i8 = f"float32{suffix[b]}", f"int8{suffix[b]}"
-        cos_min = {kind: float((quality[i8][kind] * quality[f32][kind]).sum(1).min())
-                   for kind in ("docs", "sentences", "words")}
-        print(f"  {i8} vs {f32}: {statistics.median(times[f32]) / statistics.median(times[i8]):.2f}x tokens/s; "
-              f"Lee Spearman {rho[i8] - rho[f32]:+.4f}; cosine min: 50 documents "
-              f"{cos_min['docs']:.4f}, {len(sentences)} sentences {cos_min['sentences']:.4f}, "
-              f"{len(words)} words {cos_min['words']:.4f}")
+        cos_min = {
+            kind: float((quality[i8][kind] * quality[f32][kind]).sum(1).min())
+            for kind in ("docs", "sentences", "words")
+        }
+        print(
+            f"  {i8} vs {f32}: {statistics.median(times[f32]) / statistics.median(times[i8]):.2f}x tokens/s; "
+            f"Lee Spearman {rho[i8] - rho[f32]:+.4f}; cosine min: 50 documents "
+            f"{cos_min['docs']:.4f}, {len(sentences)} sentences {cos_min['sentences']:.4f}, "
+            f"{len(words)} words {cos_min['words']:.4f}"
+        )
     return True
 
 
@@ -169,8 +188,12 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--num-docs", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--row-block-bytes", type=lambda t: [int(v) for v in t.split(",") if v], metavar="B1,B2",
-                        help="CPU feed-forward row blocks to compare (0: whole batches; default: the card's)")
+    parser.add_argument(
+        "--row-block-bytes",
+        type=lambda t: [int(v) for v in t.split(",") if v],
+        metavar="B1,B2",
+        help="CPU feed-forward row blocks to compare (0: whole batches; default: the card's)",
+    )
     args = parser.parse_args()
 
     from shoal.engine import memory
@@ -178,8 +201,13 @@ def main() -> int:
     memory.tune_allocator()  # glibc's malloc as `shoal serve` sets it (engine/memory.py), before the models load
     load = os.getloadavg()
     vnni = "avx512_vnni" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    print(machine_line(load, f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-                             f"{torch.backends.cpu.get_cpu_capability()}{', VNNI' if vnni else ''}"))
+    print(
+        machine_line(
+            load,
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"{torch.backends.cpu.get_cpu_capability()}{', VNNI' if vnni else ''}",
+        )
+    )
     ran = [bench_model(model_id, args) for model_id in args.models]
     return 0 if any(ran) else 1
 

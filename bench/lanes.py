@@ -22,13 +22,12 @@ import threading
 import time
 
 from int8 import lee_files, read_docs
-from spawn import machine_line
-
 from shoal.catalog import Catalog, resolve_weights
 from shoal.engine import memory
 from shoal.engine.runner import ModelRunner
 from shoal.engine.threads import share_threads
 from shoal.engine.types import Batch, EncodeSpec
+from spawn import machine_line
 
 SPEC = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
 
@@ -89,15 +88,19 @@ def main() -> None:
     text = " ".join(read_docs(lee_files() / "lee_background.cor"))
     sentences = [s.strip() + "." for s in text.split(". ") if len(s.split()) > 3][: args.sentences]
     seqs = runner.tokenizer.encode(sentences, truncate=True)
-    work = [Batch.pack(seqs[i:i + args.per_batch]) for i in range(0, len(seqs), args.per_batch)]
+    work = [Batch.pack(seqs[i : i + args.per_batch]) for i in range(0, len(seqs), args.per_batch)]
     num_tokens = sum(batch.num_tokens for batch in work)
     print(machine_line())
-    print(f"{args.model}: {len(work)} batches of {args.per_batch} sentences, mean {num_tokens / len(work):.0f} "
-          f"tokens; side process {args.burn:.0%} of a core")
+    print(
+        f"{args.model}: {len(work)} batches of {args.per_batch} sentences, mean {num_tokens / len(work):.0f} "
+        f"tokens; side process {args.burn:.0%} of a core"
+    )
 
-    variants = {"1 lane x 1 thread": lambda: one_lane(runner, work, 1),
-                "1 lane x 2 threads": lambda: one_lane(runner, work, 2),
-                "2 lanes x 1 thread": lambda: lanes(runner, work, 2)}
+    variants = {
+        "1 lane x 1 thread": lambda: one_lane(runner, work, 1),
+        "1 lane x 2 threads": lambda: one_lane(runner, work, 2),
+        "2 lanes x 1 thread": lambda: lanes(runner, work, 2),
+    }
     stop = multiprocessing.Event()
     side = None
     if args.burn:
@@ -117,8 +120,7 @@ def main() -> None:
     base = statistics.median(rates["1 lane x 2 threads"])
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"{name:20s} {median:8,.0f} tokens/s  {median / base:4.2f}x  "
-              f"({', '.join(f'{v:,.0f}' for v in values)})")
+        print(f"{name:20s} {median:8,.0f} tokens/s  {median / base:4.2f}x  ({', '.join(f'{v:,.0f}' for v in values)})")
 
 
 if __name__ == "__main__":

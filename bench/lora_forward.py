@@ -45,8 +45,9 @@ def build_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pa
     folders = []
     for i in range(count):
         torch.manual_seed(100 + i)
-        tuned = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                                          init_lora_weights=False))
+        tuned = peft.get_peft_model(
+            base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
+        )
         with torch.no_grad():
             for name, param in tuned.named_parameters():
                 if ".lora_" in name:
@@ -91,16 +92,21 @@ def main() -> int:
     model_dir = resolve_weights(card, allow_download=False)
     runner = ModelRunner.from_dir(card, model_dir, args.device)
     with tempfile.TemporaryDirectory() as tmp:
-        slots = [runner.add_adapter(f"a{i}", folder)
-                 for i, folder in enumerate(build_adapters(model_dir, Path(tmp), args.adapters, args.rank))]
+        slots = [
+            runner.add_adapter(f"a{i}", folder)
+            for i, folder in enumerate(build_adapters(model_dir, Path(tmp), args.adapters, args.rank))
+        ]
 
     rng = np.random.default_rng(0)
     seqs = [Encoded(rng.integers(1000, 30000, int(n)).astype(np.int64)) for n in rng.integers(20, 41, args.batch_size)]
     interleaved = [slots[i % len(slots)] for i in range(len(seqs))]
     order = np.argsort(interleaved, kind="stable")  # each adapter's sequences side by side
     grouped_seqs, grouped = [seqs[i] for i in order], [interleaved[i] for i in order]
-    runs = {"base": Batch.pack(seqs), "interleaved": Batch.pack(seqs, interleaved),
-            "grouped": Batch.pack(grouped_seqs, grouped)}
+    runs = {
+        "base": Batch.pack(seqs),
+        "interleaved": Batch.pack(seqs, interleaved),
+        "grouped": Batch.pack(grouped_seqs, grouped),
+    }
     specs = [EncodeSpec(normalize=False, dimensions=None, output_dtype="float32")] * len(seqs)
     num_tokens = runs["base"].num_tokens
 
@@ -112,16 +118,20 @@ def main() -> int:
         return 1
 
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, batch in runs.items():  # warm-up
+    for batch in runs.values():  # warm-up
         time_forward(runner, batch, specs, args.device, 2)
     for _ in range(args.iterations):  # one forward of each in turn: the machine's load falls on all
         for name, batch in runs.items():
             times[name] += time_forward(runner, batch, specs, args.device, 1)
 
-    print(f"machine:     {os.cpu_count()} CPU cores, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"device {args.device}, {args.dtype}")
-    print(f"workload:    {len(seqs)} sequences, {num_tokens} tokens, {args.adapters} adapters r={args.rank} on "
-          f"q,k,v,attn_out,ffn_in,ffn_out; median of {args.iterations} forwards each")
+    print(
+        f"machine:     {os.cpu_count()} CPU cores, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"device {args.device}, {args.dtype}"
+    )
+    print(
+        f"workload:    {len(seqs)} sequences, {num_tokens} tokens, {args.adapters} adapters r={args.rank} on "
+        f"q,k,v,attn_out,ffn_in,ffn_out; median of {args.iterations} forwards each"
+    )
     base = statistics.median(times["base"])
     for name in runs:
         median = statistics.median(times[name])

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
 from spawn import free_port, log_tail, machine_line, spawned_server
 
 MODEL_ID = "bench/minilm-l6-reranker"
@@ -75,8 +76,12 @@ def rerank_lists(docs_per_request: int, seed: int = 0) -> list[tuple[str, list[s
 
 
 def body(query: str, docs: list[str]) -> dict:
-    return {"model": MODEL_ID, "query": {"text": query}, "items": [{"text": d} for d in docs],
-            "options": {"raw_scores": True}}
+    return {
+        "model": MODEL_ID,
+        "query": {"text": query},
+        "items": [{"text": d} for d in docs],
+        "options": {"raw_scores": True},
+    }
 
 
 async def http_run(url: str, lists, clients: int, duration_s: float) -> dict:
@@ -102,8 +107,14 @@ async def http_run(url: str, lists, clients: int, duration_s: float) -> dict:
         await asyncio.gather(*(client(http) for _ in range(clients)))
     elapsed = time.perf_counter() - started
     pairs = sum(len(lists[k % len(lists)][1]) for k in range(served))
-    return {"requests": served, "pairs": pairs, "seconds": elapsed, "pairs_per_s": pairs / elapsed,
-            "p50_ms": 1e3 * float(np.percentile(latencies, 50)), "p99_ms": 1e3 * float(np.percentile(latencies, 99))}
+    return {
+        "requests": served,
+        "pairs": pairs,
+        "seconds": elapsed,
+        "pairs_per_s": pairs / elapsed,
+        "p50_ms": 1e3 * float(np.percentile(latencies, 50)),
+        "p99_ms": 1e3 * float(np.percentile(latencies, 99)),
+    }
 
 
 def check_scores(url: str, reference, lists) -> float:
@@ -133,7 +144,11 @@ def baseline(reference, lists, num_requests: int) -> dict:
     started = time.perf_counter()
     reference.predict(pairs, batch_size=32, activation_fn=_identity())  # every pair in one call
     one_call = time.perf_counter() - started
-    return {"pairs": len(pairs), "per_list_pairs_per_s": len(pairs) / per_list, "one_call_pairs_per_s": len(pairs) / one_call}
+    return {
+        "pairs": len(pairs),
+        "per_list_pairs_per_s": len(pairs) / per_list,
+        "one_call_pairs_per_s": len(pairs) / one_call,
+    }
 
 
 def main() -> None:
@@ -154,12 +169,16 @@ def main() -> None:
     build_reranker(model_dir)
     (cards / "reranker.yaml").write_text(
         f"id: {MODEL_ID}\ntasks: [score]\nsource: {{path: {model_dir}}}\nmax_length: {args.max_length}\n"
-        "score: {kind: cross_encoder}\n")
+        "score: {kind: cross_encoder}\n"
+    )
     lists = rerank_lists(args.docs_per_request)
     reference = CrossEncoder(str(model_dir), max_length=args.max_length, device="cpu")
     tokenizer = reference.tokenizer
-    lengths = [len(tokenizer(q, d, truncation=True, max_length=args.max_length)["input_ids"])
-               for q, docs in lists for d in docs]
+    lengths = [
+        len(tokenizer(q, d, truncation=True, max_length=args.max_length)["input_ids"])
+        for q, docs in lists
+        for d in docs
+    ]
 
     log = work / "server.log"
     port = free_port()
@@ -175,16 +194,23 @@ def main() -> None:
     ratio = shoal["pairs_per_s"] / base["per_list_pairs_per_s"]
     ratio_one = shoal["pairs_per_s"] / base["one_call_pairs_per_s"]
     print(machine_line(os.getloadavg(), f"torch threads {torch.get_num_threads()}; client and server share the cores"))
-    print(f"pairs: {args.docs_per_request} per request, {np.mean(lengths):.0f} tokens mean "
-          f"(min {min(lengths)}, max {max(lengths)}), {args.clients} clients")
-    print(f"shoal HTTP        {shoal['pairs_per_s']:8.1f} pairs/s  p50 {shoal['p50_ms']:.0f} ms  "
-          f"p99 {shoal['p99_ms']:.0f} ms  ({shoal['requests']} requests)")
+    print(
+        f"pairs: {args.docs_per_request} per request, {np.mean(lengths):.0f} tokens mean "
+        f"(min {min(lengths)}, max {max(lengths)}), {args.clients} clients"
+    )
+    print(
+        f"shoal HTTP        {shoal['pairs_per_s']:8.1f} pairs/s  p50 {shoal['p50_ms']:.0f} ms  "
+        f"p99 {shoal['p99_ms']:.0f} ms  ({shoal['requests']} requests)"
+    )
     print(f"CrossEncoder list {base['per_list_pairs_per_s']:8.1f} pairs/s  (predict per list, batch_size=32)")
     print(f"CrossEncoder all  {base['one_call_pairs_per_s']:8.1f} pairs/s  (one predict call, batch_size=32)")
     print(f"ratio shoal / CrossEncoder: {ratio:.2f}x per list, {ratio_one:.2f}x one call")
     if args.json_out:
-        args.json_out.write_text(json.dumps({"shoal": shoal, "baseline": base, "ratio_per_list": ratio,
-                                             "ratio_one_call": ratio_one}, indent=2))
+        args.json_out.write_text(
+            json.dumps(
+                {"shoal": shoal, "baseline": base, "ratio_per_list": ratio, "ratio_one_call": ratio_one}, indent=2
+            )
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -41,13 +41,14 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import msgspec
 import numpy as np
+
 from spawn import free_port, log_tail, machine_line, shoal_command, spawned_server
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -102,7 +103,10 @@ def _encode(model: str, texts: list[str], options: dict | None = None, packer: C
 
 def _mixed(rng: random.Random, texts: Texts, n: int) -> list[str]:
     """`n` texts, one in five long (truncated at the model's max_length), the rest a few words to a sentence."""
-    return [rng.choice(texts.long) if rng.random() < 0.2 else rng.choice(texts.sentences)[: rng.randint(10, 300)] for _ in range(n)]
+    return [
+        rng.choice(texts.long) if rng.random() < 0.2 else rng.choice(texts.sentences)[: rng.randint(10, 300)]
+        for _ in range(n)
+    ]
 
 
 def make_mix(model: str, texts: Texts) -> list[tuple[str, float, Callable[[random.Random], Request]]]:
@@ -111,24 +115,94 @@ def make_mix(model: str, texts: Texts) -> list[tuple[str, float, Callable[[rando
     short = lambda r: [r.choice(texts.sentences) for _ in range(r.randint(1, 8))]  # noqa: E731
     return [
         ("good short", 30, lambda r: Request("/v1/encode", _encode(model, short(r)), JSON, ok)),
-        ("good mixed 1-64", 15, lambda r: Request("/v1/encode", _encode(model, _mixed(r, texts, r.randint(1, 64))), JSON, ok)),
-        ("good msgpack", 8, lambda r: Request("/v1/encode", _encode(model, _mixed(r, texts, r.randint(1, 16)), packer=msgspec.msgpack.encode), MSGPACK, ok)),
-        ("openai float", 5, lambda r: Request("/v1/embeddings", msgspec.json.encode({"model": model, "input": short(r)}), JSON, ok)),
-        ("openai base64", 5, lambda r: Request(
-            "/v1/embeddings", msgspec.json.encode({"model": model, "input": r.choice(texts.sentences), "encoding_format": "base64"}), JSON, ok)),
+        (
+            "good mixed 1-64",
+            15,
+            lambda r: Request("/v1/encode", _encode(model, _mixed(r, texts, r.randint(1, 64))), JSON, ok),
+        ),
+        (
+            "good msgpack",
+            8,
+            lambda r: Request(
+                "/v1/encode",
+                _encode(model, _mixed(r, texts, r.randint(1, 16)), packer=msgspec.msgpack.encode),
+                MSGPACK,
+                ok,
+            ),
+        ),
+        (
+            "openai float",
+            5,
+            lambda r: Request("/v1/embeddings", msgspec.json.encode({"model": model, "input": short(r)}), JSON, ok),
+        ),
+        (
+            "openai base64",
+            5,
+            lambda r: Request(
+                "/v1/embeddings",
+                msgspec.json.encode({"model": model, "input": r.choice(texts.sentences), "encoding_format": "base64"}),
+                JSON,
+                ok,
+            ),
+        ),
         ("bulk 100", 2, lambda r: Request("/v1/encode", _encode(model, _mixed(r, texts, 100)), JSON, ok)),
-        ("huge text 1 MiB", 0.5, lambda r: Request("/v1/encode", _encode(model, [texts.huge, r.choice(texts.sentences)]), JSON, ok)),
-        ("bad json", 3, lambda r: Request("/v1/encode", b'{"model": "' + model.encode() + b'", "items": [{"text": "a"', JSON, frozenset({400}))),
-        ("empty items", 3, lambda r: Request("/v1/encode", msgspec.json.encode({"model": model, "items": []}), JSON, frozenset({400}))),
-        ("unknown option", 3, lambda r: Request("/v1/encode", _encode(model, short(r), {"normalise": True}), JSON, frozenset({400}))),
+        (
+            "huge text 1 MiB",
+            0.5,
+            lambda r: Request("/v1/encode", _encode(model, [texts.huge, r.choice(texts.sentences)]), JSON, ok),
+        ),
+        (
+            "bad json",
+            3,
+            lambda r: Request(
+                "/v1/encode", b'{"model": "' + model.encode() + b'", "items": [{"text": "a"', JSON, frozenset({400})
+            ),
+        ),
+        (
+            "empty items",
+            3,
+            lambda r: Request("/v1/encode", msgspec.json.encode({"model": model, "items": []}), JSON, frozenset({400})),
+        ),
+        (
+            "unknown option",
+            3,
+            lambda r: Request("/v1/encode", _encode(model, short(r), {"normalise": True}), JSON, frozenset({400})),
+        ),
         ("too many items", 1, lambda r: Request("/v1/encode", _encode(model, ["a"] * 2049), JSON, frozenset({400}))),
-        ("unknown model", 3, lambda r: Request("/v1/encode", _encode("no-such/model", short(r)), JSON, frozenset({404}))),
-        ("too long, no truncate", 3, lambda r: Request("/v1/encode", _encode(model, [r.choice(texts.long)], {"truncate": False}), JSON, frozenset({422}))),
-        ("1 MiB, no truncate", 0.3, lambda r: Request("/v1/encode", _encode(model, [texts.huge], {"truncate": False}), JSON, frozenset({422}))),
+        (
+            "unknown model",
+            3,
+            lambda r: Request("/v1/encode", _encode("no-such/model", short(r)), JSON, frozenset({404})),
+        ),
+        (
+            "too long, no truncate",
+            3,
+            lambda r: Request(
+                "/v1/encode", _encode(model, [r.choice(texts.long)], {"truncate": False}), JSON, frozenset({422})
+            ),
+        ),
+        (
+            "1 MiB, no truncate",
+            0.3,
+            lambda r: Request("/v1/encode", _encode(model, [texts.huge], {"truncate": False}), JSON, frozenset({422})),
+        ),
         ("text/plain", 3, lambda r: Request("/v1/encode", b"hello", {"content-type": "text/plain"}, frozenset({415}))),
-        ("9 MiB body", 0.2, lambda r: Request("/v1/encode", _encode(model, [texts.huge] * 9), JSON, frozenset({413, "transport"}))),
-        ("disconnect", 5, lambda r: Request(
-            "/v1/encode", _encode(model, [r.choice(texts.long) for _ in range(32)]), JSON, frozenset({"cancelled", 200}), r.uniform(0.01, 0.3))),
+        (
+            "9 MiB body",
+            0.2,
+            lambda r: Request("/v1/encode", _encode(model, [texts.huge] * 9), JSON, frozenset({413, "transport"})),
+        ),
+        (
+            "disconnect",
+            5,
+            lambda r: Request(
+                "/v1/encode",
+                _encode(model, [r.choice(texts.long) for _ in range(32)]),
+                JSON,
+                frozenset({"cancelled", 200}),
+                r.uniform(0.01, 0.3),
+            ),
+        ),
     ]
 
 
@@ -168,11 +242,20 @@ async def send(client: httpx.AsyncClient, request: Request) -> tuple[int | str, 
         return "cancelled", time.perf_counter() - started, ""
     except httpx.HTTPError as exc:
         return "transport", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"
-    return response.status_code, time.perf_counter() - started, response.text[:300] if response.status_code != 200 else ""
+    return (
+        response.status_code,
+        time.perf_counter() - started,
+        response.text[:300] if response.status_code != 200 else "",
+    )
 
 
 async def client_loop(
-    client: httpx.AsyncClient, mix: list, rng: random.Random, stop: Callable[[], bool], tally: Tally, max_pause_s: float,
+    client: httpx.AsyncClient,
+    mix: list,
+    rng: random.Random,
+    stop: Callable[[], bool],
+    tally: Tally,
+    max_pause_s: float,
 ) -> None:
     kinds, weights, builds = zip(*mix)
     while not stop():
@@ -186,7 +269,9 @@ async def client_loop(
         if isinstance(outcome, int) and outcome >= 500 and outcome != 503:
             tally.server_errors.append(f"{kind}: HTTP {outcome}: {snippet}")
         if outcome not in request.expected:
-            tally.unexpected.append(f"{kind}: got {outcome}, expected {sorted(map(str, request.expected))}: {snippet[:200]}")
+            tally.unexpected.append(
+                f"{kind}: got {outcome}, expected {sorted(map(str, request.expected))}: {snippet[:200]}"
+            )
         await asyncio.sleep(rng.uniform(0.1 * max_pause_s, max_pause_s))
 
 
@@ -285,7 +370,9 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> Outcome:
         deadline = started + args.duration_s
         stop = lambda: time.perf_counter() >= deadline  # noqa: E731
         workers = [
-            asyncio.ensure_future(client_loop(client, mix, random.Random(args.seed * 1000 + i), stop, tally, args.max_pause_s))
+            asyncio.ensure_future(
+                client_loop(client, mix, random.Random(args.seed * 1000 + i), stop, tally, args.max_pause_s)
+            )
             for i in range(args.clients)
         ]
         cpu = [started, process_cpu_s(pid)]
@@ -306,7 +393,11 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> Outcome:
         ready = (await client.get("/readyz")).status_code == 200
         probe = await client.post("/v1/encode", content=_encode(args.model, ["still serving?"]), headers=JSON)
         by_status: collections.Counter = collections.Counter()
-        for status, value in re.findall(r'^shoal_requests_total\{[^}]*status="(\d+)"[^}]*\} ([0-9.eE+]+)$', (await client.get("/metrics")).text, re.MULTILINE):
+        for status, value in re.findall(
+            r'^shoal_requests_total\{[^}]*status="(\d+)"[^}]*\} ([0-9.eE+]+)$',
+            (await client.get("/metrics")).text,
+            re.MULTILINE,
+        ):
             by_status[status] += float(value)
         return Outcome(samples, idle, tally, load_s, ready, probe.status_code == 200, dict(sorted(by_status.items())))
 
@@ -321,16 +412,24 @@ def print_report(args: argparse.Namespace, out: Outcome, verdict: RssVerdict, tr
         cells = "  ".join(f"{counts.get(s, 0) or '':>9}" for s in statuses)
         print(f"{kind:>22}  {cells}  {p50:>10}  {p99:>10}")
     by_status = tally.by_status()
-    print(f"\n{tally.total()} requests in {out.load_s:.0f} s ({tally.total() / out.load_s:.1f}/s) by outcome: "
-          + ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items(), key=lambda kv: str(kv[0]))))
-    print("the server's own count (shoal_requests_total) by status: "
-          + (", ".join(f"{s}: {n:.0f}" for s, n in out.server_by_status.items()) or "none found in /metrics"))
-    print(f"5xx other than 503: {len(tally.server_errors)}; outcomes a kind must not get: {len(tally.unexpected)}; "
-          f"tracebacks in the server log: {tracebacks}")
-    for line in (tally.server_errors[:5] + tally.unexpected[:10]):
+    print(
+        f"\n{tally.total()} requests in {out.load_s:.0f} s ({tally.total() / out.load_s:.1f}/s) by outcome: "
+        + ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items(), key=lambda kv: str(kv[0])))
+    )
+    print(
+        "the server's own count (shoal_requests_total) by status: "
+        + (", ".join(f"{s}: {n:.0f}" for s, n in out.server_by_status.items()) or "none found in /metrics")
+    )
+    print(
+        f"5xx other than 503: {len(tally.server_errors)}; outcomes a kind must not get: {len(tally.unexpected)}; "
+        f"tracebacks in the server log: {tracebacks}"
+    )
+    for line in tally.server_errors[:5] + tally.unexpected[:10]:
         print(f"  {line}")
-    print(f"after the load: /readyz {'200' if out.ready_after else 'NOT ready'}, a one-sentence encode "
-          f"{'answered 200' if out.good_after else 'FAILED'}")
+    print(
+        f"after the load: /readyz {'200' if out.ready_after else 'NOT ready'}, a one-sentence encode "
+        f"{'answered 200' if out.good_after else 'FAILED'}"
+    )
     if verdict.baseline is None:
         print(f"RSS: no sample at or after --warmup-s {args.warmup_s:g}")
         return
@@ -347,12 +446,18 @@ def print_report(args: argparse.Namespace, out: Outcome, verdict: RssVerdict, tr
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration-s", type=float, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--sample-s", type=float, default=30.0, help="seconds between RSS samples (default 30)")
-    p.add_argument("--warmup-s", type=float, default=60.0, help="the first sample at or after this is the baseline (default 60)")
+    p.add_argument(
+        "--warmup-s", type=float, default=60.0, help="the first sample at or after this is the baseline (default 60)"
+    )
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
-    p.add_argument("--max-pause-s", type=float, default=2.0, help="each client pauses 0.1-1x this between requests (default 2)")
+    p.add_argument(
+        "--max-pause-s", type=float, default=2.0, help="each client pauses 0.1-1x this between requests (default 2)"
+    )
     p.add_argument("--model", default=MODEL, help=f"model of the good requests (default {MODEL})")
     p.add_argument("--port", type=int, help="port of the spawned server (default: a free one)")
     p.add_argument("--server-args", default="", help="extra arguments for `shoal serve`, one shell-quoted string")
@@ -370,13 +475,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` and kill still stop the server
     port = args.port or free_port()
     load_avg = os.getloadavg()
-    print(f"shoal soak: {args.duration_s:g} s of mixed requests from {args.clients} clients on {args.model}, "
-          f"RSS every {args.sample_s:g} s, baseline at {args.warmup_s:g} s")
+    print(
+        f"shoal soak: {args.duration_s:g} s of mixed requests from {args.clients} clients on {args.model}, "
+        f"RSS every {args.sample_s:g} s, baseline at {args.warmup_s:g} s"
+    )
     print(machine_line(load_avg))
     with tempfile.TemporaryDirectory(prefix="shoal-soak-") as tmp:
         log_path = args.log or Path(tmp) / "server.log"
         with spawned_server(port, [args.model], shlex.split(args.server_args), log_path) as (url, pid):
-            command = " ".join([*shoal_command(), "serve", "--port", str(port), "--preload", args.model, args.server_args]).rstrip()
+            command = " ".join(
+                [*shoal_command(), "serve", "--port", str(port), "--preload", args.model, args.server_args]
+            ).rstrip()
             print(f"server:      {command} (pid {pid})", flush=True)
             out = asyncio.run(soak(args, url, pid))
         log_text = log_path.read_text(errors="replace")
@@ -393,23 +502,37 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.out:
         record = {
-            "benchmark": "soak", "model": args.model, "cpu_count": os.cpu_count(), "loadavg_at_start": list(load_avg),
-            "args": {k: str(v) for k, v in vars(args).items()}, "load_s": out.load_s,
-            "idle_sample": asdict(out.idle_sample), "samples": [asdict(s) for s in out.samples],
+            "benchmark": "soak",
+            "model": args.model,
+            "cpu_count": os.cpu_count(),
+            "loadavg_at_start": list(load_avg),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "load_s": out.load_s,
+            "idle_sample": asdict(out.idle_sample),
+            "samples": [asdict(s) for s in out.samples],
             "rss": {
                 "baseline_bytes": verdict.baseline.rss_bytes if verdict.baseline else None,
                 "baseline_t_s": verdict.baseline.t_s if verdict.baseline else None,
-                "min_bytes_after_warmup": verdict.min_bytes, "max_bytes_after_warmup": verdict.max_bytes,
-                "max_deviation": verdict.max_deviation, "tolerance": RSS_TOLERANCE, "passed": verdict.passed,
+                "min_bytes_after_warmup": verdict.min_bytes,
+                "max_bytes_after_warmup": verdict.max_bytes,
+                "max_deviation": verdict.max_deviation,
+                "tolerance": RSS_TOLERANCE,
+                "passed": verdict.passed,
             },
             "requests": tally.total(),
             "by_status": {str(k): v for k, v in tally.by_status().items()},
             "by_kind": {kind: {str(k): v for k, v in c.items()} for kind, c in tally.counts.items()},
             "good_latency_ms": {
-                kind: dict(zip(("p50", "p99"), (np.percentile(lat, [50, 99]) * 1000).tolist())) for kind, lat in tally.latencies_s.items() if lat
+                kind: dict(zip(("p50", "p99"), (np.percentile(lat, [50, 99]) * 1000).tolist()))
+                for kind, lat in tally.latencies_s.items()
+                if lat
             },
-            "server_errors": tally.server_errors, "unexpected": tally.unexpected[:100],
-            "server_requests_by_status": out.server_by_status, "tracebacks_in_log": tracebacks, "ready_after": out.ready_after, "good_after": out.good_after,
+            "server_errors": tally.server_errors,
+            "unexpected": tally.unexpected[:100],
+            "server_requests_by_status": out.server_by_status,
+            "tracebacks_in_log": tracebacks,
+            "ready_after": out.ready_after,
+            "good_after": out.good_after,
             "failures": failures,
         }
         args.out.write_text(json.dumps(record, indent=2))

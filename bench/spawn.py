@@ -7,18 +7,18 @@ import contextlib
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
+
 from shoal.bench.targets import free_port, log_tail, shoal_command  # noqa: F401  (re-exported)
 
 
-
-
 @contextlib.contextmanager
-def spawned_server(port: int, preload: list[str], extra_args: list[str], log_path: Path,
-                   ready_timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
+def spawned_server(
+    port: int, preload: list[str], extra_args: list[str], log_path: Path, ready_timeout_s: float = 300.0
+) -> Iterator[tuple[str, int]]:
     """`shoal serve --preload M...` on 127.0.0.1:`port`; yields (url, pid) once /readyz is 200."""
     url = f"http://127.0.0.1:{port}"
     cmd = shoal_command() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]

@@ -13,8 +13,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -53,9 +53,17 @@ def exposed_metric_names() -> dict[str, str]:
     registries = [Metrics().registry, CollectorRegistry(), CollectorRegistry()]
     GatewayMetrics(registries[1])
     WorkerMetrics(registries[2])
-    suffixes = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count", "_created")}
-    return {family.name + suffix: family.name for registry in registries for family in registry.collect()
-            for suffix in suffixes.get(family.type, ("",))}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+    }
+    return {
+        family.name + suffix: family.name
+        for registry in registries
+        for family in registry.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
 
 
 # --- the model and its reference ----------------------------------------------------------------
@@ -86,7 +94,6 @@ def query_of(document: str) -> str:
     """A question-like piece of one document: its second long sentence."""
     sentences = [s for s in document.split(". ") if len(s.split()) > 6]
     return sentences[1] if len(sentences) > 1 else sentences[0]
-
 
 
 @pytest.fixture(scope="session")
@@ -249,11 +256,19 @@ def serve():
 
     with contextlib.ExitStack() as servers:
 
-        def start(server: ServerSettings | None = None, engine: EngineSettings | None = None,
-                  wrap_runner: Callable | None = None, preload: tuple[str, ...] = (MODEL_ID,),
-                  cards_dirs: tuple[Path, ...] = (), auth=None, models: tuple[str, ...] = (),
-                  aliases: dict[str, str] | None = None) -> str:
-            settings = Settings(server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False)
+        def start(
+            server: ServerSettings | None = None,
+            engine: EngineSettings | None = None,
+            wrap_runner: Callable | None = None,
+            preload: tuple[str, ...] = (MODEL_ID,),
+            cards_dirs: tuple[Path, ...] = (),
+            auth=None,
+            models: tuple[str, ...] = (),
+            aliases: dict[str, str] | None = None,
+        ) -> str:
+            settings = Settings(
+                server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False
+            )
             backend = None
             if wrap_runner is not None:
                 backend = WrappingBackend(TorchBackend(settings.engine.device, allow_download=False), wrap_runner)

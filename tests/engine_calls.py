@@ -13,6 +13,7 @@ from shoal.engine import Engine
 def run(catalog: Catalog, *calls, catch: tuple[type[BaseException], ...] = ()):
     """Each call's result in order, on one engine started for them; an exception of a `catch`
     type is returned in its call's place instead of raised."""
+
     async def go():
         engine = Engine(EngineSettings(), catalog, allow_download=False)
         await engine.start()

@@ -39,13 +39,23 @@ def unigram_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
     specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
-    tok.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=1500, special_tokens=specials, unk_token="[UNK]"))
+    tok.train_from_iterator(
+        corpus, trainers.UnigramTrainer(vocab_size=1500, special_tokens=specials, unk_token="[UNK]")
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
-        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]",
-                                                pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
-                                                model_max_length=512)
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    )
     fast.save_pretrained(directory)
     return fast
 
@@ -60,29 +70,59 @@ def sentencepiece_backbone(directory: Path) -> int:
     corpus = training_corpus()
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=model, vocab_size=1200, model_type="unigram",
-        character_coverage=1.0, pad_id=0, unk_id=3, bos_id=1, eos_id=2, pad_piece="[PAD]", unk_piece="[UNK]",
-        bos_piece="[CLS]", eos_piece="[SEP]", user_defined_symbols=["[MASK]"], minloglevel=2)
+        sentence_iterator=iter(corpus),
+        model_writer=model,
+        vocab_size=1200,
+        model_type="unigram",
+        character_coverage=1.0,
+        pad_id=0,
+        unk_id=3,
+        bos_id=1,
+        eos_id=2,
+        pad_piece="[PAD]",
+        unk_piece="[UNK]",
+        bos_piece="[CLS]",
+        eos_piece="[SEP]",
+        user_defined_symbols=["[MASK]"],
+        minloglevel=2,
+    )
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "spm.model").write_bytes(model.getvalue())
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"do_lower_case": False, "vocab_type": "spm", "tokenizer_class": "DebertaV2Tokenizer"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"do_lower_case": False, "vocab_type": "spm", "tokenizer_class": "DebertaV2Tokenizer"})
+    )
     return len(transformers.AutoTokenizer.from_pretrained(str(directory)))
 
 
 def wordpiece_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(minilm_dir() / "tokenizer.json"), cls_token="[CLS]", sep_token="[SEP]",
-        pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]", model_max_length=512)
+        tokenizer_file=str(minilm_dir() / "tokenizer.json"),
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    )
     fast.save_pretrained(directory)
     return fast
 
 
 def deberta_v3_config(vocab_size: int, **over) -> transformers.DebertaV2Config:
     return transformers.DebertaV2Config(
-        vocab_size=vocab_size, max_position_embeddings=512, relative_attention=True, position_buckets=256,
-        pos_att_type=["p2c", "c2p"], max_relative_positions=-1, position_biased_input=False, type_vocab_size=0,
-        norm_rel_ebd="layer_norm", share_att_key=True, pad_token_id=0, **{**SMALL, **over})
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        relative_attention=True,
+        position_buckets=256,
+        pos_att_type=["p2c", "c2p"],
+        max_relative_positions=-1,
+        position_biased_input=False,
+        type_vocab_size=0,
+        norm_rel_ebd="layer_norm",
+        share_att_key=True,
+        pad_token_id=0,
+        **{**SMALL, **over},
+    )
 
 
 def spread(model: torch.nn.Module, seed: int) -> None:
@@ -100,9 +140,16 @@ def spread(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(torch.empty_like(param).normal_(0, 1.5 / param.shape[-1] ** 0.5, generator=generator))
 
 
-def build_gliner(directory: Path, backbone: str = "deberta-v3", seed: int = 0, hidden_size: int = 32,
-                 legacy_layout: bool = False, backbone_sizes: dict | None = None, tokenizer_kind: str | None = None,
-                 **gliner_config):
+def build_gliner(
+    directory: Path,
+    backbone: str = "deberta-v3",
+    seed: int = 0,
+    hidden_size: int = 32,
+    legacy_layout: bool = False,
+    backbone_sizes: dict | None = None,
+    tokenizer_kind: str | None = None,
+    **gliner_config,
+):
     """A random GLiNER span model saved with `save_pretrained` into `directory`; returns the
     in-memory reference model. `legacy_layout`: strip what the published v2.1 checkpoints lack
     (`encoder_config` in gliner_config.json, the tokenizer files), leaving the backbone folder at
@@ -132,9 +179,17 @@ def build_gliner(directory: Path, backbone: str = "deberta-v3", seed: int = 0, h
         deberta_v3_config(len(tokenizer), **sizes).save_pretrained(base)
     elif backbone == "modernbert":
         transformers.ModernBertConfig(
-            vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=0, cls_token_id=101, sep_token_id=102,
-            bos_token_id=101, eos_token_id=102, global_attn_every_n_layers=2, local_attention=16,
-            **sizes).save_pretrained(base)
+            vocab_size=len(tokenizer),
+            max_position_embeddings=512,
+            pad_token_id=0,
+            cls_token_id=101,
+            sep_token_id=102,
+            bos_token_id=101,
+            eos_token_id=102,
+            global_attn_every_n_layers=2,
+            local_attention=16,
+            **sizes,
+        ).save_pretrained(base)
     else:
         transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **sizes).save_pretrained(base)
     gliner_config = {"max_width": 12, "span_mode": "markerV0", **gliner_config}
@@ -171,9 +226,13 @@ TOKEN_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MI
 
 def build_token_classifier(directory: Path, seed: int = 0, max_positions: int = 512):
     tokenizer = wordpiece_tokenizer(directory)
-    config = transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=max_positions,
-                                     id2label=dict(enumerate(TOKEN_LABELS)),
-                                     label2id={label: i for i, label in enumerate(TOKEN_LABELS)}, **SMALL)
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max_positions,
+        id2label=dict(enumerate(TOKEN_LABELS)),
+        label2id={label: i for i, label in enumerate(TOKEN_LABELS)},
+        **SMALL,
+    )
     torch.manual_seed(seed)
     model = transformers.BertForTokenClassification(config).eval()
     spread(model, seed)
@@ -184,8 +243,9 @@ def build_token_classifier(directory: Path, seed: int = 0, max_positions: int = 
 def build_nli(directory: Path, labels: list[str], seed: int = 0):
     """A random DeBERTa-v3-like NLI cross-encoder (DebertaV2ForSequenceClassification)."""
     tokenizer = unigram_tokenizer(directory)
-    config = deberta_v3_config(len(tokenizer), id2label=dict(enumerate(labels)),
-                               label2id={label: i for i, label in enumerate(labels)})
+    config = deberta_v3_config(
+        len(tokenizer), id2label=dict(enumerate(labels)), label2id={label: i for i, label in enumerate(labels)}
+    )
     torch.manual_seed(seed)
     model = transformers.DebertaV2ForSequenceClassification(config).eval()
     spread(model, seed)

@@ -47,32 +47,71 @@ class Backbone:
 
 BACKBONES = {
     # "dense" also hits the pooler's Linear, which an embedder never runs: shoal drops it.
-    "bert": Backbone(transformers.BertConfig, transformers.BertModel,
-                     dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128),
-                     ("query", "key", "value", "dense"), extra=dict(max_position_embeddings=128)),
-    "xlm-roberta": Backbone(transformers.XLMRobertaConfig, transformers.XLMRobertaModel,
-                            dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=96),
-                            ("query", "value", "attention.output.dense", "intermediate.dense", "output.dense"),
-                            first_id=2, pad_id=1,
-                            extra=dict(max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                                       type_vocab_size=1)),
-    "modernbert": Backbone(transformers.ModernBertConfig, transformers.ModernBertModel,
-                           dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=64, intermediate_size=96,
-                                global_attn_every_n_layers=2, local_attention=16),
-                           ("Wqkv", "Wo", "Wi"), first_id=3,
-                           extra=dict(max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                      cls_token_id=1, sep_token_id=2)),
-    "qwen3": Backbone(transformers.Qwen3Config, transformers.Qwen3Model,
-                      dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                           head_dim=32, intermediate_size=128),
-                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), first_id=0),
+    "bert": Backbone(
+        transformers.BertConfig,
+        transformers.BertModel,
+        dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128),
+        ("query", "key", "value", "dense"),
+        extra=dict(max_position_embeddings=128),
+    ),
+    "xlm-roberta": Backbone(
+        transformers.XLMRobertaConfig,
+        transformers.XLMRobertaModel,
+        dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=96),
+        ("query", "value", "attention.output.dense", "intermediate.dense", "output.dense"),
+        first_id=2,
+        pad_id=1,
+        extra=dict(max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1),
+    ),
+    "modernbert": Backbone(
+        transformers.ModernBertConfig,
+        transformers.ModernBertModel,
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            hidden_size=64,
+            intermediate_size=96,
+            global_attn_every_n_layers=2,
+            local_attention=16,
+        ),
+        ("Wqkv", "Wo", "Wi"),
+        first_id=3,
+        extra=dict(
+            max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2
+        ),
+    ),
+    "qwen3": Backbone(
+        transformers.Qwen3Config,
+        transformers.Qwen3Model,
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=64,
+            head_dim=32,
+            intermediate_size=128,
+        ),
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        first_id=0,
+    ),
     # DeBERTa-v3's attention (shared q/k position projections): adapters may not target q/k/v there.
-    "deberta-v2": Backbone(transformers.DebertaV2Config, transformers.DebertaV2Model,
-                           dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128),
-                           ("output.dense", "intermediate.dense"),
-                           extra=dict(relative_attention=True, position_buckets=32, max_relative_positions=-1,
-                                      max_position_embeddings=512, norm_rel_ebd="layer_norm", share_att_key=True,
-                                      pos_att_type=["p2c", "c2p"], position_biased_input=False, type_vocab_size=0)),
+    "deberta-v2": Backbone(
+        transformers.DebertaV2Config,
+        transformers.DebertaV2Model,
+        dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128),
+        ("output.dense", "intermediate.dense"),
+        extra=dict(
+            relative_attention=True,
+            position_buckets=32,
+            max_relative_positions=-1,
+            max_position_embeddings=512,
+            norm_rel_ebd="layer_norm",
+            share_att_key=True,
+            pos_att_type=["p2c", "c2p"],
+            position_biased_input=False,
+            type_vocab_size=0,
+        ),
+    ),
 }
 
 
@@ -92,8 +131,9 @@ def save_backbone(directory: Path, name: str) -> torch.nn.Module:
     return reference
 
 
-def save_adapter(reference: torch.nn.Module, directory: Path, seed: int, *, safe_serialization: bool = True,
-                 **lora: Any) -> peft.PeftModel:
+def save_adapter(
+    reference: torch.nn.Module, directory: Path, seed: int, *, safe_serialization: bool = True, **lora: Any
+) -> peft.PeftModel:
     """A LoRA adapter with seeded random A and B (non-zero, so it changes outputs) on a copy of
     `reference`, saved to `directory`; returns the unmerged PEFT model, in eval mode."""
     torch.manual_seed(seed)
@@ -111,8 +151,10 @@ def card(name: str, directory: Path, pooling: str = "mean") -> ModelCard:
     """An encode card for the backbone in `directory`: un-normalised `pooling` vectors."""
     spec = BACKBONES[name]
     architecture = {"xlm-roberta": "xlm-roberta"}.get(name, name)
-    text = (f"id: test/{name}\narchitecture: {architecture}\nsource: {{path: {directory}}}\nmax_length: 128\n"
-            f"tasks: [encode]\npooling: {pooling}\nnormalize: false\ndimensions: {spec.shape['hidden_size']}\n")
+    text = (
+        f"id: test/{name}\narchitecture: {architecture}\nsource: {{path: {directory}}}\nmax_length: 128\n"
+        f"tasks: [encode]\npooling: {pooling}\nnormalize: false\ndimensions: {spec.shape['hidden_size']}\n"
+    )
     return parse_card(yaml.safe_load(text), f"{name}.yaml")
 
 

@@ -32,5 +32,7 @@ def build_minilm_reranker(directory: Path, seed: int = 7) -> Path:
 
 
 def reranker_card(model_id: str, directory: Path, max_length: int) -> str:
-    return (f"id: {model_id}\ntasks: [score]\nsource: {{path: {directory}}}\nmax_length: {max_length}\n"
-            "score: {kind: cross_encoder}\n")
+    return (
+        f"id: {model_id}\ntasks: [score]\nsource: {{path: {directory}}}\nmax_length: {max_length}\n"
+        "score: {kind: cross_encoder}\n"
+    )

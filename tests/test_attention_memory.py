@@ -37,27 +37,52 @@ def tiny_modernbert(num_layers: int) -> torch.nn.Module:
     from shoal.models.modernbert import ModernBertConfig, ModernBertModel
 
     torch.manual_seed(0)
-    return ModernBertModel(ModernBertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2, intermediate_size=64,
-        global_layers=tuple(i % 3 == 0 for i in range(num_layers)), local_attention=16))
+    return ModernBertModel(
+        ModernBertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            num_attention_heads=2,
+            intermediate_size=64,
+            global_layers=tuple(i % 3 == 0 for i in range(num_layers)),
+            local_attention=16,
+        )
+    )
 
 
 def tiny_llama(num_layers: int = 2, hidden: int = 64):
     from shoal.models.llama import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    return LlamaModel(LlamaConfig(model_type="qwen3", vocab_size=100, hidden_size=hidden, num_hidden_layers=num_layers,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                                  intermediate_size=2 * hidden, qk_norm=True))
+    return LlamaModel(
+        LlamaConfig(
+            model_type="qwen3",
+            vocab_size=100,
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            intermediate_size=2 * hidden,
+            qk_norm=True,
+        )
+    )
 
 
 def tiny_mpnet(num_layers: int = 2, hidden: int = 48, heads: int = 12, max_length: int = 128):
     from shoal.models.mpnet import MPNetConfig, MPNetModel
 
     torch.manual_seed(0)
-    return MPNetModel(MPNetConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=num_layers,
-                                  num_attention_heads=heads, intermediate_size=hidden,
-                                  max_position_embeddings=max_length + 2))
+    return MPNetModel(
+        MPNetConfig(
+            vocab_size=100,
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            intermediate_size=hidden,
+            max_position_embeddings=max_length + 2,
+        )
+    )
 
 
 @pytest.fixture
@@ -150,10 +175,22 @@ def tiny_deberta(num_layers: int = 2):
     from shoal.models.deberta_v2 import DebertaV2Config, DebertaV2Model
 
     torch.manual_seed(0)
-    return DebertaV2Model(DebertaV2Config(
-        vocab_size=100, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=512, position_biased_input=False, relative_attention=True,
-        pos_att_type=("c2p", "p2c"), position_buckets=32, max_relative_positions=64, norm_rel_ebd=("layer_norm",)))
+    return DebertaV2Model(
+        DebertaV2Config(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=512,
+            position_biased_input=False,
+            relative_attention=True,
+            pos_att_type=("c2p", "p2c"),
+            position_buckets=32,
+            max_relative_positions=64,
+            norm_rel_ebd=("layer_norm",),
+        )
+    )
 
 
 def test_deberta_builds_its_distances_once_per_forward(monkeypatch):
@@ -173,8 +210,10 @@ def test_deberta_builds_its_distances_once_per_forward(monkeypatch):
 # --- peak memory of a forward, in a fresh interpreter --------------------------------------------
 
 clear_refs = Path("/proc/self/clear_refs")
-needs_proc = pytest.mark.skipif(not (clear_refs.exists() and os.access(clear_refs, os.W_OK)),
-                                reason="needs Linux /proc/self/clear_refs to reset the peak resident set")
+needs_proc = pytest.mark.skipif(
+    not (clear_refs.exists() and os.access(clear_refs, os.W_OK)),
+    reason="needs Linux /proc/self/clear_refs to reset the peak resident set",
+)
 LONG = 4096
 
 
@@ -209,8 +248,15 @@ def peak_extra_bytes(case: str) -> int:
     # resident set follows live tensors instead of a heap that keeps what it once held.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     code = f"import test_attention_memory as t; t._child_peak_extra_bytes({case!r})"
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, check=True,
-                         capture_output=True, text=True, timeout=300).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
     return int(out.strip().splitlines()[-1])
 
 

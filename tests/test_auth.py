@@ -15,8 +15,9 @@ from shoal.errors import ConfigError, Forbidden, Unauthorized
 def test_env_tokens_and_a_file_digest_authenticate_with_their_own_rights(tmp_path):
     secret = "a-token-stored-only-as-its-digest"
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(f"tokens:\n  - {{sha256: {hashlib.sha256(secret.encode()).hexdigest()}, name: hashed, "
-                      "models: ['team/*']}\n")
+    tokens.write_text(
+        f"tokens:\n  - {{sha256: {hashlib.sha256(secret.encode()).hexdigest()}, name: hashed, models: ['team/*']}}\n"
+    )
     auth = Auth.from_sources(tokens, "plain-token-0123456789", "admin-token-0123456789")
     hashed = auth.authenticate(f"Bearer {secret}")
     assert hashed.name == "hashed" and hashed.may_use("team/x") and not hashed.may_use("other/x")
@@ -51,7 +52,18 @@ def test_the_same_token_twice_and_a_short_env_token_are_refused(tmp_path):
         Auth.from_sources(admin_tokens="short")
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("yes", True), ("0", False),
-                                             ("False", False), ("no", False), ("off", False), ("", False)])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("yes", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("off", False),
+        ("", False),
+    ],
+)
 def test_shoal_no_auth_is_on_only_for_a_yes(value, expected):
     assert Settings.from_env({"SHOAL_NO_AUTH": value}).server.no_auth is expected

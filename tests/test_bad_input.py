@@ -60,8 +60,11 @@ def test_non_string_text_is_400_naming_its_path(client, card):
 
 @pytest.mark.parametrize("route", ["/v1/encode", "/v1/embeddings"])
 def test_unknown_model_is_404_naming_the_id(client, card, route):
-    body = {"model": "acme/no-such-model", "items": [{"text": "hi"}]} if route == "/v1/encode" else \
-        {"model": "acme/no-such-model", "input": ["hi"]}
+    body = (
+        {"model": "acme/no-such-model", "items": [{"text": "hi"}]}
+        if route == "/v1/encode"
+        else {"model": "acme/no-such-model", "input": ["hi"]}
+    )
     response = client.post(route, json=body)
 
     error = assert_error(response, 404, "unknown_model", "'acme/no-such-model'", "/v1/models")
@@ -136,7 +139,7 @@ def test_streamed_body_over_limit_is_413(client, card, server_settings):
 
     def chunks():  # a generator: httpx sends it chunked, with no Content-Length to check up front
         for start in range(0, len(body), 16 * 1024):
-            yield body[start:start + 16 * 1024]
+            yield body[start : start + 16 * 1024]
 
     response = client.post("/v1/encode", content=chunks(), headers={"content-type": JSON})
 
@@ -319,16 +322,22 @@ def test_the_largest_int64_ids_round_trip_in_msgpack(client, card):
 @pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "\\ud800\\u0041"])
 def test_a_lone_surrogate_is_400_saying_what_is_wrong_and_where(client, card, route, escape):
     text = f'"ok {escape} broken"'
-    raw = (f'{{"model": "{card.id}", "items": [{{"text": "fine"}}, {{"text": {text}}}]}}' if route == "/v1/encode"
-           else f'{{"model": "{card.id}", "input": ["fine", {text}]}}').encode()
+    raw = (
+        f'{{"model": "{card.id}", "items": [{{"text": "fine"}}, {{"text": {text}}}]}}'
+        if route == "/v1/encode"
+        else f'{{"model": "{card.id}", "input": ["fine", {text}]}}'
+    ).encode()
 
     response = client.post(route, content=raw, headers={"content-type": JSON})
 
     error = assert_error(response, 400, "invalid_request", "surrogate", "byte", "valid Unicode")
     start = raw.index(escape.encode()[:6])  # the byte msgspec names is within the bad escape (or just after)
     assert start <= error["details"]["byte"] <= start + 14, (start, error["details"])
-    paired = client.post("/v1/encode", content=f'{{"model": "{card.id}", "items": [{{"text": "\\ud83d\\udc1f"}}]}}'.encode(),
-                         headers={"content-type": JSON})
+    paired = client.post(
+        "/v1/encode",
+        content=f'{{"model": "{card.id}", "items": [{{"text": "\\ud83d\\udc1f"}}]}}'.encode(),
+        headers={"content-type": JSON},
+    )
     assert paired.status_code == 200  # a surrogate pair is one character (a fish), and fine
 
 

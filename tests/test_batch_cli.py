@@ -14,8 +14,13 @@ import pytest
 from conftest import MODEL_ID
 from shoal.cli import main
 
-TEXTS = ["The cat sat on the mat.", "Stocks fell sharply on Monday.", "A dog slept in the sun.",
-         "Rain is expected tomorrow.", "The match ended in a draw."]
+TEXTS = [
+    "The cat sat on the mat.",
+    "Stocks fell sharply on Monday.",
+    "A dog slept in the sun.",
+    "Rain is expected tomorrow.",
+    "The match ended in a draw.",
+]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -25,8 +30,10 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def test_encode_in_process_from_jsonl_to_npy_and_jsonl_equals_the_reference(tmp_path, embed_reference, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": f"doc-{i}", "text": t} for i, t in enumerate(TEXTS)])
-    assert main(["encode", MODEL_ID, "--input", str(source), "--output", str(tmp_path / "out.npy"),
-                 "--batch-size", "2"]) == 0
+    assert (
+        main(["encode", MODEL_ID, "--input", str(source), "--output", str(tmp_path / "out.npy"), "--batch-size", "2"])
+        == 0
+    )
     vectors = np.load(tmp_path / "out.npy")
     assert vectors.shape == (5, 384) and np.abs(vectors - embed_reference(TEXTS)).max() <= 1e-5
     summary = capsys.readouterr().err.strip().splitlines()[-1]
@@ -39,8 +46,25 @@ def test_encode_in_process_from_jsonl_to_npy_and_jsonl_equals_the_reference(tmp_
 
 def test_encode_against_a_server_from_txt_to_parquet_keeps_the_order(base_url, tmp_path, embed_reference):
     (tmp_path / "in.txt").write_text("\n".join(TEXTS) + "\n\n")
-    assert main(["encode", MODEL_ID, "--url", base_url, "-i", str(tmp_path / "in.txt"), "-o",
-                 str(tmp_path / "out.parquet"), "--batch-size", "2", "--concurrency", "3"]) == 0
+    assert (
+        main(
+            [
+                "encode",
+                MODEL_ID,
+                "--url",
+                base_url,
+                "-i",
+                str(tmp_path / "in.txt"),
+                "-o",
+                str(tmp_path / "out.parquet"),
+                "--batch-size",
+                "2",
+                "--concurrency",
+                "3",
+            ]
+        )
+        == 0
+    )
     table = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert [row["text"] for row in table] == TEXTS
     assert np.abs(np.array([row["dense"] for row in table]) - embed_reference(TEXTS)).max() <= 1e-5
@@ -49,8 +73,9 @@ def test_encode_against_a_server_from_txt_to_parquet_keeps_the_order(base_url, t
 def test_score_against_a_server_ranks_every_chunk_together(base_url, tmp_path, embed_reference, capsys):
     source = write_jsonl(tmp_path / "docs.jsonl", [{"text": t, "id": i} for i, t in enumerate(TEXTS)])
     query = "weather forecast"
-    assert main(["score", MODEL_ID, query, "--url", base_url, "-i", str(source), "--batch-size", "2",
-                 "--top-k", "3"]) == 0
+    assert (
+        main(["score", MODEL_ID, query, "--url", base_url, "-i", str(source), "--batch-size", "2", "--top-k", "3"]) == 0
+    )
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     vectors = embed_reference([query, *TEXTS])
     expected = np.argsort(-(vectors[1:] @ vectors[0]), kind="stable")[:3]
@@ -69,19 +94,41 @@ def test_extract_in_process_from_parquet_writes_entities_that_slice_the_text(tmp
     (cards / "tagger.yaml").write_text(extract_card(directory, "test/tagger", "token_class"))
     texts = ["Ada Lovelace met Charles Babbage in London", "the Royal Society in Paris and Berlin"]
     pq.write_table(pa.table({"body": texts, "id": [7, 8]}), tmp_path / "in.parquet")
-    assert main(["extract", "--models-dir", str(cards), "test/tagger", "-i", str(tmp_path / "in.parquet"),
-                 "--field", "body", "-o", str(tmp_path / "out.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                "--models-dir",
+                str(cards),
+                "test/tagger",
+                "-i",
+                str(tmp_path / "in.parquet"),
+                "--field",
+                "body",
+                "-o",
+                str(tmp_path / "out.jsonl"),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [7, 8]
     assert sum(len(r["entities"]) for r in rows) > 0
-    assert all(r["text"][e["start"]:e["end"]] == e["text"] for r in rows for e in r["entities"])
+    assert all(r["text"][e["start"] : e["end"]] == e["text"] for r in rows for e in r["entities"])
 
 
-@pytest.mark.parametrize("name, content, words", [
-    ("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": oops}\n', "bad.jsonl:3: not JSON"),
-    ("field.jsonl", '{"text": "a"}\n{"body": "b"}\n', "field.jsonl:2: each line must be an object with a string 'text'"),
-    ("texts.csv", "a,b\n", "read .txt (a text a line), .jsonl or .parquet"),
-])
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": oops}\n', "bad.jsonl:3: not JSON"),
+        (
+            "field.jsonl",
+            '{"text": "a"}\n{"body": "b"}\n',
+            "field.jsonl:2: each line must be an object with a string 'text'",
+        ),
+        ("texts.csv", "a,b\n", "read .txt (a text a line), .jsonl or .parquet"),
+    ],
+)
 def test_a_bad_input_file_is_named_with_its_line(tmp_path, capsys, name, content, words):
     (tmp_path / name).write_text(content)
     assert main(["encode", MODEL_ID, "-i", str(tmp_path / name)]) == 2

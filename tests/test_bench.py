@@ -18,13 +18,13 @@ import msgspec
 import numpy as np
 import pytest
 import yaml
-from conftest import need_tool
 
+from conftest import need_tool
 from shoal.bench import machine, workloads
+from shoal.bench import tune as tune_module
 from shoal.bench.knee import Bounds, knee
 from shoal.bench.load import HttpTarget, Outcome, Step, closed_loop, open_loop
 from shoal.bench.run import Plan, call_tokens, measure_and_close
-from shoal.bench import tune as tune_module
 from shoal.bench.tune import QualityGate, min_cosine, overlay_name, search
 from shoal.catalog import Catalog, load_tuned, parse_card
 from shoal.catalog.card import Batching
@@ -44,14 +44,26 @@ def _step(mode: str, offered: float, achieved_rps: float, p99_ms: float, errors:
     sent = int(offered * duration) + errors if mode == "open" else ok + errors
     # 98 % of latencies at 1 ms, the slowest 2 % at p99_ms: the step's p99 is p99_ms.
     slow = max(1, ok // 50)
-    return Step(mode, offered, duration, window_s=duration if mode == "open" else 0.0, sent=sent, ok=ok,
-                errors=sent - ok, latencies_ms=[1.0] * (ok - slow) + [p99_ms] * slow)
+    return Step(
+        mode,
+        offered,
+        duration,
+        window_s=duration if mode == "open" else 0.0,
+        sent=sent,
+        ok=ok,
+        errors=sent - ok,
+        latencies_ms=[1.0] * (ok - slow) + [p99_ms] * slow,
+    )
 
 
 def test_the_open_loop_knee_is_the_highest_rate_served_within_the_bounds():
-    steps = [_step("open", 10, 10, 50), _step("open", 20, 20, 80), _step("open", 40, 40, 140),
-             _step("open", 60, 45, 900),  # the rate is no longer followed (and p99 is past the bound)
-             _step("open", 80, 46, 3000)]
+    steps = [
+        _step("open", 10, 10, 50),
+        _step("open", 20, 20, 80),
+        _step("open", 40, 40, 140),
+        _step("open", 60, 45, 900),  # the rate is no longer followed (and p99 is past the bound)
+        _step("open", 80, 46, 3000),
+    ]
     assert knee(steps, Bounds(p99_ms=150)).offered == 40
     assert knee(steps, Bounds(p99_ms=100)).offered == 20  # a tighter bound moves the knee down
     # Arrivals left unanswered (a backlog the drain gave up on) end the knee even with p99 in bounds.
@@ -66,8 +78,13 @@ def test_the_open_loop_knee_is_the_highest_rate_served_within_the_bounds():
 
 
 def test_the_closed_loop_knee_is_the_fewest_clients_that_reach_the_plateau():
-    steps = [_step("closed", 1, 50, 30), _step("closed", 4, 150, 40), _step("closed", 16, 190, 100),
-             _step("closed", 32, 195, 200), _step("closed", 64, 196, 450)]
+    steps = [
+        _step("closed", 1, 50, 30),
+        _step("closed", 4, 150, 40),
+        _step("closed", 16, 190, 100),
+        _step("closed", 32, 195, 200),
+        _step("closed", 64, 196, 450),
+    ]
     assert knee(steps, Bounds(p99_ms=1000)).offered == 16  # 190 >= 0.95 x 196
     assert knee(steps, Bounds(p99_ms=150)).offered == 16
     assert knee(steps, Bounds(p99_ms=50)).offered == 4  # the best within 50 ms
@@ -142,8 +159,11 @@ def test_the_load_generators_client_keeps_connections_alive_reads_chunks_and_dro
             kind = json.loads(body)["items"][0]["text"]
             reply = b'{"usage": {"tokens": 7}}'
             if kind == "chunked":
-                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                             + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (reply[:5], reply[5:])) + b"0\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                    + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (reply[:5], reply[5:]))
+                    + b"0\r\n\r\n"
+                )
             elif kind == "slow":  # answers past the client's timeout
                 await asyncio.sleep(1.5)
                 with contextlib.suppress(ConnectionError):
@@ -155,8 +175,10 @@ def test_the_load_generators_client_keeps_connections_alive_reads_chunks_and_dro
                 status = b"404 Not Found" if kind == "missing" else b"200 OK"
                 reply = b"<html>not json" if kind == "garbled" else reply
                 close = kind == "close"
-                writer.write(b"HTTP/1.1 %s\r\ncontent-length: %d\r\n%s\r\n%s"
-                             % (status, len(reply), b"connection: close\r\n" if close else b"", reply))
+                writer.write(
+                    b"HTTP/1.1 %s\r\ncontent-length: %d\r\n%s\r\n%s"
+                    % (status, len(reply), b"connection: close\r\n" if close else b"", reply)
+                )
                 if close:
                     await writer.drain()
                     writer.close()
@@ -197,7 +219,9 @@ def test_the_load_generators_client_keeps_connections_alive_reads_chunks_and_dro
 def test_a_ramp_against_a_real_server_finds_a_knee_and_an_unserved_model_errs(base_url):
     plan = Plan(mode="closed", levels=(1, 2), step_s=1.0, warmup_s=0.5, bounds=Bounds(p99_ms=5000))
     work = workloads.build("queries", num_calls=32)
-    steps, found, _ = asyncio.run(measure_and_close(HttpTarget("shoal", base_url, MODEL_ID, work), plan, log=lambda s: None))
+    steps, found, _ = asyncio.run(
+        measure_and_close(HttpTarget("shoal", base_url, MODEL_ID, work), plan, log=lambda s: None)
+    )
     assert [s.offered for s in steps] == [1, 2] and found is not None and found.ok > 0
     bad = HttpTarget("shoal", base_url, "no/such-model", work)
     steps, found, _ = asyncio.run(measure_and_close(bad, plan, log=lambda s: None))
@@ -206,10 +230,35 @@ def test_a_ramp_against_a_real_server_finds_a_knee_and_an_unserved_model_errs(ba
 
 def test_shoal_bench_prints_the_knee_and_writes_json_and_a_png(base_url, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run(SHOAL + ["bench", MODEL_ID, "--url", base_url, "--workload", "queries", "--mode", "closed",
-                                   "--levels", "1,2", "--step-s", "1", "--p99-ms", "5000", "--json-out", str(out),
-                                   "--png", str(png), "--against", "st"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        SHOAL
+        + [
+            "bench",
+            MODEL_ID,
+            "--url",
+            base_url,
+            "--workload",
+            "queries",
+            "--mode",
+            "closed",
+            "--levels",
+            "1,2",
+            "--step-s",
+            "1",
+            "--p99-ms",
+            "5000",
+            "--json-out",
+            str(out),
+            "--png",
+            str(png),
+            "--against",
+            "st",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "knee shoal:" in proc.stdout and "% of the fp32-peak bound" in proc.stdout
     # sentence-transformers in this process on the same calls, and the ratio printed and recorded
@@ -236,10 +285,35 @@ def test_shoal_bench_runs_infinity_beside_shoal_on_the_same_calls_and_prints_the
     """Infinity 0.0.78 from its own venv (`make tools`), serving MiniLM's packaged folder offline."""
     need_tool((INFINITY_VENV / ".installed").exists(), "Infinity's virtualenv (.tools/infinity, `make tools`)")
     out = tmp_path / "bench.json"
-    proc = subprocess.run(SHOAL + ["bench", MODEL_ID, "--url", base_url, "--workload", "queries", "--mode", "closed",
-                                   "--levels", "2", "--step-s", "2", "--p99-ms", "5000", "--json-out", str(out),
-                                   "--against", "infinity", "--infinity", str(INFINITY)],
-                          capture_output=True, text=True, timeout=400, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        SHOAL
+        + [
+            "bench",
+            MODEL_ID,
+            "--url",
+            base_url,
+            "--workload",
+            "queries",
+            "--mode",
+            "closed",
+            "--levels",
+            "2",
+            "--step-s",
+            "2",
+            "--p99-ms",
+            "5000",
+            "--json-out",
+            str(out),
+            "--against",
+            "infinity",
+            "--infinity",
+            str(INFINITY),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "knee infinity:" in proc.stdout and "shoal / infinity at the knee:" in proc.stdout
     record = json.loads(out.read_text())
@@ -253,8 +327,13 @@ def test_shoal_bench_runs_infinity_beside_shoal_on_the_same_calls_and_prints_the
 
 
 def test_shoal_bench_refuses_a_workload_the_model_does_not_serve():
-    proc = subprocess.run(SHOAL + ["bench", MODEL_ID, "--workload", "extract"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        SHOAL + ["bench", MODEL_ID, "--workload", "extract"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2 and "workload extract needs extract" in proc.stderr
 
 
@@ -287,9 +366,11 @@ def test_a_cpu_class_names_its_isa_and_limits_fall_back_from_it_to_the_model_nam
     here = cpu_class()
     isa = cpu_isa(cpu_flags())
     assert here.endswith(f"+{isa}") if isa and here != "cpu" else "+" not in here
-    text = ("id: test/isa\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
-            "  cpu: {max_batch_tokens: 4096, max_batch_items: 64}\n  'cpu:Some CPU': {max_batch_items: 32, threads: 2}\n"
-            "  'cpu:Some CPU+avx2': {threads: 1, attention: padded}\n")
+    text = (
+        "id: test/isa\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
+        "  cpu: {max_batch_tokens: 4096, max_batch_items: 64}\n  'cpu:Some CPU': {max_batch_items: 32, threads: 2}\n"
+        "  'cpu:Some CPU+avx2': {threads: 1, attention: padded}\n"
+    )
     card = parse_card(yaml.safe_load(text), "isa.yaml")
     assert card.batching_for("cpu:Some CPU+avx2") == Batching(4096, 32, threads=1, attention="padded")
     assert card.batching_for("cpu:Some CPU+avx512") == Batching(4096, 32, threads=2)  # the name alone
@@ -353,10 +434,35 @@ def test_the_engine_serves_with_a_tuned_overlays_wait_and_threads(serve, tmp_pat
 
 def test_shoal_tune_writes_an_overlay_that_serve_reads(tmp_path):
     out = tmp_path / "models"
-    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--items", "2", "--knobs",
-                                   "max_batch_items", "--grid", "max_batch_items=8,16", "--clients", "1,2", "--confirm", "1",
-                                   "--step-s", "1", "--p99-ms", "5000"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        SHOAL
+        + [
+            "tune",
+            MODEL_ID,
+            "--out",
+            str(out),
+            "--workload",
+            "queries",
+            "--items",
+            "2",
+            "--knobs",
+            "max_batch_items",
+            "--grid",
+            "max_batch_items=8,16",
+            "--clients",
+            "1,2",
+            "--confirm",
+            "1",
+            "--step-s",
+            "1",
+            "--p99-ms",
+            "5000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [path] = (out / "tuned").iterdir()
     tuned = load_tuned(path)
@@ -408,18 +514,46 @@ def test_tune_skips_threads_values_that_give_each_lane_the_same_threads():
 
 def test_shoal_tune_searches_the_lanes_first_and_measures_the_cards_knobs_at_the_lanes_kept(tmp_path):
     out = tmp_path / "models"
-    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--items", "2", "--knobs",
-                                   "max_batch_items,lanes", "--grid", "max_batch_items=16", "--grid", "lanes=1,2",
-                                   "--clients", "2", "--confirm", "1", "--step-s", "1", "--p99-ms", "5000"],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "SHOAL_DEVICE_LANES": "1"})
+    proc = subprocess.run(
+        SHOAL
+        + [
+            "tune",
+            MODEL_ID,
+            "--out",
+            str(out),
+            "--workload",
+            "queries",
+            "--items",
+            "2",
+            "--knobs",
+            "max_batch_items,lanes",
+            "--grid",
+            "max_batch_items=16",
+            "--grid",
+            "lanes=1,2",
+            "--clients",
+            "2",
+            "--confirm",
+            "1",
+            "--step-s",
+            "1",
+            "--p99-ms",
+            "5000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "SHOAL_DEVICE_LANES": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [path] = (out / "tuned").iterdir()
     measured = load_tuned(path).measured
     trials = measured["trials"]
     assert measured["serve_lanes"] == 1  # SHOAL_DEVICE_LANES, which the servers tune starts inherit
     # The card's limits at serve's lanes, then at 2; confirmation turns if 2 gained; then the card's knob.
-    assert [t["lanes"] for t in trials[:2]] == [1, 2] and all(t["settings"] == trials[0]["settings"] for t in trials[:2])
+    assert [t["lanes"] for t in trials[:2]] == [1, 2] and all(
+        t["settings"] == trials[0]["settings"] for t in trials[:2]
+    )
     first, second = (t["best_tokens_per_s"] for t in trials[:2])
     kept = measured["lanes"]
     if second > 1.03 * first:
@@ -465,8 +599,15 @@ def test_tune_search_confirms_a_winner_by_the_confirmation_turns_alone():
 def test_tune_search_builds_each_knob_on_the_last_and_keeps_a_confirmed_winner():
     start = Batching(max_batch_items=64)
     values = {"max_batch_items": (8, 16), "batch_wait_ms": (0, 5)}
-    trial, asked = _scripted({(64, None): [100, 100], (8, None): [150], (16, None): [153],  # 16: under 3 % more
-                              (8, 0): [140], (8, 5): [160, 158]})
+    trial, asked = _scripted(
+        {
+            (64, None): [100, 100],
+            (8, None): [150],
+            (16, None): [153],  # 16: under 3 % more
+            (8, 0): [140],
+            (8, 5): [160, 158],
+        }
+    )
     found = search(trial, start, values, ["max_batch_items", "batch_wait_ms"], 0.03, 1, log=lambda line: None)
     assert asked == [(64, None), (8, None), (16, None), (8, 0), (8, 5), (64, None), (8, 5)]
     assert found.best == Batching(max_batch_items=8, batch_wait_ms=5)
@@ -500,15 +641,18 @@ def test_the_quality_gate_takes_its_reference_from_the_start_and_refuses_what_it
     answers.append([[1.0, 0.5], [0.0, 1.0]])  # cosine 0.894
     quality, refused = gate.check("u", int8)
     assert quality["min_cosine"] == pytest.approx(0.894427, abs=1e-6) and "0.894427 < 0.99" in refused
-    for answer, reason in [(None, "did not give 2"), ([[1.0, 0.0]], "did not give 2"),
-                           ([[float("nan"), 0.0], [0.0, 1.0]], "not finite"),
-                           ([[1.0, 0.0], [float("nan"), 1.0]], "not finite")]:  # last, too (min() skips NaN there)
+    for answer, reason in [
+        (None, "did not give 2"),
+        ([[1.0, 0.0]], "did not give 2"),
+        ([[float("nan"), 0.0], [0.0, 1.0]], "not finite"),
+        ([[1.0, 0.0], [float("nan"), 1.0]], "not finite"),
+    ]:  # last, too (min() skips NaN there)
         answers.append(answer)
         assert reason in gate.check("u", int8)[1]
 
 
 def test_min_cosine_is_the_smallest_over_pairs():
-    assert min_cosine([[1.0, 0.0], [0.0, 2.0]], [[3.0, 0.0], [1.0, 1.0]]) == pytest.approx(2 ** -0.5)
+    assert min_cosine([[1.0, 0.0], [0.0, 2.0]], [[3.0, 0.0], [1.0, 1.0]]) == pytest.approx(2**-0.5)
     with pytest.raises(ValueError):
         min_cosine([[1.0, 0.0]], [])  # a server that answered fewer vectors than asked
 
@@ -539,11 +683,34 @@ def test_quantize_in_limits_is_for_cpus_and_float32_cards_and_chooses_the_cards_
 def test_shoal_tune_tries_int8_behind_a_quality_gate(tmp_path):
     """The int8 candidate serves only after its vectors for the workload's texts pass the cosine bar
     against the card's own (float32) server; a bar it cannot pass scores it 0 without a load."""
+
     def tune(out: Path, *flags: str) -> list[dict]:
-        proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(out), "--workload", "queries", "--items", "2",
-                                       "--knobs", "quantize", "--clients", "1", "--step-s", "1", "--p99-ms", "5000",
-                                       *flags], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.run(
+            SHOAL
+            + [
+                "tune",
+                MODEL_ID,
+                "--out",
+                str(out),
+                "--workload",
+                "queries",
+                "--items",
+                "2",
+                "--knobs",
+                "quantize",
+                "--clients",
+                "1",
+                "--step-s",
+                "1",
+                "--p99-ms",
+                "5000",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         [path] = (out / "tuned").iterdir()
         return load_tuned(path)
@@ -570,13 +737,23 @@ def test_shoal_tune_tries_int8_behind_a_quality_gate(tmp_path):
     assert first["best_tokens_per_s"] > 0 and refused.batching == Batching()
 
 
-@pytest.mark.parametrize("grid, message", [("batch_wait_ms=5000", "between 0 and 1000"),
-                                           ("attention=fast", "attention takes padded and each"),
-                                           ("row_block_bytes=0,-5", "must be >= 0"),
-                                           ("lanes=0,2", "lanes are 1 or more")])
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ("batch_wait_ms=5000", "between 0 and 1000"),
+        ("attention=fast", "attention takes padded and each"),
+        ("row_block_bytes=0,-5", "must be >= 0"),
+        ("lanes=0,2", "lanes are 1 or more"),
+    ],
+)
 def test_shoal_tune_refuses_a_bad_grid_before_measuring_anything(tmp_path, grid, message):
-    proc = subprocess.run(SHOAL + ["tune", MODEL_ID, "--out", str(tmp_path), "--grid", grid],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        SHOAL + ["tune", MODEL_ID, "--out", str(tmp_path), "--grid", grid],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2 and grid.split("=")[0] in proc.stderr and message in proc.stderr
     assert not (tmp_path / "tuned").exists()
 
@@ -605,14 +782,25 @@ def test_a_limit_of_padded_attention_keeps_the_runner_off_the_each_path(card, mo
         assert float((a * b).sum()) >= 0.99999
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--levels", "inf"], "finite"), (["--levels", "nan"], "finite"), (["--step-s", "0"], "> 0"),
-    (["--mode", "closed", "--levels", "0.5"], "whole numbers"), (["--items", "0"], ">= 1"),
-    (["--workload", "passages", "--items", "400"], "there are 300"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--levels", "inf"], "finite"),
+        (["--levels", "nan"], "finite"),
+        (["--step-s", "0"], "> 0"),
+        (["--mode", "closed", "--levels", "0.5"], "whole numbers"),
+        (["--items", "0"], ">= 1"),
+        (["--workload", "passages", "--items", "400"], "there are 300"),
+    ],
+)
 def test_shoal_bench_refuses_bad_flags_with_a_message(argv, message):
-    proc = subprocess.run(SHOAL + ["bench", MODEL_ID, "--url", "http://127.0.0.1:9", *argv], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        SHOAL + ["bench", MODEL_ID, "--url", "http://127.0.0.1:9", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -642,8 +830,10 @@ def test_small_batches_run_on_a_thread_fewer_and_the_limit_is_checked():
     assert ModelRunner.threads_for(two, SMALL_BATCH_TOKENS) == 2
     assert ModelRunner.threads_for(SimpleNamespace(threads=1, small_batch_tokens=4096), 10) == 1  # never 0
     assert ModelRunner.threads_for(SimpleNamespace(threads=8, small_batch_tokens=0), 10) == 8  # off
-    text = ("id: test/small\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
-            "  cpu: {small_batch_tokens: -1}\n")
+    text = (
+        "id: test/small\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
+        "  cpu: {small_batch_tokens: -1}\n"
+    )
     with pytest.raises(CardError, match="small_batch_tokens"):
         parse_card(yaml.safe_load(text), "small.yaml")
     assert parse_card(yaml.safe_load(text.replace("-1", "0")), "small.yaml").batching_for("cpu").small_batch_tokens == 0
@@ -653,9 +843,9 @@ def test_row_blocks_are_a_cpu_limit_the_runner_takes_and_that_changes_no_vector(
     """`batching.row_block_bytes` (a kernel knob of `shoal tune`): by default a CPU runs each layer's
     feed-forward a block of rows at a time (512 of MiniLM's tokens), with 0 over the whole batch in one
     call; the vectors are the same either way. Negative values and GPU classes are refused."""
+    from shoal.catalog.card import ROW_BLOCK_BYTES
     from shoal.engine.runner import ModelRunner
     from shoal.engine.types import Batch, EncodeSpec
-    from shoal.catalog.card import ROW_BLOCK_BYTES
 
     texts = [workloads.lee_documents()[i] for i in range(8)]
     spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32")
@@ -666,7 +856,8 @@ def test_row_blocks_are_a_cpu_limit_the_runner_takes_and_that_changes_no_vector(
         assert runner.row_block_bytes == (ROW_BLOCK_BYTES if choice is None else choice)
         seqs = runner.tokenizer.encode(texts, truncate=True)
         seen: list[int] = []
-        runner.model.layers[0].ffn_in.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+        # The hook runs (and reads `seen`) within this iteration only.
+        runner.model.layers[0].ffn_in.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))  # noqa: B023
         vectors[choice] = np.stack([item.dense for item in runner.forward(Batch.pack(seqs), [spec] * len(seqs))])
         calls[choice] = seen
     num_tokens = sum(calls[0])
@@ -675,8 +866,10 @@ def test_row_blocks_are_a_cpu_limit_the_runner_takes_and_that_changes_no_vector(
     assert calls[1 << 20] == [min(170, num_tokens - s) for s in range(0, num_tokens, 170)]
     for choice in (None, 1 << 20):
         assert (vectors[choice] * vectors[0]).sum(1).min() >= 0.99999
-    text = ("id: test/rows\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
-            "  cpu: {row_block_bytes: -1}\n")
+    text = (
+        "id: test/rows\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\nbatching:\n"
+        "  cpu: {row_block_bytes: -1}\n"
+    )
     with pytest.raises(CardError, match="row_block_bytes.*>= 0"):
         parse_card(yaml.safe_load(text), "rows.yaml")
     with pytest.raises(CardError, match="row_block_bytes.*CPUs only"):

@@ -6,16 +6,24 @@ import pytest
 import torch
 import transformers
 
-from parity import (assert_packing_invariant, max_abs_diff, min_pooled_cosine, packed_batch, packed_hidden_states,
-                    randomize_norms, reference_hidden_states)
+from parity import (
+    assert_packing_invariant,
+    max_abs_diff,
+    min_pooled_cosine,
+    packed_batch,
+    packed_hidden_states,
+    randomize_norms,
+    reference_hidden_states,
+)
 from shoal.weights import build_model
 
 SHAPES = {
     "tiny-2l-2h": dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64),
     "mini-4l-4h": dict(num_hidden_layers=4, num_attention_heads=4, hidden_size=128, intermediate_size=512),
     "wide-3l-12h": dict(num_hidden_layers=3, num_attention_heads=12, hidden_size=384, intermediate_size=1536),
-    "gelu-tanh-1l-8h": dict(num_hidden_layers=1, num_attention_heads=8, hidden_size=256, intermediate_size=320,
-                            hidden_act="gelu_new"),
+    "gelu-tanh-1l-8h": dict(
+        num_hidden_layers=1, num_attention_heads=8, hidden_size=256, intermediate_size=320, hidden_act="gelu_new"
+    ),
 }
 VOCAB = 1000
 MAX_POSITIONS = 128
@@ -23,8 +31,9 @@ MAX_POSITIONS = 128
 
 def save_random_bert(directory, **shape) -> transformers.BertModel:
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, type_vocab_size=2,
-                                     **shape)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, type_vocab_size=2, **shape
+    )
     reference = transformers.BertModel(config, add_pooling_layer=True).eval()
     randomize_norms(reference, 0.1)
     reference.save_pretrained(directory)

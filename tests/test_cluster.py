@@ -56,24 +56,58 @@ class Cluster:
         self.nats = start_nats(self.nats_port, self.store, log_file=self._log("nats"))
 
     def start_gateway(self, extra_env: dict | None = None, port: int | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "shoal.cli", "gateway", "--nats-url", self.nats_url, "--port",
-               str(port or self.gateway_port), "--models-dir", str(self.cards),
-               "--models", f"{MODEL_ID},test/*,{UNSERVED}", "--log-level", "warning"]
-        process = subprocess.Popen(cmd, env={**self.env, **(extra_env or {})}, stdout=self._log("gateway"),
-                                   stderr=subprocess.STDOUT)
+        cmd = [
+            sys.executable,
+            "-m",
+            "shoal.cli",
+            "gateway",
+            "--nats-url",
+            self.nats_url,
+            "--port",
+            str(port or self.gateway_port),
+            "--models-dir",
+            str(self.cards),
+            "--models",
+            f"{MODEL_ID},test/*,{UNSERVED}",
+            "--log-level",
+            "warning",
+        ]
+        process = subprocess.Popen(
+            cmd, env={**self.env, **(extra_env or {})}, stdout=self._log("gateway"), stderr=subprocess.STDOUT
+        )
         wait_for_port(port or self.gateway_port, 60, process)
         if port is None:
             self.gateway = process
         return process
 
     def start_worker(self, index: int) -> None:
-        cmd = [sys.executable, "-m", "shoal.cli", "worker", "--nats-url", self.nats_url,
-               "--models-dir", str(self.cards), "--models", f"{MODEL_ID},test/*",
-               "--preload", MODEL_ID, "--preload", RERANKER, "--preload", TAGGER,
-               "--metrics-port", str(self.metrics_ports[index]), "--ack-wait-s", str(ACK_WAIT_S),
-               "--log-level", "warning"]
-        self.workers[index] = subprocess.Popen(cmd, env=self.env, stdout=self._log(f"worker{index}"),
-                                               stderr=subprocess.STDOUT)
+        cmd = [
+            sys.executable,
+            "-m",
+            "shoal.cli",
+            "worker",
+            "--nats-url",
+            self.nats_url,
+            "--models-dir",
+            str(self.cards),
+            "--models",
+            f"{MODEL_ID},test/*",
+            "--preload",
+            MODEL_ID,
+            "--preload",
+            RERANKER,
+            "--preload",
+            TAGGER,
+            "--metrics-port",
+            str(self.metrics_ports[index]),
+            "--ack-wait-s",
+            str(ACK_WAIT_S),
+            "--log-level",
+            "warning",
+        ]
+        self.workers[index] = subprocess.Popen(
+            cmd, env=self.env, stdout=self._log(f"worker{index}"), stderr=subprocess.STDOUT
+        )
 
     def wait_for_workers(self, count: int = 2, timeout_s: float = 180) -> None:
         """Until the gateway counts `count` live workers (each has loaded its preloads first)."""
@@ -144,8 +178,12 @@ def single(serve, cards) -> str:
 
 def post(url: str, path: str, body: dict, msgpack: bool = False, timeout: float = 120, **headers) -> httpx.Response:
     if msgpack:
-        return httpx.post(f"{url}{path}", content=msgspec.msgpack.encode(body), timeout=timeout,
-                          headers={"content-type": "application/msgpack", "accept": "application/msgpack", **headers})
+        return httpx.post(
+            f"{url}{path}",
+            content=msgspec.msgpack.encode(body),
+            timeout=timeout,
+            headers={"content-type": "application/msgpack", "accept": "application/msgpack", **headers},
+        )
     return httpx.post(f"{url}{path}", json=body, timeout=timeout, headers=headers)
 
 
@@ -156,6 +194,7 @@ def body_of(response: httpx.Response, msgpack: bool):
 
 def vectors(out: dict) -> np.ndarray:
     """The dense vectors of an encode response: lists in JSON, {dtype, shape, data} in msgpack."""
+
     def array(dense):
         if isinstance(dense, dict):
             dtype = np.dtype(dense["dtype"]).newbyteorder("<")
@@ -191,10 +230,15 @@ def test_the_same_routes_serve_the_real_clients_and_tokenize_through_the_workers
 
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
     got = client.embeddings.create(model=MODEL_ID, input=["a shoal of fish", "the stock market"])
-    assert np.abs(np.array([d.embedding for d in got.data]) - embed_reference(["a shoal of fish", "the stock market"])
-                  ).max() <= 1e-5
-    tokenized = [post(url, f"/tokenize?model={MODEL_ID}", {"inputs": "Shoals of fish"}).json()
-                 for url in (cluster.url, single)]
+    assert (
+        np.abs(
+            np.array([d.embedding for d in got.data]) - embed_reference(["a shoal of fish", "the stock market"])
+        ).max()
+        <= 1e-5
+    )
+    tokenized = [
+        post(url, f"/tokenize?model={MODEL_ID}", {"inputs": "Shoals of fish"}).json() for url in (cluster.url, single)
+    ]
     assert tokenized[0] == tokenized[1] and tokenized[0][0][-2]["text"] == "fish"
     listed = {m["id"]: m for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]}
     assert listed[MODEL_ID]["state"] == "loaded" and listed[RERANKER]["tasks"] == ["score"]
@@ -210,8 +254,7 @@ def test_a_model_no_worker_serves_is_503_with_retry_after_and_demand_shows_in_me
     assert unknown.status_code == 404
 
 
-def test_a_request_over_the_message_limit_round_trips_through_the_object_store(cluster, embed_reference,
-                                                                             lee_documents):
+def test_a_request_over_the_message_limit_round_trips_through_the_object_store(cluster, embed_reference, lee_documents):
     # Long in bytes, short in tokens (the padding is whitespace): a cheap call over the limit.
     texts = [lee_documents[i % len(lee_documents)][:120] + " " * 1400 + f"({i})" for i in range(800)]
     body = {"model": MODEL_ID, "items": [{"text": t} for t in texts]}
@@ -255,8 +298,11 @@ def test_a_call_whose_deadline_passes_in_the_queue_is_never_computed(cluster):
         process.send_signal(signal.SIGSTOP)  # alive (their heartbeats count for a few seconds) but not pulling
     try:
         started = time.monotonic()
-        response = post(cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "too late"}],
-                                                    "options": {"timeout_s": 1.0}})
+        response = post(
+            cluster.url,
+            "/v1/encode",
+            {"model": MODEL_ID, "items": [{"text": "too late"}], "options": {"timeout_s": 1.0}},
+        )
         assert response.status_code == 504, response.text
         assert time.monotonic() - started < 5
     finally:
@@ -270,13 +316,19 @@ def test_a_call_whose_deadline_passes_in_the_queue_is_never_computed(cluster):
 
 def _load(cluster, texts_per_request: list[list[str]]) -> list[httpx.Response]:
     with ThreadPoolExecutor(len(texts_per_request)) as pool:
-        return list(pool.map(lambda texts: post(cluster.url, "/v1/encode",
-                                                 {"model": MODEL_ID, "items": [{"text": t} for t in texts]}),
-                             texts_per_request))
+        return list(
+            pool.map(
+                lambda texts: post(
+                    cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": t} for t in texts]}
+                ),
+                texts_per_request,
+            )
+        )
 
 
-def test_kill_9_of_a_worker_mid_batch_still_answers_every_request_once_and_right(cluster, embed_reference,
-                                                                              lee_documents):
+def test_kill_9_of_a_worker_mid_batch_still_answers_every_request_once_and_right(
+    cluster, embed_reference, lee_documents
+):
     requests = [[f"{query_of(lee_documents[(r + i) % 12])} #{r}.{i}" for i in range(16)] for r in range(24)]
     redelivered_before = cluster.worker_metric(1, "shoal_worker_redelivered_calls_total")
     with ThreadPoolExecutor(1) as side:
@@ -319,8 +371,9 @@ def test_a_restarted_gateway_serves_at_once(cluster):
     assert cluster.gateway.wait(30) in (0, -signal.SIGTERM)
     cluster.start_gateway()
     deadline = time.monotonic() + 20
-    while (response := post(cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "again"}]})
-           ).status_code != 200:
+    while (
+        response := post(cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "again"}]})
+    ).status_code != 200:
         assert time.monotonic() < deadline, response.text
         time.sleep(0.1)
 
@@ -332,8 +385,14 @@ def test_a_gateway_with_tokens_refuses_requests_without_one(cluster):
         url = f"http://127.0.0.1:{port}"
         assert post(url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "x"}]}).status_code == 401
         deadline = time.monotonic() + 20
-        while (ok := post(url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "x"}]},
-                          authorization="Bearer cluster-token-0123456789")).status_code != 200:
+        while (
+            ok := post(
+                url,
+                "/v1/encode",
+                {"model": MODEL_ID, "items": [{"text": "x"}]},
+                authorization="Bearer cluster-token-0123456789",
+            )
+        ).status_code != 200:
             assert time.monotonic() < deadline, ok.text
             time.sleep(0.1)
     finally:
@@ -346,27 +405,45 @@ def test_with_nats_down_the_gateway_answers_503_within_the_deadline_and_recovers
     cluster.nats.wait()
     time.sleep(0.5)
     started = time.monotonic()
-    response = post(cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "x"}],
-                                                "options": {"timeout_s": 5.0}})
+    response = post(
+        cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "x"}], "options": {"timeout_s": 5.0}}
+    )
     assert response.status_code == 503, response.text
     assert time.monotonic() - started < 5.0
     assert response.json()["error"]["code"] == "queue_unavailable" and "retry-after" in response.headers
     assert httpx.get(f"{cluster.url}/readyz").status_code == 503
     cluster.start_nats()  # the same port and store: the queue, its consumers and the workers come back
     deadline = time.monotonic() + 60
-    while (response := post(cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "back"}]})
-           ).status_code != 200:
+    while (
+        response := post(cluster.url, "/v1/encode", {"model": MODEL_ID, "items": [{"text": "back"}]})
+    ).status_code != 200:
         assert time.monotonic() < deadline, f"{response.text}\n{cluster.logs()}"
         time.sleep(0.2)
 
 
 def test_dev_cluster_starts_everything_prints_its_url_and_stops_it_all_on_ctrl_c(tmp_path):
     port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "shoal.cli", "dev-cluster", "--workers", "1", "--port", str(port),
-           "--models", MODEL_ID, "--preload", MODEL_ID, "--store-dir", str(tmp_path / "store"),
-           "--metrics-port", str(metrics_port)]
-    process = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "shoal.cli",
+        "dev-cluster",
+        "--workers",
+        "1",
+        "--port",
+        str(port),
+        "--models",
+        MODEL_ID,
+        "--preload",
+        MODEL_ID,
+        "--store-dir",
+        str(tmp_path / "store"),
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    process = subprocess.Popen(
+        cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120

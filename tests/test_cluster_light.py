@@ -73,8 +73,7 @@ class Slow(StandIn):
 async def cluster(nats_url: str, pool: str, services: list[list], **cluster_options):
     """A gateway and one worker per entry of `services` (a worker's list: one service per device)."""
     settings = ClusterSettings(nats_url=nats_url, pool=pool, heartbeat_s=0.2, worker_ttl_s=2.0, **cluster_options)
-    gateway = RemoteService(Settings(cluster=settings, engine=EngineSettings(request_timeout_s=30.0)),
-                            Catalog.load())
+    gateway = RemoteService(Settings(cluster=settings, engine=EngineSettings(request_timeout_s=30.0)), Catalog.load())
     await gateway.start()
     stop = asyncio.Event()
     workers = [Worker(devices, settings, metrics=Metrics()) for devices in services]
@@ -120,8 +119,12 @@ def test_every_verb_round_trips_and_equals_the_service_run_in_process(nats_url):
                 await gateway.run(EncodeCall(model=MODEL, texts=["x"], dimensions=10_000))
             assert type(caught.value).__name__ == "InvalidRequest" and "dimensions" in caught.value.message
             # tokenize and admin travel to the workers too.
-            assert [t.text for t in (await gateway.tokenize(MODEL, ["two words"]))[0]] == ["[CLS]", "two", "words",
-                                                                                          "[SEP]"]
+            assert [t.text for t in (await gateway.tokenize(MODEL, ["two words"]))[0]] == [
+                "[CLS]",
+                "two",
+                "words",
+                "[SEP]",
+            ]
             status = await gateway.admin(MODEL, "load")
             assert status.loaded and status.state == "loaded"
             # The workers' heartbeats carry it within a beat.
@@ -151,6 +154,7 @@ def test_a_model_no_worker_serves_is_503_with_retry_after_and_counts_as_demand(n
 def test_work_pulled_for_the_host_goes_to_the_device_that_is_free(nats_url):
     """Two devices share one host queue: with one device stuck, every call is served by the other,
     none goes back to NATS (no nak, no redelivery)."""
+
     async def body():
         stuck, free = Slow(), StandIn()
         stuck.gate.clear()
@@ -158,8 +162,9 @@ def test_work_pulled_for_the_host_goes_to_the_device_that_is_free(nats_url):
         async with cluster(nats_url, "host", [[stuck, free]], min_inflight_tokens=1) as (gateway, [worker]):
             first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["held"])))
             await until(lambda: stuck.started, "the stuck device took the first call")
-            results = await asyncio.gather(*[gateway.run(EncodeCall(model=MODEL, texts=[f"text {i}"]))
-                                             for i in range(20)])
+            results = await asyncio.gather(
+                *[gateway.run(EncodeCall(model=MODEL, texts=[f"text {i}"])) for i in range(20)]
+            )
             assert len(results) == 20 and len(free.calls) == 20 and len(stuck.started) == 1
             assert sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) == 0
             stuck.gate.set()
@@ -178,8 +183,11 @@ def test_a_call_whose_deadline_passed_in_the_queue_is_never_computed(nats_url):
             inbox = nc.new_inbox()
             replies = await nc.subscribe(inbox)
             call = EncodeCall(model=MODEL, texts=["too late"], request_id="late-1")
-            await gateway._js.publish(p.work_subject("deadline", MODEL), calls.encode(call), headers={
-                p.REQUEST_ID: "late-1", p.DEADLINE: f"{p.now() - 1:.3f}", p.TOKENS: "4", p.REPLY: inbox})
+            await gateway._js.publish(
+                p.work_subject("deadline", MODEL),
+                calls.encode(call),
+                headers={p.REQUEST_ID: "late-1", p.DEADLINE: f"{p.now() - 1:.3f}", p.TOKENS: "4", p.REPLY: inbox},
+            )
             deadline = time.monotonic() + 10
             while sample(worker.metrics, "shoal_worker_calls_total", model=MODEL, outcome="dropped_deadline") < 1:
                 assert time.monotonic() < deadline
@@ -220,16 +228,25 @@ def test_what_a_worker_pulled_beyond_its_room_goes_back_to_the_queue_and_is_serv
             # fit, and the rest go back to the queue.
             for i, words in enumerate([1, 1_200, 1_200, 1_200, 1_200]):
                 call = EncodeCall(model=MODEL, texts=["word " * words], request_id=f"big{i}")
-                await js.publish(p.work_subject("overpull", MODEL), calls.encode(call), headers={
-                    p.REQUEST_ID: f"big{i}", p.DEADLINE: f"{p.now() + 60:.3f}",
-                    p.TOKENS: str(p.estimate_tokens(call)), p.REPLY: inbox})
+                await js.publish(
+                    p.work_subject("overpull", MODEL),
+                    calls.encode(call),
+                    headers={
+                        p.REQUEST_ID: f"big{i}",
+                        p.DEADLINE: f"{p.now() + 60:.3f}",
+                        p.TOKENS: str(p.estimate_tokens(call)),
+                        p.REPLY: inbox,
+                    },
+                )
             service = Slow()
             service.gate.clear()
             worker = Worker([service], settings, metrics=Metrics())
             stop = asyncio.Event()
             task = asyncio.create_task(worker.run(stop))
-            await until(lambda: sample(worker.metrics, "shoal_worker_naks_total", model=MODEL,
-                                       reason="over_pulled") >= 1, "a call pulled beyond the room was handed back")
+            await until(
+                lambda: sample(worker.metrics, "shoal_worker_naks_total", model=MODEL, reason="over_pulled") >= 1,
+                "a call pulled beyond the room was handed back",
+            )
             service.gate.set()
             answered = []
             for _ in range(5):
@@ -293,6 +310,7 @@ def test_a_caller_that_goes_away_has_its_held_call_dropped(nats_url):
 def test_a_call_delivered_max_deliver_times_is_a_dead_letter_answered_with_its_request_id(nats_url):
     """A worker that dies on a call (here: a pull consumer that never acks, as a killed process)
     makes JetStream give up after max_deliver; the gateway answers the caller 5xx with the id."""
+
     async def body():
         settings = ClusterSettings(nats_url=nats_url, pool="dead", ack_wait_s=0.5, max_deliver=2, heartbeat_s=0.2)
         gateway = RemoteService(Settings(cluster=settings), Catalog.load())
@@ -302,8 +320,9 @@ def test_a_call_delivered_max_deliver_times_is_a_dead_letter_answered_with_its_r
             nc, js = gateway._nc, gateway._js
             model = StandIn().models()[0]
             await p.ensure_consumer(js, settings, "dead", model.id)
-            sub = await js.pull_subscribe(p.work_subject("dead", model.id), durable=p.consumer_name("dead", model.id),
-                                          stream=p.STREAM)
+            sub = await js.pull_subscribe(
+                p.work_subject("dead", model.id), durable=p.consumer_name("dead", model.id), stream=p.STREAM
+            )
             beat = p.Heartbeat(worker="dying", pool="dead", host="h", devices=("x",), models=[model], free_tokens=9)
 
             async def heartbeats():
@@ -343,14 +362,17 @@ def test_a_draining_worker_pulls_no_more_finishes_what_it_runs_and_leaves_the_re
         draining.gate.clear()
         # A budget of one token: the worker holds one call at a time, the others wait in the queue.
         async with cluster(nats_url, "drain", [], min_inflight_tokens=1) as (gateway, _):
-            settings = ClusterSettings(nats_url=nats_url, pool="drain", heartbeat_s=0.2, worker_ttl_s=2.0,
-                                       min_inflight_tokens=1)
+            settings = ClusterSettings(
+                nats_url=nats_url, pool="drain", heartbeat_s=0.2, worker_ttl_s=2.0, min_inflight_tokens=1
+            )
             stop = asyncio.Event()
             worker = Worker([draining], settings, metrics=Metrics())
             task = asyncio.create_task(worker.run(stop))
             await until(lambda: gateway.workers.served().get(MODEL), "the gateway saw the worker")
-            pending = [asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=[f"t{i}"], request_id=f"r{i}")))
-                       for i in range(12)]
+            pending = [
+                asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=[f"t{i}"], request_id=f"r{i}")))
+                for i in range(12)
+            ]
             await until(lambda: draining.started, "the draining worker started a call")
             stop.set()  # what SIGTERM does in `shoal worker`
             await asyncio.sleep(0.5)
@@ -435,14 +457,22 @@ def test_per_model_counters_have_a_series_at_zero_before_anything_happens(nats_u
     for model in ("sentence-transformers/all-MiniLM-L6-v2", "BAAI/bge-small-en-v1.5"):  # the gateway's catalog
         assert gateway.metrics.registry.get_sample_value("shoal_dead_letters_total", {"model": model}) == 0.0
         assert gateway.metrics.registry.get_sample_value("shoal_gateway_demand", {"model": model}) == 0.0
-        assert gateway.metrics.registry.get_sample_value(
-            "shoal_gateway_abandoned_calls_total", {"model": model, "reason": "deadline"}) == 0.0
+        assert (
+            gateway.metrics.registry.get_sample_value(
+                "shoal_gateway_abandoned_calls_total", {"model": model, "reason": "deadline"}
+            )
+            == 0.0
+        )
     for direction in ("call", "result"):
-        assert gateway.metrics.registry.get_sample_value("shoal_gateway_object_payloads_total",
-                                                         {"direction": direction}) == 0.0
+        assert (
+            gateway.metrics.registry.get_sample_value("shoal_gateway_object_payloads_total", {"direction": direction})
+            == 0.0
+        )
     for model in (MODEL, RERANK_MODEL):  # the models its service serves
-        assert worker.metrics.registry.get_sample_value(
-            "shoal_worker_calls_total", {"model": model, "outcome": "error"}) == 0.0
+        assert (
+            worker.metrics.registry.get_sample_value("shoal_worker_calls_total", {"model": model, "outcome": "error"})
+            == 0.0
+        )
 
 
 def test_the_gateway_shows_each_consumers_pending_and_unacked_calls(nats_url, monkeypatch):
@@ -454,8 +484,10 @@ def test_the_gateway_shows_each_consumers_pending_and_unacked_calls(nats_url, mo
 
     def gauges(gateway, pool):
         labels = {"pool": pool, "model": MODEL}
-        return (gateway.metrics.registry.get_sample_value("shoal_queue_pending_calls", labels),
-                gateway.metrics.registry.get_sample_value("shoal_queue_unacked_calls", labels))
+        return (
+            gateway.metrics.registry.get_sample_value("shoal_queue_pending_calls", labels),
+            gateway.metrics.registry.get_sample_value("shoal_queue_unacked_calls", labels),
+        )
 
     async def body():
         service = Slow()
@@ -470,10 +502,18 @@ def test_the_gateway_shows_each_consumers_pending_and_unacked_calls(nats_url, mo
             await until(lambda: gauges(gateway, "gauges") == (0, 0), "the served pool's gauges at 0")
             # Held by the worker (running, or handed back with a delay: JetStream counts both as
             # unacked): five calls of ~3,000 tokens, none answered while the gate is shut.
-            running = [asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["word " * 2_400],
-                                                                  request_id=f"g{i}"))) for i in range(5)]
-            await until(lambda: service.started and (gauges(gateway, "gauges")[1] or 0) >= 1
-                        and sum(v or 0 for v in gauges(gateway, "gauges")) == 5, "the 5 calls shown")
+            running = [
+                asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["word " * 2_400], request_id=f"g{i}")))
+                for i in range(5)
+            ]
+            await until(
+                lambda: (
+                    service.started
+                    and (gauges(gateway, "gauges")[1] or 0) >= 1
+                    and sum(v or 0 for v in gauges(gateway, "gauges")) == 5
+                ),
+                "the 5 calls shown",
+            )
             service.gate.set()
             await asyncio.gather(*running)
             await until(lambda: gauges(gateway, "gauges") == (0, 0), "the gauges back at 0 once all are answered")
@@ -486,10 +526,12 @@ def test_the_gateway_shows_each_consumers_pending_and_unacked_calls(nats_url, mo
 def test_a_gateway_makes_the_consumers_of_a_pool_that_has_no_worker_yet(nats_url):
     """`--pool-models`: the consumers of a pool scaled to zero exist before its first worker, with
     the settings a worker gives them, so KEDA reads their lag (0), not the whole stream's."""
+
     async def body():
         settings = ClusterSettings(nats_url=nats_url, pool="any", ack_wait_s=12.0, max_deliver=3)
-        gateway = RemoteService(Settings(cluster=settings), Catalog.load(),
-                                consumers=(("cold", MODEL), ("cold", RERANK_MODEL)))
+        gateway = RemoteService(
+            Settings(cluster=settings), Catalog.load(), consumers=(("cold", MODEL), ("cold", RERANK_MODEL))
+        )
         await gateway.start()
         try:
             await until(lambda: gateway.ready, "the gateway ready")
@@ -512,8 +554,9 @@ def test_pool_models_flag_takes_pool_equals_models_and_refuses_anything_else(cap
     from shoal.cli import build_parser
 
     parser = build_parser()
-    args = parser.parse_args(["gateway", "--pool-models", "gpu=BAAI/bge-m3,BAAI/bge-reranker-v2-m3",
-                              "--pool-models", "cpu=x/y"])
+    args = parser.parse_args(
+        ["gateway", "--pool-models", "gpu=BAAI/bge-m3,BAAI/bge-reranker-v2-m3", "--pool-models", "cpu=x/y"]
+    )
     assert args.pool_models == [("gpu", ["BAAI/bge-m3", "BAAI/bge-reranker-v2-m3"]), ("cpu", ["x/y"])]
     for bad in ("gpu", "=x/y", "gpu=", "gpu=,"):
         with pytest.raises(SystemExit):

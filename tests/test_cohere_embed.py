@@ -44,7 +44,8 @@ def prompt_url(serve, model_dir, tmp_path_factory):
     (cards / "minilm-prompts.yaml").write_text(
         f"id: {PROMPT_MODEL}\narchitecture: bert\nsource: {{path: '{model_dir}'}}\nmax_length: 256\n"
         "pooling: mean\nnormalize: true\ndimensions: 384\noutputs: [dense]\n"
-        "prompts: {query: 'query: ', passage: 'passage: '}\nquery_prompt: query\ndocument_prompt: passage\n")
+        "prompts: {query: 'query: ', passage: 'passage: '}\nquery_prompt: query\ndocument_prompt: passage\n"
+    )
     return serve(preload=(PROMPT_MODEL,), cards_dirs=(cards,))
 
 
@@ -60,9 +61,15 @@ def message(raised) -> str:
 
 
 def test_v2_float_embeddings_equal_sentence_transformers_with_id_texts_and_billed_tokens(
-        co, card, embed_reference, count_tokens):
-    response = co.embed(model=card.id, texts=TEXTS, input_type="search_document", embedding_types=["float"],
-                        request_options={"additional_headers": {"x-request-id": "embed-v2-1"}})
+    co, card, embed_reference, count_tokens
+):
+    response = co.embed(
+        model=card.id,
+        texts=TEXTS,
+        input_type="search_document",
+        embedding_types=["float"],
+        request_options={"additional_headers": {"x-request-id": "embed-v2-1"}},
+    )
 
     np.testing.assert_allclose(floats(response.embeddings.float_), embed_reference(TEXTS), atol=1e-5)
     assert response.embeddings.int8 is None and response.embeddings.base64 is None  # not asked for
@@ -110,8 +117,13 @@ def test_v2_every_embedding_type_is_derived_from_the_float_vector_of_the_same_re
 
 
 def test_v2_output_dimension_returns_the_renormalised_prefix_and_types_of_that_length(co, card, embed_reference):
-    response = co.embed(model=card.id, texts=TEXTS, input_type="search_document", output_dimension=64,
-                        embedding_types=["float", "ubinary"])
+    response = co.embed(
+        model=card.id,
+        texts=TEXTS,
+        input_type="search_document",
+        output_dimension=64,
+        embedding_types=["float", "ubinary"],
+    )
     vectors = floats(response.embeddings.float_)
     prefix = embed_reference(TEXTS)[:, :64]
     np.testing.assert_allclose(vectors, prefix / np.linalg.norm(prefix, axis=1, keepdims=True), atol=1e-5)
@@ -135,13 +147,16 @@ def test_v2_input_type_picks_the_cards_query_and_passage_prompts(prompt_url, emb
 
 def test_v2_inputs_of_text_content_embed_their_parts_joined_by_newlines(prompt_url, embed_reference):
     co = cohere.ClientV2(api_key="x", base_url=prompt_url, timeout=60)
-    inputs = [{"content": [{"type": "text", "text": TEXTS[0]}]},
-              {"content": [{"type": "text", "text": TEXTS[1]}, {"type": "text", "text": TEXTS[2]}]}]
+    inputs = [
+        {"content": [{"type": "text", "text": TEXTS[0]}]},
+        {"content": [{"type": "text", "text": TEXTS[1]}, {"type": "text", "text": TEXTS[2]}]},
+    ]
     response = co.embed(model=PROMPT_MODEL, inputs=inputs, input_type="search_query")
     joined = [TEXTS[0], f"{TEXTS[1]}\n{TEXTS[2]}"]
     assert response.texts == joined
-    np.testing.assert_allclose(floats(response.embeddings.float_), embed_reference([f"query: {t}" for t in joined]),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        floats(response.embeddings.float_), embed_reference([f"query: {t}" for t in joined]), atol=1e-5
+    )
 
 
 # --- v1 -----------------------------------------------------------------------------------------
@@ -178,7 +193,8 @@ def test_truncate_none_on_a_too_long_text_is_a_422_the_client_raises(co, co_v1, 
             co_v1.embed(model=card.id, texts=[TEXTS[0], LONG_TEXT], truncate="NONE")
     assert raised.value.status_code == 422
     assert message(raised).startswith(
-        "texts[1] is longer than the model's max_length of 256 tokens: shorten it, or send truncate END")
+        "texts[1] is longer than the model's max_length of 256 tokens: shorten it, or send truncate END"
+    )
 
 
 def test_v2_refusals_reach_the_client_as_400_saying_what_to_fix(co, card):
@@ -192,8 +208,10 @@ def test_v2_refusals_reach_the_client_as_400_saying_what_to_fix(co, card):
         ({"max_tokens": 64}, "max_tokens 64 is below model sentence-transformers/all-MiniLM-L6-v2's max_length of 256"),
         ({"output_dimension": 1024}, "dimensions 1024 is larger than the model's 384"),
         ({"images": ["data:image/png;base64,AAAA"]}, "`images` is not supported: shoal embeds text only"),
-        ({"texts": None, "inputs": [{"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-         "inputs[0].content[0] is an image: shoal embeds text only"),
+        (
+            {"texts": None, "inputs": [{"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            "inputs[0].content[0] is an image: shoal embeds text only",
+        ),
         ({"texts": []}, "`texts` is empty: send at least one string"),
     ]
     for change, fragment in cases:
@@ -214,8 +232,11 @@ def test_malformed_bodies_are_400_naming_the_field(base_url, card):
     cases = [
         ("/v2/embed", {"texts": ["a"]}, "missing required field `model`"),
         ("/v2/embed", {"model": card.id}, "nothing to embed: send `texts` (strings) or `inputs`"),
-        ("/v2/embed", {"model": card.id, "texts": ["a"], "inputs": [{"content": [{"type": "text", "text": "b"}]}]},
-         "send either `texts` or `inputs`, not both"),
+        (
+            "/v2/embed",
+            {"model": card.id, "texts": ["a"], "inputs": [{"content": [{"type": "text", "text": "b"}]}]},
+            "send either `texts` or `inputs`, not both",
+        ),
         ("/v2/embed", {"model": card.id, "inputs": []}, "`inputs` is empty"),
         ("/v2/embed", {"model": card.id, "inputs": [{"content": []}]}, "inputs[0] has no content"),
         ("/v2/embed", {"model": card.id, "texts": ["a"], "embedding_types": []}, "`embedding_types` is empty"),

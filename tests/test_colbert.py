@@ -41,8 +41,10 @@ QUERIES = ["what is a shoal?", "fish", "why do small fish swim together in large
 DOCUMENTS = [
     "Shoals, schools and swarms: fish move together!",
     "no punctuation here",
-    ("Shoals of small fish move together; predators find it hard to pick one out. Sardines, herring and anchovies "
-     "form the largest shoals in the open ocean, sometimes kilometres long."),
+    (
+        "Shoals of small fish move together; predators find it hard to pick one out. Sardines, herring and anchovies "
+        "form the largest shoals in the open ocean, sometimes kilometres long."
+    ),
 ]
 
 
@@ -53,17 +55,32 @@ def colbert_dir(tmp_path_factory):
     and the lengths and markers in `artifact.metadata`."""
     directory = tmp_path_factory.mktemp("tiny-colbert")
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128, max_position_embeddings=128)
+    config = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     transformers.BertModel(config, add_pooling_layer=False).eval().save_pretrained(directory)
     tensors = {f"bert.{name}": t for name, t in load_file(directory / "model.safetensors").items()}
     tensors["linear.weight"] = torch.randn(DIM, 64) * 0.2
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**cfg, "architectures": ["HF_ColBERT"]}))
-    (directory / "artifact.metadata").write_text(json.dumps({
-        "query_token_id": "[unused0]", "doc_token_id": "[unused1]", "query_maxlen": QUERY_LENGTH,
-        "doc_maxlen": DOCUMENT_LENGTH, "attend_to_mask_tokens": False, "mask_punctuation": True}))
+    (directory / "artifact.metadata").write_text(
+        json.dumps(
+            {
+                "query_token_id": "[unused0]",
+                "doc_token_id": "[unused1]",
+                "query_maxlen": QUERY_LENGTH,
+                "doc_maxlen": DOCUMENT_LENGTH,
+                "attend_to_mask_tokens": False,
+                "mask_punctuation": True,
+            }
+        )
+    )
     minilm = resolve_weights(Catalog.load().get("sentence-transformers/all-MiniLM-L6-v2"), allow_download=False)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(minilm / name, directory / name)
@@ -122,8 +139,11 @@ def reference_vectors(model, texts: list[str], is_query: bool) -> list[np.ndarra
 def reference(colbert_dir):
     model = reference_model(colbert_dir, attend=False)
     tokens = [model.preprocess(["[unused1] " + d], task="document")["input_ids"].shape[1] for d in DOCUMENTS]
-    return {"queries": reference_vectors(model, QUERIES, is_query=True),
-            "documents": reference_vectors(model, DOCUMENTS, is_query=False), "document_tokens": tokens}
+    return {
+        "queries": reference_vectors(model, QUERIES, is_query=True),
+        "documents": reference_vectors(model, DOCUMENTS, is_query=False),
+        "document_tokens": tokens,
+    }
 
 
 def assert_same_vectors(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
@@ -146,8 +166,9 @@ def test_colbert_queries_equal_the_reference_when_the_card_attends_to_the_expans
     assert np.abs(attending[0] - reference["queries"][0]).max() > 1e-3
 
 
-def test_colbert_documents_equal_the_reference_cut_to_the_document_length_without_punctuation(tmp_path, colbert_dir,
-                                                                                             reference):
+def test_colbert_documents_equal_the_reference_cut_to_the_document_length_without_punctuation(
+    tmp_path, colbert_dir, reference
+):
     got = shoal_vectors(tmp_path, colbert_dir, DOCUMENTS, is_query=False)
     assert_same_vectors(got, reference["documents"])
     tokens = reference["document_tokens"]
@@ -162,8 +183,16 @@ def test_queries_and_documents_packed_in_one_batch_equal_the_reference(colbert_d
     seqs = runner.query_tokenizer.encode(QUERIES, truncate=True) + runner.document_tokenizer.encode(DOCUMENTS, True)
     batch = Batch.pack(seqs[::-1])  # documents first, then the queries
     assert batch.key_lengths is not None and (batch.key_lengths < np.diff(batch.cu_seqlens)).any()
-    specs = [EncodeSpec(normalize=True, dimensions=None, output_dtype="float32", outputs=("multivector",),
-                        is_query=i >= len(DOCUMENTS)) for i in range(len(seqs))]
+    specs = [
+        EncodeSpec(
+            normalize=True,
+            dimensions=None,
+            output_dtype="float32",
+            outputs=("multivector",),
+            is_query=i >= len(DOCUMENTS),
+        )
+        for i in range(len(seqs))
+    ]
     got = [item.multivector for item in runner.forward(batch, specs)][::-1]
     assert_same_vectors(got, reference["queries"] + reference["documents"])
 
@@ -173,8 +202,9 @@ def test_maxsim_equals_pylate_colbert_scores_on_vectors_shoal_produced(tmp_path,
     documents = shoal_vectors(tmp_path, colbert_dir, DOCUMENTS, is_query=False)
     for q in queries:
         for d in documents:
-            expected = pylate_scores.colbert_scores(torch.from_numpy(q)[None], torch.from_numpy(d)[None],
-                                                    backend="torch")
+            expected = pylate_scores.colbert_scores(
+                torch.from_numpy(q)[None], torch.from_numpy(d)[None], backend="torch"
+            )
             assert abs(maxsim(q, d) - float(expected[0, 0])) <= 1e-5
     # Not symmetric and not a mean: swapping the arguments changes the value.
     assert abs(maxsim(queries[0], documents[0]) - maxsim(documents[0], queries[0])) > 1e-3
@@ -182,8 +212,9 @@ def test_maxsim_equals_pylate_colbert_scores_on_vectors_shoal_produced(tmp_path,
 
 def test_maxsim_of_an_empty_document_is_zero_as_pylate_masks_it():
     q = np.ones((3, 4), dtype=np.float32)
-    expected = pylate_scores.colbert_scores(torch.from_numpy(q)[None], torch.zeros(1, 2, 4),
-                                            documents_mask=torch.zeros(1, 2), backend="torch")
+    expected = pylate_scores.colbert_scores(
+        torch.from_numpy(q)[None], torch.zeros(1, 2, 4), documents_mask=torch.zeros(1, 2), backend="torch"
+    )
     assert maxsim(q, np.zeros((0, 4), dtype=np.float32)) == float(expected[0, 0]) == 0.0
 
 
@@ -202,8 +233,10 @@ def test_score_on_a_colbert_card_ranks_by_maxsim_of_the_reference_vectors(tmp_pa
 
     result = asyncio.run(go())
     q = torch.from_numpy(reference["queries"][0])[None]
-    expected = [float(pylate_scores.colbert_scores(q, torch.from_numpy(d)[None], backend="torch")[0, 0])
-                for d in reference["documents"]]
+    expected = [
+        float(pylate_scores.colbert_scores(q, torch.from_numpy(d)[None], backend="torch")[0, 0])
+        for d in reference["documents"]
+    ]
     got = {item.index: item.score for item in result.items}
     assert max(abs(got[i] - expected[i]) for i in range(len(DOCUMENTS))) <= 1e-4
     assert [item.index for item in result.items] == sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])

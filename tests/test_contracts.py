@@ -50,8 +50,9 @@ def test_an_encode_result_keeps_every_array_dtype_shape_and_value_on_the_wire():
         sparse=calls.SparseVector(np.array([5, 1], np.int32), np.array([0.5, 0.25], np.float32), ["x", "y"]),
         multivector=rng.standard_normal((3, 4)).astype(np.float32),
     )
-    result = calls.EncodeResult(items=[item, calls.EncodedItem(dense=np.packbits(rng.random(16) > 0.5))],
-                                num_tokens=12, queue_s=0.5)
+    result = calls.EncodeResult(
+        items=[item, calls.EncodedItem(dense=np.packbits(rng.random(16) > 0.5))], num_tokens=12, queue_s=0.5
+    )
     back = calls.decode_result(calls.encode(result))
     assert isinstance(back, calls.EncodeResult) and back.num_tokens == 12 and back.queue_s == 0.5
     for got, want in zip(back.items, result.items):
@@ -66,7 +67,11 @@ def test_an_encode_result_keeps_every_array_dtype_shape_and_value_on_the_wire():
 
 @pytest.mark.parametrize("cls", _all_classes(ShoalError), ids=lambda c: c.__name__)
 def test_every_error_code_re_raises_as_its_own_class_with_details_and_retry_after(cls):
-    error = cls("boom", retry_after_s=7.5, details={"k": 1}) if issubclass(cls, Overloaded) else cls("boom", details={"k": 1})
+    error = (
+        cls("boom", retry_after_s=7.5, details={"k": 1})
+        if issubclass(cls, Overloaded)
+        else cls("boom", details={"k": 1})
+    )
     back = calls.decode_result(calls.encode(calls.ErrorResult.of(error, request_id="r9"))).error()
     assert type(back) is cls and back.message == "boom" and back.details == {"k": 1}
     assert back.retry_after_s == error.retry_after_s
@@ -282,8 +287,10 @@ def test_tokenizing_a_bulk_request_names_the_too_long_item_by_its_index_in_the_w
         pool.close()
 
 
-@pytest.mark.parametrize("option, value", [("dimensions", -5), ("dimensions", 0), ("sparse_top_k", -1),
-                                           ("timeout_s", float("nan")), ("timeout_s", 0.0)])
+@pytest.mark.parametrize(
+    "option, value",
+    [("dimensions", -5), ("dimensions", 0), ("sparse_top_k", -1), ("timeout_s", float("nan")), ("timeout_s", 0.0)],
+)
 def test_an_in_process_call_with_an_out_of_range_option_is_refused_naming_it(option, value):
     from shoal.catalog import Catalog
     from shoal.config import EngineSettings

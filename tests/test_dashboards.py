@@ -32,8 +32,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL_ID, exposed_metric_names, metric_total, need_tool
 
+from conftest import MODEL_ID, exposed_metric_names, metric_total, need_tool
 from shoal.cluster.cli import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +44,13 @@ PROMETHEUS = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"
 # What the proof substitutes for Grafana's interval variables: wide enough that the whole load
 # (about 10 s, scraped every second) is inside every rate() window at the evaluation time.
 RATE_WINDOW = "30s"
-BUILTINS = {"__rate_interval": RATE_WINDOW, "__interval": "5s", "__range": "5m", "__range_s": "300",
-            "__interval_ms": "5000"}
+BUILTINS = {
+    "__rate_interval": RATE_WINDOW,
+    "__interval": "5s",
+    "__range": "5m",
+    "__range_s": "300",
+    "__interval_ms": "5000",
+}
 # Grafana unit ids the dashboards may use.
 UNITS = {"reqps", "ops", "s", "ms", "bytes", "short", "percentunit", "none"}
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
@@ -137,7 +142,8 @@ def test_every_panel_has_a_titled_promql_target_on_the_datasource_variable():
     for name in DASHBOARDS:
         dashboard = load(name)
         ids = [panel["id"] for panel in dashboard["panels"]] + [
-            inner["id"] for panel in dashboard["panels"] if panel["type"] == "row" for inner in panel.get("panels", [])]
+            inner["id"] for panel in dashboard["panels"] if panel["type"] == "row" for inner in panel.get("panels", [])
+        ]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
         titles = [panel["title"] for panel in panels_of(dashboard)]
         assert len(titles) == len(set(titles)), f"{name}: duplicate panel titles"
@@ -216,8 +222,9 @@ class Stack:
     logs: Path
 
     def query(self, expr: str) -> list[dict]:
-        response = httpx.get(f"{self.prometheus}/api/v1/query", params={"query": expr, "time": f"{self.at:.3f}"},
-                             timeout=10)
+        response = httpx.get(
+            f"{self.prometheus}/api/v1/query", params={"query": expr, "time": f"{self.at:.3f}"}, timeout=10
+        )
         body = response.json()
         assert response.status_code == 200 and body["status"] == "success", f"{expr}: {response.text}"
         return body["data"]["result"]
@@ -299,15 +306,18 @@ def drive_load(url: str) -> None:
                 # Over NATS's 1 MiB message limit both ways: long in bytes (whitespace), short in
                 # tokens; its 700 x 384 float32 result is over the limit too.
                 big = [{"text": f"{TEXTS[i % len(TEXTS)]}{' ' * 1500}({i})"} for i in range(700)]
-                response = own.post(encode, json={"model": MODEL_ID, "items": big},
-                                    headers={"accept": "application/msgpack"})
+                response = own.post(
+                    encode, json={"model": MODEL_ID, "items": big}, headers={"accept": "application/msgpack"}
+                )
                 assert response.status_code == 200, response.text[:500]
                 # A model nobody has: 404, recorded with model "-".
                 assert own.post(encode, json={"model": "no/such-model", "items": [{"text": "x"}]}).status_code == 404
                 # Deadlines too short to meet: 5xx, and calls the gateway abandons.
                 for _ in range(3):
-                    response = own.post(encode, json={"model": MODEL_ID, "items": [{"text": "too late"}],
-                                                      "options": {"timeout_s": 0.001}})
+                    response = own.post(
+                        encode,
+                        json={"model": MODEL_ID, "items": [{"text": "too late"}], "options": {"timeout_s": 0.001}},
+                    )
                     assert response.status_code >= 500, response.text
                     time.sleep(0.5)
 
@@ -343,22 +353,58 @@ def stack(tmp_path_factory) -> Stack:
     with open(root / "prometheus.log", "wb") as prometheus_log, open(root / "dev-cluster.log", "wb") as cluster_log:
         try:
             prometheus = subprocess.Popen(
-                [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{prometheus_port}"],
-                stdout=prometheus_log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    binary,
+                    f"--config.file={root / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={root / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{prometheus_port}",
+                ],
+                stdout=prometheus_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             cluster = subprocess.Popen(
-                [sys.executable, "-m", "shoal.cli", "dev-cluster", "--workers", "1", "--port", str(gateway_port),
-                 "--metrics-port", str(worker_port), "--models", MODEL_ID, "--preload", MODEL_ID,
-                 "--default-model", MODEL_ID, "--store-dir", str(root / "jetstream"), "--stop-timeout-s", "15"],
-                env=env, stdout=cluster_log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "shoal.cli",
+                    "dev-cluster",
+                    "--workers",
+                    "1",
+                    "--port",
+                    str(gateway_port),
+                    "--metrics-port",
+                    str(worker_port),
+                    "--models",
+                    MODEL_ID,
+                    "--preload",
+                    MODEL_ID,
+                    "--default-model",
+                    MODEL_ID,
+                    "--store-dir",
+                    str(root / "jetstream"),
+                    "--stop-timeout-s",
+                    "15",
+                ],
+                env=env,
+                stdout=cluster_log,
+                stderr=subprocess.STDOUT,
+            )
             yield _prove(root, url, prometheus_url, worker_port, started, prometheus, cluster)
         finally:
             stop(cluster)  # it stops the gateway, drains the worker and stops nats-server
             stop(prometheus)
 
 
-def _prove(root: Path, url: str, prometheus_url: str, worker_port: int, started: float,
-           prometheus: subprocess.Popen, cluster: subprocess.Popen) -> Stack:
+def _prove(
+    root: Path,
+    url: str,
+    prometheus_url: str,
+    worker_port: int,
+    started: float,
+    prometheus: subprocess.Popen,
+    cluster: subprocess.Popen,
+) -> Stack:
     """Waits for the stack, drives the load, waits for Prometheus to store its scrapes."""
 
     def alive() -> None:
@@ -367,10 +413,12 @@ def _prove(root: Path, url: str, prometheus_url: str, worker_port: int, started:
 
     def ready() -> bool:
         alive()
-        return (httpx.get(f"{prometheus_url}/-/ready", timeout=2).status_code == 200
-                and httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-                and httpx.get(f"http://127.0.0.1:{worker_port}/readyz", timeout=2).status_code == 200
-                and gateway_workers(url) >= 1)
+        return (
+            httpx.get(f"{prometheus_url}/-/ready", timeout=2).status_code == 200
+            and httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+            and httpx.get(f"http://127.0.0.1:{worker_port}/readyz", timeout=2).status_code == 200
+            and gateway_workers(url) >= 1
+        )
 
     def scraped_since(moment: float) -> bool:
         """Prometheus has stored a successful scrape of both parts taken after `moment`."""

@@ -6,34 +6,76 @@ import pytest
 import torch
 import transformers
 
-from parity import (assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states, randomize_norms,
-                    reference_hidden_states)
+from parity import (
+    assert_packing_invariant,
+    max_abs_diff,
+    packed_batch,
+    packed_hidden_states,
+    randomize_norms,
+    reference_hidden_states,
+)
 from shoal.weights import build_model
 
 VOCAB = 500
 V3 = dict(  # DeBERTa-v3's attention settings; fewer buckets so sequences of ~100 reach the log-scale ones
-    relative_attention=True, position_buckets=32, max_relative_positions=-1, max_position_embeddings=512,
-    norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False,
-    type_vocab_size=0, hidden_act="gelu",
+    relative_attention=True,
+    position_buckets=32,
+    max_relative_positions=-1,
+    max_position_embeddings=512,
+    norm_rel_ebd="layer_norm",
+    share_att_key=True,
+    pos_att_type=["p2c", "c2p"],
+    position_biased_input=False,
+    type_vocab_size=0,
+    hidden_act="gelu",
 )
 CONFIGS = {
     "v3-2l-4h-buckets32": dict(V3, num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128),
-    "v3-3l-6h-buckets16": dict(V3, num_hidden_layers=3, num_attention_heads=6, hidden_size=192, intermediate_size=256,
-                               position_buckets=16, max_relative_positions=96),
+    "v3-3l-6h-buckets16": dict(
+        V3,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        hidden_size=192,
+        intermediate_size=256,
+        position_buckets=16,
+        max_relative_positions=96,
+    ),
     # DeBERTa-v2: unbucketed distances clamped at 48 (< the longest sequence), separate position
     # projections, absolute positions, segment embeddings, a factorised embedding.
     "v2-unshared-unbucketed": dict(
-        relative_attention=True, position_buckets=-1, max_relative_positions=48, max_position_embeddings=128,
-        norm_rel_ebd="none", share_att_key=False, pos_att_type=["p2c", "c2p"], position_biased_input=True,
-        type_vocab_size=2, embedding_size=48, num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
-        intermediate_size=96, hidden_act="gelu_new",
+        relative_attention=True,
+        position_buckets=-1,
+        max_relative_positions=48,
+        max_position_embeddings=128,
+        norm_rel_ebd="none",
+        share_att_key=False,
+        pos_att_type=["p2c", "c2p"],
+        position_biased_input=True,
+        type_vocab_size=2,
+        embedding_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_size=64,
+        intermediate_size=96,
+        hidden_act="gelu_new",
     ),
     # DeBERTa-v2 xlarge style: the convolution branch after layer 0; c2p only, given in the legacy string form.
     "v2-conv-c2p-only": dict(
-        relative_attention=True, position_buckets=32, max_relative_positions=128, max_position_embeddings=128,
-        norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type="c2p", position_biased_input=False,
-        type_vocab_size=0, conv_kernel_size=3, conv_act="gelu", num_hidden_layers=2, num_attention_heads=2,
-        hidden_size=32, intermediate_size=64,
+        relative_attention=True,
+        position_buckets=32,
+        max_relative_positions=128,
+        max_position_embeddings=128,
+        norm_rel_ebd="layer_norm",
+        share_att_key=True,
+        pos_att_type="c2p",
+        position_biased_input=False,
+        type_vocab_size=0,
+        conv_kernel_size=3,
+        conv_act="gelu",
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
     ),
 }
 LENGTHS = [1, 100, 7, 2, 63, 90, 30, 5]
@@ -67,10 +109,18 @@ def test_log_buckets_match_transformers_beyond_the_longest_test_sequence():
     from shoal.models.deberta_v2 import DebertaV2Config, relative_positions
 
     for buckets, max_rel in ((256, 512), (32, 512), (16, 96)):
-        cfg = DebertaV2Config.from_dict(dict(
-            vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8,
-            relative_attention=True, position_buckets=buckets, max_relative_positions=max_rel,
-        ))
+        cfg = DebertaV2Config.from_dict(
+            dict(
+                vocab_size=10,
+                hidden_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=1,
+                intermediate_size=8,
+                relative_attention=True,
+                position_buckets=buckets,
+                max_relative_positions=max_rel,
+            )
+        )
         ours = relative_positions(512, cfg, torch.device("cpu"))
         offset = torch.arange(512)[:, None] - torch.arange(512)[None, :]
         assert torch.equal(ours, make_log_bucket_position(offset, buckets, max_rel).long())

@@ -36,8 +36,10 @@ TEXTS = [
 ]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Qwen2's pre-tokenizer split, as transformers' Qwen2Tokenizer builds it.
-QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 
@@ -78,29 +80,44 @@ def qwen_style_tokenizer(post_processor) -> Tokenizer:
     """A small byte-level BPE with Qwen2's normaliser and pre-tokenizer and its special tokens."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=[ENDOFTEXT, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=[ENDOFTEXT, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([t * 3 for t in TEXTS] * 10, trainer)
     tokenizer.post_processor = post_processor
     return tokenizer
 
 
 # What Qwen3-Embedding's published tokenizer.json does: append <|endoftext|> to every text.
-APPEND_ENDOFTEXT = processors.TemplateProcessing(single=f"$A:0 {ENDOFTEXT}:0",
-                                                 pair=f"$A:0 {ENDOFTEXT}:0 $B:1 {ENDOFTEXT}:1",
-                                                 special_tokens=[(ENDOFTEXT, 0)])
-QWEN_CONFIG = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": IM_END, "pad_token": ENDOFTEXT,
-               "unk_token": None, "add_prefix_space": False, "model_max_length": 32768}
+APPEND_ENDOFTEXT = processors.TemplateProcessing(
+    single=f"$A:0 {ENDOFTEXT}:0", pair=f"$A:0 {ENDOFTEXT}:0 $B:1 {ENDOFTEXT}:1", special_tokens=[(ENDOFTEXT, 0)]
+)
+QWEN_CONFIG = {
+    "tokenizer_class": "Qwen2Tokenizer",
+    "bos_token": None,
+    "eos_token": IM_END,
+    "pad_token": ENDOFTEXT,
+    "unk_token": None,
+    "add_prefix_space": False,
+    "model_max_length": 32768,
+}
 QWEN_CASES = {
     # name: (post-processor, extra tokenizer_config keys, the id every text ends with or None)
     "json-appends-endoftext": (APPEND_ENDOFTEXT, {}, 0),
-    "json-appends-endoftext-config-says-no-eos": (APPEND_ENDOFTEXT, {"add_bos_token": False,
-                                                                     "add_eos_token": False}, 0),
+    "json-appends-endoftext-config-says-no-eos": (
+        APPEND_ENDOFTEXT,
+        {"add_bos_token": False, "add_eos_token": False},
+        0,
+    ),
     "json-adds-nothing-config-says-eos": (processors.ByteLevel(trim_offsets=False), {"add_eos_token": True}, None),
     "json-has-no-post-processor-config-says-bos-eos": (None, {"add_bos_token": True, "add_eos_token": True}, None),
 }
@@ -153,8 +170,16 @@ def qwen3_st_folder(tmp_path_factory) -> Path:
     write_qwen_tokenizer(encoder, "json-appends-endoftext")
     vocab_size = Tokenizer.from_file(str(encoder / "tokenizer.json")).get_vocab_size()
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1)
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.1,
+    )
     transformers.Qwen3Model(config).eval().save_pretrained(encoder)
     modules = [Transformer(str(encoder), max_seq_length=128), Pooling(64, pooling_mode="lasttoken"), Normalize()]
     folder = root / "model"
@@ -171,11 +196,21 @@ def test_last_token_pooling_reads_the_endoftext_state_as_sentence_transformers_d
     expected = reference.encode(TEXTS, convert_to_numpy=True)
     expected_prompted = reference.encode(TEXTS, prompt=prompt, convert_to_numpy=True)
 
-    (tmp_path / "qwen3.yaml").write_text(yaml.safe_dump({
-        "id": "local/qwen3-style", "architecture": "qwen3", "source": {"path": str(qwen3_st_folder)},
-        "max_length": 128, "pooling": "last", "normalize": True, "dimensions": 64,
-        "prompts": {"query": prompt}, "query_prompt": "query",
-    }))
+    (tmp_path / "qwen3.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "id": "local/qwen3-style",
+                "architecture": "qwen3",
+                "source": {"path": str(qwen3_st_folder)},
+                "max_length": 128,
+                "pooling": "last",
+                "normalize": True,
+                "dimensions": 64,
+                "prompts": {"query": prompt},
+                "query_prompt": "query",
+            }
+        )
+    )
 
     async def main():
         engine = Engine(EngineSettings(), Catalog.load(extra_dirs=(tmp_path,)), allow_download=False)

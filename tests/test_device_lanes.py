@@ -56,8 +56,15 @@ class Recorder:
             self.slow_started.set()
         time.sleep(1.0 if slow else self.hold_s)
         with self._lock:
-            self.runs.append(dict(start=start, end=time.monotonic(), seqs=batch.num_seqs,
-                                  adapters=batch.adapter_slots is not None, thread=threading.current_thread().name))
+            self.runs.append(
+                dict(
+                    start=start,
+                    end=time.monotonic(),
+                    seqs=batch.num_seqs,
+                    adapters=batch.adapter_slots is not None,
+                    thread=threading.current_thread().name,
+                )
+            )
         return [f"out {i}" for i in range(batch.num_seqs)]
 
 
@@ -67,8 +74,16 @@ def overlap(a: dict, b: dict) -> bool:
 
 def pending(runner, tokenizer, texts, adapter_slot: int = -1, model_id: str = "m") -> Pending:
     seqs = tokenizer.encode(texts, truncate=True)
-    return Pending(model_id, runner, seqs, [SPEC] * len(seqs), deadline=time.monotonic() + 60, request_id=None,
-                   future=asyncio.get_running_loop().create_future(), adapter_slot=adapter_slot)
+    return Pending(
+        model_id,
+        runner,
+        seqs,
+        [SPEC] * len(seqs),
+        deadline=time.monotonic() + 60,
+        request_id=None,
+        future=asyncio.get_running_loop().create_future(),
+        adapter_slot=adapter_slot,
+    )
 
 
 def worker(lanes: int, max_items: int = 64, **options) -> DeviceWorker:
@@ -121,10 +136,12 @@ def test_a_batch_with_adapters_has_its_model_to_itself_while_other_models_run_be
     async def main():
         device = worker(2)
         device.start()
-        requests = [pending(model, tokenizer, ["plain one"]),
-                    pending(model, tokenizer, ["with an adapter"], adapter_slot=0),
-                    pending(model, tokenizer, ["plain two"]),
-                    pending(other, tokenizer, ["another model"], model_id="other")]
+        requests = [
+            pending(model, tokenizer, ["plain one"]),
+            pending(model, tokenizer, ["with an adapter"], adapter_slot=0),
+            pending(model, tokenizer, ["plain two"]),
+            pending(other, tokenizer, ["another model"], model_id="other"),
+        ]
         for request in requests:
             device.submit(request)
             await asyncio.sleep(0.02)  # in this order
@@ -252,7 +269,8 @@ def test_a_lane_that_dies_lets_the_other_finish_its_batch_then_the_rest_fails_wi
 def test_a_busy_device_trims_the_heap_at_most_every_busy_interval_and_once_idle(tokenizer, monkeypatch):
     """Two lanes' working sets swing past RETAINED_HEAP_BYTES: a trim per batch would give back
     memory that the next batch faults straight in again."""
-    from shoal.engine import device as device_module, memory
+    from shoal.engine import device as device_module
+    from shoal.engine import memory
 
     trims: list[tuple[float, bool]] = []  # (when, whether the device was idle)
     real_trim = memory.trim

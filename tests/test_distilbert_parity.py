@@ -11,8 +11,14 @@ import pytest
 import torch
 import transformers
 
-from parity import (assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states, randomize_norms,
-                    reference_hidden_states)
+from parity import (
+    assert_packing_invariant,
+    max_abs_diff,
+    packed_batch,
+    packed_hidden_states,
+    randomize_norms,
+    reference_hidden_states,
+)
 from shoal.catalog import Catalog, resolve_weights
 from shoal.config import EngineSettings
 from shoal.engine import EncodeCall, Engine
@@ -47,8 +53,9 @@ def test_packed_distilbert_matches_transformers_on_mixed_lengths(tmp_path, shape
 
 def test_a_distilbert_sequence_alone_and_inside_a_mixed_batch_gives_the_same_output(tmp_path):
     save_random(tmp_path, **SHAPES["tiny-2l-2h"])
-    assert_packing_invariant(build_model(tmp_path, None, "cpu"), packed_batch([40, 3, MAX_LENGTH, 17, 1], 1000),
-                             atol=1e-5)
+    assert_packing_invariant(
+        build_model(tmp_path, None, "cpu"), packed_batch([40, 3, MAX_LENGTH, 17, 1], 1000), atol=1e-5
+    )
 
 
 def test_distilbert_splade_weights_equal_the_masked_lm_reference(tmp_path):

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,8 +93,9 @@ def hadolint_binary() -> str:
 def hadolint(path: Path) -> subprocess.CompletedProcess:
     config = DOCKER / ".hadolint.yaml"
     flags = ["--config", str(config)] if config.is_file() else []
-    return subprocess.run([hadolint_binary(), "--no-color", *flags, str(path)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [hadolint_binary(), "--no-color", *flags, str(path)], capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("name", IMAGES)
@@ -184,7 +186,7 @@ def test_command_parses_and_the_healthcheck_probes_the_port_it_serves(name):
 class _Probe(http.server.BaseHTTPRequestHandler):
     status = 200
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         code = self.status if self.path == "/healthz" else 404
         self.send_response(code)
         self.send_header("Content-Length", "0")
@@ -226,8 +228,13 @@ def test_install_sh_is_valid_bash():
 def planned(target: str, **env: str) -> list[list[str]]:
     """The pip install commands install.sh runs for `target` (DRY_RUN=1: it prints them)."""
     environ = {k: v for k, v in os.environ.items() if k not in ("TORCH_SPEC", "EDITABLE")}
-    out = subprocess.run(["bash", str(INSTALL_SH), target, "/nonexistent/venv", "SRC"], env={**environ, **env,
-                         "DRY_RUN": "1"}, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", str(INSTALL_SH), target, "/nonexistent/venv", "SRC"],
+        env={**environ, **env, "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [line.split()[2:] for line in out.splitlines() if line.startswith("pip install ")]
 
 

@@ -43,7 +43,11 @@ TEXTS = [
 def save_tiny_bert(directory: Path) -> None:
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=30522,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
         max_position_embeddings=64,
     )
     transformers.BertModel(config, add_pooling_layer=False).save_pretrained(directory)
@@ -56,9 +60,15 @@ def models_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("models")
     save_tiny_bert(directory / "tiny")
     card = {
-        "id": MODEL, "architecture": "bert", "source": {"path": "tiny"}, "max_length": MAX_LENGTH,
-        "pooling": "mean", "dimensions": HIDDEN, "prompts": PROMPTS,
-        "query_prompt": "query", "document_prompt": "passage",
+        "id": MODEL,
+        "architecture": "bert",
+        "source": {"path": "tiny"},
+        "max_length": MAX_LENGTH,
+        "pooling": "mean",
+        "dimensions": HIDDEN,
+        "prompts": PROMPTS,
+        "query_prompt": "query",
+        "document_prompt": "passage",
     }
     (directory / "tiny.yaml").write_text(yaml.safe_dump(card))
     return directory

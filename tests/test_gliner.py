@@ -5,17 +5,15 @@ both checkpoint layouts; long texts in word windows."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 pytest.importorskip("gliner")
 
-from extract_models import build_gliner, gliner_card  # noqa: E402
-
-from engine_calls import catalog_with, run  # noqa: E402
-from shoal.engine import ExtractCall  # noqa: E402
-from shoal.spans import owned_starts, split_words, word_windows  # noqa: E402
+from engine_calls import catalog_with, run
+from extract_models import build_gliner, gliner_card
+from shoal.engine import ExtractCall
+from shoal.spans import owned_starts, split_words, word_windows
 
 TEXTS = [
     "Barack Obama visited Paris with Angela Merkel in 2015 to meet the OECD.",
@@ -51,10 +49,24 @@ def test_entities_equal_gliner_predict_entities(tmp_path, deberta_gliner, flat_n
     calls, expected = [], []
     for labels in LABEL_SETS:
         for threshold in (0.5, 0.9):
-            calls.append(ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=threshold,
-                                     flat_ner=flat_ner, multi_label=multi_label))
-            expected.append([reference.predict_entities(t, labels, threshold=threshold, flat_ner=flat_ner,
-                                                        multi_label=multi_label) for t in TEXTS])
+            calls.append(
+                ExtractCall(
+                    model="test/gliner",
+                    texts=TEXTS,
+                    labels=labels,
+                    threshold=threshold,
+                    flat_ner=flat_ner,
+                    multi_label=multi_label,
+                )
+            )
+            expected.append(
+                [
+                    reference.predict_entities(
+                        t, labels, threshold=threshold, flat_ner=flat_ner, multi_label=multi_label
+                    )
+                    for t in TEXTS
+                ]
+            )
     results = run(catalog, *calls)
     found = 0
     for call, result, want in zip(calls, results, expected):
@@ -116,7 +128,7 @@ def nuner_merge(text: str, entities: list[dict]) -> list[dict]:
     for entity in entities:
         last = merged[-1] if merged else None
         if last and last["label"] == entity["label"] and entity["start"] in (last["end"], last["end"] + 1):
-            last.update(end=entity["end"], text=text[last["start"]:entity["end"]].strip())
+            last.update(end=entity["end"], text=text[last["start"] : entity["end"]].strip())
         else:
             merged.append(dict(entity))
     return merged
@@ -142,10 +154,13 @@ def test_nuner_zero_lowercases_labels_and_merges_adjacent_words(tmp_path):
 def test_max_span_width_keeps_shorter_spans_only(tmp_path, deberta_gliner):
     directory, _ = deberta_gliner
     catalog = catalog_with(tmp_path, gliner_card(directory))
-    wide, narrow = run(catalog,
-                       ExtractCall(model="test/gliner", texts=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False),
-                       ExtractCall(model="test/gliner", texts=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False,
-                                   max_span_width=1))
+    wide, narrow = run(
+        catalog,
+        ExtractCall(model="test/gliner", texts=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False),
+        ExtractCall(
+            model="test/gliner", texts=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False, max_span_width=1
+        ),
+    )
     widths = [len(split_words(e.text)[0]) for item in wide.items for e in item.entities]
     assert max(widths) > 1
     assert all(len(split_words(e.text)[0]) == 1 for item in narrow.items for e in item.entities)
@@ -158,7 +173,7 @@ def long_text(num_words: int) -> tuple[str, dict[str, int]]:
     words = [filler[i % len(filler)] for i in range(num_words)]
     places = {"start": 0, "middle": num_words // 2, "end": num_words - len(sentence.split())}
     for where in places.values():
-        words[where:where + len(sentence.split())] = sentence.split()
+        words[where : where + len(sentence.split())] = sentence.split()
     return " ".join(words), places
 
 
@@ -185,7 +200,7 @@ def test_a_5000_word_text_is_read_in_windows_and_merged(tmp_path, deberta_gliner
 
     expected = []
     for (a, b), (lo, hi) in zip(windows, owned_starts(windows)):
-        piece = text[starts[a]:ends[b - 1]]
+        piece = text[starts[a] : ends[b - 1]]
         for e in reference.predict_entities(piece, labels, threshold=threshold):
             start = e["start"] + int(starts[a])
             if lo <= int(np.searchsorted(starts, start)) < hi:
@@ -205,7 +220,7 @@ def test_a_5000_word_text_is_read_in_windows_and_merged(tmp_path, deberta_gliner
     for e in item.entities:
         if (e.start, e.end, e.label) in by_key:
             assert abs(e.score - by_key[(e.start, e.end, e.label)]["score"]) <= 1e-4
-    assert all(text[e.start:e.end] == e.text for e in item.entities)
+    assert all(text[e.start : e.end] == e.text for e in item.entities)
     assert len(got) == len(set(got))
     spans = sorted((e.start, e.end) for e in item.entities)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # flat: no overlaps across windows either
@@ -231,9 +246,11 @@ def test_a_heavy_decoding_runs_beside_the_event_loop(tmp_path, deberta_gliner, m
         return collect(self, *args)
 
     monkeypatch.setattr(GlinerTask, "collect", spy)
-    heavy, light = run(catalog,
-                       ExtractCall(model="test/gliner", texts=[long_text(600)[0]], labels=LABEL_SETS[1], threshold=0.0),
-                       ExtractCall(model="test/gliner", texts=TEXTS[:1], labels=LABEL_SETS[0], threshold=0.9))
+    heavy, light = run(
+        catalog,
+        ExtractCall(model="test/gliner", texts=[long_text(600)[0]], labels=LABEL_SETS[1], threshold=0.0),
+        ExtractCall(model="test/gliner", texts=TEXTS[:1], labels=LABEL_SETS[0], threshold=0.9),
+    )
     assert threads == [False, True]
     assert len(heavy.items[0].entities) > 100
 
@@ -249,10 +266,11 @@ def test_texts_without_words_and_a_word_longer_than_the_window(tmp_path, deberta
     empty, blank, punct, long = result.items
     assert empty.entities == [] and empty.num_windows == 0 and blank.entities == [] and blank.num_windows == 0
     assert punct.num_windows == 1
-    assert [(e.start, e.end, e.label) for e in punct.entities] == \
-        [(e["start"], e["end"], e["label"]) for e in reference.predict_entities(texts[2], LABEL_SETS[0], threshold=0.5)]
+    assert [(e.start, e.end, e.label) for e in punct.entities] == [
+        (e["start"], e["end"], e["label"]) for e in reference.predict_entities(texts[2], LABEL_SETS[0], threshold=0.5)
+    ]
     assert long.num_windows == 3  # the words before it, the word alone, the words after it
-    assert all(giant[e.start:e.end] == e.text for e in long.entities)
+    assert all(giant[e.start : e.end] == e.text for e in long.entities)
 
 
 def test_a_word_the_tokenizer_drops_is_never_an_entity_edge(tmp_path):
@@ -262,8 +280,9 @@ def test_a_word_the_tokenizer_drops_is_never_an_entity_edge(tmp_path):
     build_gliner(directory, "bert", seed=5, hidden_size=48)
     catalog = catalog_with(tmp_path, gliner_card(directory))
     text = "Angela Merkel \u00ad met Barack Obama \u00ad in Berlin"
-    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=[text], labels=LABEL_SETS[1], threshold=0.1,
-                                         flat_ner=False))
+    (result,) = run(
+        catalog, ExtractCall(model="test/gliner", texts=[text], labels=LABEL_SETS[1], threshold=0.1, flat_ner=False)
+    )
     entities = result.items[0].entities
     assert entities
     soft = {i for i, ch in enumerate(text) if ch == "\u00ad"}

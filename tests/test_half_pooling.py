@@ -71,10 +71,20 @@ def test_a_half_precision_card_serves_the_float32_mean(half_states, minilm_dir, 
     """Through the engine (a float16/bfloat16 card, the dense head): the served vector is the
     float32 mean of the model's half states, not a half-precision sum."""
     dtype, states, _ = half_states
-    (tmp_path / "card.yaml").write_text(yaml.safe_dump({
-        "id": "local/minilm-half", "architecture": "bert", "source": {"path": str(minilm_dir)},
-        "max_length": MAX_LENGTH, "pooling": "mean", "normalize": True, "dimensions": 384, "dtype": dtype,
-    }))
+    (tmp_path / "card.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "id": "local/minilm-half",
+                "architecture": "bert",
+                "source": {"path": str(minilm_dir)},
+                "max_length": MAX_LENGTH,
+                "pooling": "mean",
+                "normalize": True,
+                "dimensions": 384,
+                "dtype": dtype,
+            }
+        )
+    )
 
     async def main():
         engine = Engine(EngineSettings(), Catalog.load(extra_dirs=(tmp_path,)), allow_download=False)

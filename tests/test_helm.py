@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import need_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +31,13 @@ CHART = ROOT / "deploy" / "helm" / "shoal"
 TOOLS = ROOT / ".tools"
 NODE_MODULES = TOOLS / "npm" / "node_modules"
 PROMTOOL = TOOLS / "prometheus" / "usr" / "bin" / "promtool"
-VALUES = {"default": None, "cpu-pool": "ci/cpu-pool-values.yaml", "gpu-pool": "ci/gpu-pool-values.yaml",
-          "gke": "ci/gke-values.yaml", "eks": "ci/eks-values.yaml"}  # the last two: docs/deploy.md's
+VALUES = {
+    "default": None,
+    "cpu-pool": "ci/cpu-pool-values.yaml",
+    "gpu-pool": "ci/gpu-pool-values.yaml",
+    "gke": "ci/gke-values.yaml",
+    "eks": "ci/eks-values.yaml",
+}  # the last two: docs/deploy.md's
 KUBE_VERSION = "1.30.0"
 CUSTOM = {"ScaledObject", "PodMonitor", "PrometheusRule"}
 
@@ -189,11 +195,29 @@ def test_keda_finds_every_triggers_consumer_where_its_scaler_looks_before_any_wo
     client, monitoring = free_port(), free_port()
     settings = settings_of(container(named(docs, "Deployment", "shoal-gateway")))
     settings = replace(settings, cluster=replace(settings.cluster, nats_url=f"nats://127.0.0.1:{client}"))
-    triggers = [t["metadata"] for so in kind(docs, "ScaledObject") for t in so["spec"]["triggers"]
-                if t["type"] == "nats-jetstream"]
+    triggers = [
+        t["metadata"]
+        for so in kind(docs, "ScaledObject")
+        for t in so["spec"]["triggers"]
+        if t["type"] == "nats-jetstream"
+    ]
     assert len(triggers) == 4
-    process = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(client), "-m", str(monitoring),
-                                "-sd", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            nats_server_binary(),
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(client),
+            "-m",
+            str(monitoring),
+            "-sd",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
 
     def jsz() -> dict:
         url = f"http://127.0.0.1:{monitoring}/jsz?acc={triggers[0]['account']}&consumers=true&config=true"
@@ -234,14 +258,18 @@ def test_keda_finds_every_triggers_consumer_where_its_scaler_looks_before_any_wo
 
 def test_the_nats_trigger_points_at_the_monitoring_port_of_the_nats_in_use(rendered):
     [embed, _] = kind(rendered["cpu-pool"], "ScaledObject")
-    endpoints = {t["metadata"]["natsServerMonitoringEndpoint"] for t in embed["spec"]["triggers"]
-                 if t["type"] == "nats-jetstream"}
+    endpoints = {
+        t["metadata"]["natsServerMonitoringEndpoint"]
+        for t in embed["spec"]["triggers"]
+        if t["type"] == "nats-jetstream"
+    }
     assert endpoints == {"shoal-nats.ml.svc.cluster.local:8222"}
     service = named(rendered["cpu-pool"], "Service", "shoal-nats")
     assert {"name": "monitoring", "port": 8222, "targetPort": "monitoring"} in service["spec"]["ports"]
     [gpu] = kind(rendered["gpu-pool"], "ScaledObject")
-    assert {t["metadata"]["natsServerMonitoringEndpoint"] for t in gpu["spec"]["triggers"]
-            if t["type"] == "nats-jetstream"} == {values_of("gpu-pool")["nats"]["monitoringEndpoint"]}
+    assert {
+        t["metadata"]["natsServerMonitoringEndpoint"] for t in gpu["spec"]["triggers"] if t["type"] == "nats-jetstream"
+    } == {values_of("gpu-pool")["nats"]["monitoringEndpoint"]}
     assert not kind(rendered["gpu-pool"], "StatefulSet")  # nats.enabled: false
 
 
@@ -300,7 +328,7 @@ def test_every_process_starts_on_the_catalog_its_arguments_give_it(rendered, nam
 
     docs = rendered[name]
     cards = [d for d in kind(docs, "ConfigMap") if d["metadata"]["name"] == "shoal-cards"]
-    for file, text in (cards[0]["data"].items() if cards else ()):
+    for file, text in cards[0]["data"].items() if cards else ():
         (tmp_path / file).write_text(text)
     for deployment in kind(docs, "Deployment"):
         args, settings = parse_args(container(deployment)), settings_of(container(deployment))
@@ -308,9 +336,12 @@ def test_every_process_starts_on_the_catalog_its_arguments_give_it(rendered, nam
         settings = replace(settings, models_dirs=dirs)
         catalog = Catalog.load(settings.models_dirs, strict=True).restrict(settings.models)
         catalog.with_aliases(dict(settings.aliases))  # raises when an alias's model is not served
-        named_models = [*(getattr(args, "preload", None) or []), *settings.engine.pinned_models,
-                        *([settings.server.default_model] if settings.server.default_model else []),
-                        *(m for _, models in (getattr(args, "pool_models", None) or []) for m in models)]
+        named_models = [
+            *(getattr(args, "preload", None) or []),
+            *settings.engine.pinned_models,
+            *([settings.server.default_model] if settings.server.default_model else []),
+            *(m for _, models in (getattr(args, "pool_models", None) or []) for m in models),
+        ]
         for model in named_models:
             catalog.get(model)
         assert len(list(catalog)) >= 1, deployment["metadata"]["name"]
@@ -326,8 +357,11 @@ def test_the_gpu_pool_pins_two_models_and_preloads_them(rendered):
 @pytest.mark.parametrize("name", VALUES)
 def test_selectors_pick_the_pods_they_are_for(rendered, name):
     docs = rendered[name]
-    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
-            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    pods = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
 
     def matches(selector: dict) -> set[str]:
         return {pod for pod, labels in pods.items() if selector.items() <= labels.items()}
@@ -346,7 +380,8 @@ def test_the_cards_config_map_is_a_models_dir_shoals_catalog_loads(rendered, tmp
     from shoal.catalog import Catalog
 
     [cards] = kind(rendered["cpu-pool"], "ConfigMap") and [
-        d for d in kind(rendered["cpu-pool"], "ConfigMap") if d["metadata"]["name"] == "shoal-cards"]
+        d for d in kind(rendered["cpu-pool"], "ConfigMap") if d["metadata"]["name"] == "shoal-cards"
+    ]
     for file, text in cards["data"].items():
         (tmp_path / file).write_text(text)
     catalog = Catalog.load((tmp_path,), strict=True)
@@ -416,8 +451,9 @@ def test_the_nats_statefulset_runs_a_real_nats_server_with_jetstream(rendered, t
     args = [moved.get(a, a) for a in c["args"]]
     mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["data"]
     assert mount == "/data" and nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    process = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         wait_for_port(monitoring, 20.0, process)
         probe = c["readinessProbe"]["httpGet"]
@@ -463,8 +499,10 @@ def test_the_dashboards_ship_as_grafana_sidecar_config_maps(rendered):
 
 def test_the_pod_monitor_labels_series_with_component_and_pool_from_the_pods(rendered):
     [monitor] = kind(rendered["cpu-pool"], "PodMonitor")
-    endpoints = {e["port"]: {r["targetLabel"]: r["sourceLabels"] for r in e["relabelings"]}
-                 for e in monitor["spec"]["podMetricsEndpoints"]}
+    endpoints = {
+        e["port"]: {r["targetLabel"]: r["sourceLabels"] for r in e["relabelings"]}
+        for e in monitor["spec"]["podMetricsEndpoints"]
+    }
     assert set(endpoints) == {"http", "metrics"}  # the gateway's port, the workers' probe port
     for targets in endpoints.values():
         assert targets["component"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
@@ -475,21 +513,42 @@ def test_the_pod_monitor_labels_series_with_component_and_pool_from_the_pods(ren
     assert labels["app.kubernetes.io/component"] == "worker" and labels["shoal.dev/pool"] == "embed"
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"pools": [{"name": "p", "autoscaling": {"enabled": True}}], "keda": {"prometheusServerAddress": "http://x"}},
-     "autoscaling needs the pool's models listed"),
-    ({"pools": [{"name": "p", "models": ["BAAI/*"], "autoscaling": {"enabled": True}}],
-      "keda": {"prometheusServerAddress": "http://x"}}, "not globs"),
-    ({"pools": [{"name": "p", "models": ["a/b"], "autoscaling": {"enabled": True}}]}, "keda.prometheusServerAddress"),
-    ({"nats": {"enabled": False}}, "nats.url is required"),
-    ({"pools": [{"name": "p", "models": ["a/b"]}, {"name": "p", "models": ["c/d"]}]}, "named twice"),
-    ({"pools": [{"name": "p", "models": ["a b/c"], "autoscaling": {"enabled": True}}],
-      "keda": {"prometheusServerAddress": "http://x"}}, "cannot turn into a JetStream consumer name"),
-    ({"pools": [{"name": "GPU_pool"}]}, "pools"),
-    ({"pools": [{"name": "p", "device": "tpu"}]}, "device"),
-    ({"cards": {"../evil": {"id": "x"}}}, "is not a card file name"),
-    ({"pools": [{"name": "p", "pin": ["a/b"]}]}, "additional properties 'pin' not allowed"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {
+                "pools": [{"name": "p", "autoscaling": {"enabled": True}}],
+                "keda": {"prometheusServerAddress": "http://x"},
+            },
+            "autoscaling needs the pool's models listed",
+        ),
+        (
+            {
+                "pools": [{"name": "p", "models": ["BAAI/*"], "autoscaling": {"enabled": True}}],
+                "keda": {"prometheusServerAddress": "http://x"},
+            },
+            "not globs",
+        ),
+        (
+            {"pools": [{"name": "p", "models": ["a/b"], "autoscaling": {"enabled": True}}]},
+            "keda.prometheusServerAddress",
+        ),
+        ({"nats": {"enabled": False}}, "nats.url is required"),
+        ({"pools": [{"name": "p", "models": ["a/b"]}, {"name": "p", "models": ["c/d"]}]}, "named twice"),
+        (
+            {
+                "pools": [{"name": "p", "models": ["a b/c"], "autoscaling": {"enabled": True}}],
+                "keda": {"prometheusServerAddress": "http://x"},
+            },
+            "cannot turn into a JetStream consumer name",
+        ),
+        ({"pools": [{"name": "GPU_pool"}]}, "pools"),
+        ({"pools": [{"name": "p", "device": "tpu"}]}, "device"),
+        ({"cards": {"../evil": {"id": "x"}}}, "is not a card file name"),
+        ({"pools": [{"name": "p", "pin": ["a/b"]}]}, "additional properties 'pin' not allowed"),
+    ],
+)
 def test_values_that_cannot_work_stop_the_render_with_a_message_that_says_what_to_fix(values, message):
     with pytest.raises(Exception) as info:
         render(values)

@@ -14,8 +14,8 @@ import json
 import select
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 from starlette.applications import Starlette
@@ -79,7 +79,9 @@ def connection(address: tuple[str, int]) -> Iterator[socket.socket]:
         sock.close()
 
 
-def request(path: str = "/hello", method: str = "GET", headers: dict[str, str] | None = None, body: bytes = b"") -> bytes:
+def request(
+    path: str = "/hello", method: str = "GET", headers: dict[str, str] | None = None, body: bytes = b""
+) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: test"]
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -8,9 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-LIGHT_MODULES = ["shoal", "shoal.wire", "shoal.config", "shoal.catalog", "shoal.api", "shoal.engine", "shoal.cli",
-                 "shoal.sdk", "shoal.cluster.protocol", "shoal.cluster.gateway", "shoal.cluster.worker",
-                 "shoal.cluster.cli"]
+LIGHT_MODULES = [
+    "shoal",
+    "shoal.wire",
+    "shoal.config",
+    "shoal.catalog",
+    "shoal.api",
+    "shoal.engine",
+    "shoal.cli",
+    "shoal.sdk",
+    "shoal.cluster.protocol",
+    "shoal.cluster.gateway",
+    "shoal.cluster.worker",
+    "shoal.cluster.cli",
+]
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

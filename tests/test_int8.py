@@ -58,8 +58,9 @@ def runners(card, model_dir):
 # --- MiniLM, real weights -------------------------------------------------------------------------
 
 
-def test_int8_vectors_keep_cosine_099_to_float32_and_to_sentence_transformers_on_lee(runners, reference_model,
-                                                                                      lee_documents):
+def test_int8_vectors_keep_cosine_099_to_float32_and_to_sentence_transformers_on_lee(
+    runners, reference_model, lee_documents
+):
     float32, int8 = runners
     ours, quantized = encode(float32, lee_documents), encode(int8, lee_documents)
     reference = reference_model.encode(lee_documents, convert_to_numpy=True)
@@ -231,7 +232,8 @@ def test_a_tuned_limit_choosing_int8_for_this_cpu_loads_int8_and_is_estimated_so
     runner = ModelRunner.from_dir(chosen, model_dir, "cpu")
     assert runner.card.quantize == "int8" and any(isinstance(m, Int8Linear) for m in runner.model.modules())
     assert ModelRunner.estimate_bytes(chosen, allow_download=False) == ModelRunner.estimate_bytes(
-        int8_card(card), allow_download=False)
+        int8_card(card), allow_download=False
+    )
     texts = ["a tuned overlay chose int8 here", "the limits are per hardware class"]
     assert np.array_equal(encode(runner, texts), encode(runners[1], texts))  # the same int8 model as the card's own
     undone = msgspec.structs.replace(int8_card(card), batching={cpu_class(): Batching(quantize="none")})
@@ -248,10 +250,11 @@ def test_int8_on_a_cuda_device_is_a_config_error_before_anything_loads(card, tmp
 def test_int8_with_a_half_dtype_is_a_config_error_at_load_and_a_card_error_in_yaml(card, model_dir):
     with pytest.raises(ConfigError, match="float16"):
         ModelRunner.from_dir(msgspec.structs.replace(card, quantize="int8", dtype="float16"), model_dir, "cpu")
-    text = ("id: test/half-int8\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 384\n"
-            "dtype: bfloat16\nquantize: int8\n")
+    text = (
+        "id: test/half-int8\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 384\n"
+        "dtype: bfloat16\nquantize: int8\n"
+    )
     with pytest.raises(CardError, match="bfloat16") as info:
         parse_card(yaml.safe_load(text), "half-int8.yaml")
     assert info.value.details == {"file": "half-int8.yaml", "field": "quantize"}
     assert parse_card(yaml.safe_load(text.replace("dtype: bfloat16\n", "")), "int8.yaml").quantize == "int8"
-

@@ -3,13 +3,7 @@ of Lee-corpus documents (gensim's wheel) and check a query retrieves the right o
 
 from __future__ import annotations
 
-
-
 from conftest import MODEL_ID, query_of
-
-
-
-
 
 
 def test_langchain_vector_store_with_shoal_embeddings_retrieves_the_right_document(base_url, lee_documents):
@@ -18,8 +12,9 @@ def test_langchain_vector_store_with_shoal_embeddings_retrieves_the_right_docume
     from shoal.integrations.langchain import ShoalEmbeddings
 
     embeddings = ShoalEmbeddings(url=base_url, model=MODEL_ID, batch_size=4)
-    store = InMemoryVectorStore.from_texts(lee_documents, embeddings, metadatas=[{"i": i} for i in
-                                                                                 range(len(lee_documents))])
+    store = InMemoryVectorStore.from_texts(
+        lee_documents, embeddings, metadatas=[{"i": i} for i in range(len(lee_documents))]
+    )
     for i in (0, 5, 11):
         assert store.similarity_search(query_of(lee_documents[i]), k=1)[0].metadata["i"] == i
 

@@ -12,7 +12,6 @@ import pytest
 
 from conftest import MODEL_ID, query_of
 
-
 # Haystack reports pipeline runs to PostHog unless told not to; read once, when haystack is imported.
 os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")
 
@@ -45,7 +44,8 @@ def lee_nodes(documents: list[str]):
 
 
 def test_llamaindex_vector_store_index_with_shoal_embedding_retrieves_the_right_document(
-        llamaindex_settings, lee_documents):
+    llamaindex_settings, lee_documents
+):
     from llama_index.core import VectorStoreIndex
 
     index = VectorStoreIndex(lee_nodes(lee_documents))  # embeds with Settings.embed_model
@@ -54,8 +54,7 @@ def test_llamaindex_vector_store_index_with_shoal_embedding_retrieves_the_right_
         assert retriever.retrieve(query_of(lee_documents[i]))[0].node.node_id == f"lee-{i}"
 
 
-def test_llamaindex_embedding_batches_equal_sentence_transformers_in_order(base_url, lee_documents,
-                                                                            embed_reference):
+def test_llamaindex_embedding_batches_equal_sentence_transformers_in_order(base_url, lee_documents, embed_reference):
     from shoal.integrations.llamaindex import ShoalEmbedding
 
     embedding = ShoalEmbedding(url=base_url, model=MODEL_ID, embed_batch_size=5)  # 12 texts: 3 requests
@@ -129,8 +128,7 @@ def _writer(store):
     return DocumentWriter(document_store=store)
 
 
-def test_haystack_document_embedder_equals_sentence_transformers_in_order(base_url, lee_documents,
-                                                                          embed_reference):
+def test_haystack_document_embedder_equals_sentence_transformers_in_order(base_url, lee_documents, embed_reference):
     from shoal.integrations.haystack import ShoalDocumentEmbedder, ShoalTextEmbedder
 
     expected = embed_reference(lee_documents)

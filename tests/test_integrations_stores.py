@@ -14,8 +14,6 @@ SPLADE = "rasyosef/splade-tiny"
 PROBES = (0, 5, 11)
 
 
-
-
 # --- Chroma -------------------------------------------------------------------------------------
 
 
@@ -26,8 +24,7 @@ def chroma():
     return chromadb.EphemeralClient(chromadb.Settings(anonymized_telemetry=False))
 
 
-def test_chroma_collection_with_shoal_embedding_function_retrieves_the_right_document(base_url, lee_documents,
-                                                                                      chroma):
+def test_chroma_collection_with_shoal_embedding_function_retrieves_the_right_document(base_url, lee_documents, chroma):
     from shoal.integrations.chroma import ShoalEmbeddingFunction
 
     embed = ShoalEmbeddingFunction(url=base_url, model=MODEL_ID, batch_size=4)
@@ -38,13 +35,13 @@ def test_chroma_collection_with_shoal_embedding_function_retrieves_the_right_doc
     assert docs.configuration["hnsw"]["space"] == "cosine"  # the function's default space
 
 
-def test_chroma_collection_reopened_without_a_function_rebuilds_shoal_from_its_config(base_url, lee_documents,
-                                                                                     chroma):
+def test_chroma_collection_reopened_without_a_function_rebuilds_shoal_from_its_config(base_url, lee_documents, chroma):
     from shoal.integrations.chroma import ShoalEmbeddingFunction
 
     name = f"lee-{uuid.uuid4().hex[:8]}"
     chroma.create_collection(name, embedding_function=ShoalEmbeddingFunction(url=base_url, model=MODEL_ID)).add(
-        ids=[str(i) for i in range(len(lee_documents))], documents=lee_documents)
+        ids=[str(i) for i in range(len(lee_documents))], documents=lee_documents
+    )
     reopened = chroma.get_collection(name)  # no embedding_function: chroma builds one from the saved config
     function = reopened.configuration["embedding_function"]
     assert isinstance(function, ShoalEmbeddingFunction) and function.get_config()["model"] == MODEL_ID
@@ -84,11 +81,13 @@ def hybrid(base_url, lee_documents):
 
     from shoal.integrations.qdrant import ShoalHybrid
 
-    index = ShoalHybrid(QdrantClient(":memory:"), "lee", url=base_url, dense_model=MODEL_ID, sparse_model=SPLADE,
-                        batch_size=5)  # three upserts of 5, 5 and 2
+    index = ShoalHybrid(
+        QdrantClient(":memory:"), "lee", url=base_url, dense_model=MODEL_ID, sparse_model=SPLADE, batch_size=5
+    )  # three upserts of 5, 5 and 2
     index.create_collection()
-    index.upsert(lee_documents, ids=list(range(len(lee_documents))), payloads=[{"i": i} for i in
-                                                                               range(len(lee_documents))])
+    index.upsert(
+        lee_documents, ids=list(range(len(lee_documents))), payloads=[{"i": i} for i in range(len(lee_documents))]
+    )
     yield index
     index.close()
 

@@ -11,9 +11,9 @@ import torch
 from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from shoal.catalog.card import ROW_BLOCK_BYTES
 from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, in_row_blocks, varlen_attention
 from shoal.layers.attention import EACH_MAX_SEQLEN, attention_path
-from shoal.catalog.card import ROW_BLOCK_BYTES
 from shoal.layers.rows import MIN_BLOCK_ROWS, block_rows
 
 LENGTHS = [5, 1, 17, 9, 32, 70, 40]  # two length groups in the padded CPU path
@@ -52,11 +52,15 @@ def test_varlen_attention_equals_per_sequence_attention(causal, window, heads):
         assert (out[start:end] - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("lengths, path", [
-    (LENGTHS, "each"),  # unequal, all short: one sequence at a time
-    ([23, 23, 23], "padded"),  # all of one length: one padded group, no padding in it
-    ([7, EACH_MAX_SEQLEN + 1, 40, 300], "padded"),  # one past the "each" bound: padded length groups
-], ids=["each", "uniform", "long"])
+@pytest.mark.parametrize(
+    "lengths, path",
+    [
+        (LENGTHS, "each"),  # unequal, all short: one sequence at a time
+        ([23, 23, 23], "padded"),  # all of one length: one padded group, no padding in it
+        ([7, EACH_MAX_SEQLEN + 1, 40, 300], "padded"),  # one past the "each" bound: padded length groups
+    ],
+    ids=["each", "uniform", "long"],
+)
 def test_each_cpu_attention_path_equals_per_sequence_attention(lengths, path):
     """Full float32 attention on CPU takes the path its lengths call for, and every path agrees
     with the straightforward per-sequence softmax."""
@@ -70,8 +74,9 @@ def test_each_cpu_attention_path_equals_per_sequence_attention(lengths, path):
     assert attention_path(q.double(), k.double(), meta) == "padded"  # float32 only
     out = varlen_attention(q, k, v, meta, scale=0.3 if path == "each" else None)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        expected = naive_attention(q[start:end] * (0.3 * math.sqrt(D) if path == "each" else 1.0), k[start:end],
-                                   v[start:end], False, None)
+        expected = naive_attention(
+            q[start:end] * (0.3 * math.sqrt(D) if path == "each" else 1.0), k[start:end], v[start:end], False, None
+        )
         assert (out[start:end] - expected).abs().max().item() <= 1e-5
 
 
@@ -166,7 +171,9 @@ def test_rotary_matches_transformers_llama(partial):
 
     if partial:  # transformers' partial rotary: rotate the first rotary_dim channels, keep the rest
         ref_cos, ref_sin = _reference_cos_sin(positions, rotary_dim, base)
-        rot, _ = apply_rotary_pos_emb(x[None, ..., :rotary_dim].transpose(1, 2), x[None, ..., :rotary_dim].transpose(1, 2), ref_cos, ref_sin)
+        rot, _ = apply_rotary_pos_emb(
+            x[None, ..., :rotary_dim].transpose(1, 2), x[None, ..., :rotary_dim].transpose(1, 2), ref_cos, ref_sin
+        )
         expected = torch.cat((rot[0].transpose(0, 1), x[..., rotary_dim:]), dim=-1)
     else:
         ref_cos, ref_sin = rope(x[None], positions[None])

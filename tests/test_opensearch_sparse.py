@@ -29,11 +29,20 @@ TEXTS = [
 
 CHECKPOINTS = {
     "opensearch-project/opensearch-neural-sparse-encoding-v1": lambda: transformers.BertForMaskedLM(
-        transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                intermediate_size=64, max_position_embeddings=128)),
+        transformers.BertConfig(
+            vocab_size=30522,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=128,
+        )
+    ),
     "opensearch-project/opensearch-neural-sparse-encoding-v2-distill": lambda: transformers.DistilBertForMaskedLM(
-        transformers.DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                                      max_position_embeddings=128)),
+        transformers.DistilBertConfig(
+            vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=128
+        )
+    ),
 }
 
 

@@ -63,8 +63,10 @@ def splade_reference(splade_dir):
 
 def test_splade_weights_equal_transformers_masked_lm_on_real_weights(splade_reference):
     expected, _ = splade_reference
-    result = run(Engine(EngineSettings(), Catalog.load(), allow_download=False),
-                 EncodeCall("rasyosef/splade-tiny", TEXTS, outputs=("sparse",)))
+    result = run(
+        Engine(EngineSettings(), Catalog.load(), allow_download=False),
+        EncodeCall("rasyosef/splade-tiny", TEXTS, outputs=("sparse",)),
+    )
     for item, ref in zip(result.items, expected):
         got = np.zeros_like(ref)
         got[item.sparse.indices] = item.sparse.values
@@ -75,8 +77,10 @@ def test_splade_weights_equal_transformers_masked_lm_on_real_weights(splade_refe
 
 def test_splade_top_k_keeps_the_heaviest_terms_and_names_their_tokens(splade_reference):
     expected, tokenizer = splade_reference
-    result = run(Engine(EngineSettings(), Catalog.load(), allow_download=False),
-                 EncodeCall("rasyosef/splade-tiny", TEXTS, sparse_top_k=5, return_tokens=True))
+    result = run(
+        Engine(EngineSettings(), Catalog.load(), allow_download=False),
+        EncodeCall("rasyosef/splade-tiny", TEXTS, sparse_top_k=5, return_tokens=True),
+    )
     for item, ref in zip(result.items, expected):
         top = np.argsort(-ref)[:5]
         assert item.sparse.indices.tolist() == top.tolist()
@@ -99,5 +103,14 @@ def test_a_card_with_multivector_output_but_no_multivector_block_is_refused(tmp_
     from shoal.errors import CardError
 
     with pytest.raises(CardError, match="multivector"):
-        parse_card({"id": "x", "source": {"hub": "x/y"}, "max_length": 8, "pooling": "cls", "dimensions": 8,
-                    "outputs": ["multivector"]}, "inline.yaml")
+        parse_card(
+            {
+                "id": "x",
+                "source": {"hub": "x/y"},
+                "max_length": 8,
+                "pooling": "cls",
+                "dimensions": 8,
+                "outputs": ["multivector"],
+            },
+            "inline.yaml",
+        )

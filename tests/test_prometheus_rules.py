@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import exposed_metric_names, need_tool
 from prometheus_client import CollectorRegistry
 
+from conftest import exposed_metric_names, need_tool
 from shoal.cluster.gateway import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,9 @@ def promtool() -> Path:
 
 
 def _run(promtool: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(promtool), *args], check=False, cwd=RULES_DIR, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(promtool), *args], check=False, cwd=RULES_DIR, capture_output=True, text=True, timeout=120
+    )
 
 
 def _rules() -> list[dict]:
@@ -143,7 +145,9 @@ def test_every_alert_is_unit_tested_firing_and_silent():
 def test_every_recording_rule_is_unit_tested():
     tested = " ".join(check["expr"] for case in _tests() for check in case.get("promql_expr_test", []))
     recorded = {rule["record"] for rule in _rules() if "record" in rule}
-    untested = {name for name in recorded if not re.search(rf"(?<![A-Za-z0-9_:]){re.escape(name)}(?![A-Za-z0-9_:])", tested)}
+    untested = {
+        name for name in recorded if not re.search(rf"(?<![A-Za-z0-9_:]){re.escape(name)}(?![A-Za-z0-9_:])", tested)
+    }
     assert not untested, sorted(untested)
 
 

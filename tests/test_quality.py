@@ -33,7 +33,9 @@ def spearman(vectors: np.ndarray, human: np.ndarray) -> float:
     return float(spearmanr(cosine[np.triu_indices(len(vectors), 1)], human).correlation)
 
 
-@pytest.mark.parametrize("model_id", ["sentence-transformers/all-MiniLM-L6-v2", "sentence-transformers/all-mpnet-base-v2"])
+@pytest.mark.parametrize(
+    "model_id", ["sentence-transformers/all-MiniLM-L6-v2", "sentence-transformers/all-mpnet-base-v2"]
+)
 def test_lee_spearman_equals_sentence_transformers(model_id):
     catalog = Catalog.load()
     try:

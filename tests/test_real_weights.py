@@ -20,7 +20,16 @@ LONG_ENGLISH = " ".join(
 )
 TEXTS = [
     # short
-    "a", "Hi", "OK.", "yes", "no!", "?", "42", "cat", "The cat sat.", "rain tomorrow?",
+    "a",
+    "Hi",
+    "OK.",
+    "yes",
+    "no!",
+    "?",
+    "42",
+    "cat",
+    "The cat sat.",
+    "rain tomorrow?",
     # ordinary sentences
     "The quick brown fox jumps over the lazy dog.",
     "How do I reset my password if I no longer have access to my email?",

@@ -7,8 +7,15 @@ import pytest
 import torch
 import transformers
 
-from parity import (PackedBatch, assert_packing_invariant, max_abs_diff, packed_batch, packed_hidden_states,
-                    randomize_norms, reference_hidden_states)
+from parity import (
+    PackedBatch,
+    assert_packing_invariant,
+    max_abs_diff,
+    packed_batch,
+    packed_hidden_states,
+    randomize_norms,
+    reference_hidden_states,
+)
 from shoal.weights import build_model
 
 VOCAB = 1000
@@ -17,26 +24,47 @@ MAX_LENGTH = 128  # the longest sequence: max_position_embeddings - PAD - 1
 MAX_POSITIONS = MAX_LENGTH + PAD + 1
 
 SHAPES = {
-    "roberta-2l-2h": (transformers.RobertaConfig, transformers.RobertaModel,
-                      dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64,
-                           type_vocab_size=1)),
-    "roberta-3l-12h-gelu-tanh": (transformers.RobertaConfig, transformers.RobertaModel,
-                                 dict(num_hidden_layers=3, num_attention_heads=12, hidden_size=384,
-                                      intermediate_size=1536, type_vocab_size=1, hidden_act="gelu_new")),
-    "xlm-roberta-2l-4h": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel,
-                          dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=512,
-                               type_vocab_size=1)),
-    "xlm-roberta-4l-8h-2types": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel,
-                                 dict(num_hidden_layers=4, num_attention_heads=8, hidden_size=256,
-                                      intermediate_size=320, type_vocab_size=2)),
+    "roberta-2l-2h": (
+        transformers.RobertaConfig,
+        transformers.RobertaModel,
+        dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64, type_vocab_size=1),
+    ),
+    "roberta-3l-12h-gelu-tanh": (
+        transformers.RobertaConfig,
+        transformers.RobertaModel,
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=12,
+            hidden_size=384,
+            intermediate_size=1536,
+            type_vocab_size=1,
+            hidden_act="gelu_new",
+        ),
+    ),
+    "xlm-roberta-2l-4h": (
+        transformers.XLMRobertaConfig,
+        transformers.XLMRobertaModel,
+        dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=512, type_vocab_size=1),
+    ),
+    "xlm-roberta-4l-8h-2types": (
+        transformers.XLMRobertaConfig,
+        transformers.XLMRobertaModel,
+        dict(num_hidden_layers=4, num_attention_heads=8, hidden_size=256, intermediate_size=320, type_vocab_size=2),
+    ),
 }
 
 
 def save_random_roberta(directory, shape: str):
     config_class, model_class, dims = SHAPES[shape]
     torch.manual_seed(0)
-    config = config_class(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, pad_token_id=PAD,
-                          bos_token_id=0, eos_token_id=2, **dims)
+    config = config_class(
+        vocab_size=VOCAB,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=PAD,
+        bos_token_id=0,
+        eos_token_id=2,
+        **dims,
+    )
     reference = model_class(config, add_pooling_layer=True).eval()
     randomize_norms(reference, 0.1)
     with torch.no_grad():
@@ -72,8 +100,9 @@ def test_a_masked_lm_checkpoint_loads_through_its_roberta_prefix(tmp_path):
     """RobertaForMaskedLM stores `roberta.encoder...` and an `lm_head`: same hidden states, head ignored."""
     _, _, dims = SHAPES["roberta-2l-2h"]
     torch.manual_seed(0)
-    config = transformers.RobertaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, pad_token_id=PAD,
-                                        **dims)
+    config = transformers.RobertaConfig(
+        vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, pad_token_id=PAD, **dims
+    )
     reference = transformers.RobertaForMaskedLM(config).eval()
     reference.save_pretrained(tmp_path)
     ours = build_model(tmp_path, None, "cpu")

@@ -31,7 +31,7 @@ def lengths(batch) -> list[int]:
 
 def drain(s: Scheduler, now: float = NOW) -> list[list]:
     batches = []
-    while (batch := s.next_batch(now)[0]):
+    while batch := s.next_batch(now)[0]:
         batches.append(batch)
     return batches
 

@@ -13,9 +13,8 @@ import torch
 import transformers
 from sentence_transformers import CrossEncoder
 
-from rerankers import build_minilm_reranker, minilm_dir
 from engine_calls import catalog_with, run
-
+from rerankers import build_minilm_reranker, minilm_dir
 from shoal.catalog import Catalog
 from shoal.config import EngineSettings
 from shoal.engine import EncodeCall, Engine, ScoreCall
@@ -50,8 +49,14 @@ def save_tokenizer(directory, with_segments: bool) -> None:
     segment ids (RoBERTa/XLM-R, ModernBERT, DistilBERT) get a config that says so, as theirs do."""
     names = ["input_ids", "token_type_ids", "attention_mask"] if with_segments else ["input_ids", "attention_mask"]
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(minilm_dir() / "tokenizer.json"), model_input_names=names,
-        cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+        tokenizer_file=str(minilm_dir() / "tokenizer.json"),
+        model_input_names=names,
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+    )
     fast.save_pretrained(directory)
 
 
@@ -59,27 +64,99 @@ VOCAB = 30522  # MiniLM's vocabulary, so its tokenizer drives every backbone
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
 BACKBONES = {
-    "bert": (lambda labels: transformers.BertForSequenceClassification(transformers.BertConfig(
-        vocab_size=VOCAB, max_position_embeddings=64, num_labels=labels, **SMALL)), True),
-    "xlm-roberta": (lambda labels: transformers.XLMRobertaForSequenceClassification(transformers.XLMRobertaConfig(
-        vocab_size=VOCAB, max_position_embeddings=66, pad_token_id=0, type_vocab_size=1, num_labels=labels,
-        **SMALL)), False),
-    "deberta-v2": (lambda labels: transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
-        vocab_size=VOCAB, max_position_embeddings=64, relative_attention=True, position_buckets=16,
-        pos_att_type=["p2c", "c2p"], max_relative_positions=-1, position_biased_input=False, type_vocab_size=0,
-        norm_rel_ebd="layer_norm", share_att_key=True, pad_token_id=0, num_labels=labels, **SMALL)), True),
-    "modernbert-cls": (lambda labels: transformers.ModernBertForSequenceClassification(transformers.ModernBertConfig(
-        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, cls_token_id=101, sep_token_id=102,
-        bos_token_id=101, eos_token_id=102, global_attn_every_n_layers=2, local_attention=16,
-        classifier_pooling="cls", num_labels=labels, **SMALL)), False),
-    "modernbert-mean": (lambda labels: transformers.ModernBertForSequenceClassification(transformers.ModernBertConfig(
-        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, cls_token_id=101, sep_token_id=102,
-        bos_token_id=101, eos_token_id=102, global_attn_every_n_layers=2, local_attention=16,
-        classifier_pooling="mean", classifier_activation="silu", classifier_bias=True, num_labels=labels,
-        **SMALL)), False),
-    "distilbert": (lambda labels: transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
-        vocab_size=VOCAB, max_position_embeddings=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-        num_labels=labels)), False),
+    "bert": (
+        lambda labels: transformers.BertForSequenceClassification(
+            transformers.BertConfig(vocab_size=VOCAB, max_position_embeddings=64, num_labels=labels, **SMALL)
+        ),
+        True,
+    ),
+    "xlm-roberta": (
+        lambda labels: transformers.XLMRobertaForSequenceClassification(
+            transformers.XLMRobertaConfig(
+                vocab_size=VOCAB,
+                max_position_embeddings=66,
+                pad_token_id=0,
+                type_vocab_size=1,
+                num_labels=labels,
+                **SMALL,
+            )
+        ),
+        False,
+    ),
+    "deberta-v2": (
+        lambda labels: transformers.DebertaV2ForSequenceClassification(
+            transformers.DebertaV2Config(
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+                relative_attention=True,
+                position_buckets=16,
+                pos_att_type=["p2c", "c2p"],
+                max_relative_positions=-1,
+                position_biased_input=False,
+                type_vocab_size=0,
+                norm_rel_ebd="layer_norm",
+                share_att_key=True,
+                pad_token_id=0,
+                num_labels=labels,
+                **SMALL,
+            )
+        ),
+        True,
+    ),
+    "modernbert-cls": (
+        lambda labels: transformers.ModernBertForSequenceClassification(
+            transformers.ModernBertConfig(
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+                pad_token_id=0,
+                cls_token_id=101,
+                sep_token_id=102,
+                bos_token_id=101,
+                eos_token_id=102,
+                global_attn_every_n_layers=2,
+                local_attention=16,
+                classifier_pooling="cls",
+                num_labels=labels,
+                **SMALL,
+            )
+        ),
+        False,
+    ),
+    "modernbert-mean": (
+        lambda labels: transformers.ModernBertForSequenceClassification(
+            transformers.ModernBertConfig(
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+                pad_token_id=0,
+                cls_token_id=101,
+                sep_token_id=102,
+                bos_token_id=101,
+                eos_token_id=102,
+                global_attn_every_n_layers=2,
+                local_attention=16,
+                classifier_pooling="mean",
+                classifier_activation="silu",
+                classifier_bias=True,
+                num_labels=labels,
+                **SMALL,
+            )
+        ),
+        False,
+    ),
+    "distilbert": (
+        lambda labels: transformers.DistilBertForSequenceClassification(
+            transformers.DistilBertConfig(
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+                dim=32,
+                n_layers=2,
+                n_heads=4,
+                hidden_dim=64,
+                num_labels=labels,
+            )
+        ),
+        False,
+    ),
 }
 
 
@@ -114,8 +191,11 @@ def test_cross_encoder_logits_equal_sentence_transformers_cross_encoder(tmp_path
     expected = reference.predict(pairs(), activation_fn=torch.nn.Identity(), batch_size=8)  # [n] logits
 
     catalog = catalog_with(tmp_path, reranker_card(directory, 64))
-    raw, activated = run(catalog, ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True),
-                         ScoreCall("test/reranker", QUERY, DOCUMENTS))
+    raw, activated = run(
+        catalog,
+        ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True),
+        ScoreCall("test/reranker", QUERY, DOCUMENTS),
+    )
     got = np.zeros(len(DOCUMENTS))
     for item in raw.items:
         got[item.index] = item.score
@@ -135,14 +215,17 @@ def test_bert_pairs_carry_segment_ids_as_the_reference_tokenizer_gives_them(tmp_
     directory = tmp_path / "model"
     model = build_cross_encoder(directory, "bert")
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    batch = tokenizer([QUERY] * len(DOCUMENTS), DOCUMENTS, truncation="only_second", max_length=64,
-                      padding=True, return_tensors="pt")
+    batch = tokenizer(
+        [QUERY] * len(DOCUMENTS), DOCUMENTS, truncation="only_second", max_length=64, padding=True, return_tensors="pt"
+    )
     with torch.no_grad():
         with_segments = model(**batch).logits[:, 0].numpy()
         batch["token_type_ids"].zero_()
         without = model(**batch).logits[:, 0].numpy()
-    (result,) = run(catalog_with(tmp_path, reranker_card(directory, 64)),
-                    ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True))
+    (result,) = run(
+        catalog_with(tmp_path, reranker_card(directory, 64)),
+        ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True),
+    )
     got = np.array([next(i.score for i in result.items if i.index == k) for k in range(len(DOCUMENTS))])
     assert np.abs(got - with_segments).max() <= 1e-4
     assert np.abs(got - without).max() > 1e-2
@@ -181,20 +264,24 @@ def test_windows_score_a_long_document_by_its_best_window(tmp_path):
     build_cross_encoder(directory, "bert")
     catalog = catalog_with(tmp_path, reranker_card(directory, 32))
     long_doc = " ".join(f"fish{i} swim near reef{i} while sharks circle" for i in range(12))
-    (result,) = run(catalog, ScoreCall("test/reranker", "sharks", [long_doc, "sharks"], raw_scores=True,
-                                       window_overlap_tokens=4))
+    (result,) = run(
+        catalog, ScoreCall("test/reranker", "sharks", [long_doc, "sharks"], raw_scores=True, window_overlap_tokens=4)
+    )
     item = next(i for i in result.items if i.index == 0)
     assert item.num_windows > 2 and not item.truncated
     # The windows, as the tokenizer cut them, through the reference model one by one.
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    windows = tokenizer("sharks", long_doc, truncation="only_second", max_length=32, stride=4,
-                        return_overflowing_tokens=True)
+    windows = tokenizer(
+        "sharks", long_doc, truncation="only_second", max_length=32, stride=4, return_overflowing_tokens=True
+    )
     assert len(windows["input_ids"]) == item.num_windows
     assert next(i for i in result.items if i.index == 1).num_windows == 1
     model = transformers.AutoModelForSequenceClassification.from_pretrained(directory).eval()
     with torch.no_grad():
-        best = max(model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits.item()
-                   for ids, types in zip(windows["input_ids"], windows["token_type_ids"]))
+        best = max(
+            model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits.item()
+            for ids, types in zip(windows["input_ids"], windows["token_type_ids"])
+        )
     assert abs(item.score - best) <= 1e-4
 
 
@@ -202,9 +289,12 @@ def test_top_k_and_max_tokens_per_doc(tmp_path):
     directory = tmp_path / "model"
     build_cross_encoder(directory, "bert")
     catalog = catalog_with(tmp_path, reranker_card(directory, 64))
-    full, top, cut = run(catalog, ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True),
-                         ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True, top_k=2),
-                         ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True, max_tokens_per_doc=3))
+    full, top, cut = run(
+        catalog,
+        ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True),
+        ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True, top_k=2),
+        ScoreCall("test/reranker", QUERY, DOCUMENTS, raw_scores=True, max_tokens_per_doc=3),
+    )
     # The calls' batches differ (two lanes split them): scores agree to float32's last bits.
     assert [i.index for i in top.items] == [i.index for i in full.items[:2]]
     assert [i.score for i in top.items] == pytest.approx([i.score for i in full.items[:2]], rel=1e-5)
@@ -233,19 +323,38 @@ def test_bad_score_calls_are_refused_naming_the_problem(tmp_path):
                 (ScoreCall("test/reranker", QUERY, DOCUMENTS, top_k=0), InvalidRequest, "top_k"),
                 (ScoreCall("test/reranker", QUERY, DOCUMENTS, truncate=False), InputTooLong, "documents[3]"),
                 (ScoreCall("test/reranker", QUERY, DOCUMENTS, instruction="x"), InvalidRequest, "LLM rerankers"),
-                (ScoreCall("test/reranker", QUERY, DOCUMENTS, window_overlap_tokens=40), InvalidRequest,
-                 "between 0 and half a window"),
-                (ScoreCall("test/reranker", "long query " * 40, DOCUMENTS, truncate=False), InputTooLong,
-                 "the query is longer than half"),
+                (
+                    ScoreCall("test/reranker", QUERY, DOCUMENTS, window_overlap_tokens=40),
+                    InvalidRequest,
+                    "between 0 and half a window",
+                ),
+                (
+                    ScoreCall("test/reranker", "long query " * 40, DOCUMENTS, truncate=False),
+                    InputTooLong,
+                    "the query is longer than half",
+                ),
                 (EncodeCall("test/reranker", ["x"]), InvalidRequest, "does not encode; it serves: score"),
                 (ScoreCall(MINILM, QUERY, DOCUMENTS, window_overlap_tokens=2), InvalidRequest, "cosine"),
-                (ScoreCall(MINILM, "word " * 400, ["a"], truncate=False), InputTooLong,
-                 "^the query is longer than the model's max_length"),
-                (ScoreCall(MINILM, QUERY, ["a", "word " * 400], truncate=False), InputTooLong,
-                 "^documents[1] is longer"),
-                (ScoreCall("test/reranker", "bad \ud800 query", DOCUMENTS), InvalidRequest, "^query has a lone surrogate"),
-                (ScoreCall("test/reranker", QUERY, ["ok", "bad \ud800"]), InvalidRequest,
-                 "^documents[1] has a lone surrogate"),
+                (
+                    ScoreCall(MINILM, "word " * 400, ["a"], truncate=False),
+                    InputTooLong,
+                    "^the query is longer than the model's max_length",
+                ),
+                (
+                    ScoreCall(MINILM, QUERY, ["a", "word " * 400], truncate=False),
+                    InputTooLong,
+                    "^documents[1] is longer",
+                ),
+                (
+                    ScoreCall("test/reranker", "bad \ud800 query", DOCUMENTS),
+                    InvalidRequest,
+                    "^query has a lone surrogate",
+                ),
+                (
+                    ScoreCall("test/reranker", QUERY, ["ok", "bad \ud800"]),
+                    InvalidRequest,
+                    "^documents[1] has a lone surrogate",
+                ),
             ]
             for call, error, words in cases:
                 with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -274,8 +383,12 @@ dimensions: 384
 
 def test_a_dense_card_scores_by_the_cosine_of_its_own_embeddings():
     catalog = Catalog.load()
-    score, query, docs = run(catalog, ScoreCall(MINILM, QUERY, DOCUMENTS),
-                             EncodeCall(MINILM, [QUERY], is_query=True), EncodeCall(MINILM, DOCUMENTS))
+    score, query, docs = run(
+        catalog,
+        ScoreCall(MINILM, QUERY, DOCUMENTS),
+        EncodeCall(MINILM, [QUERY], is_query=True),
+        EncodeCall(MINILM, DOCUMENTS),
+    )
     q = query.items[0].dense / np.linalg.norm(query.items[0].dense)
     expected = [float(q @ (d.dense / np.linalg.norm(d.dense))) for d in docs.items]
     got = {i.index: i.score for i in score.items}
@@ -285,9 +398,12 @@ def test_a_dense_card_scores_by_the_cosine_of_its_own_embeddings():
 
 def test_a_sparse_card_scores_by_the_dot_product_of_its_sparse_vectors():
     model = "rasyosef/splade-tiny"
-    score, query, docs = run(Catalog.load(), ScoreCall(model, QUERY, DOCUMENTS),
-                             EncodeCall(model, [QUERY], outputs=("sparse",), is_query=True),
-                             EncodeCall(model, DOCUMENTS, outputs=("sparse",)))
+    score, query, docs = run(
+        Catalog.load(),
+        ScoreCall(model, QUERY, DOCUMENTS),
+        EncodeCall(model, [QUERY], outputs=("sparse",), is_query=True),
+        EncodeCall(model, DOCUMENTS, outputs=("sparse",)),
+    )
 
     def dense(sv):
         v = np.zeros(30522)
@@ -367,8 +483,10 @@ def test_a_document_behind_a_run_of_whitespace_scores_as_the_reference_sees_it(t
     documents = [" " * 3000 + DOCUMENTS[0], "\n" * 2000 + DOCUMENTS[3]]
     reference = CrossEncoder(str(directory), max_length=64, device="cpu")
     expected = reference.predict([(QUERY, d) for d in documents], activation_fn=torch.nn.Identity())
-    (result,) = run(catalog_with(tmp_path, reranker_card(directory, 64)),
-                    ScoreCall("test/reranker", QUERY, documents, raw_scores=True))
+    (result,) = run(
+        catalog_with(tmp_path, reranker_card(directory, 64)),
+        ScoreCall("test/reranker", QUERY, documents, raw_scores=True),
+    )
     got = {i.index: i.score for i in result.items}
     assert max(abs(got[i] - expected[i]) for i in range(2)) <= 1e-4
 
@@ -388,8 +506,9 @@ def test_a_request_whose_real_tokens_overflow_the_shared_backlog_gets_503_not_a_
         await engine.start()
         try:
             await engine.score(ScoreCall("test/reranker", "fish", ["warm up"]))
-            outcomes = await asyncio.gather(*(engine.score(ScoreCall("test/reranker", "fish", terse))
-                                              for _ in range(2)), return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(engine.score(ScoreCall("test/reranker", "fish", terse)) for _ in range(2)), return_exceptions=True
+            )
             return outcomes, engine.capacity().queued_tokens
         finally:
             await engine.stop()

@@ -91,10 +91,18 @@ def test_tei_rerank_with_raw_scores_and_texts(url, reranker):
 
 def test_native_score_in_msgpack_echoes_ids_and_ranks(url, reranker):
     expected = reranker[1]
-    body = {"model": MODEL, "query": {"text": QUERY}, "items": [{"id": f"d{i}", "text": d} for i, d in enumerate(DOCUMENTS)],
-            "top_k": 4}
-    response = httpx.post(f"{url}/v1/score", content=msgspec.msgpack.encode(body), timeout=60,
-                          headers={"Content-Type": "application/msgpack"})
+    body = {
+        "model": MODEL,
+        "query": {"text": QUERY},
+        "items": [{"id": f"d{i}", "text": d} for i, d in enumerate(DOCUMENTS)],
+        "top_k": 4,
+    }
+    response = httpx.post(
+        f"{url}/v1/score",
+        content=msgspec.msgpack.encode(body),
+        timeout=60,
+        headers={"Content-Type": "application/msgpack"},
+    )
     assert response.status_code == 200, response.text
     data = msgspec.msgpack.decode(response.content)
     assert [item["index"] for item in data["items"]] == ranking(expected)[:4]
@@ -102,12 +110,26 @@ def test_native_score_in_msgpack_echoes_ids_and_ranks(url, reranker):
     assert data["usage"]["tokens"] > 0 and set(data["timings"]) >= {"tokenize_ms", "queue_ms", "inference_ms"}
 
 
-@pytest.mark.parametrize("body, status, words", [
-    ({"model": MODEL, "query": {"text": QUERY}, "items": [{"text": "x " * 400}], "options": {"truncate": False}},
-     422, "longer than the model's max_length"),
-    ({"model": "sentence-transformers/all-MiniLM-L6-v2", "query": QUERY, "items": [{"text": "a"}],
-      "options": {"window_overlap_tokens": 4}}, 400, "applies to cross-encoders"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (
+            {"model": MODEL, "query": {"text": QUERY}, "items": [{"text": "x " * 400}], "options": {"truncate": False}},
+            422,
+            "longer than the model's max_length",
+        ),
+        (
+            {
+                "model": "sentence-transformers/all-MiniLM-L6-v2",
+                "query": QUERY,
+                "items": [{"text": "a"}],
+                "options": {"window_overlap_tokens": 4},
+            },
+            400,
+            "applies to cross-encoders",
+        ),
+    ],
+)
 def test_native_score_refusals_from_the_engine(url, body, status, words):
     response = httpx.post(f"{url}/v1/score", json=body, timeout=60)
     assert response.status_code == status, response.text

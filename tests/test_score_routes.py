@@ -13,6 +13,7 @@ import importlib.util
 import httpx
 import msgspec
 import pytest
+
 from conftest import running_server
 from standin import RERANK_MAX_LENGTH, RERANK_MODEL, StandIn
 
@@ -109,8 +110,11 @@ def test_native_score_ranks_items_best_first_and_echoes_each_items_id_in_json(ht
 @pytest.mark.light
 def test_native_score_in_msgpack_takes_a_bare_query_string_and_keeps_top_k(http):
     request = {"model": RERANK_MODEL, "query": QUERY, "items": [{"text": t} for t in DOCS], "top_k": 2}
-    r = http.post("/v1/score", content=msgspec.msgpack.encode(request),
-                  headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    r = http.post(
+        "/v1/score",
+        content=msgspec.msgpack.encode(request),
+        headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"},
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/msgpack")
     body = msgspec.msgpack.decode(r.content)
     assert [(item["index"], item["score"]) for item in body["items"]] == expected(QUERY, DOCS, top_k=2)
@@ -119,27 +123,48 @@ def test_native_score_in_msgpack_takes_a_bare_query_string_and_keeps_top_k(http)
 
 @pytest.mark.light
 def test_native_score_options_reach_the_call_and_shape_the_scores(http, standin):
-    options = {"raw_scores": True, "truncate": False, "max_tokens_per_doc": 20, "window_overlap_tokens": 2,
-               "timeout_s": 12.5}
+    options = {
+        "raw_scores": True,
+        "truncate": False,
+        "max_tokens_per_doc": 20,
+        "window_overlap_tokens": 2,
+        "timeout_s": 12.5,
+    }
     docs = [DOCS[2], LONG]
-    r = http.post("/v1/score", headers={"x-request-id": "score-opts-1"},
-                  json={"model": RERANK_MODEL, "query": QUERY, "items": [{"text": t} for t in docs],
-                        "options": options})
+    r = http.post(
+        "/v1/score",
+        headers={"x-request-id": "score-opts-1"},
+        json={"model": RERANK_MODEL, "query": QUERY, "items": [{"text": t} for t in docs], "options": options},
+    )
     assert r.status_code == 200, r.text
     call = standin.calls[-1]
-    assert (call.raw_scores, call.truncate, call.max_tokens_per_doc, call.window_overlap_tokens, call.timeout_s,
-            call.request_id) == (True, False, 20, 2, 12.5, "score-opts-1")
+    assert (
+        call.raw_scores,
+        call.truncate,
+        call.max_tokens_per_doc,
+        call.window_overlap_tokens,
+        call.timeout_s,
+        call.request_id,
+    ) == (True, False, 20, 2, 12.5, "score-opts-1")
     items = r.json()["items"]
     # Raw scores are the stand-in's logits (the 4/4 window scores 2.0, no overlap -2.0); LONG needed 2 windows.
     assert [(item["index"], item["score"]) for item in items] == [(1, 2.0), (0, -2.0)]
     assert items[0]["num_windows"] == 2 and "truncated" not in items[0]
 
     # `instruction` reaches the service too: the stand-in, a cross-encoder, refuses it as the engine does.
-    r = http.post("/v1/score", json={"model": RERANK_MODEL, "query": QUERY, "items": [{"text": DOCS[0]}],
-                                     "options": {"instruction": "find cats"}})
+    r = http.post(
+        "/v1/score",
+        json={
+            "model": RERANK_MODEL,
+            "query": QUERY,
+            "items": [{"text": DOCS[0]}],
+            "options": {"instruction": "find cats"},
+        },
+    )
     assert r.status_code == 400
     assert r.json()["error"]["message"] == (
-        f"instruction applies to LLM rerankers; model {RERANK_MODEL} scores by a cross-encoder")
+        f"instruction applies to LLM rerankers; model {RERANK_MODEL} scores by a cross-encoder"
+    )
 
 
 @pytest.mark.light
@@ -153,8 +178,15 @@ def test_native_score_marks_a_cut_item_truncated_and_scores_what_was_kept(http):
 
 @pytest.mark.light
 def test_native_score_refuses_a_too_long_item_with_422_when_truncate_is_false(http):
-    r = http.post("/v1/score", json={"model": RERANK_MODEL, "query": QUERY, "options": {"truncate": False},
-                                     "items": [{"text": DOCS[0]}, {"text": LONG}]})
+    r = http.post(
+        "/v1/score",
+        json={
+            "model": RERANK_MODEL,
+            "query": QUERY,
+            "options": {"truncate": False},
+            "items": [{"text": DOCS[0]}, {"text": LONG}],
+        },
+    )
     assert r.status_code == 422
     error = r.json()["error"]
     assert error["code"] == "input_too_long"
@@ -164,19 +196,37 @@ def test_native_score_refuses_a_too_long_item_with_422_when_truncate_is_false(ht
 BAD_SCORE_REQUESTS = {
     "no items": ({"model": RERANK_MODEL, "query": QUERY, "items": []}, 400, "at `$.items`"),
     "empty query": ({"model": RERANK_MODEL, "query": "", "items": [{"text": "x"}]}, 400, "at `$.query`"),
-    "empty query text": ({"model": RERANK_MODEL, "query": {"text": ""}, "items": [{"text": "x"}]}, 400,
-                         "at `$.query.text`"),
+    "empty query text": (
+        {"model": RERANK_MODEL, "query": {"text": ""}, "items": [{"text": "x"}]},
+        400,
+        "at `$.query.text`",
+    ),
     "blank query": ({"model": RERANK_MODEL, "query": "   ", "items": [{"text": "x"}]}, 400, "the query is empty"),
-    "top_k zero": ({"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x"}], "top_k": 0}, 400,
-                   "Expected `int` >= 1 - at `$.top_k`"),
-    "unknown option": ({"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x"}], "options": {"top_n": 1}},
-                       400, "unknown field `top_n` - at `$.options`"),
-    "unknown item field": ({"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x", "title": "t"}]}, 400,
-                           "unknown field `title` - at `$.items[0]`"),
-    "too many items": ({"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x"}] * (MAX_ITEMS + 1)}, 400,
-                       f"{MAX_ITEMS + 1} items in one request; the limit is {MAX_ITEMS}"),
-    "model that only encodes": ({"model": DENSE, "query": QUERY, "items": [{"text": "x"}]}, 400,
-                                f"model {DENSE} does not score; it serves: encode"),
+    "top_k zero": (
+        {"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x"}], "top_k": 0},
+        400,
+        "Expected `int` >= 1 - at `$.top_k`",
+    ),
+    "unknown option": (
+        {"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x"}], "options": {"top_n": 1}},
+        400,
+        "unknown field `top_n` - at `$.options`",
+    ),
+    "unknown item field": (
+        {"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x", "title": "t"}]},
+        400,
+        "unknown field `title` - at `$.items[0]`",
+    ),
+    "too many items": (
+        {"model": RERANK_MODEL, "query": QUERY, "items": [{"text": "x"}] * (MAX_ITEMS + 1)},
+        400,
+        f"{MAX_ITEMS + 1} items in one request; the limit is {MAX_ITEMS}",
+    ),
+    "model that only encodes": (
+        {"model": DENSE, "query": QUERY, "items": [{"text": "x"}]},
+        400,
+        f"model {DENSE} does not score; it serves: encode",
+    ),
     "unknown model": ({"model": "no/such-model", "query": QUERY, "items": [{"text": "x"}]}, 404, "no/such-model"),
 }
 
@@ -211,8 +261,13 @@ def test_the_cohere_v2_client_gets_the_ranking_cut_to_top_n_with_the_request_id(
     import cohere
 
     client = cohere.ClientV2(api_key="x", base_url=url, timeout=30)
-    response = client.rerank(model=RERANK_MODEL, query=QUERY, documents=DOCS, top_n=3,
-                             request_options={"additional_headers": {"x-request-id": "cohere-v2-1"}})
+    response = client.rerank(
+        model=RERANK_MODEL,
+        query=QUERY,
+        documents=DOCS,
+        top_n=3,
+        request_options={"additional_headers": {"x-request-id": "cohere-v2-1"}},
+    )
     assert [(r.index, r.relevance_score) for r in response.results] == expected(QUERY, DOCS, top_k=3)
     assert all(getattr(r, "document", None) is None for r in response.results)  # not asked for
     assert response.id == "cohere-v2-1"
@@ -243,8 +298,9 @@ def test_the_cohere_v1_client_ranks_objects_by_rank_fields_in_their_order(url, s
 
     client = cohere.Client(api_key="x", base_url=url, timeout=30)
     documents = [{"title": "fish", "body": "swim in the sea"}, {"title": "cat", "body": "sat on the mat"}]
-    response = client.rerank(model=RERANK_MODEL, query=QUERY, documents=documents, rank_fields=["title", "body"],
-                             max_chunks_per_doc=4)  # accepted, ignored
+    response = client.rerank(
+        model=RERANK_MODEL, query=QUERY, documents=documents, rank_fields=["title", "body"], max_chunks_per_doc=4
+    )  # accepted, ignored
     texts = ["title: fish\nbody: swim in the sea", "title: cat\nbody: sat on the mat"]
     assert standin.calls[-1].documents == texts
     assert [(r.index, r.relevance_score) for r in response.results] == expected(QUERY, texts)
@@ -272,14 +328,22 @@ def test_the_cohere_client_sees_400_naming_top_n_documents_or_the_model(url, ver
 
 @pytest.mark.light
 def test_cohere_v2_returns_documents_only_when_asked_and_passes_max_tokens_per_doc(http, standin):
-    body = {"model": RERANK_MODEL, "query": QUERY, "documents": [DOCS[0], {"text": LONG}], "return_documents": True,
-            "max_tokens_per_doc": 11, "priority": 3, "relevant_spans": {"mode": "disabled"}}
+    body = {
+        "model": RERANK_MODEL,
+        "query": QUERY,
+        "documents": [DOCS[0], {"text": LONG}],
+        "return_documents": True,
+        "max_tokens_per_doc": 11,
+        "priority": 3,
+        "relevant_spans": {"mode": "disabled"},
+    }
     r = http.post("/v2/rerank", json=body)
     assert r.status_code == 200, r.text
     assert standin.calls[-1].max_tokens_per_doc == 11
     results = r.json()["results"]
-    assert [(x["index"], x["relevance_score"]) for x in results] == expected(QUERY, [DOCS[0], LONG],
-                                                                             max_tokens_per_doc=11)
+    assert [(x["index"], x["relevance_score"]) for x in results] == expected(
+        QUERY, [DOCS[0], LONG], max_tokens_per_doc=11
+    )
     assert [x["document"] for x in results] == [{"text": [DOCS[0], LONG][x["index"]]} for x in results]
 
     r = http.post("/v2/rerank", json={**body, "return_documents": False})
@@ -309,8 +373,11 @@ def test_cohere_rerank_refuses_more_documents_than_the_item_limit(http):
 
 @pytest.mark.light
 def test_jinas_request_shape_gets_a_body_with_jina_and_cohere_fields(http):
-    r = http.post("/v1/rerank", headers={"x-request-id": "jina-1"}, json={
-        "model": RERANK_MODEL, "query": QUERY, "documents": DOCS, "top_n": 3, "return_documents": True})
+    r = http.post(
+        "/v1/rerank",
+        headers={"x-request-id": "jina-1"},
+        json={"model": RERANK_MODEL, "query": QUERY, "documents": DOCS, "top_n": 3, "return_documents": True},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model"] == RERANK_MODEL
@@ -338,8 +405,10 @@ def test_tei_rerank_answers_a_bare_list_sorted_by_score_from_the_default_scoring
 
 @pytest.mark.light
 def test_tei_rerank_returns_texts_and_raw_scores_when_asked(http):
-    r = http.post("/rerank", json={"query": QUERY, "texts": DOCS, "return_text": True, "raw_scores": True,
-                                   "truncation_direction": "Right"})
+    r = http.post(
+        "/rerank",
+        json={"query": QUERY, "texts": DOCS, "return_text": True, "raw_scores": True, "truncation_direction": "Right"},
+    )
     assert r.status_code == 200, r.text
     ranks = r.json()
     assert [(x["index"], x["score"]) for x in ranks] == expected(QUERY, DOCS, raw_scores=True)
@@ -392,10 +461,13 @@ def test_tei_rerank_refuses_bad_input_with_400_naming_it(http, case):
 
 
 @pytest.mark.light
-@pytest.mark.parametrize("path,body", [
-    ("/rerank", {"query": QUERY, "texts": DOCS}),
-    ("/v1/rerank", {"query": QUERY, "documents": DOCS}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/rerank", {"query": QUERY, "texts": DOCS}),
+        ("/v1/rerank", {"query": QUERY, "documents": DOCS}),
+    ],
+)
 def test_a_request_without_a_model_on_a_server_with_no_scorer_is_told_how_to_pick_one(url_without_scorer, path, body):
     r = httpx.post(url_without_scorer + path, json=body, timeout=30.0)
     assert r.status_code == 400

@@ -21,9 +21,8 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-from conftest import MODEL_ID, running_server
-from standin import RERANK_MODEL, StandIn
 
+from conftest import MODEL_ID, running_server
 from shoal.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -34,11 +33,17 @@ from shoal.errors import (
 )
 from shoal.sdk import AsyncClient, Client, Entity, Scored
 from shoal.wire import array_to_msgpack
+from standin import RERANK_MODEL, StandIn
 
 BASE = "http://shoal.test"
 DENSE = "standin/dense-16"
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "A man is playing a guitar on stage.",
-         "¿Dónde está la biblioteca?", "naïve café résumé — unicode survives the wire", "x"]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A man is playing a guitar on stage.",
+    "¿Dónde está la biblioteca?",
+    "naïve café résumé — unicode survives the wire",
+    "x",
+]
 QUERY = "a musician performs with a guitar"
 
 
@@ -71,8 +76,9 @@ def test_sync_encode_equals_sentence_transformers(base_url, embed_reference, for
 def test_async_encode_equals_sentence_transformers_with_dimensions_and_float16(base_url, embed_reference, format):
     async def main():
         async with AsyncClient(base_url, format=format) as client:
-            return await asyncio.gather(client.encode(MODEL_ID, TEXTS),
-                                        client.encode(MODEL_ID, TEXTS, dimensions=64, output_dtype="float16"))
+            return await asyncio.gather(
+                client.encode(MODEL_ID, TEXTS), client.encode(MODEL_ID, TEXTS, dimensions=64, output_dtype="float16")
+            )
 
     full, cut = asyncio.run(main())
     expected = embed_reference(TEXTS)
@@ -162,6 +168,7 @@ def test_server_errors_raise_as_their_own_class_at_once(base_url, format):
 def tagger(tmp_path_factory, serve):
     """(server URL, transformers' token-classification pipeline) for one random BERT tagger."""
     import transformers
+
     from extract_models import extract_card
     from test_token_class import BIO, save_token_classifier
 
@@ -169,8 +176,9 @@ def tagger(tmp_path_factory, serve):
     save_token_classifier(directory, BIO)
     cards = tmp_path_factory.mktemp("sdk-cards")
     (cards / "tagger.yaml").write_text(extract_card(directory, "test/sdk-tagger", "token_class", max_length=128))
-    pipe = transformers.pipeline("token-classification", model=str(directory), aggregation_strategy="simple",
-                                 device="cpu")
+    pipe = transformers.pipeline(
+        "token-classification", model=str(directory), aggregation_strategy="simple", device="cpu"
+    )
     return serve(preload=("test/sdk-tagger",), cards_dirs=(cards,)), pipe
 
 
@@ -183,10 +191,14 @@ def test_extract_entities_equal_transformers_pipeline_across_chunks(tagger):
     found = 0
     for text, item in zip(texts, items):
         expected = pipe(text)
-        assert [(e.label, e.start, e.end) for e in item.entities] == \
-            [(e["entity_group"], e["start"], e["end"]) for e in expected], text
-        assert all(isinstance(e, Entity) and e.text == text[e.start:e.end] for e in item.entities)
-        assert max((abs(e.score - float(x["score"])) for e, x in zip(item.entities, expected, strict=True)), default=0) <= 1e-4
+        assert [(e.label, e.start, e.end) for e in item.entities] == [
+            (e["entity_group"], e["start"], e["end"]) for e in expected
+        ], text
+        assert all(isinstance(e, Entity) and e.text == text[e.start : e.end] for e in item.entities)
+        assert (
+            max((abs(e.score - float(x["score"])) for e, x in zip(item.entities, expected, strict=True)), default=0)
+            <= 1e-4
+        )
         found += len(expected)
     assert found > 0  # not a comparison of empty lists
 
@@ -211,8 +223,9 @@ def test_the_sdk_encodes_and_scores_against_a_torch_free_server(standin_url, for
         out = client.encode(DENSE, TEXTS, dimensions=8, batch_size=2)
         ranking = client.score(RERANK_MODEL, "cat sat on mat", docs)
     assert out.dense.tolist() == [StandIn.vector(DENSE, t, dimensions=8).tolist() for t in TEXTS]
-    scored = sorted((StandIn.score("cat sat on mat", d, index=i)[0] for i, d in enumerate(docs)),
-                    key=lambda s: (-s.score, s.index))
+    scored = sorted(
+        (StandIn.score("cat sat on mat", d, index=i)[0] for i, d in enumerate(docs)), key=lambda s: (-s.score, s.index)
+    )
     assert ranking == [(s.index, s.score) for s in scored] and ranking[0].index == 1
 
 
@@ -222,8 +235,10 @@ def test_importing_the_sdk_needs_no_torch_tokenizers_or_engine():
 
     assert run_child("import", "shoal.sdk", "--block") == {"errors": {}, "blocked_loaded": []}
     # Where they are installed, importing the SDK still loads none of them, nor tqdm (show_progress only).
-    code = ("import sys, shoal.sdk; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'tokenizers', 'transformers', 'tqdm') or m.startswith('shoal.engine')))")
+    code = (
+        "import sys, shoal.sdk; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'tokenizers', 'transformers', 'tqdm') or m.startswith('shoal.engine')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -240,16 +255,22 @@ def vector(text: str) -> np.ndarray:
 def encoded(request: httpx.Request) -> httpx.Response:
     body = msgspec.msgpack.decode(request.content)
     items = [{"id": None, "dense": array_to_msgpack(vector(item["text"]))} for item in body["items"]]
-    answer = {"model": body["model"], "items": items, "usage": {"tokens": 3 * len(items)},
-              "timings": {"tokenize_ms": 0.0, "queue_ms": 0.0, "inference_ms": 0.0, "total_ms": 0.0}}
+    answer = {
+        "model": body["model"],
+        "items": items,
+        "usage": {"tokens": 3 * len(items)},
+        "timings": {"tokenize_ms": 0.0, "queue_ms": 0.0, "inference_ms": 0.0, "total_ms": 0.0},
+    }
     return httpx.Response(200, content=msgspec.msgpack.encode(answer), headers={"content-type": "application/msgpack"})
 
 
-def failed(status: int, code: str, message: str = "no", retry_after: str | None = None,
-           details: dict | None = None) -> httpx.Response:
+def failed(
+    status: int, code: str, message: str = "no", retry_after: str | None = None, details: dict | None = None
+) -> httpx.Response:
     headers = {} if retry_after is None else {"retry-after": retry_after}
-    return httpx.Response(status, json={"error": {"code": code, "message": message, "details": details or {}}},
-                          headers=headers)
+    return httpx.Response(
+        status, json={"error": {"code": code, "message": message, "details": details or {}}}, headers=headers
+    )
 
 
 class Mock:
@@ -344,10 +365,15 @@ def test_a_request_still_in_flight_at_the_deadline_raises_deadline_exceeded():
 
 
 @pytest.mark.light
-@pytest.mark.parametrize("status,code,error", [
-    (400, "invalid_request", InvalidRequest), (404, "unknown_model", UnknownModel), (401, "unauthorized", Unauthorized),
-    (502, "model_load_failed", ShoalError),  # no Retry-After: the server will not try again soon
-])
+@pytest.mark.parametrize(
+    "status,code,error",
+    [
+        (400, "invalid_request", InvalidRequest),
+        (404, "unknown_model", UnknownModel),
+        (401, "unauthorized", Unauthorized),
+        (502, "model_load_failed", ShoalError),  # no Retry-After: the server will not try again soon
+    ],
+)
 def test_an_error_that_retrying_cannot_fix_raises_its_class_after_one_request(status, code, error):
     mock = Mock(failed(status, code, "bad dimensions", details={"option": "dimensions"}), encoded)
     with pytest.raises(error, match="bad dimensions") as raised:
@@ -409,8 +435,18 @@ def test_encode_sends_the_options_adapter_and_bearer_token_as_the_wire_defines_t
     mock = Mock(encoded)
     encode_with(mock, api_key="sk-1", headers={"x-request-id": "r1"})
     with Client(BASE, transport=mock.transport) as client:
-        client.encode("m", ["a"], adapter="legal", normalize=False, dimensions=2, is_query=True, prompt_name="q",
-                      truncate=False, outputs=["dense", "sparse"], sparse_top_k=5)
+        client.encode(
+            "m",
+            ["a"],
+            adapter="legal",
+            normalize=False,
+            dimensions=2,
+            is_query=True,
+            prompt_name="q",
+            truncate=False,
+            outputs=["dense", "sparse"],
+            sparse_top_k=5,
+        )
     first, second = mock.requests
     assert first.headers["authorization"] == "Bearer sk-1" and first.headers["x-request-id"] == "r1"
     assert first.headers["content-type"] == first.headers["accept"] == "application/msgpack"
@@ -418,20 +454,36 @@ def test_encode_sends_the_options_adapter_and_bearer_token_as_the_wire_defines_t
     body = mock.bodies()[1]
     assert body["model"] == "m" and body["adapter"] == "legal" and body["items"] == [{"text": "a", "id": None}]
     options = {k: v for k, v in body["options"].items() if v is not None}
-    assert options == {"normalize": False, "dimensions": 2, "output_dtype": "float32", "is_query": True,
-                       "prompt_name": "q", "truncate": False, "outputs": ["dense", "sparse"], "sparse_top_k": 5,
-                       "return_tokens": False}
+    assert options == {
+        "normalize": False,
+        "dimensions": 2,
+        "output_dtype": "float32",
+        "is_query": True,
+        "prompt_name": "q",
+        "truncate": False,
+        "outputs": ["dense", "sparse"],
+        "sparse_top_k": 5,
+        "return_tokens": False,
+    }
 
 
 @pytest.mark.light
 def test_json_format_posts_json_and_reads_json_lists_back_in_the_asked_dtype():
     def handle(request: httpx.Request) -> httpx.Response:
         body = msgspec.json.decode(request.content)
-        items = [{"id": None, "dense": [1, -2, 3],
-                  "sparse": {"indices": [7, 2], "values": [0.5, 0.25]}} for _ in body["items"]]
-        return httpx.Response(200, json={"model": "m", "items": items, "usage": {"tokens": 1},
-                                         "timings": {"tokenize_ms": 0, "queue_ms": 0, "inference_ms": 0,
-                                                     "total_ms": 0}})
+        items = [
+            {"id": None, "dense": [1, -2, 3], "sparse": {"indices": [7, 2], "values": [0.5, 0.25]}}
+            for _ in body["items"]
+        ]
+        return httpx.Response(
+            200,
+            json={
+                "model": "m",
+                "items": items,
+                "usage": {"tokens": 1},
+                "timings": {"tokenize_ms": 0, "queue_ms": 0, "inference_ms": 0, "total_ms": 0},
+            },
+        )
 
     mock = Mock(handle)
     with Client(BASE, transport=mock.transport, format="json") as client:
@@ -449,13 +501,23 @@ def test_score_and_extract_requests_and_answers():
         if request.url.path == "/v1/score":
             items = [{"id": None, "index": 2, "score": 0.9}, {"id": None, "index": 0, "score": 0.1, "truncated": True}]
         else:
-            items = [{"id": None, "index": i, "entities": [{"text": t[:2], "label": body["labels"][0], "score": 0.7,
-                                                            "start": 0, "end": 2}]}
-                     for i, t in enumerate(item["text"] for item in body["items"])]
-        answer = {"model": body["model"], "items": items, "usage": {"tokens": 4},
-                  "timings": {"tokenize_ms": 0.0, "queue_ms": 0.0, "inference_ms": 0.0, "total_ms": 0.0}}
-        return httpx.Response(200, content=msgspec.msgpack.encode(answer),
-                              headers={"content-type": "application/msgpack"})
+            items = [
+                {
+                    "id": None,
+                    "index": i,
+                    "entities": [{"text": t[:2], "label": body["labels"][0], "score": 0.7, "start": 0, "end": 2}],
+                }
+                for i, t in enumerate(item["text"] for item in body["items"])
+            ]
+        answer = {
+            "model": body["model"],
+            "items": items,
+            "usage": {"tokens": 4},
+            "timings": {"tokenize_ms": 0.0, "queue_ms": 0.0, "inference_ms": 0.0, "total_ms": 0.0},
+        }
+        return httpx.Response(
+            200, content=msgspec.msgpack.encode(answer), headers={"content-type": "application/msgpack"}
+        )
 
     mock = Mock(handle)
     with Client(BASE, transport=mock.transport) as client:

@@ -47,12 +47,20 @@ def build_st_folder(path, *, pooling: str, include_prompt: bool, after: list[tup
 
     torch.manual_seed(seed)
     encoder_dir = path / "encoder"
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=128)
+    config = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
     transformers.BertModel(config).save_pretrained(encoder_dir)
     transformers.AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(encoder_dir)
-    modules = [Transformer(str(encoder_dir), max_seq_length=MAX_LENGTH),
-               Pooling(32, pooling_mode=pooling, include_prompt=include_prompt)]
+    modules = [
+        Transformer(str(encoder_dir), max_seq_length=MAX_LENGTH),
+        Pooling(32, pooling_mode=pooling, include_prompt=include_prompt),
+    ]
     width = 32
     for kind, *args in after:
         if kind == "normalize":
@@ -69,8 +77,15 @@ def build_st_folder(path, *, pooling: str, include_prompt: bool, after: list[tup
 
 
 def card_dict(model_dir, **fields) -> dict:
-    card = {"id": "local/st-folder", "architecture": "bert", "source": {"path": str(model_dir)},
-            "max_length": MAX_LENGTH, "outputs": ["dense"], "prompts": {"query": PROMPT}, "query_prompt": "query"}
+    card = {
+        "id": "local/st-folder",
+        "architecture": "bert",
+        "source": {"path": str(model_dir)},
+        "max_length": MAX_LENGTH,
+        "outputs": ["dense"],
+        "prompts": {"query": PROMPT},
+        "query_prompt": "query",
+    }
     return {**card, **fields}
 
 
@@ -137,8 +152,13 @@ def test_include_prompt_false_changes_the_vector_so_the_masking_is_observable(tm
 
 @pytest.fixture(scope="module")
 def dense_folder(tmp_path_factory):
-    return build_st_folder(tmp_path_factory.mktemp("st"), pooling="mean", include_prompt=True,
-                           after=[("dense", 16, "Tanh", True), NORMALIZE], seed=7)
+    return build_st_folder(
+        tmp_path_factory.mktemp("st"),
+        pooling="mean",
+        include_prompt=True,
+        after=[("dense", 16, "Tanh", True), NORMALIZE],
+        seed=7,
+    )
 
 
 @pytest.mark.parametrize("field, value", [("pooling", "cls"), ("dimensions", 32), ("normalize", False)])

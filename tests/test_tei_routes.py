@@ -53,8 +53,9 @@ def test_post_root_serves_embed_similarity_or_rerank_by_its_body(base_url, embed
     vectors = embed_reference(TEXTS)
     embedded = httpx.post(f"{base_url}/", json={"inputs": TEXTS[:2]}).json()
     assert np.abs(np.array(embedded) - vectors[:2]).max() <= 1e-5
-    similar = httpx.post(f"{base_url}/", json={"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]},
-                                                "parameters": {}}).json()
+    similar = httpx.post(
+        f"{base_url}/", json={"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}, "parameters": {}}
+    ).json()
     assert np.abs(np.array(similar) - vectors[1:] @ vectors[0]).max() <= 1e-5
     ranked = httpx.post(f"{base_url}/", json={"query": TEXTS[0], "texts": TEXTS[1:]}).json()
     assert ranked == httpx.post(f"{base_url}/rerank", json={"query": TEXTS[0], "texts": TEXTS[1:]}).json()
@@ -62,8 +63,11 @@ def test_post_root_serves_embed_similarity_or_rerank_by_its_body(base_url, embed
 
 def test_embed_sparse_equals_the_native_sparse_output_of_the_same_model(base_url):
     tei = httpx.post(f"{base_url}/embed_sparse?model={SPLADE}", json={"inputs": TEXTS[:2]}, timeout=120).json()
-    native = httpx.post(f"{base_url}/v1/encode", json={"model": SPLADE, "items": [{"text": t} for t in TEXTS[:2]],
-                                                         "options": {"outputs": ["sparse"]}}, timeout=120).json()
+    native = httpx.post(
+        f"{base_url}/v1/encode",
+        json={"model": SPLADE, "items": [{"text": t} for t in TEXTS[:2]], "options": {"outputs": ["sparse"]}},
+        timeout=120,
+    ).json()
     for values, item in zip(tei, native["items"]):
         assert [v["index"] for v in values] == item["sparse"]["indices"]
         assert np.allclose([v["value"] for v in values], item["sparse"]["values"], atol=1e-6)
@@ -76,20 +80,24 @@ def test_the_model_is_picked_by_query_or_header_and_info_describes_it(base_url):
     assert info["max_input_length"] == 256 and info["max_client_batch_size"] > 0
     sparse_info = httpx.get(f"{base_url}/info", params={"model": SPLADE}).json()
     assert sparse_info["model_id"] == SPLADE and sparse_info["model_type"] == {"embedding": {"pooling": "splade"}}
-    by_header = httpx.post(f"{base_url}/embed_sparse", json={"inputs": "cat"}, headers={"x-shoal-model": SPLADE},
-                           timeout=120)
+    by_header = httpx.post(
+        f"{base_url}/embed_sparse", json={"inputs": "cat"}, headers={"x-shoal-model": SPLADE}, timeout=120
+    )
     assert by_header.status_code == 200 and by_header.json()[0]
     assert httpx.get(f"{base_url}/health").status_code == 200 and httpx.get(f"{base_url}/").status_code == 200
 
 
-@pytest.mark.parametrize("path, body, status, words", [
-    ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 400, "truncates on the right only"),
-    ("/embed", {"inputs": []}, 400, "inputs"),
-    ("/embed", {"inputs": [1, 2, 3]}, 400, "inputs"),
-    ("/embed", {"inputs": "word " * 2000}, 422, "truncate"),
-    ("/similarity", {"inputs": {"source_sentence": "x", "sentences": []}}, 400, "sentences"),
-    ("/embed_sparse", {"inputs": "x"}, 400, "sparse"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, words",
+    [
+        ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 400, "truncates on the right only"),
+        ("/embed", {"inputs": []}, 400, "inputs"),
+        ("/embed", {"inputs": [1, 2, 3]}, 400, "inputs"),
+        ("/embed", {"inputs": "word " * 2000}, 422, "truncate"),
+        ("/similarity", {"inputs": {"source_sentence": "x", "sentences": []}}, 400, "sentences"),
+        ("/embed_sparse", {"inputs": "x"}, 400, "sparse"),
+    ],
+)
 def test_bad_tei_requests_get_a_4xx_that_says_what_to_fix(base_url, path, body, status, words):
     response = httpx.post(f"{base_url}{path}", json=body, timeout=60)
     assert response.status_code == status, response.text
@@ -116,7 +124,8 @@ def test_tokenize_gives_ids_texts_and_offsets_as_the_models_tokenizer(base_url, 
     text = "Tokenize this, please: naïve café!"
     got = httpx.post(f"{base_url}/tokenize", json={"inputs": [text]}).json()[0]
     reference = transformers.AutoTokenizer.from_pretrained(model_dir)(
-        text, return_offsets_mapping=True, return_special_tokens_mask=True)
+        text, return_offsets_mapping=True, return_special_tokens_mask=True
+    )
     assert [t["id"] for t in got] == reference["input_ids"]
     for token, (start, stop), special in zip(got, reference["offset_mapping"], reference["special_tokens_mask"]):
         assert token["special"] == bool(special)
@@ -144,8 +153,9 @@ def test_llama_index_tei_embedder_and_chroma_hf_embedding_server_equal_the_refer
 def test_info_with_an_unknown_task_and_a_deeply_nested_root_body_are_400s(base_url):
     bogus = httpx.get(f"{base_url}/info", params={"task": "bogus"})
     assert bogus.status_code == 400 and "encode, score, extract" in bogus.json()["error"]["message"]
-    nested = httpx.post(f"{base_url}/", content=b"[" * 100_000 + b"]" * 100_000,
-                        headers={"content-type": "application/json"})
+    nested = httpx.post(
+        f"{base_url}/", content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"}
+    )
     assert nested.status_code == 400, nested.text
 
 

@@ -67,9 +67,12 @@ def in_background(fn, *args, **kwargs) -> threading.Thread:
 
 def hold_device(url: str, results: list, lanes: int = 1) -> threading.Thread:
     """A request per device lane whose batch sleeps SLOW_S; returns once they are on the device."""
+
     def send(i: int):
-        results.append(httpx.post(f"{url}/v1/encode", json=body([f"a {SLOW_WORD} holds lane {i}"], timeout_s=60),
-                                  timeout=60))
+        results.append(
+            httpx.post(f"{url}/v1/encode", json=body([f"a {SLOW_WORD} holds lane {i}"], timeout_s=60), timeout=60)
+        )
+
     threads = [in_background(send, i) for i in range(lanes)]
     time.sleep(0.3)  # tokenized and running by now
     return SimpleNamespace(join=lambda timeout: [t.join(timeout) for t in threads])
@@ -94,8 +97,10 @@ def strict(serve):
     """A server with a short default deadline, a small token queue and a small result limit."""
     from shoal.config import EngineSettings
 
-    url = serve(engine=EngineSettings(request_timeout_s=0.5, max_queue_tokens=1000, max_result_bytes=100_000,
-                                      device_lanes=1), wrap_runner=Instrumented)
+    url = serve(
+        engine=EngineSettings(request_timeout_s=0.5, max_queue_tokens=1000, max_result_bytes=100_000, device_lanes=1),
+        wrap_runner=Instrumented,
+    )
     return url
 
 
@@ -111,8 +116,9 @@ def cosine_ok(items, reference_model, texts) -> bool:
 
 def test_an_abandoned_bulk_request_is_dropped_and_a_request_after_it_is_answered_within_a_few_batches(wrapped):
     url, runner, _ = wrapped
-    docs = [f"document {i}: shoals of small fish swim together in the warm shallow water near the reef"
-            for i in range(2048)]
+    docs = [
+        f"document {i}: shoals of small fish swim together in the warm shallow water near the reef" for i in range(2048)
+    ]
     items_before = metric(url, "shoal_items_total", model=MODEL_ID)
     dropped_before = metric(url, "shoal_dropped_items_total", model=MODEL_ID, reason="cancelled")
     abandoned_before = metric(url, "shoal_requests_total", route="encode", status="499")
@@ -155,8 +161,9 @@ def test_a_small_request_waits_at_most_one_bulk_batch_on_the_same_or_another_mod
     bulk = in_background(lambda: httpx.post(f"{url}/v1/encode", json=body(docs, timeout_s=120), timeout=120))
     time.sleep(0.5)  # the bulk is tokenized and running
     start = len(Instrumented.order)
-    small = httpx.post(f"{url}/v1/encode", json={"model": small_model, "items": [{"text": "a small query"}]},
-                       timeout=60)
+    small = httpx.post(
+        f"{url}/v1/encode", json={"model": small_model, "items": [{"text": "a small query"}]}, timeout=60
+    )
     answered = len(Instrumented.order)
     bulk.join(120)
 
@@ -217,8 +224,13 @@ def test_a_request_whose_estimated_tokens_exceed_the_whole_queue_is_400_naming_t
 
 def test_admission_counts_tokens_not_items_and_a_full_queue_is_503_with_retry_after(strict):
     held: list = []
-    hog = in_background(lambda: held.append(httpx.post(
-        f"{strict}/v1/encode", json=body([f"{SLOW_WORD} " + "word " * 400] * 3, timeout_s=60), timeout=60)))
+    hog = in_background(
+        lambda: held.append(
+            httpx.post(
+                f"{strict}/v1/encode", json=body([f"{SLOW_WORD} " + "word " * 400] * 3, timeout_s=60), timeout=60
+            )
+        )
+    )
     time.sleep(0.3)
     refused = httpx.post(f"{strict}/v1/encode", json=body(["word " * 400] * 2), timeout=30)  # two items only
     short = httpx.post(f"{strict}/v1/encode", json=body(["hi"] * 20, timeout_s=30), timeout=30)  # 20 items fit
@@ -327,7 +339,9 @@ def test_a_result_larger_than_the_limit_is_400_saying_how_to_split(strict):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "result_too_large"
-    assert error["details"]["max_items"] == 100_000 // (384 * 4) and f"at most {100_000 // 1536} items" in error["message"]
+    assert (
+        error["details"]["max_items"] == 100_000 // (384 * 4) and f"at most {100_000 // 1536} items" in error["message"]
+    )
     assert smaller.status_code == 200, smaller.text  # int8 is a quarter of the size
 
 

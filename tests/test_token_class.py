@@ -36,8 +36,15 @@ TEXTS = [
 def save_token_classifier(directory, labels: list[str], seed: int = 3) -> None:
     torch.manual_seed(seed)
     config = transformers.BertConfig(
-        vocab_size=30522, max_position_embeddings=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, id2label=dict(enumerate(labels)), label2id={k: i for i, k in enumerate(labels)})
+        vocab_size=30522,
+        max_position_embeddings=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        id2label=dict(enumerate(labels)),
+        label2id={k: i for i, k in enumerate(labels)},
+    )
     model = transformers.BertForTokenClassification(config).eval()
     with torch.no_grad():  # logits of a few units, so labels vary from token to token
         model.classifier.weight.mul_(40.0)
@@ -49,8 +56,11 @@ def save_token_classifier(directory, labels: list[str], seed: int = 3) -> None:
 
 def shoal_entities(directory, texts: list[str], strategy: str) -> list[list[dict]]:
     model = build_model(directory, None, "cpu")
-    head = TokenClassHead.build(BuildContext(card=None, model=model, directory=directory, tokenizer=None,
-                                             to={"device": "cpu", "dtype": torch.float32}))
+    head = TokenClassHead.build(
+        BuildContext(
+            card=None, model=model, directory=directory, tokenizer=None, to={"device": "cpu", "dtype": torch.float32}
+        )
+    )
     encoded = TextTokenizer.from_dir(directory, 64).encode(texts, True, with_offsets=True)
     lengths = [len(e) for e in encoded]
     input_ids = torch.from_numpy(np.concatenate([e.ids for e in encoded]))  # [T]
@@ -60,22 +70,25 @@ def shoal_entities(directory, texts: list[str], strategy: str) -> list[list[dict
         logits = head.logits(model(inputs)).numpy()  # [T, labels]
     out, start = [], 0
     for text, e in zip(texts, encoded):
-        out.append(aggregate_entities(logits[start:start + len(e)], head.id2label, e.offsets, e.word_ids, text,
-                                      strategy))
+        out.append(
+            aggregate_entities(logits[start : start + len(e)], head.id2label, e.offsets, e.word_ids, text, strategy)
+        )
         start += len(e)
     return out
 
 
 def pipeline_entities(directory, texts: list[str], strategy: str) -> list[list[dict]]:
-    pipe = transformers.pipeline("token-classification", model=str(directory), aggregation_strategy=strategy,
-                                 device="cpu")
+    pipe = transformers.pipeline(
+        "token-classification", model=str(directory), aggregation_strategy=strategy, device="cpu"
+    )
     return [pipe(t) for t in texts]
 
 
 def assert_same(got: list[dict], expected: list[dict], text: str) -> None:
-    assert [(g["label"], g["start"], g["end"]) for g in got] == \
-        [(e["entity_group"], e["start"], e["end"]) for e in expected], text
-    assert [g["text"] for g in got] == [text[e["start"]:e["end"]] for e in expected]
+    assert [(g["label"], g["start"], g["end"]) for g in got] == [
+        (e["entity_group"], e["start"], e["end"]) for e in expected
+    ], text
+    assert [g["text"] for g in got] == [text[e["start"] : e["end"]] for e in expected]
     for g, e in zip(got, expected):
         assert abs(g["score"] - float(e["score"])) <= 1e-4, (g, e)
 
@@ -117,18 +130,23 @@ def test_hand_set_tag_sequences_match_pipeline_postprocess(bio_model):
     rng = np.random.default_rng(0)
     found = 0
     for text in TEXTS:
-        inputs = pipe.tokenizer(text, return_tensors="pt", return_special_tokens_mask=True,
-                                return_offsets_mapping=True)
+        inputs = pipe.tokenizer(text, return_tensors="pt", return_special_tokens_mask=True, return_offsets_mapping=True)
         n = inputs["input_ids"].shape[1]
         logits = rng.normal(size=(n, len(MIXED))).astype(np.float32)
         logits[np.arange(n), [pattern[i % len(pattern)] for i in range(n)]] += 3.0
         [encoded] = tokenizer.encode([text], True, with_offsets=True)
         assert encoded.ids.tolist() == inputs["input_ids"][0].tolist()
         for strategy in STRATEGIES:
-            outputs = {"logits": torch.from_numpy(logits)[None], "input_ids": inputs["input_ids"],
-                       "offset_mapping": inputs["offset_mapping"],
-                       "special_tokens_mask": inputs["special_tokens_mask"], "sentence": text, "is_last": True,
-                       "word_ids": None, "word_to_chars_map": None}
+            outputs = {
+                "logits": torch.from_numpy(logits)[None],
+                "input_ids": inputs["input_ids"],
+                "offset_mapping": inputs["offset_mapping"],
+                "special_tokens_mask": inputs["special_tokens_mask"],
+                "sentence": text,
+                "is_last": True,
+                "word_ids": None,
+                "word_to_chars_map": None,
+            }
             expected = pipe.postprocess([outputs], aggregation_strategy=AggregationStrategy(strategy))
             got = aggregate_entities(logits, id2label, encoded.offsets, encoded.word_ids, text, strategy)
             assert_same(got, expected, text)
@@ -141,7 +159,7 @@ def test_entity_text_is_the_slice_of_non_ascii_text(bio_model):
         [entities] = shoal_entities(bio_model, [NON_ASCII], strategy)
         assert entities, strategy
         for e in entities:
-            assert NON_ASCII[e["start"]:e["end"]] == e["text"] and e["text"].strip()
+            assert NON_ASCII[e["start"] : e["end"]] == e["text"] and e["text"].strip()
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -153,8 +171,12 @@ def test_word_windows_cover_fit_and_own_every_start_once(seed):
     from shoal.spans import owned_starts, word_windows
 
     rng = np.random.default_rng(seed)
-    n, room, max_words, overlap = int(rng.integers(1, 400)), int(rng.integers(8, 60)), int(rng.integers(2, 50)), \
-        int(rng.integers(0, 20))
+    n, room, max_words, overlap = (
+        int(rng.integers(1, 400)),
+        int(rng.integers(8, 60)),
+        int(rng.integers(2, 50)),
+        int(rng.integers(0, 20)),
+    )
     counts = np.minimum(rng.choice([1, 1, 1, 2, 3, 90], size=n), room)
     windows = word_windows(counts, room, max_words, overlap)
     assert windows[0][0] == 0 and windows[-1][1] == n

@@ -15,8 +15,11 @@ from shoal.cluster import protocol
 from shoal.engine.tasks import task_for
 from shoal.verbs import KINDS, estimate_tokens, kind_of
 
-TEXTS = ["Ada Lovelace wrote the first program for Charles Babbage's engine in London.",
-         "short", "A much longer text about the river Thames, " * 40]
+TEXTS = [
+    "Ada Lovelace wrote the first program for Charles Babbage's engine in London.",
+    "short",
+    "A much longer text about the river Thames, " * 40,
+]
 LABELS = ["person", "place", "machine", "Person"]
 
 
@@ -39,7 +42,9 @@ CATALOG = Catalog.load()
 CASES = [(card.id, call) for card in CATALOG for call in calls_for(card)]
 
 
-@pytest.mark.parametrize(("model_id", "call"), CASES, ids=[f"{m}-{type(c).__name__}-{i}" for i, (m, c) in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("model_id", "call"), CASES, ids=[f"{m}-{type(c).__name__}-{i}" for i, (m, c) in enumerate(CASES)]
+)
 def test_the_engine_plan_and_the_gateways_header_count_a_call_alike(model_id, call):
     card = CATALOG.get(model_id)
     planned = task_for(call, card).plan(card, call).estimated_tokens
@@ -62,8 +67,11 @@ def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_ver
 
     kinds = {card.extract.kind for card in CATALOG if card.extract is not None}
     assert {f"extract:{kind}" for kind in kinds} <= set(KINDS)
-    tasks = {type(task_for(ExtractCall(card.id, ["x"], labels=["y"]), card)).__name__
-             for card in CATALOG if card.extract is not None}
+    tasks = {
+        type(task_for(ExtractCall(card.id, ["x"], labels=["y"]), card)).__name__
+        for card in CATALOG
+        if card.extract is not None
+    }
     assert tasks == {"GlinerTask", "TokenClassTask", "ZeroShotTask"}
     embedder = CATALOG.get("sentence-transformers/all-MiniLM-L6-v2")
     with pytest.raises(InvalidRequest, match="does not extract"):
@@ -73,12 +81,15 @@ def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_ver
 def test_planning_imports_neither_torch_nor_heads():
     """Tasks plan from the backend's torch-free ModelInfo: importing every task (and the backend
     seam) loads no torch and no head module."""
-    code = ("import sys\n"
-            "from shoal.verbs import KINDS\n"
-            "from shoal.engine.tasks import task_of_kind\n"
-            "import shoal.engine.backend\n"
-            "[task_of_kind(name) for name in KINDS]\n"
-            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('shoal.heads') or m.startswith('shoal.layers'))\n"
-            "print(bad)\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys\n"
+        "from shoal.verbs import KINDS\n"
+        "from shoal.engine.tasks import task_of_kind\n"
+        "import shoal.engine.backend\n"
+        "[task_of_kind(name) for name in KINDS]\n"
+        "bad = sorted(m for m in sys.modules\n"
+        "             if m == 'torch' or m.startswith('shoal.heads') or m.startswith('shoal.layers'))\n"
+        "print(bad)\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -104,7 +104,12 @@ def test_bin_and_vocab_only_minilm_serves_what_transformers_computes(tmp_path, m
     folder = vocab_folder(tmp_path / "model", minilm_dir)
     torch.save(load_file(str(minilm_dir / "model.safetensors")), folder / "pytorch_model.bin")
     assert sorted(p.name for p in folder.iterdir()) == [
-        "config.json", "pytorch_model.bin", "special_tokens_map.json", "tokenizer_config.json", "vocab.txt"]
+        "config.json",
+        "pytorch_model.bin",
+        "special_tokens_map.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+    ]
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     model = transformers.AutoModel.from_pretrained(str(folder)).eval()
@@ -114,8 +119,15 @@ def test_bin_and_vocab_only_minilm_serves_what_transformers_computes(tmp_path, m
     mask = batch["attention_mask"][..., None].float()
     expected = torch.nn.functional.normalize((states * mask).sum(1) / mask.sum(1), dim=-1).numpy()
 
-    card = {"id": "local/minilm-bin", "architecture": "bert", "source": {"path": str(folder)}, "max_length": 256,
-            "pooling": "mean", "normalize": True, "dimensions": 384}
+    card = {
+        "id": "local/minilm-bin",
+        "architecture": "bert",
+        "source": {"path": str(folder)},
+        "max_length": 256,
+        "pooling": "mean",
+        "normalize": True,
+        "dimensions": 384,
+    }
     items = engine_encode(tmp_path, card)
     np.testing.assert_allclose(np.stack([i.dense for i in items]), expected, atol=1e-5)
 
@@ -163,17 +175,44 @@ def test_download_patterns_take_every_file_of_a_bin_and_vocab_repo(tmp_path, min
 
 def test_download_patterns_take_safetensors_over_bin_per_folder_and_every_module_file():
     files = [
-        "config.json", "model.safetensors", "pytorch_model.bin", "tf_model.h5", "rust_model.ot",
-        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "merges.txt",
-        "vocab.json", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
-        "1_Pooling/config.json", "2_Dense/config.json", "2_Dense/pytorch_model.bin",
-        "3_Dense/config.json", "3_Dense/model.safetensors", "3_Dense/pytorch_model.bin",
-        "onnx/model.onnx", "openvino/openvino_model.bin", "openvino/openvino_model.xml", "README.md",
-        "colbert_linear.pt", "sparse_linear.pt",
+        "config.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "tf_model.h5",
+        "rust_model.ot",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.txt",
+        "merges.txt",
+        "vocab.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "config_sentence_transformers.json",
+        "1_Pooling/config.json",
+        "2_Dense/config.json",
+        "2_Dense/pytorch_model.bin",
+        "3_Dense/config.json",
+        "3_Dense/model.safetensors",
+        "3_Dense/pytorch_model.bin",
+        "onnx/model.onnx",
+        "openvino/openvino_model.bin",
+        "openvino/openvino_model.xml",
+        "README.md",
+        "colbert_linear.pt",
+        "sparse_linear.pt",
     ]
     selected = set(filter_repo_objects(files, allow_patterns=download_patterns(files)))
-    skipped = {"pytorch_model.bin", "3_Dense/pytorch_model.bin", "tf_model.h5", "rust_model.ot", "onnx/model.onnx",
-               "openvino/openvino_model.bin", "openvino/openvino_model.xml", "README.md"}
+    skipped = {
+        "pytorch_model.bin",
+        "3_Dense/pytorch_model.bin",
+        "tf_model.h5",
+        "rust_model.ot",
+        "onnx/model.onnx",
+        "openvino/openvino_model.bin",
+        "openvino/openvino_model.xml",
+        "README.md",
+    }
     assert selected == set(files) - skipped
 
 
@@ -187,8 +226,9 @@ def test_a_sentence_transformers_folder_cut_to_the_download_patterns_loads_the_s
     full = tmp_path / "full"
     encoder = full / "encoder"
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=64)
+    config = transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
     transformers.BertModel(config).save_pretrained(encoder)
     minilm = resolve_weights(Catalog.load().get("sentence-transformers/all-MiniLM-L6-v2"), allow_download=False)
     transformers.AutoTokenizer.from_pretrained(minilm).save_pretrained(encoder)
@@ -211,5 +251,6 @@ def test_a_sentence_transformers_folder_cut_to_the_download_patterns_loads_the_s
     np.testing.assert_allclose(np.stack([i.dense for i in cut_items]), expected, atol=2e-5)
     # The same weights; float32's last bits may differ, as the device's two lanes may split the texts
     # into different batches in the two runs.
-    np.testing.assert_allclose(np.stack([i.dense for i in cut_items]), np.stack([i.dense for i in full_items]),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.stack([i.dense for i in cut_items]), np.stack([i.dense for i in full_items]), rtol=1e-5, atol=1e-6
+    )

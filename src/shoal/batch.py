@@ -15,17 +15,21 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from .errors import ConfigError, InvalidRequest
 
 READ_SUFFIXES = (".txt", ".jsonl", ".parquet")
-WRITE_SUFFIXES = {"encode": (".jsonl", ".npy", ".parquet"), "score": (".jsonl", ".parquet"),
-                  "extract": (".jsonl", ".parquet")}
+WRITE_SUFFIXES = {
+    "encode": (".jsonl", ".npy", ".parquet"),
+    "score": (".jsonl", ".parquet"),
+    "extract": (".jsonl", ".parquet"),
+}
 
 
 @dataclass
@@ -67,8 +71,10 @@ def _jsonl(path: Path, field: str) -> Iterator[Record]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{number}: not JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-            raise ConfigError(f"{path}:{number}: each line must be an object with a string {field!r} field"
-                              + (" (pick another with --field)" if isinstance(obj, dict) else ""))
+            raise ConfigError(
+                f"{path}:{number}: each line must be an object with a string {field!r} field"
+                + (" (pick another with --field)" if isinstance(obj, dict) else "")
+            )
         yield Record(obj[field], obj.get("id"))
 
 
@@ -77,8 +83,9 @@ def _parquet(path: Path, field: str) -> list[Record]:
 
     table = pq.read_table(path)
     if field not in table.column_names:
-        raise ConfigError(f"{path}: no column {field!r} (its columns: {', '.join(table.column_names)}); "
-                          "pick one with --field")
+        raise ConfigError(
+            f"{path}: no column {field!r} (its columns: {', '.join(table.column_names)}); pick one with --field"
+        )
     texts = table.column(field).to_pylist()
     ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * len(texts)
     for row, text in enumerate(texts):
@@ -115,10 +122,11 @@ def check_output(path: Path | None, verb: str) -> None:
 # --- running ------------------------------------------------------------------------------------
 
 
-async def in_chunks(records: list[Record], batch_size: int, concurrency: int,
-                    run: Callable[[list[str]], Awaitable[Any]], progress: bool) -> list[Any]:
+async def in_chunks(
+    records: list[Record], batch_size: int, concurrency: int, run: Callable[[list[str]], Awaitable[Any]], progress: bool
+) -> list[Any]:
     """`run` on chunks of `batch_size` texts, `concurrency` at once; results in input order."""
-    chunks = [records[i:i + batch_size] for i in range(0, len(records), batch_size)]
+    chunks = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
     results: list[Any] = [None] * len(chunks)
     gate = asyncio.Semaphore(concurrency)
     bar = _bar(len(records), progress)
@@ -162,7 +170,7 @@ def records_of(texts: list[str], input_path: Path | None, field: str) -> list[Re
 
 
 class Timer:
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.started = time.perf_counter()
         return self
 

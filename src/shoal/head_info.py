@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar, Union
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from .engine.tokenizer import TextTokenizer
@@ -60,10 +60,13 @@ class LlmFrame:
     body: TextTokenizer
 
     def text(self, query: str, document: str, instruction: str | None) -> str:
-        values = {"instruction": self.instruction if instruction is None else instruction,
-                  "query": query, "document": document}
+        values = {
+            "instruction": self.instruction if instruction is None else instruction,
+            "query": query,
+            "document": document,
+        }
         return _FIELD.sub(lambda m: values[m.group(1)], self.template)  # one pass: values stay literal
 
 
-HeadInfo = Union[GlinerPrompt, TokenLabels, NliLabels, LlmFrame]
+HeadInfo = GlinerPrompt | TokenLabels | NliLabels | LlmFrame
 H = TypeVar("H", GlinerPrompt, TokenLabels, NliLabels, LlmFrame)

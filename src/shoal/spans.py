@@ -27,8 +27,9 @@ import numpy as np
 STRATEGIES = ("simple", "first", "max", "average")
 
 
-def aggregate_entities(logits: np.ndarray, id2label: dict[int, str], offsets: np.ndarray, word_ids: np.ndarray,
-                       text: str, strategy: str) -> list[dict]:
+def aggregate_entities(
+    logits: np.ndarray, id2label: dict[int, str], offsets: np.ndarray, word_ids: np.ndarray, text: str, strategy: str
+) -> list[dict]:
     """Entity spans `{text, label, score, start, end}` in order, from one sequence's token logits
     `[n, labels]`, its character `offsets` `[n, 2]` into `text` and `word_ids` `[n]` (-1: special)."""
     if strategy not in STRATEGIES:
@@ -42,8 +43,9 @@ def aggregate_entities(logits: np.ndarray, id2label: dict[int, str], offsets: np
     else:
         units = _words(kept, word_ids)
     # One (label, score, start, end) per token (simple) or per word.
-    entities = [(*_pick(probs[unit], strategy, id2label), int(offsets[unit[0]][0]), int(offsets[unit[-1]][1]))
-                for unit in units]
+    entities = [
+        (*_pick(probs[unit], strategy, id2label), int(offsets[unit[0]][0]), int(offsets[unit[-1]][1])) for unit in units
+    ]
     return [g for g in (_group(run, text) for run in _runs(entities)) if g["label"] != "O"]
 
 
@@ -94,8 +96,13 @@ def _runs(entities: list[tuple]) -> list[list[tuple]]:
 
 def _group(run: list[tuple], text: str) -> dict:
     start, end = run[0][2], run[-1][3]
-    return {"text": text[start:end], "label": run[0][0].split("-", 1)[-1],
-            "score": float(np.nanmean([e[1] for e in run])), "start": start, "end": end}
+    return {
+        "text": text[start:end],
+        "label": run[0][0].split("-", 1)[-1],
+        "score": float(np.nanmean([e[1] for e in run])),
+        "start": start,
+        "end": end,
+    }
 
 
 # --- GLiNER: words, windows and span decoding -------------------------------------------------
@@ -144,8 +151,9 @@ def owned_starts(windows: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def decode_spans(starts: np.ndarray, widths: np.ndarray, classes: np.ndarray, scores: np.ndarray,
-                 flat_ner: bool, multi_label: bool) -> list[tuple[int, int, int, float]]:
+def decode_spans(
+    starts: np.ndarray, widths: np.ndarray, classes: np.ndarray, scores: np.ndarray, flat_ner: bool, multi_label: bool
+) -> list[tuple[int, int, int, float]]:
     """GLiNER's greedy decoding of candidate spans (all above the threshold, in the order
     (start, width, class) of the score tensor): highest score first, a span is kept unless it
     clashes with one already kept; the kept ones are returned as (start, end, class, score) in order
@@ -165,11 +173,13 @@ def decode_spans(starts: np.ndarray, widths: np.ndarray, classes: np.ndarray, sc
     for i in order.tolist():
         s, e = int(starts[i]), int(starts[i]) + int(widths[i])
         if flat_ner:
-            clash = any((held := holder.get(w)) is not None and (held != (s, e) or not multi_label)
-                        for w in range(s, e + 1))
+            clash = any(
+                (held := holder.get(w)) is not None and (held != (s, e) or not multi_label) for w in range(s, e + 1)
+            )
         else:
-            clash = any(_clash(s, e, ks, ke, multi_label) for ks in range(s - widest + 1, e + 1)
-                        for ke in ends_at.get(ks, ()))
+            clash = any(
+                _clash(s, e, ks, ke, multi_label) for ks in range(s - widest + 1, e + 1) for ke in ends_at.get(ks, ())
+            )
         if not clash:
             kept.append((s, e, int(classes[i]), float(scores[i])))
             if flat_ner:

@@ -17,15 +17,14 @@ A new verb or kind is a registry line here, its task file, and its estimate belo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
-from .calls import (AnyCall, EncodeCall, EncodeResult, ExtractCall, ExtractResult, Result, ScoreCall,
-                    ScoreResult)
+from .calls import AnyCall, EncodeCall, EncodeResult, ExtractCall, ExtractResult, Result, ScoreCall, ScoreResult
 from .catalog import ModelCard
 from .errors import InvalidRequest
 
-AnyCallType = Union[type[EncodeCall], type[ScoreCall], type[ExtractCall]]
+AnyCallType = type[EncodeCall] | type[ScoreCall] | type[ExtractCall]
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,9 @@ MAX_WINDOWS = 32
 
 def _encode(call: AnyCall, card: ModelCard) -> int:
     assert isinstance(call, EncodeCall)
-    prefix = card.prompts.get(call.prompt_name, "") if call.prompt_name is not None else \
-        card.prompt_for(None, call.is_query)
+    prefix = (
+        card.prompts.get(call.prompt_name, "") if call.prompt_name is not None else card.prompt_for(None, call.is_query)
+    )
     return sum(text_tokens(prefix + t, card.max_length) for t in call.texts)
 
 
@@ -69,8 +69,9 @@ def _score(call: AnyCall, card: ModelCard) -> int:
         step = max(1, room - overlap)
         whole = [min(len(d) // 4 + 2, room + (MAX_WINDOWS - 1) * step) for d in call.documents]
         return sum(d + -(-d // step) * (query_tokens + 3 + overlap) for d in whole)
-    per_doc = call.max_tokens_per_doc if isinstance(call.max_tokens_per_doc, int) and call.max_tokens_per_doc > 0 \
-        else longest
+    per_doc = (
+        call.max_tokens_per_doc if isinstance(call.max_tokens_per_doc, int) and call.max_tokens_per_doc > 0 else longest
+    )
     doc_tokens = [text_tokens(d, per_doc) for d in call.documents]
     if mode == "llm" and card.score is not None:  # the prefix, template and suffix frame every document
         s = card.score
@@ -109,13 +110,16 @@ def _zero_shot(call: AnyCall, card: ModelCard) -> int:
     return sum(min(card.max_length, len(t) // 4 + 2 + 12) for t in call.texts) * labels
 
 
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (
-    Kind("encode", EncodeCall, EncodeResult, "encode:EncodeTask", _encode),
-    Kind("score", ScoreCall, ScoreResult, "score:ScoreTask", _score),
-    Kind("extract:gliner", ExtractCall, ExtractResult, "extract_gliner:GlinerTask", _gliner),
-    Kind("extract:token_class", ExtractCall, ExtractResult, "extract_token_class:TokenClassTask", _token_class),
-    Kind("extract:zero_shot", ExtractCall, ExtractResult, "extract_zero_shot:ZeroShotTask", _zero_shot),
-)}
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind("encode", EncodeCall, EncodeResult, "encode:EncodeTask", _encode),
+        Kind("score", ScoreCall, ScoreResult, "score:ScoreTask", _score),
+        Kind("extract:gliner", ExtractCall, ExtractResult, "extract_gliner:GlinerTask", _gliner),
+        Kind("extract:token_class", ExtractCall, ExtractResult, "extract_token_class:TokenClassTask", _token_class),
+        Kind("extract:zero_shot", ExtractCall, ExtractResult, "extract_zero_shot:ZeroShotTask", _zero_shot),
+    )
+}
 
 VERB_OF_CALL: dict[type, str] = {EncodeCall: "encode", ScoreCall: "score", ExtractCall: "extract"}
 
@@ -127,8 +131,10 @@ def kind_of(call: AnyCall, card: ModelCard) -> Kind:
     if verb is None:
         raise InvalidRequest(f"this server does not serve {type(call).__name__} calls")
     if verb not in card.tasks or (verb == "extract" and card.extract is None):
-        raise InvalidRequest(f"model {card.id} does not {verb}; it serves: {', '.join(card.tasks)}",
-                             details={"model": card.id, "tasks": list(card.tasks)})
+        raise InvalidRequest(
+            f"model {card.id} does not {verb}; it serves: {', '.join(card.tasks)}",
+            details={"model": card.id, "tasks": list(card.tasks)},
+        )
     name = f"extract:{card.extract.kind}" if verb == "extract" and card.extract is not None else verb
     kind = KINDS.get(name)
     if kind is None:

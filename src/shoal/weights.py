@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -37,8 +38,15 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{directory}/config.json: {exc}") from None
 
 
-def build_model(directory: Path, architecture: str | None, device: str, dtype: str = "float32", *,
-                config: dict[str, Any] | None = None, prefixes: tuple[str, ...] | None = None) -> nn.Module:
+def build_model(
+    directory: Path,
+    architecture: str | None,
+    device: str,
+    dtype: str = "float32",
+    *,
+    config: dict[str, Any] | None = None,
+    prefixes: tuple[str, ...] | None = None,
+) -> nn.Module:
     """Instantiate the architecture from config.json (or `config`) and load its weights, ready for
     inference. `prefixes`: what the checkpoint puts before the encoder's names, when it is not
     what the model class declares (a GLiNER checkpoint nests its backbone)."""
@@ -89,7 +97,7 @@ def _tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor], tupl
 def _canonical(name: str, prefixes: tuple[str, ...]) -> str:
     for prefix in prefixes:
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
             break
     for old, new in _LEGACY:
         if name.endswith(old):
@@ -127,9 +135,11 @@ def load_weights(model: nn.Module, directory: Path, prefixes: tuple[str, ...] | 
         if filled[name] != expected:
             missing.append(name)
     if missing:
-        raise ModelLoadError(f"{directory}: checkpoint lacks tensors for {', '.join(missing[:8])}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""),
-                             details={"missing": missing, "unused": unknown})
+        raise ModelLoadError(
+            f"{directory}: checkpoint lacks tensors for {', '.join(missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""),
+            details={"missing": missing, "unused": unknown},
+        )
 
 
 def _route(rules, name: str) -> tuple[str, int | None] | None:
@@ -140,7 +150,9 @@ def _route(rules, name: str) -> tuple[str, int | None] | None:
     return None
 
 
-def _copy(model: nn.Module, param: torch.Tensor, param_name: str, shard: int | None, tensor: torch.Tensor, key: str) -> None:
+def _copy(
+    model: nn.Module, param: torch.Tensor, param_name: str, shard: int | None, tensor: torch.Tensor, key: str
+) -> None:
     dest = param.data
     if shard is not None:
         sizes = model.get_submodule(param_name.rsplit(".", 1)[0]).shard_sizes
@@ -161,8 +173,9 @@ def tensor_shape(directory: Path, names: tuple[str, ...]) -> tuple[int, ...] | N
     return next((found[name] for name in names if name in found), None)
 
 
-def estimate_bytes(directory: Path, dtype: str = "float32", *, quantize: str | None = None,
-                   architecture: str | None = None) -> int:
+def estimate_bytes(
+    directory: Path, dtype: str = "float32", *, quantize: str | None = None, architecture: str | None = None
+) -> int:
     """Bytes the weights take once loaded in `dtype`: from safetensors headers, or from the shapes
     of a memory-mapped `pytorch_model*.bin`. With `quantize` "int8", the encoder's Linear weights
     (of `architecture`, default config.json's) take one byte per element plus a float32 scale per
@@ -181,8 +194,9 @@ def estimate_bytes(directory: Path, dtype: str = "float32", *, quantize: str | N
     return total
 
 
-def load_tensors(directory: Path, names: list[str], file: str | None = None,
-                 prefixes: tuple[str, ...] = _PREFIXES) -> dict[str, torch.Tensor]:
+def load_tensors(
+    directory: Path, names: list[str], file: str | None = None, prefixes: tuple[str, ...] = _PREFIXES
+) -> dict[str, torch.Tensor]:
     """Tensors by name for a head (MLM head, projections), from the model's safetensors or `file`.
 
     Names match after prefix stripping, as for the encoder. A `.pt`/`.bin` file is read with

@@ -37,17 +37,28 @@ from .errors import ModelLoadError
 from .weights import read_config
 
 # What BertForTokenClassification checkpoints hold, by module (the pooler is not used for tokens).
-_EMBEDDINGS = ["bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
-               "bert.embeddings.token_type_embeddings.weight", "bert.embeddings.LayerNorm.weight",
-               "bert.embeddings.LayerNorm.bias"]
-_LAYER_MODULES = ["attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                  "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"]
+_EMBEDDINGS = [
+    "bert.embeddings.word_embeddings.weight",
+    "bert.embeddings.position_embeddings.weight",
+    "bert.embeddings.token_type_embeddings.weight",
+    "bert.embeddings.LayerNorm.weight",
+    "bert.embeddings.LayerNorm.bias",
+]
+_LAYER_MODULES = [
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.output.dense",
+    "attention.output.LayerNorm",
+    "intermediate.dense",
+    "output.dense",
+    "output.LayerNorm",
+]
 _CLASSIFIER = ["classifier.weight", "classifier.bias"]
 _LAYER = re.compile(r"bert\.encoder\.layer\.(\d+)\.")
 
 # Files of the model folder that travel with the weights (LICENSE: the rampart model is CC BY 4.0).
-_COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
-           "LICENSE")
+_COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "LICENSE")
 
 _MS_DOMAIN = "com.microsoft"
 
@@ -79,8 +90,7 @@ def onnx_bert_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     def put(name: str, value: np.ndarray, *sources: str) -> None:
         for source in sources:
             if not source.startswith("onnx::") and source != name and not source.startswith(name + "_"):
-                raise ModelLoadError(f"{path}: the graph's node names make {source} {name}; its own name "
-                                     "disagrees")
+                raise ModelLoadError(f"{path}: the graph's node names make {source} {name}; its own name disagrees")
         if name in found:
             raise ModelLoadError(f"{path}: two tensors of the graph map to {name}")
         found[name] = np.array(value, dtype=np.float32)  # a writable, contiguous copy
@@ -106,17 +116,24 @@ def onnx_bert_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                 put(f"{module}.weight", table, node.input[0])
             else:  # Gather on the quantised table, then DequantizeLinear on the rows it took
                 dq = _only_consumer(node.output[0], consumers, "DequantizeLinear", path)
-                put(f"{module}.weight", _dequantize_linear(dq, table, inits, path), node.input[0],
-                    *_present(dq.input[1:]))
+                put(
+                    f"{module}.weight",
+                    _dequantize_linear(dq, table, inits, path),
+                    node.input[0],
+                    *_present(dq.input[1:]),
+                )
         elif node.op_type in ("MatMul", "Gemm") and any(name in inits for name in node.input):
-            raise ModelLoadError(f"{path}: {node.name} is an unquantised {node.op_type} on a constant; "
-                                 "only MatMulNBits linears are understood")
+            raise ModelLoadError(
+                f"{path}: {node.name} is an unquantised {node.op_type} on a constant; "
+                "only MatMulNBits linears are understood"
+            )
 
     # A weight-like constant nothing above read means a part of the model this map does not know.
     stray = sorted(name for name, value in inits.items() if name not in used and _is_weight(value) and value.ndim)
     if stray:
-        raise ModelLoadError(f"{path}: initializers not mapped to a BERT parameter: {', '.join(stray[:8])}",
-                             details={"unmapped": stray})
+        raise ModelLoadError(
+            f"{path}: initializers not mapped to a BERT parameter: {', '.join(stray[:8])}", details={"unmapped": stray}
+        )
     _check_names(found, path)
     return {name: torch.from_numpy(value) for name, value in found.items()}
 
@@ -157,14 +174,29 @@ def _matmul_nbits_weight(node, inits: dict[str, np.ndarray], path: Path) -> np.n
         raise ModelLoadError(f"{path}: {node.name}: B, scales and zero points must be constants")
     packed, scales, zero_points = (inits[name] if name else None for name in names)
     try:
-        return dequantize_nbits(packed, scales, zero_points, k=attrs.get("K"), n=attrs.get("N"),
-                                bits=attrs.get("bits", 4), block_size=attrs.get("block_size"))
+        return dequantize_nbits(
+            packed,
+            scales,
+            zero_points,
+            k=attrs.get("K"),
+            n=attrs.get("N"),
+            bits=attrs.get("bits", 4),
+            block_size=attrs.get("block_size"),
+        )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {node.name}: {exc}") from None
 
 
-def dequantize_nbits(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *,
-                     k: int, n: int, bits: int, block_size: int) -> np.ndarray:
+def dequantize_nbits(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    *,
+    k: int,
+    n: int,
+    bits: int,
+    block_size: int,
+) -> np.ndarray:
     """com.microsoft MatMulNBits' B as a torch Linear weight `[N, K]` fp32 (the op computes
     `A @ weight.T`). Raises ValueError for a layout it does not define.
 
@@ -191,8 +223,9 @@ def dequantize_nbits(packed: np.ndarray, scales: np.ndarray, zero_points: np.nda
         zp_bytes = -(-n_blocks * bits // 8)  # each row of N starts on a fresh byte
         if zero_points.dtype != np.uint8 or zero_points.size != n * zp_bytes:
             # A float zero point (of the scales' type) is a different formula; no model here uses it.
-            raise ValueError(f"zero points {zero_points.dtype} {zero_points.shape} are not packed uint8 "
-                             f"[{n}, {zp_bytes}]")
+            raise ValueError(
+                f"zero points {zero_points.dtype} {zero_points.shape} are not packed uint8 [{n}, {zp_bytes}]"
+            )
         zero = _unpack(zero_points.reshape(n, zp_bytes), bits)[:, :n_blocks].astype(np.float32)
 
     # The integer difference is exact in fp32, so the multiply is the only rounding.
@@ -203,7 +236,7 @@ def dequantize_nbits(packed: np.ndarray, scales: np.ndarray, zero_points: np.nda
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     """uint8 `[..., bytes]` -> `[..., bytes * 8 / bits]` values, the lowest bits of each byte first."""
     per_byte = 8 // bits
-    shifts = (np.arange(per_byte, dtype=np.uint8) * bits)
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits
     values = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)  # [..., bytes, per_byte]
     return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
@@ -213,8 +246,9 @@ def _dequantize_linear(node, table: np.ndarray, inits: dict[str, np.ndarray], pa
     and zero point per tensor or per slice along `axis`."""
     attrs = _attrs(node)
     if attrs.get("block_size", 0) or table.dtype not in (np.uint8, np.int8):
-        raise ModelLoadError(f"{path}: {node.name}: a {table.dtype} table with block_size "
-                             f"{attrs.get('block_size', 0)} is not understood")
+        raise ModelLoadError(
+            f"{path}: {node.name}: a {table.dtype} table with block_size {attrs.get('block_size', 0)} is not understood"
+        )
     names = _present(node.input[1:])
     if any(name not in inits for name in names):
         raise ModelLoadError(f"{path}: {node.name}: scale or zero point is not a constant")
@@ -238,8 +272,9 @@ def _module(node, path: Path) -> str:
     MatMul_Q4` -> `bert.encoder.layer.0.attention.self.query`."""
     parts = node.name.strip("/").split("/")
     if not node.name.startswith("/") or len(parts) < 2:
-        raise ModelLoadError(f"{path}: node {node.name!r} ({node.op_type}) does not name its module "
-                             "(not a torch.onnx export?)")
+        raise ModelLoadError(
+            f"{path}: node {node.name!r} ({node.op_type}) does not name its module (not a torch.onnx export?)"
+        )
     return ".".join(parts[:-1])
 
 
@@ -253,16 +288,16 @@ def _bias_after(node, consumers: dict[str, list[Any]], inits: dict[str, np.ndarr
         return None
     bias = others[0]
     if inits[bias].shape != (_attrs(node)["N"],):
-        raise ModelLoadError(f"{path}: {users[0].name} adds {bias} {inits[bias].shape} to a linear of "
-                             f"{_attrs(node)['N']} outputs")
+        raise ModelLoadError(
+            f"{path}: {users[0].name} adds {bias} {inits[bias].shape} to a linear of {_attrs(node)['N']} outputs"
+        )
     return bias
 
 
 def _only_consumer(output: str, consumers: dict[str, list[Any]], op_type: str, path: Path):
     users = consumers.get(output, [])
     if len(users) != 1 or users[0].op_type != op_type:
-        raise ModelLoadError(f"{path}: {output} should feed one {op_type}, feeds "
-                             f"{[u.op_type for u in users]}")
+        raise ModelLoadError(f"{path}: {output} should feed one {op_type}, feeds {[u.op_type for u in users]}")
     return users[0]
 
 
@@ -290,13 +325,16 @@ def _check_names(found: dict[str, np.ndarray], path: Path) -> None:
     num_layers = 1 + max((int(m.group(1)) for name in found if (m := _LAYER.match(name))), default=0)
     expected = set(_EMBEDDINGS + _CLASSIFIER)
     for i in range(num_layers):
-        expected.update(f"bert.encoder.layer.{i}.{module}.{role}" for module in _LAYER_MODULES
-                        for role in ("weight", "bias"))
+        expected.update(
+            f"bert.encoder.layer.{i}.{module}.{role}" for module in _LAYER_MODULES for role in ("weight", "bias")
+        )
     missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
     if missing or extra:
-        raise ModelLoadError(f"{path}: not a BertForTokenClassification graph: missing "
-                             f"{', '.join(missing[:8]) or 'nothing'}; unexpected {', '.join(extra[:8]) or 'nothing'}",
-                             details={"missing": missing, "unexpected": extra})
+        raise ModelLoadError(
+            f"{path}: not a BertForTokenClassification graph: missing "
+            f"{', '.join(missing[:8]) or 'nothing'}; unexpected {', '.join(extra[:8]) or 'nothing'}",
+            details={"missing": missing, "unexpected": extra},
+        )
 
 
 def _check_config(state: dict[str, torch.Tensor], config: dict[str, Any], path: Path) -> None:
@@ -310,8 +348,11 @@ def _check_config(state: dict[str, torch.Tensor], config: dict[str, Any], path: 
         "bert.encoder.layer.0.intermediate.dense.weight": (config.get("intermediate_size"), hidden),
         "classifier.weight": (len(config.get("id2label") or {}), hidden),
     }
-    wrong = [f"{name} {tuple(state[name].shape)} (config: {shape})" for name, shape in expected.items()
-             if tuple(state[name].shape) != shape]
+    wrong = [
+        f"{name} {tuple(state[name].shape)} (config: {shape})"
+        for name, shape in expected.items()
+        if tuple(state[name].shape) != shape
+    ]
     layers = 1 + max(int(m.group(1)) for name in state if (m := _LAYER.match(name)))
     if layers != config.get("num_hidden_layers"):
         wrong.append(f"{layers} layers (config: {config.get('num_hidden_layers')})")

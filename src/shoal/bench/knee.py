@@ -55,8 +55,17 @@ async def probe(target, clients: int, duration_s: float) -> float:
     return step.achieved_rps
 
 
-async def ramp(target, mode: str, levels: list[float], step_s: float, bounds: Bounds, *,
-               seed: int = 0, log=None, stop_after_misses: int = 2) -> list[Step]:
+async def ramp(
+    target,
+    mode: str,
+    levels: list[float],
+    step_s: float,
+    bounds: Bounds,
+    *,
+    seed: int = 0,
+    log=None,
+    stop_after_misses: int = 2,
+) -> list[Step]:
     """Each level in turn; stops after `stop_after_misses` levels in a row past the bounds (past the
     knee nothing more is learned, and an overloaded target would only queue more)."""
     steps, misses, first = [], 0, 0

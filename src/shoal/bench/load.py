@@ -83,13 +83,23 @@ class Step:
         return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
     def summary(self) -> dict:
-        return dict(mode=self.mode, offered=self.offered, duration_s=round(self.duration_s, 3),
-                    sent=self.sent, ok=self.ok, errors=self.errors, dropped=self.dropped,
-                    achieved_rps=round(self.achieved_rps, 2), items_per_s=round(self.items_per_s, 1),
-                    tokens_per_s=round(self.tokens_per_s, 1),
-                    p50_ms=_round(self.percentile_ms(50)), p90_ms=_round(self.percentile_ms(90)),
-                    p99_ms=_round(self.percentile_ms(99)), client_cpu_s=round(self.client_cpu_s, 2),
-                    statuses={str(k): v for k, v in sorted(self.statuses.items())})
+        return dict(
+            mode=self.mode,
+            offered=self.offered,
+            duration_s=round(self.duration_s, 3),
+            sent=self.sent,
+            ok=self.ok,
+            errors=self.errors,
+            dropped=self.dropped,
+            achieved_rps=round(self.achieved_rps, 2),
+            items_per_s=round(self.items_per_s, 1),
+            tokens_per_s=round(self.tokens_per_s, 1),
+            p50_ms=_round(self.percentile_ms(50)),
+            p90_ms=_round(self.percentile_ms(90)),
+            p99_ms=_round(self.percentile_ms(99)),
+            client_cpu_s=round(self.client_cpu_s, 2),
+            statuses={str(k): v for k, v in sorted(self.statuses.items())},
+        )
 
 
 def _round(value: float | None) -> float | None:
@@ -110,9 +120,20 @@ class HttpTarget:
     msgpack) or "openai" (/v1/embeddings, or `openai_path` for servers that mount it elsewhere:
     Infinity serves /embeddings). Tokens are read from each response's usage."""
 
-    def __init__(self, name: str, url: str, model: str, workload: Workload, *, wire: str = "native",
-                 msgpack: bool = False, openai_path: str = "/v1/embeddings", timeout_s: float = 120.0,
-                 token: str | None = None, call_tokens: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        model: str,
+        workload: Workload,
+        *,
+        wire: str = "native",
+        msgpack: bool = False,
+        openai_path: str = "/v1/embeddings",
+        timeout_s: float = 120.0,
+        token: str | None = None,
+        call_tokens: list[int] | None = None,
+    ) -> None:
         if wire == "openai" and workload.verb != "encode":
             raise ValueError(f"the OpenAI route only embeds; workload {workload.name!r} is {workload.verb}")
         self.name, self.url, self.model, self.workload = name, url.rstrip("/"), model, workload
@@ -130,8 +151,10 @@ class HttpTarget:
             headers["authorization"] = f"Bearer {token}"
         self._pool = _Pool(self.url)
         # Each call's whole request (head and body), built before the clock starts.
-        self._requests = [self._pool.request(path, headers, encode(_body(wire, model, workload.verb, call)))
-                          for call in workload.calls]
+        self._requests = [
+            self._pool.request(path, headers, encode(_body(wire, model, workload.verb, call)))
+            for call in workload.calls
+        ]
 
     def items_of(self, k: int) -> int:
         return len(self.workload.calls[k % len(self.workload.calls)].texts)
@@ -277,7 +300,8 @@ class _Pool:
     async def _open(self, timeout_s: float) -> _Connection:
         loop = asyncio.get_running_loop()
         _, connection = await asyncio.wait_for(
-            loop.create_connection(_Connection, self.host, self.port, ssl=self._tls), timeout_s)
+            loop.create_connection(_Connection, self.host, self.port, ssl=self._tls), timeout_s
+        )
         self._all.add(connection)
         return connection
 
@@ -316,8 +340,9 @@ async def _timed(target, k: int, step: Step) -> None:
         step.errors += 1
 
 
-async def open_loop(target, rate: float, duration_s: float, *, seed: int = 0, first: int = 0,
-                    drain_s: float = 60.0) -> Step:
+async def open_loop(
+    target, rate: float, duration_s: float, *, seed: int = 0, first: int = 0, drain_s: float = 60.0
+) -> Step:
     """Requests at Poisson arrivals of `rate`/s for `duration_s` (stretched to at least
     MIN_ARRIVALS / rate, so a slow level still sees enough requests to judge); then waits (up to
     `drain_s`) for those in flight. The step lasts until the last answer, so a backlog lowers its rate."""
@@ -358,7 +383,9 @@ async def closed_loop(target, clients: int, duration_s: float, *, first: int = 0
     """`clients` clients, each sending its next request when its last one returns, for `duration_s`
     (requests started before the end are waited for and counted)."""
     if clients < 1 or not (math.isfinite(duration_s) and duration_s > 0):
-        raise ValueError(f"a closed-loop level needs >= 1 client and a finite duration > 0, not {clients}, {duration_s}")
+        raise ValueError(
+            f"a closed-loop level needs >= 1 client and a finite duration > 0, not {clients}, {duration_s}"
+        )
     step = Step("closed", clients, duration_s)
     counter = iter(range(first, first + 10**9))
     cpu0, start = time.process_time(), time.perf_counter()

@@ -57,11 +57,18 @@ def shape_of(model_dir: Path, architecture: str) -> Shape:
         raise KeyError(f"{model_dir}/config.json has none of {_KEYS[name]}")
 
     heads = key("heads")
-    intermediate = config.get("intermediate_size") or config.get("hidden_dim") or config.get("n_inner") \
-        or 4 * key("hidden")
-    return Shape(key("hidden"), key("layers"), int(intermediate), heads,
-                 int(config.get("num_key_value_heads") or heads), architecture in _GATED,
-                 int(config.get("head_dim") or 0))
+    intermediate = (
+        config.get("intermediate_size") or config.get("hidden_dim") or config.get("n_inner") or 4 * key("hidden")
+    )
+    return Shape(
+        key("hidden"),
+        key("layers"),
+        int(intermediate),
+        heads,
+        int(config.get("num_key_value_heads") or heads),
+        architecture in _GATED,
+        int(config.get("head_dim") or 0),
+    )
 
 
 def effective_seq_len(lengths: list[int]) -> float:

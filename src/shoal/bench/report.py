@@ -6,8 +6,10 @@ from pathlib import Path
 
 from .load import Step
 
-HEADER = (f"{'target':>16} {'mode':>6} {'offered':>8} {'req/s':>8} {'items/s':>8} {'tokens/s':>9} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'cpu cli':>7}")
+HEADER = (
+    f"{'target':>16} {'mode':>6} {'offered':>8} {'req/s':>8} {'items/s':>8} {'tokens/s':>9} "
+    f"{'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'cpu cli':>7}"
+)
 
 
 def _ms(value: float | None) -> str:
@@ -18,9 +20,11 @@ def row(target: str, step: Step, mark: str = "") -> str:
     offered = f"{step.offered:.1f}" if step.mode == "open" else f"{int(step.offered)} cl"
     errors = step.errors + step.dropped
     cpu = step.client_cpu_s / step.duration_s if step.duration_s else 0.0
-    return (f"{target:>16} {step.mode:>6} {offered:>8} {step.achieved_rps:>8.1f} {step.items_per_s:>8.1f} "
-            f"{step.tokens_per_s:>9.0f} {_ms(step.percentile_ms(50)):>8} {_ms(step.percentile_ms(99)):>8} "
-            f"{errors:>7} {cpu:>7.2f}{mark}")
+    return (
+        f"{target:>16} {step.mode:>6} {offered:>8} {step.achieved_rps:>8.1f} {step.items_per_s:>8.1f} "
+        f"{step.tokens_per_s:>9.0f} {_ms(step.percentile_ms(50)):>8} {_ms(step.percentile_ms(99)):>8} "
+        f"{errors:>7} {cpu:>7.2f}{mark}"
+    )
 
 
 def plot(path: Path, ramps: dict[str, tuple[list[Step], Step | None]], title: str, p99_bound_ms: float) -> str | None:
@@ -45,8 +49,14 @@ def plot(path: Path, ramps: dict[str, tuple[list[Step], Step | None]], title: st
         if knee is not None:
             for axis in (top, bottom):
                 axis.axvline(knee.offered, color=colour, linestyle=":", linewidth=1)
-            top.annotate(f"knee {knee.achieved_rps:.1f} req/s", (knee.offered, knee.achieved_rps),
-                         textcoords="offset points", xytext=(5, -12), color=colour, fontsize=8)
+            top.annotate(
+                f"knee {knee.achieved_rps:.1f} req/s",
+                (knee.offered, knee.achieved_rps),
+                textcoords="offset points",
+                xytext=(5, -12),
+                color=colour,
+                fontsize=8,
+            )
     if mode == "open":
         edge = max((s.offered for steps, _ in ramps.values() for s in steps), default=1.0)
         top.plot([0, edge], [0, edge], color="grey", linewidth=0.8, label="offered")

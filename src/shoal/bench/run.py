@@ -64,7 +64,9 @@ async def measure_and_close(target, plan: Plan, log=print) -> tuple[list[Step], 
         await target.aclose()
 
 
-def call_tokens(model_dir: Path | None, max_length: int, workload: workloads.Workload) -> tuple[list[int] | None, list[int]]:
+def call_tokens(
+    model_dir: Path | None, max_length: int, workload: workloads.Workload
+) -> tuple[list[int] | None, list[int]]:
     """(tokens per call, tokens per sequence) with the model's tokenizer.json (special tokens in,
     truncated at the card's max_length); (None, []) when the folder has none."""
     path = model_dir / "tokenizer.json" if model_dir else None
@@ -91,8 +93,10 @@ def _knee_line(name: str, found: Step | None, bound_ms: float) -> str:
     if found is None:
         return f"knee {name}: none (no level had p99 <= {bound_ms:g} ms with the rate followed)"
     offered = f"offered {found.offered:g} req/s" if found.mode == "open" else f"{int(found.offered)} clients"
-    return (f"knee {name}: {found.achieved_rps:.1f} req/s, {found.tokens_per_s:,.0f} tokens/s ({offered}; "
-            f"p50 {found.percentile_ms(50):.1f} ms, p99 {found.percentile_ms(99):.1f} ms)")
+    return (
+        f"knee {name}: {found.achieved_rps:.1f} req/s, {found.tokens_per_s:,.0f} tokens/s ({offered}; "
+        f"p50 {found.percentile_ms(50):.1f} ms, p99 {found.percentile_ms(99):.1f} ms)"
+    )
 
 
 def run(args) -> int:
@@ -121,19 +125,29 @@ def run(args) -> int:
         model_dir = None  # a remote model: no local tokenizer, FLOPs or baseline
     per_call, lengths = call_tokens(model_dir, card.max_length, workload)
     if against and per_call is None:
-        raise ConfigError(f"--against {','.join(against)} needs the model's local folder with its tokenizer.json "
-                          "(tokens are counted with it for the baselines)")
+        raise ConfigError(
+            f"--against {','.join(against)} needs the model's local folder with its tokenizer.json "
+            "(tokens are counted with it for the baselines)"
+        )
     bounds = Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name])
-    plan = Plan(mode=args.mode, levels=tuple(args.levels or ()), step_s=args.step_s,
-                probe_clients=args.probe_clients or (32 if workload.items_per_call <= 2 else 4),
-                bounds=bounds, seed=args.seed)
+    plan = Plan(
+        mode=args.mode,
+        levels=tuple(args.levels or ()),
+        step_s=args.step_s,
+        probe_clients=args.probe_clients or (32 if workload.items_per_call <= 2 else 4),
+        bounds=bounds,
+        seed=args.seed,
+    )
     load0 = machine.load_average()
     # The GEMM peak is probed before the load and again after it, and the better probe counts: on a
     # shared host one slow probe would lower the bound and flatter shoal's share of it.
     probes = [_gemm_probe()] if model_dir is not None and lengths and card.architecture else []
     print(f"shoal bench: {card.id}, workload {workload.name} ({workload.description}), {plan.mode} loop")
     if load0:
-        print(f"machine: load avg {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at start; client and servers share this machine")
+        print(
+            f"machine: load avg {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at start; "
+            "client and servers share this machine"
+        )
     print(report.HEADER)
     results: dict[str, dict] = {}
     ramps: dict[str, tuple[list[Step], Step | None]] = {}
@@ -151,16 +165,23 @@ def run(args) -> int:
                 else:
                     from .targets import infinity_serve
 
-                    url, _ = stack.enter_context(infinity_serve(args.infinity, model_dir, Path(tmp) / "infinity.log",
-                                                                batch_size=args.infinity_batch_size))
-                target = (HttpTarget(name, url, card.id, workload, msgpack=args.msgpack, token=args.api_key)
-                          if name == "shoal" else
-                          HttpTarget(name, url, "model", workload, wire="openai", openai_path="/embeddings",
-                                     call_tokens=per_call))
+                    url, _ = stack.enter_context(
+                        infinity_serve(
+                            args.infinity, model_dir, Path(tmp) / "infinity.log", batch_size=args.infinity_batch_size
+                        )
+                    )
+                target = (
+                    HttpTarget(name, url, card.id, workload, msgpack=args.msgpack, token=args.api_key)
+                    if name == "shoal"
+                    else HttpTarget(
+                        name, url, "model", workload, wire="openai", openai_path="/embeddings", call_tokens=per_call
+                    )
+                )
                 steps, found, capacity = asyncio.run(measure_and_close(target, plan))
             ramps[name] = (steps, found)
-            results[name] = dict(url=url, probe_rps=capacity, steps=[s.summary() for s in steps],
-                                 knee=found.summary() if found else None)
+            results[name] = dict(
+                url=url, probe_rps=capacity, steps=[s.summary() for s in steps], knee=found.summary() if found else None
+            )
     lines = [_knee_line(name, found, bounds.p99_ms) for name, (_, found) in ramps.items()]
     ratios: dict[str, float] = {}
     shoal_knee = ramps["shoal"][1]
@@ -173,10 +194,18 @@ def run(args) -> int:
         from .targets import sentence_transformers_baseline
 
         base = sentence_transformers_baseline(model_dir, workload, duration_s=args.step_s)
-        baseline = dict(calls=base.calls, items=base.items, tokens=base.tokens, wall_s=round(base.wall_s, 3),
-                        tokens_per_s=round(base.tokens_per_s, 1), items_per_s=round(base.items_per_s, 1))
-        lines.append(f"sentence-transformers in-process (one encode per call): {base.tokens_per_s:,.0f} tokens/s, "
-                     f"{base.items_per_s:.1f} texts/s")
+        baseline = dict(
+            calls=base.calls,
+            items=base.items,
+            tokens=base.tokens,
+            wall_s=round(base.wall_s, 3),
+            tokens_per_s=round(base.tokens_per_s, 1),
+            items_per_s=round(base.items_per_s, 1),
+        )
+        lines.append(
+            f"sentence-transformers in-process (one encode per call): {base.tokens_per_s:,.0f} tokens/s, "
+            f"{base.items_per_s:.1f} texts/s"
+        )
         if shoal_knee:
             ratios["shoal_over_st_tokens"] = shoal_knee.tokens_per_s / base.tokens_per_s
             lines.append(f"shoal knee / sentence-transformers: {ratios['shoal_over_st_tokens']:.2f}x tokens/s")
@@ -193,20 +222,38 @@ def run(args) -> int:
                 lines.append(f"no FLOPs/token: {exc}")
         if peak and per_token:
             bound = peak / per_token
-            flops = dict(flops_per_token=per_token, effective_seq_len=round(seq, 1), fp32_gemm_peak_flops=peak,
-                         fp32_gemm_probes_flops=[probe[0] for probe in probes], torch_threads=threads,
-                         bound_tokens_per_s=round(bound, 1))
+            flops = dict(
+                flops_per_token=per_token,
+                effective_seq_len=round(seq, 1),
+                fp32_gemm_peak_flops=peak,
+                fp32_gemm_probes_flops=[probe[0] for probe in probes],
+                torch_threads=threads,
+                bound_tokens_per_s=round(bound, 1),
+            )
             probed = " and ".join(f"{(probe[0] or 0) / 1e9:.0f}" for probe in probes)
-            lines.append(f"FLOPs/token {per_token / 1e6:.1f} M (effective sequence {seq:.0f} tokens); fp32 GEMM peak "
-                         f"{peak / 1e9:.0f} GFLOP/s ({threads} threads; probed {probed} before and after the load): "
-                         f"bound {bound:,.0f} tokens/s")
+            lines.append(
+                f"FLOPs/token {per_token / 1e6:.1f} M (effective sequence {seq:.0f} tokens); fp32 GEMM peak "
+                f"{peak / 1e9:.0f} GFLOP/s ({threads} threads; probed {probed} before and after the load): "
+                f"bound {bound:,.0f} tokens/s"
+            )
             if shoal_knee:
                 ratios["shoal_share_of_bound"] = shoal_knee.tokens_per_s / bound
                 lines.append(f"shoal knee at {100 * ratios['shoal_share_of_bound']:.0f} % of the fp32-peak bound")
     print("\n".join(lines))
-    record = dict(command=" ".join(sys.argv), model=card.id, workload=workload.name,
-                  description=workload.description, mode=plan.mode, bounds=asdict(bounds), load_avg_at_start=load0, date=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                  targets=results, baseline=baseline, flops=flops, ratios={k: round(v, 4) for k, v in ratios.items()})
+    record = dict(
+        command=" ".join(sys.argv),
+        model=card.id,
+        workload=workload.name,
+        description=workload.description,
+        mode=plan.mode,
+        bounds=asdict(bounds),
+        load_avg_at_start=load0,
+        date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        targets=results,
+        baseline=baseline,
+        flops=flops,
+        ratios={k: round(v, 4) for k, v in ratios.items()},
+    )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json_out}")

@@ -10,18 +10,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
 from ..errors import ConfigError
 from .workloads import Workload
 
-
-_NOT_INHERITED = {"SHOAL_AUTH_TOKENS", "SHOAL_AUTH_TOKENS_FILE", "SHOAL_ADMIN_TOKENS", "SHOAL_MODELS", "SHOAL_DEVICE",
-                  "SHOAL_MODELS_DIRS", "SHOAL_HOST", "SHOAL_PORT"}
+_NOT_INHERITED = {
+    "SHOAL_AUTH_TOKENS",
+    "SHOAL_AUTH_TOKENS_FILE",
+    "SHOAL_ADMIN_TOKENS",
+    "SHOAL_MODELS",
+    "SHOAL_DEVICE",
+    "SHOAL_MODELS_DIRS",
+    "SHOAL_HOST",
+    "SHOAL_PORT",
+}
 
 
 def free_port() -> int:
@@ -36,8 +43,9 @@ def shoal_command() -> list[str]:
 
 
 @contextlib.contextmanager
-def spawned(cmd: list[str], ready_url: str, log_path: Path, *, env: dict[str, str] | None = None,
-            ready_timeout_s: float = 300.0) -> Iterator[int]:
+def spawned(
+    cmd: list[str], ready_url: str, log_path: Path, *, env: dict[str, str] | None = None, ready_timeout_s: float = 300.0
+) -> Iterator[int]:
     """Runs `cmd` until the block ends (SIGTERM, then SIGKILL after 20 s); yields its pid once
     `ready_url` answers 200."""
     # The user's server settings stay out of the servers measured here: tokens would refuse the
@@ -74,33 +82,70 @@ def log_tail(path: Path, num_lines: int = 30) -> str:
 
 
 @contextlib.contextmanager
-def shoal_serve(model: str, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None,
-                port: int | None = None) -> Iterator[tuple[str, int]]:
+def shoal_serve(
+    model: str, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None, port: int | None = None
+) -> Iterator[tuple[str, int]]:
     """`shoal serve --preload MODEL` on loopback; yields (url, pid) once ready."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = shoal_command() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                             "--preload", model, *args]
+    cmd = shoal_command() + [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--preload",
+        model,
+        *args,
+    ]
     with spawned(cmd, f"{url}/readyz", log_path, env=env) as pid:
         yield url, pid
 
 
 @contextlib.contextmanager
-def infinity_serve(command: str, model_dir: Path, log_path: Path, *, batch_size: int = 32,
-                   served_name: str = "model") -> Iterator[tuple[str, int]]:
+def infinity_serve(
+    command: str, model_dir: Path, log_path: Path, *, batch_size: int = 32, served_name: str = "model"
+) -> Iterator[tuple[str, int]]:
     """Infinity (`infinity_emb v2`, from its own virtualenv: `command` is the path of its
     `infinity_emb` script) serving a local model folder on CPU with its torch engine."""
     if not (Path(command).is_file() or shutil.which(command)):
-        raise ConfigError(f"--infinity {command}: no such program (the `infinity_emb` script of a venv "
-                          "with infinity-emb[server,torch]; see docs/bench.md)")
+        raise ConfigError(
+            f"--infinity {command}: no such program (the `infinity_emb` script of a venv "
+            "with infinity-emb[server,torch]; see docs/bench.md)"
+        )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [command, "v2", "--model-id", str(model_dir), "--served-model-name", served_name,
-           "--engine", "torch", "--device", "cpu", "--port", str(port), "--host", "127.0.0.1",
-           "--batch-size", str(batch_size), "--log-level", "warning",
-           "--no-compile", "--no-bettertransformer", "--no-vector-disk-cache"]
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-           "DO_NOT_TRACK": "1"}
+    cmd = [
+        command,
+        "v2",
+        "--model-id",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--engine",
+        "torch",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--batch-size",
+        str(batch_size),
+        "--log-level",
+        "warning",
+        "--no-compile",
+        "--no-bettertransformer",
+        "--no-vector-disk-cache",
+    ]
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+        "DO_NOT_TRACK": "1",
+    }
     with spawned(cmd, f"{url}/health", log_path, env=env) as pid:
         yield url, pid
 
@@ -128,8 +173,9 @@ class InProcess:
         return self.calls / self.wall_s
 
 
-def sentence_transformers_baseline(model_dir: Path, workload: Workload, *, duration_s: float,
-                                   device: str = "cpu") -> InProcess:
+def sentence_transformers_baseline(
+    model_dir: Path, workload: Workload, *, duration_s: float, device: str = "cpu"
+) -> InProcess:
     if workload.verb != "encode":
         raise ConfigError(f"the in-process baseline embeds; workload {workload.name!r} is {workload.verb}")
     try:

@@ -1,16 +1,16 @@
 """`shoal tune MODEL`: find the batching and kernels that serve a model best on this machine, and
 write them where `shoal serve` reads them.
 
-Coordinate search from the card's own limits: one knob at a time (max_batch_tokens,
-max_batch_items, batch_wait_ms, threads, the CPU attention path and feed-forward row blocks, and `quantize` int8 where the card
-can take it), each value served by a fresh `shoal serve` that reads the candidate as a tuned
-overlay, ramped as `shoal bench` does (closed loop) on the chosen workload; a value is kept when
-its best tokens/s within the bounds beats the best so far by `min_gain` (a server that fails to
-start scores 0). int8 changes outputs, so a quantize candidate must first pass a quality gate:
-every dense vector it gives for the workload's texts within `min_cosine` of the card's own (else it
-scores 0). Only the knobs the search changed are written, as `<dir>/tuned/<model>@<hardware>.yaml`
-with everything measured; `shoal serve --models-dir <dir>` then uses it (a later overlay wins over
-the package's and the card's, field by field).
+Coordinate search from the card's own limits: one knob at a time (max_batch_tokens, max_batch_items,
+batch_wait_ms, threads, the CPU attention path and feed-forward row blocks, and `quantize` int8
+where the card can take it), each value served by a fresh `shoal serve` that reads the candidate as
+a tuned overlay, ramped as `shoal bench` does (closed loop) on the chosen workload; a value is kept
+when its best tokens/s within the bounds beats the best so far by `min_gain` (a server that fails to
+start scores 0). int8 changes outputs, so a quantize candidate must first pass a quality gate: every
+dense vector it gives for the workload's texts within `min_cosine` of the card's own (else it scores
+0). Only the knobs the search changed are written, as `<dir>/tuned/<model>@<hardware>.yaml` with
+everything measured; `shoal serve --models-dir <dir>` then uses it (a later overlay wins over the
+package's and the card's, field by field).
 
 On a CPU of 2+ cores the device's lanes (1 and 2 batches side by side) are searched first, at the
 card's limits, and the card's knobs then measured at the lanes kept. Lanes belong to the device,
@@ -74,8 +74,10 @@ def write_overlay(directory: Path, tuned: Tuned) -> Path:
     path = folder / overlay_name(tuned.model, tuned.hardware)
     data = msgspec.to_builtins(tuned)
     data["batching"] = {k: v for k, v in data["batching"].items() if v is not None}
-    path.write_text("# Written by `shoal tune`; `shoal serve --models-dir DIR` reads DIR/tuned/.\n"
-                    + yaml.safe_dump(data, sort_keys=False, width=110))
+    path.write_text(
+        "# Written by `shoal tune`; `shoal serve --models-dir DIR` reads DIR/tuned/.\n"
+        + yaml.safe_dump(data, sort_keys=False, width=110)
+    )
     return path
 
 
@@ -84,14 +86,19 @@ async def _score_of(url: str, model_id: str, workload: workloads.Workload, plan:
     knee, so two settings are compared on what each can do at all."""
     steps, found, _ = await measure_and_close(HttpTarget("shoal", url, model_id, workload), plan, log=lambda s: None)
     good = [s for s in steps if within(s, plan.bounds)]
-    levels = [dict(clients=int(s.offered), tokens_per_s=round(s.tokens_per_s, 1), p99_ms=s.percentile_ms(99))
-              for s in steps]
+    levels = [
+        dict(clients=int(s.offered), tokens_per_s=round(s.tokens_per_s, 1), p99_ms=s.percentile_ms(99)) for s in steps
+    ]
     if not good:
         return 0.0, dict(best_tokens_per_s=0.0, levels=levels)
     best = max(good, key=lambda s: s.tokens_per_s)
-    return best.tokens_per_s, dict(best_tokens_per_s=round(best.tokens_per_s, 1), best_clients=int(best.offered),
-                                   p99_ms=best.percentile_ms(99), knee_clients=int(found.offered) if found else None,
-                                   levels=levels)
+    return best.tokens_per_s, dict(
+        best_tokens_per_s=round(best.tokens_per_s, 1),
+        best_clients=int(best.offered),
+        p99_ms=best.percentile_ms(99),
+        knee_clients=int(found.offered) if found else None,
+        levels=levels,
+    )
 
 
 class Lanes(msgspec.Struct, frozen=True):
@@ -103,22 +110,32 @@ class Lanes(msgspec.Struct, frozen=True):
 
 def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
     cpu = hardware.startswith("cpu")
-    values = dict(DEFAULT_VALUES, threads=tuple(sorted({1, max(1, cores // 2), cores})),
-                  lanes=(1, 2) if cpu and cores >= 2 else ())
+    values = dict(
+        DEFAULT_VALUES,
+        threads=tuple(sorted({1, max(1, cores // 2), cores})),
+        lanes=(1, 2) if cpu and cores >= 2 else (),
+    )
     for spec in specs:
         knob, _, listed = spec.partition("=")
         try:
-            parsed = tuple(v if knob in _CHOICES else float(v) if knob == "batch_wait_ms" else int(v)
-                           for v in listed.split(",") if v)
+            parsed = tuple(
+                v if knob in _CHOICES else float(v) if knob == "batch_wait_ms" else int(v)
+                for v in listed.split(",")
+                if v
+            )
         except ValueError:
             parsed = ()
         if knob not in values or not parsed or not set(parsed) <= _CHOICES.get(knob, set(parsed)):
-            raise ConfigError(f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)} "
-                              "(attention takes padded and each, quantize int8 and none)")
+            raise ConfigError(
+                f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)} "
+                "(attention takes padded and each, quantize int8 and none)"
+            )
         if knob == "lanes":
             if min(parsed) < 1 or (max(parsed) > 1 and not cpu):
-                raise ConfigError(f"--grid {spec}: lanes are 1 or more, and more than 1 only on a CPU "
-                                  "(a GPU runs one batch at a time)")
+                raise ConfigError(
+                    f"--grid {spec}: lanes are 1 or more, and more than 1 only on a CPU "
+                    "(a GPU runs one batch at a time)"
+                )
         else:
             for value in parsed:
                 check_batching(hardware, Batching(**{knob: value}), f"--grid {spec}")
@@ -162,9 +179,16 @@ class Searched:
     confirmed: bool | None
 
 
-def search(trial: Callable[[Batching], float], start: Batching, values: dict[str, tuple], knobs: list[str],
-           min_gain: float, confirm: int, log: Callable[[str], None] = print,
-           start_name: str = "the card's limits") -> Searched:
+def search(
+    trial: Callable[[Batching], float],
+    start: Batching,
+    values: dict[str, tuple],
+    knobs: list[str],
+    min_gain: float,
+    confirm: int,
+    log: Callable[[str], None] = print,
+    start_name: str = "the card's limits",
+) -> Searched:
     """Coordinate search from `start`, one knob at a time over its `values`, scoring each candidate
     by `trial` (tokens/s, 0 for a failure); a value is kept when it beats the best so far by
     `min_gain`, and a candidate already scored keeps its score. A search over noisy single trials
@@ -200,9 +224,11 @@ def search(trial: Callable[[Batching], float], start: Batching, values: dict[str
 
 def min_cosine(reference: list[list[float]], other: list[list[float]]) -> float:
     """The smallest cosine between paired vectors (1.0 for none; NaN if any is not finite)."""
+
     def cos(a, b):
         dot = sum(x * y for x, y in zip(a, b))
         return dot / (math.sqrt(sum(x * x for x in a) * sum(y * y for y in b)) or 1.0)
+
     values = [cos(a, b) for a, b in zip(reference, other, strict=True)]
     return float("nan") if not all(map(math.isfinite, values)) else min(values, default=1.0)
 
@@ -259,28 +285,40 @@ def tune(args) -> int:
     user_dirs = tuple(Path(d) for d in args.models_dir or ())
     out = Path(args.out) if args.out else (user_dirs[0] if user_dirs else None)
     if out is None:
-        raise ConfigError("say where the tuned overlay goes: --out DIR or --models-dir DIR "
-                          "(`shoal serve --models-dir DIR` then reads DIR/tuned/)")
+        raise ConfigError(
+            "say where the tuned overlay goes: --out DIR or --models-dir DIR "
+            "(`shoal serve --models-dir DIR` then reads DIR/tuned/)"
+        )
     card = Catalog.load(user_dirs, strict=False).get(args.model)
     hardware = hardware_class(args.device)
     default_workload = {"encode": "passages", "score": "rerank", "extract": "extract"}[card.tasks[0]]
     labels = None if card.extract is not None and card.extract.kind == "token_class" else workloads.WNUT_LABELS
-    workload = workloads.build(args.workload or default_workload, seed=args.seed, items=args.items,
-                               labels=labels)
-    plan = Plan(mode="closed", levels=tuple(args.clients), step_s=args.step_s, warmup_s=1.0,
-                bounds=Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name]), seed=args.seed)
+    workload = workloads.build(args.workload or default_workload, seed=args.seed, items=args.items, labels=labels)
+    plan = Plan(
+        mode="closed",
+        levels=tuple(args.clients),
+        step_s=args.step_s,
+        warmup_s=1.0,
+        bounds=Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name]),
+        seed=args.seed,
+    )
     cores = usable_cores()
     values = _grid(args.grid, cores, hardware)
     refusal = _quantize_refusal(card, hardware)
     cpu = hardware.startswith("cpu")
-    knobs = args.knobs or [k for k in values if (k != "quantize" or refusal is None) and (k not in _CPU_KNOBS or cpu)
-                           and (k != "lanes" or values[k])]
+    knobs = args.knobs or [
+        k
+        for k in values
+        if (k != "quantize" or refusal is None) and (k not in _CPU_KNOBS or cpu) and (k != "lanes" or values[k])
+    ]
     for knob in knobs:
         if knob not in values:
             raise ConfigError(f"--knobs {knob}: use {', '.join(values)}")
     if "lanes" in knobs and not values["lanes"]:
-        raise ConfigError("--knobs lanes: a device runs more than one lane only on a CPU; on a CPU of one core "
-                          "give --grid lanes=1,2 to try two anyway")
+        raise ConfigError(
+            "--knobs lanes: a device runs more than one lane only on a CPU; on a CPU of one core "
+            "give --grid lanes=1,2 to try two anyway"
+        )
     # The lanes serve would run (SHOAL_DEVICE_LANES, which the servers started here inherit, else the
     # default): the card's knobs are measured at these unless the lanes search finds better.
     try:
@@ -308,10 +346,13 @@ def tune(args) -> int:
         texts = list(dict.fromkeys(t for call in workload.calls for t in call.texts))[:GATE_TEXTS]
         gate = QualityGate(card.id, texts, start, args.min_cosine)
     trials: list[dict] = []
-    print(f"shoal tune: {card.id} on {hardware}, workload {workload.name} ({workload.description}), "
-          f"clients {list(plan.levels)}, {plan.step_s:g} s a level, p99 <= {plan.bounds.p99_ms:g} ms")
+    print(
+        f"shoal tune: {card.id} on {hardware}, workload {workload.name} ({workload.description}), "
+        f"clients {list(plan.levels)}, {plan.step_s:g} s a level, p99 <= {plan.bounds.p99_ms:g} ms"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
+
         def trial(batching: Batching) -> float:
             candidate = Tuned(card.id, hardware, batching)
             load_tuned(write_overlay(Path(tmp), candidate))  # valid (else CardError), and the last overlay read
@@ -328,50 +369,88 @@ def tune(args) -> int:
                         score, measured = asyncio.run(_score_of(url, card.id, workload, plan))
             except ConfigError as exc:  # this setting's server did not start (e.g. out of memory)
                 score, measured = 0.0, dict(best_tokens_per_s=0.0, error=exc.message.splitlines()[0])
-            trials.append(dict(settings=settings, lanes=lanes.lanes, **({"quality": quality} if quality else {}),
-                               **measured))
+            trials.append(
+                dict(settings=settings, lanes=lanes.lanes, **({"quality": quality} if quality else {}), **measured)
+            )
             what = settings or "the card's limits"
             shown = f"{what} at {lanes.lanes} lane(s)"
-            print(f"  {shown}: " + (f"{score:,.0f} tokens/s at {measured['best_clients']} clients, p99 "
-                                     f"{measured['p99_ms']:.0f} ms" if score else measured.get("error", "no level within the bounds")))
+            print(
+                f"  {shown}: "
+                + (
+                    f"{score:,.0f} tokens/s at {measured['best_clients']} clients, p99 {measured['p99_ms']:.0f} ms"
+                    if score
+                    else measured.get("error", "no level within the bounds")
+                )
+            )
             return score
 
         serve_lanes = lanes
         lanes_found = None
         if "lanes" in knobs:  # first, at the card's limits; the card's knobs are then measured at the lanes kept
+
             def lanes_trial(candidate: Lanes) -> float:
                 nonlocal lanes
                 lanes = candidate
                 return trial(start)
 
-            lanes_found = search(lanes_trial, serve_lanes, values, ["lanes"], args.min_gain, args.confirm,
-                                 start_name=f"serve's {serve_lanes.lanes} lane(s)")
+            lanes_found = search(
+                lanes_trial,
+                serve_lanes,
+                values,
+                ["lanes"],
+                args.min_gain,
+                args.confirm,
+                start_name=f"serve's {serve_lanes.lanes} lane(s)",
+            )
             lanes = lanes_found.best
         if "threads" in knobs:
             values["threads"] = _distinct_threads(values["threads"], start.threads, cores, lanes.lanes)
             if not values["threads"]:
-                print(f"  threads: every value gives each of the {lanes.lanes} lane(s) the threads the card's "
-                      "limits give: not searched")
+                print(
+                    f"  threads: every value gives each of the {lanes.lanes} lane(s) the threads the card's "
+                    "limits give: not searched"
+                )
         found = search(trial, start, values, [k for k in knobs if k != "lanes"], args.min_gain, args.confirm)
     if found.best_score <= 0:
         raise ConfigError(f"no setting met p99 <= {plan.bounds.p99_ms:g} ms: raise --p99-ms or lower --clients")
     current, best_score, baseline_score = found.best, found.best_score, found.start_score
-    changed = Batching(**{f: getattr(current, f) for f in Batching.__struct_fields__
-                          if getattr(current, f) != getattr(start, f)})
-    measured = dict(date=time.strftime("%Y-%m-%d"), workload=workload.name, description=workload.description,
-                    mode="closed", clients=[int(c) for c in plan.levels], step_s=plan.step_s,
-                    p99_bound_ms=plan.bounds.p99_ms, cores=cores, lanes=lanes.lanes, serve_lanes=serve_lanes.lanes,
-                    **(dict(lanes_confirmed=lanes_found.confirmed, lanes_tokens_per_s=round(lanes_found.best_score, 1),
-                            serve_lanes_tokens_per_s=round(lanes_found.start_score, 1)) if lanes_found else {}),
-                    best_tokens_per_s=round(best_score, 1),
-                    card_tokens_per_s=round(baseline_score, 1),
-                    gain=round(best_score / baseline_score, 3) if baseline_score else None, confirmed=found.confirmed,
-                    **({"min_cosine_bound": args.min_cosine} if "quantize" in knobs else {}), trials=trials)
+    changed = Batching(
+        **{f: getattr(current, f) for f in Batching.__struct_fields__ if getattr(current, f) != getattr(start, f)}
+    )
+    measured = dict(
+        date=time.strftime("%Y-%m-%d"),
+        workload=workload.name,
+        description=workload.description,
+        mode="closed",
+        clients=[int(c) for c in plan.levels],
+        step_s=plan.step_s,
+        p99_bound_ms=plan.bounds.p99_ms,
+        cores=cores,
+        lanes=lanes.lanes,
+        serve_lanes=serve_lanes.lanes,
+        **(
+            dict(
+                lanes_confirmed=lanes_found.confirmed,
+                lanes_tokens_per_s=round(lanes_found.best_score, 1),
+                serve_lanes_tokens_per_s=round(lanes_found.start_score, 1),
+            )
+            if lanes_found
+            else {}
+        ),
+        best_tokens_per_s=round(best_score, 1),
+        card_tokens_per_s=round(baseline_score, 1),
+        gain=round(best_score / baseline_score, 3) if baseline_score else None,
+        confirmed=found.confirmed,
+        **({"min_cosine_bound": args.min_cosine} if "quantize" in knobs else {}),
+        trials=trials,
+    )
     path = write_overlay(out, Tuned(card.id, hardware, changed, measured))
     gain = f" ({best_score / baseline_score:.2f}x the card's limits)" if baseline_score else ""
     kept = {k: v for k, v in msgspec.to_builtins(changed).items() if v is not None} or "the card's limits, unchanged"
     print(f"best: {kept}: {best_score:,.0f} tokens/s{gain}\nwrote {path}")
     if lanes != serve_lanes:
-        print(f"measured at {lanes.lanes} lane(s), which beat {serve_lanes.lanes}: serve with --lanes {lanes.lanes} "
-              "(the device's setting, for every model on it; the overlay records it but cannot set it)")
+        print(
+            f"measured at {lanes.lanes} lane(s), which beat {serve_lanes.lanes}: serve with --lanes {lanes.lanes} "
+            "(the device's setting, for every model on it; the overlay records it but cannot set it)"
+        )
     return 0

@@ -48,8 +48,18 @@ class Workload:
 
 
 # The ten WNUT-16 types in words: the labels a zero-shot extractor is prompted with.
-WNUT_LABELS = ("person", "location", "company", "facility", "product", "music artist", "movie",
-               "sports team", "tv show", "other")
+WNUT_LABELS = (
+    "person",
+    "location",
+    "company",
+    "facility",
+    "product",
+    "music artist",
+    "movie",
+    "sports team",
+    "tv show",
+    "other",
+)
 WORKLOADS = ("queries", "passages", "bulk", "rerank", "extract")
 VERBS = {"queries": "encode", "passages": "encode", "bulk": "encode", "rerank": "score", "extract": "extract"}
 # The p99 bound a knee is held to by default: what a user of each kind of call would accept.
@@ -95,8 +105,14 @@ def wnut_tweets() -> list[str]:
     return tweets
 
 
-def build(name: str, *, seed: int = 0, num_calls: int = 512, items: int | None = None,
-          labels: tuple[str, ...] | None = WNUT_LABELS) -> Workload:
+def build(
+    name: str,
+    *,
+    seed: int = 0,
+    num_calls: int = 512,
+    items: int | None = None,
+    labels: tuple[str, ...] | None = WNUT_LABELS,
+) -> Workload:
     """The workload `name`; `items` overrides its texts per call; `labels` are sent with extract
     calls (None: none, for token classifiers that have their own)."""
     rng = random.Random(seed)

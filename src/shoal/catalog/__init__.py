@@ -33,8 +33,14 @@ TUNED_DIR = "tuned"
 class Catalog:
     """Cards by model id. Later directories override earlier ones (a user may re-card a model)."""
 
-    def __init__(self, cards: list[ModelCard], broken: dict[str, str] | None = None,
-                 patterns: tuple[str, ...] = (), *, strict: bool = True) -> None:
+    def __init__(
+        self,
+        cards: list[ModelCard],
+        broken: dict[str, str] | None = None,
+        patterns: tuple[str, ...] = (),
+        *,
+        strict: bool = True,
+    ) -> None:
         self._cards: dict[str, ModelCard] = {}
         for card in cards:
             self._cards[card.id] = card
@@ -63,7 +69,7 @@ class Catalog:
             else:
                 self.broken[self._cards[model_id].card_path or model_id] = problem
 
-    def with_aliases(self, aliases: dict[str, str]) -> "Catalog":
+    def with_aliases(self, aliases: dict[str, str]) -> Catalog:
         """This catalog with `--alias NAME=MODEL` names added (each MODEL must be a served id)."""
         for alias, model_id in aliases.items():
             if model_id not in self._cards:
@@ -76,15 +82,18 @@ class Catalog:
         return tuple(sorted(alias for alias, target in self._aliases.items() if target == model_id))
 
     @classmethod
-    def load(cls, extra_dirs: tuple[Path, ...] = (), include_builtin: bool = True, *, strict: bool = True) -> "Catalog":
+    def load(cls, extra_dirs: tuple[Path, ...] = (), include_builtin: bool = True, *, strict: bool = True) -> Catalog:
         """The built-in cards and those in `extra_dirs`. `strict`: a broken user card raises
         CardError; otherwise it is recorded in `broken` and skipped."""
         cards: list[ModelCard] = []
         broken: dict[str, str] = {}
         if include_builtin:
             builtin = resources.files(__package__) / "cards"
-            cards += [load_card(Path(str(p))) for p in sorted(builtin.iterdir(), key=lambda p: p.name)
-                      if p.name.endswith((".yaml", ".yml"))]
+            cards += [
+                load_card(Path(str(p)))
+                for p in sorted(builtin.iterdir(), key=lambda p: p.name)
+                if p.name.endswith((".yaml", ".yml"))
+            ]
         for directory in extra_dirs:
             if not directory.is_dir():
                 raise CardError(f"{directory}: models directory does not exist")
@@ -113,9 +122,11 @@ class Catalog:
                     raise CardError(f"{path}: tuned overlay for {tuned.model!r}, which no card serves")
                 dtype = self._cards[tuned.model].dtype
                 if tuned.batching.quantize == "int8" and dtype != "float32":
-                    raise CardError(f"{path}: `quantize` int8 runs with float32 activations, and the card of "
-                                    f"{tuned.model!r} has dtype {dtype}: drop quantize from the overlay",
-                                    details={"file": str(path), "field": "quantize"})
+                    raise CardError(
+                        f"{path}: `quantize` int8 runs with float32 activations, and the card of "
+                        f"{tuned.model!r} has dtype {dtype}: drop quantize from the overlay",
+                        details={"file": str(path), "field": "quantize"},
+                    )
             except CardError as exc:
                 if strict:
                     raise
@@ -131,8 +142,10 @@ class Catalog:
                 base = _adapter_base(folder)
                 card = self._cards.get(base) or next((c for c in self._cards.values() if c.source.hub == base), None)
                 if card is None:
-                    raise CardError(f"{folder}: adapter for {base!r}, which no card serves "
-                                    "(set base_model_name_or_path in adapter_config.json to a model id)")
+                    raise CardError(
+                        f"{folder}: adapter for {base!r}, which no card serves "
+                        "(set base_model_name_or_path in adapter_config.json to a model id)"
+                    )
             except CardError as exc:
                 if strict:
                     raise
@@ -141,7 +154,7 @@ class Catalog:
             adapters = {**card.adapters, folder.name: str(folder.resolve())}
             self._cards[card.id] = msgspec.structs.replace(card, adapters=adapters)
 
-    def restrict(self, patterns: tuple[str, ...], *, strict: bool = True) -> "Catalog":
+    def restrict(self, patterns: tuple[str, ...], *, strict: bool = True) -> Catalog:
         """Only the cards whose id matches one of `patterns` (ids or globs); () keeps all.
         `strict`: a pattern that matches no card is a ConfigError (a typo in `--models`)."""
         if not patterns:

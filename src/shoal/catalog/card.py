@@ -7,8 +7,9 @@ exist, what the model can output and how it was verified. Errors name the file a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import msgspec
 import yaml
@@ -76,10 +77,14 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # None: ROW_BLOCK_BYTES (3 MiB: 512 MiniLM tokens, 256 BERT-base ones).
     row_block_bytes: int | None = None
 
-    def over(self, base: "Batching") -> "Batching":
+    def over(self, base: Batching) -> Batching:
         """These limits, with `base`'s where these are unset."""
-        return Batching(**{f: getattr(self, f) if getattr(self, f) is not None else getattr(base, f)
-                           for f in self.__struct_fields__})
+        return Batching(
+            **{
+                f: getattr(self, f) if getattr(self, f) is not None else getattr(base, f)
+                for f in self.__struct_fields__
+            }
+        )
 
 
 class Tuned(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -280,14 +285,14 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 limits = self.batching[key].over(limits)
         return limits
 
-    def quantize_for(self, hardware: str) -> "ModelCard":
+    def quantize_for(self, hardware: str) -> ModelCard:
         """This card with the `quantize` its limits for `hardware` choose (`batching_for`), if any."""
         chosen = self.batching_for(hardware).quantize
         if chosen is None or (chosen == "none") == (self.quantize is None):
             return self
         return msgspec.structs.replace(self, quantize=None if chosen == "none" else chosen)
 
-    def with_tuned(self, tuned: "Tuned") -> "ModelCard":
+    def with_tuned(self, tuned: Tuned) -> ModelCard:
         """This card with a tuned overlay's limits over its own for the overlay's hardware class."""
         if tuned.batching == Batching():  # a tuning run that kept the card's limits changes nothing
             return self
@@ -352,8 +357,11 @@ def _check(card: ModelCard, origin: str) -> None:
             if token not in card.score.template:
                 fail("score.template", f"must contain {token}")
     if ("extract" in card.tasks) != (card.extract is not None):
-        fail("extract", "and `tasks: [extract]` go together: an extraction model needs an extract block "
-             "(kind gliner, token_class or zero_shot)")
+        fail(
+            "extract",
+            "and `tasks: [extract]` go together: an extraction model needs an extract block "
+            "(kind gliner, token_class or zero_shot)",
+        )
     if card.extract is not None:
         ex = card.extract
         if "encode" in card.tasks or "score" in card.tasks:
@@ -373,8 +381,10 @@ def _check(card: ModelCard, origin: str) -> None:
         if ex.backbone is not None:
             b = ex.backbone
             if not (b.hub or b.path) or b.package or b.package_parts or b.onnx:
-                fail("extract.backbone", "takes hub (and revision) or path: where the backbone's config.json and "
-                     "tokenizer are")
+                fail(
+                    "extract.backbone",
+                    "takes hub (and revision) or path: where the backbone's config.json and tokenizer are",
+                )
         if ex.kind != "gliner" and (ex.backbone is not None or ex.lowercase_labels):
             fail("extract", "backbone and lowercase_labels apply to kind gliner")
     if "dense" in card.outputs and "encode" in card.tasks:
@@ -385,11 +395,15 @@ def _check(card: ModelCard, origin: str) -> None:
     if card.source.onnx and not (card.source.package or card.source.path):
         fail("source.onnx", "applies to a package or path source (a folder that holds the ONNX file)")
     if card.dtype != "float32":
-        for where, chosen in [("quantize", card.quantize)] + [(f"batching.{hw}.quantize", b.quantize)
-                                                              for hw, b in card.batching.items()]:
+        for where, chosen in [("quantize", card.quantize)] + [
+            (f"batching.{hw}.quantize", b.quantize) for hw, b in card.batching.items()
+        ]:
             if chosen == "int8":
-                fail(where, f"int8 runs with float32 activations, not dtype {card.dtype}: leave dtype unset "
-                     "(float32) or drop quantize")
+                fail(
+                    where,
+                    f"int8 runs with float32 activations, not dtype {card.dtype}: leave dtype unset "
+                    "(float32) or drop quantize",
+                )
     if card.dimensions is not None and card.dimensions < 1:
         fail("dimensions", "must be >= 1")
     if "multivector" in card.outputs and card.multivector is None:
@@ -409,8 +423,10 @@ def _check(card: ModelCard, origin: str) -> None:
 
 def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], None]) -> None:
     if not _HARDWARE_CLASS.fullmatch(hardware):
-        fail(f"batching.{hardware}", "is not a hardware class: use cpu, cpu:<CPU model>, cpu:<CPU model>+<ISA>, "
-             "cuda or cuda:<device name>")
+        fail(
+            f"batching.{hardware}",
+            "is not a hardware class: use cpu, cpu:<CPU model>, cpu:<CPU model>+<ISA>, cuda or cuda:<device name>",
+        )
     for name in ("max_batch_tokens", "max_batch_items", "threads"):
         value = getattr(limits, name)
         if value is not None and value < 1:
@@ -420,19 +436,25 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
     if limits.row_block_bytes is not None and limits.row_block_bytes < 0:
         fail(f"batching.{hardware}.row_block_bytes", "must be >= 0 (0: each feed-forward over the whole batch at once)")
     if limits.row_block_bytes is not None and not hardware.startswith("cpu"):
-        fail(f"batching.{hardware}.row_block_bytes", "row blocks run on CPUs only (on a GPU one launch over the "
-             "batch is what is fast): set it for cpu or cpu:<CPU model>")
+        fail(
+            f"batching.{hardware}.row_block_bytes",
+            "row blocks run on CPUs only (on a GPU one launch over the "
+            "batch is what is fast): set it for cpu or cpu:<CPU model>",
+        )
     if limits.threads is not None and limits.threads > 1024:
         fail(f"batching.{hardware}.threads", "must be <= 1024")
     if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:
         fail(f"batching.{hardware}.batch_wait_ms", "must be between 0 and 1000")
     if limits.quantize is not None and not hardware.startswith("cpu"):
-        fail(f"batching.{hardware}.quantize", "int8 runs on CPUs only (int8 matmuls through oneDNN): set "
-             "quantize for cpu or cpu:<CPU model>")
+        fail(
+            f"batching.{hardware}.quantize",
+            "int8 runs on CPUs only (int8 matmuls through oneDNN): set quantize for cpu or cpu:<CPU model>",
+        )
 
 
 def check_batching(hardware: str, limits: Batching, origin: str) -> None:
     """`limits` for `hardware` are valid (else CardError naming `origin` and the field)."""
+
     def fail(field: str, message: str) -> None:
         raise CardError(f"{origin}: `{field}` {message}", details={"file": origin, "field": field})
 
@@ -441,6 +463,7 @@ def check_batching(hardware: str, limits: Batching, origin: str) -> None:
 
 def load_tuned(path: Path) -> Tuned:
     """A tuned overlay file, validated (CardError names the file and field)."""
+
     def fail(field: str, message: str) -> None:
         raise CardError(f"{path}: `{field}` {message}", details={"file": str(path), "field": field})
 

@@ -17,9 +17,9 @@ import re
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import ModelLoadError
 
@@ -124,7 +124,7 @@ class _Concatenated(io.RawIOBase):
             i = bisect.bisect_right(self._starts, self._pos) - 1
             part = self._files[i]
             part.seek(self._pos - self._starts[i])
-            n = part.readinto(view[done: done + self._starts[i + 1] - self._pos])
+            n = part.readinto(view[done : done + self._starts[i + 1] - self._pos])
             if not n:
                 break
             done += n

@@ -95,7 +95,9 @@ def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
     path = folder / onnx
     try:
         stat = path.stat()
-        out = (cache_dir or ONNX_CACHE_DIR).expanduser() / f"{folder.name}-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+        out = (
+            cache_dir or ONNX_CACHE_DIR
+        ).expanduser() / f"{folder.name}-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
         if (out / "model.safetensors").is_file():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,8 +112,9 @@ def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
-        raise ModelLoadError(f"cannot dequantise {path} into {cache_dir or ONNX_CACHE_DIR}: {exc}",
-                             details={"file": str(path)}) from None
+        raise ModelLoadError(
+            f"cannot dequantise {path} into {cache_dir or ONNX_CACHE_DIR}: {exc}", details={"file": str(path)}
+        ) from None
     return out
 
 
@@ -132,8 +135,11 @@ def resolve_source(source, what: str, card_path: str | None, allow_download: boo
         from huggingface_hub import snapshot_download
 
         try:
-            return Path(snapshot_download(source.hub, revision=source.revision, local_files_only=True,
-                                          allow_patterns=list(_READ_FILES)))
+            return Path(
+                snapshot_download(
+                    source.hub, revision=source.revision, local_files_only=True, allow_patterns=list(_READ_FILES)
+                )
+            )
         except Exception:
             tried.append(f"{source.hub} is not in the Hugging Face cache")
         if allow_download:
@@ -173,6 +179,10 @@ def download_patterns(files: list[str]) -> list[str]:
     reads, and the weights of each folder (the encoder's, a Dense module's): its safetensors, or
     its `pytorch_model*.bin` where that folder has no safetensors (a repo often ships both)."""
     with_safetensors = {f.rpartition("/")[0] for f in files if f.endswith(".safetensors")}
-    torch_bins = [f for f in files if fnmatch.fnmatchcase(f.rpartition("/")[2], "pytorch_model*.bin")
-                  and f.rpartition("/")[0] not in with_safetensors]
+    torch_bins = [
+        f
+        for f in files
+        if fnmatch.fnmatchcase(f.rpartition("/")[2], "pytorch_model*.bin")
+        and f.rpartition("/")[0] not in with_safetensors
+    ]
     return [*_READ_FILES, "*.safetensors", *torch_bins]

@@ -43,8 +43,12 @@ async def read(nc: Any, js: Any, gm: GatewayMetrics, max_deliver: int, stopping:
         except (NatsTimeout, asyncio.TimeoutError):
             continue
         except Exception as exc:  # broad: the reader outlives any failure (cut off; the stream being recreated)
-            log.log(logging.DEBUG if p.is_nats_error(exc) else logging.WARNING, "gateway: dead letters: %r", exc,
-                    exc_info=not p.is_nats_error(exc))
+            log.log(
+                logging.DEBUG if p.is_nats_error(exc) else logging.WARNING,
+                "gateway: dead letters: %r",
+                exc,
+                exc_info=not p.is_nats_error(exc),
+            )
             sub = None
             await asyncio.sleep(1.0)
 
@@ -70,12 +74,15 @@ async def answer(nc: Any, js: Any, advisory: Any, gm: GatewayMetrics, max_delive
     request_id = headers.get(p.REQUEST_ID, "?")
     model_id = p.untoken(stored.subject.rsplit(".", 1)[-1])
     deliveries = event.get("deliveries", max_deliver)
-    log.error("dead letter: request %s for %s was delivered %s times without an answer", request_id, model_id,
-              deliveries)
+    log.error(
+        "dead letter: request %s for %s was delivered %s times without an answer", request_id, model_id, deliveries
+    )
     gm.dead_letters.labels(model_id).inc()
-    error = DeadLetter(f"request {request_id} was delivered to workers {deliveries} times and none answered "
-                       "(they died or ran past their time on it); it was not retried again",
-                       details={"request_id": request_id, "deliveries": deliveries})
+    error = DeadLetter(
+        f"request {request_id} was delivered to workers {deliveries} times and none answered "
+        "(they died or ran past their time on it); it was not retried again",
+        details={"request_id": request_id, "deliveries": deliveries},
+    )
     if headers.get(p.REPLY):
         await nc.publish(headers[p.REPLY], calls.encode(ErrorResult.of(error, request_id)))
     try:

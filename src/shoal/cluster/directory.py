@@ -97,9 +97,12 @@ class WorkerDirectory:
         if not holders:
             self.gm.unserved.labels(model_id).inc()
             self.record_demand(model_id, add=True)
-            raise NoWorker(f"no worker serves {model_id} right now; retry shortly (a pool that scaled to zero is "
-                           "being woken by this demand)", retry_after_s=max(2.0, self.cluster.worker_ttl_s),
-                           details={"model": model_id})
+            raise NoWorker(
+                f"no worker serves {model_id} right now; retry shortly (a pool that scaled to zero is "
+                "being woken by this demand)",
+                retry_after_s=max(2.0, self.cluster.worker_ttl_s),
+                details={"model": model_id},
+            )
         return holders
 
     def record_demand(self, model_id: str, *, add: bool) -> None:
@@ -160,8 +163,11 @@ class WorkerDirectory:
     def capacity(self) -> Capacity:
         live = self.live()
         rates = [beat.tokens_per_s for beat in live if beat.tokens_per_s]
-        return Capacity(sum(beat.inflight_tokens for beat in live),
-                        sum(beat.inflight_tokens + beat.free_tokens for beat in live), sum(rates) if rates else None)
+        return Capacity(
+            sum(beat.inflight_tokens for beat in live),
+            sum(beat.inflight_tokens + beat.free_tokens for beat in live),
+            sum(rates) if rates else None,
+        )
 
 
 def merge(holders: list[tuple[Any, ModelStatus]]) -> ModelStatus:

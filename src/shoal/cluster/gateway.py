@@ -53,8 +53,14 @@ _REPLY_GRACE_S = 2.0
 class RemoteService:
     """Serves calls by the cluster's workers (see the module docstring)."""
 
-    def __init__(self, settings: Settings, catalog: Catalog, *, metrics: Metrics | None = None,
-                 consumers: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: Catalog,
+        *,
+        metrics: Metrics | None = None,
+        consumers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.settings = settings
         # (pool, model) consumers made at setup, before any worker of the pool runs: a pool scaled
         # to zero has its consumers, so KEDA's nats-jetstream trigger reads their lag (of a missing
@@ -120,15 +126,21 @@ class RemoteService:
         self._tasks.append(task)
 
     async def _connect(self) -> None:
-        nc = await p.connect(self.cluster.nats_url, f"shoal-gateway {self.id}",
-                             on_disconnect=self._on_disconnect, on_reconnect=self._on_reconnect,
-                             quiet=lambda: self._stopping)
+        nc = await p.connect(
+            self.cluster.nats_url,
+            f"shoal-gateway {self.id}",
+            on_disconnect=self._on_disconnect,
+            on_reconnect=self._on_reconnect,
+            quiet=lambda: self._stopping,
+        )
         self._nc, self._js = nc, nc.jetstream()
         await nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
         await nc.subscribe(f"{p.HEARTBEAT_PREFIX}.>", cb=self.workers.on_heartbeat)
         await self._setup()
-        self._run_task(dead_letters.read(nc, self._js, self.gm, self.cluster.max_deliver, lambda: self._stopping),
-                       "gateway-dead-letters")
+        self._run_task(
+            dead_letters.read(nc, self._js, self.gm, self.cluster.max_deliver, lambda: self._stopping),
+            "gateway-dead-letters",
+        )
         self._run_task(queue_gauges.watch(self._js, self.gm, self._connected), "gateway-queue-gauges")
 
     async def _setup(self) -> None:
@@ -143,15 +155,20 @@ class RemoteService:
                     try:
                         await p.ensure_consumer(self._js, self.cluster, pool, model_id)
                     except BadRequestError as exc:  # made by a worker with other settings: it stays as it is
-                        log.warning("gateway: consumer of pool %s for %s exists with another configuration (%s)",
-                                    pool, model_id, exc)
+                        log.warning(
+                            "gateway: consumer of pool %s for %s exists with another configuration (%s)",
+                            pool,
+                            model_id,
+                            exc,
+                        )
                 self._queue_ready = True
                 self.gm.connected.set(1)
                 await self._nc.publish(p.PING_SUBJECT, b"")
                 return
             except Exception as exc:  # broad: retried until it works (NATS not up yet, JetStream starting)
-                log.warning("gateway: cannot set up the work queue yet (%s); retrying", exc,
-                            exc_info=not p.is_nats_error(exc))
+                log.warning(
+                    "gateway: cannot set up the work queue yet (%s); retrying", exc, exc_info=not p.is_nats_error(exc)
+                )
                 await asyncio.sleep(0.5)
 
     async def _on_disconnect(self) -> None:
@@ -185,9 +202,13 @@ class RemoteService:
                         await asyncio.sleep(0.5 * (attempt + 1))
                         continue
                     if not future.done():
-                        future.set_exception(QueueUnavailable(
-                            "the gateway lost its connection to NATS while the call ran, and its answer with it; "
-                            "retry", retry_after_s=1.0))
+                        future.set_exception(
+                            QueueUnavailable(
+                                "the gateway lost its connection to NATS while the call ran, and its answer with it; "
+                                "retry",
+                                retry_after_s=1.0,
+                            )
+                        )
                     break
                 except p.nats_errors() as exc:  # JetStream still starting: try again shortly
                     log.debug("gateway: rechecking call %s: %r", key, exc)
@@ -213,8 +234,9 @@ class RemoteService:
     def _holders(self, model_id: str) -> Holders:
         """The live workers serving the model; QueueUnavailable while NATS is, NoWorker when none does."""
         if not self._connected():
-            raise QueueUnavailable("the cluster's work queue (NATS) is unreachable from this gateway; retry shortly",
-                                   retry_after_s=2.0)
+            raise QueueUnavailable(
+                "the cluster's work queue (NATS) is unreachable from this gateway; retry shortly", retry_after_s=2.0
+            )
         return self.workers.holders(model_id)
 
     # --- Service: control (over core NATS request/reply to the workers) --------------------------
@@ -223,15 +245,18 @@ class RemoteService:
         """The action on every live worker that serves the model; the merged status after it."""
         model_id = self.workers.resolve(model_id)
         # A load may take as long as the engine's load timeout.
-        return await rpc.admin(self._nc, model_id, action, self._holders(model_id),
-                               self.settings.engine.load_timeout_s + 5.0)
+        return await rpc.admin(
+            self._nc, model_id, action, self._holders(model_id), self.settings.engine.load_timeout_s + 5.0
+        )
 
-    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
-                       prompt_name: str | None = None) -> list[list[Token]]:
+    async def tokenize(
+        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+    ) -> list[list[Token]]:
         model_id = self.workers.resolve(model_id)
         pool = self.workers.pool_of(self._holders(model_id))
-        request = p.RpcRequest(model=model_id, texts=texts, add_special_tokens=add_special_tokens,
-                               prompt_name=prompt_name)
+        request = p.RpcRequest(
+            model=model_id, texts=texts, add_special_tokens=add_special_tokens, prompt_name=prompt_name
+        )
         return await rpc.tokenize(self._nc, pool, request, self.cluster.publish_timeout_s * 2)
 
     # --- Service: calls -------------------------------------------------------------------------
@@ -245,9 +270,13 @@ class RemoteService:
         request_id = call.request_id or key
         call = msgspec.structs.replace(call, model=model_id, request_id=request_id, timeout_s=timeout_s)
         data = calls.encode(call)
-        headers = {p.REQUEST_ID: request_id, p.DEADLINE: f"{p.now() + timeout_s:.6f}",
-                   p.TOKENS: str(p.estimate_tokens(call, self.catalog.get(model_id) if model_id in self.catalog else None)),
-                   p.REPLY: f"{self._inbox}.{key}", p.MSG_ID: key}
+        headers = {
+            p.REQUEST_ID: request_id,
+            p.DEADLINE: f"{p.now() + timeout_s:.6f}",
+            p.TOKENS: str(p.estimate_tokens(call, self.catalog.get(model_id) if model_id in self.catalog else None)),
+            p.REPLY: f"{self._inbox}.{key}",
+            p.MSG_ID: key,
+        }
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
         inflight = self.gm.inflight.labels(model_id)
@@ -273,7 +302,9 @@ class RemoteService:
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(
                     "the request's deadline passed before a worker answered (phase: queue); retry later or with "
-                    "a longer timeout_s", details={"phase": "queue", "request_id": request_id}) from None
+                    "a longer timeout_s",
+                    details={"phase": "queue", "request_id": request_id},
+                ) from None
             answered = True
             result = await self._read_result(reply, deadline, request_id)
         except asyncio.CancelledError:
@@ -295,21 +326,29 @@ class RemoteService:
             raise error
         return result
 
-    async def _publish(self, subject: str, data: bytes, headers: dict[str, str], deadline: float,
-                       request_id: str) -> int:
+    async def _publish(
+        self, subject: str, data: bytes, headers: dict[str, str], deadline: float, request_id: str
+    ) -> int:
         """The call's stream sequence once JetStream has stored it. A publish whose ack is lost is
         sent again with the same Nats-Msg-Id (the stream keeps one copy), while time is left."""
         for _ in range(3):
             try:
-                ack = await self._js.publish(subject, data, headers=headers,
-                                             timeout=min(self.cluster.publish_timeout_s, self._remaining(deadline)))
+                ack = await self._js.publish(
+                    subject,
+                    data,
+                    headers=headers,
+                    timeout=min(self.cluster.publish_timeout_s, self._remaining(deadline)),
+                )
                 return int(ack.seq)
             except p.nats_errors() as exc:  # a timeout, no responders, cut off: sent again while time is left
                 error = exc
                 if not self._connected() or self._remaining(deadline) < 0.05:
                     break
-        raise QueueUnavailable(f"the work queue did not take the call ({type(error).__name__}); retry shortly",
-                               retry_after_s=2.0, details={"request_id": request_id})
+        raise QueueUnavailable(
+            f"the work queue did not take the call ({type(error).__name__}); retry shortly",
+            retry_after_s=2.0,
+            details={"request_id": request_id},
+        )
 
     @staticmethod
     def _remaining(deadline: float) -> float:
@@ -337,10 +376,17 @@ class RemoteService:
                 self._spawn(payloads.delete_object(self._store, name))
             return calls.decode_result(data)
         except Exception as exc:  # broad: NATS failing mid-read, or a reply no decoder reads (which may raise anything)
-            log.warning("gateway: the answer to request %s could not be read: %r", request_id, exc,
-                        exc_info=not isinstance(exc, (msgspec.DecodeError, *p.nats_errors())))
-            raise QueueUnavailable(f"the worker's answer could not be read ({type(exc).__name__}); retry",
-                                   retry_after_s=1.0, details={"request_id": request_id}) from None
+            log.warning(
+                "gateway: the answer to request %s could not be read: %r",
+                request_id,
+                exc,
+                exc_info=not isinstance(exc, (msgspec.DecodeError, *p.nats_errors())),
+            )
+            raise QueueUnavailable(
+                f"the worker's answer could not be read ({type(exc).__name__}); retry",
+                retry_after_s=1.0,
+                details={"request_id": request_id},
+            ) from None
 
     async def _abandon(self, seq: int | None, key: str) -> None:
         """A call nobody waits for: out of the queue if no worker has it, dropped by the one that

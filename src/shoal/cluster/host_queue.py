@@ -93,8 +93,7 @@ class HostQueue:
     def room(self) -> int:
         """Tokens the host takes more of: each device's room under its budget (a device stuck over
         its own takes none of a sibling's), less what waits here for a device."""
-        return (sum(max(0, self.budget(d) - d.held_tokens) for d in self.devices)
-                - sum(job.tokens for job in self.jobs))
+        return sum(max(0, self.budget(d) - d.held_tokens) for d in self.devices) - sum(job.tokens for job in self.jobs)
 
     def idle_device(self) -> bool:
         """A device runs nothing and nothing waits for one: any call fits, however large."""
@@ -151,7 +150,8 @@ class HostQueue:
         nothing takes a call of any size); its tokens count as the device's until `release`."""
         async with self.changed:
             await self.changed.wait_for(
-                lambda: self.jobs and (not device.held_tokens or device.held_tokens < self.budget(device)))
+                lambda: self.jobs and (not device.held_tokens or device.held_tokens < self.budget(device))
+            )
             job = self._pick(device)
             device.held_tokens += job.tokens
             self.record()
@@ -175,9 +175,12 @@ class HostQueue:
         then the first of the next few whose model this device has loaded. A single device, or a
         model loaded nowhere, keeps the queue's order (no call waits behind later ones)."""
         head = self.jobs[0]
-        if len(self.devices) > 1 and not self._loaded(device, head.model_id) and any(
-                self._loaded(other, head.model_id) for other in self.devices if other is not device):
-            for index, job in enumerate(list(self.jobs)[1:_SKIP_AHEAD + 1], start=1):
+        if (
+            len(self.devices) > 1
+            and not self._loaded(device, head.model_id)
+            and any(self._loaded(other, head.model_id) for other in self.devices if other is not device)
+        ):
+            for index, job in enumerate(list(self.jobs)[1 : _SKIP_AHEAD + 1], start=1):
                 if self._loaded(device, job.model_id):
                     del self.jobs[index]
                     return job

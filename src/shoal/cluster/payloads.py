@@ -39,11 +39,16 @@ async def put_call(store: Any, name: str, data: bytes, timeout_s: float, request
     try:
         await asyncio.wait_for(store.put(name, data), timeout_s)
     except asyncio.TimeoutError:
-        raise DeadlineExceeded("the request's deadline passed while its payload was stored",
-                               details={"phase": "queue", "request_id": request_id}) from None
+        raise DeadlineExceeded(
+            "the request's deadline passed while its payload was stored",
+            details={"phase": "queue", "request_id": request_id},
+        ) from None
     except p.nats_errors() as exc:  # NATS gone mid-put
-        raise QueueUnavailable(f"the payload store did not take the call ({type(exc).__name__}); retry shortly",
-                               retry_after_s=2.0, details={"request_id": request_id}) from None
+        raise QueueUnavailable(
+            f"the payload store did not take the call ({type(exc).__name__}); retry shortly",
+            retry_after_s=2.0,
+            details={"request_id": request_id},
+        ) from None
 
 
 async def read_reply(store: Any, msg: Any, timeout_s: float) -> tuple[bytes, str | None]:

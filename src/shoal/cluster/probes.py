@@ -1,11 +1,11 @@
 """A worker's heartbeats and probes.
 
-    Heartbeats.run ─ every heartbeat_s ─▶ shoal.hb.<worker> (core NATS): pool, devices, models and
-                     their status, free and held tokens, tokens/s, draining; also at once when a
-                     gateway pings (shoal.ping), when the worker starts draining and when it stops
-    health()       ─ live unless the heartbeat loop stopped turning (a wedged event loop); ready
-                     while it pulls (started, connected, not draining)
-    serve_probes   ─ /metrics, /healthz, /readyz on their own thread: a wedged loop still answers
+Heartbeats.run ─ every heartbeat_s ─▶ shoal.hb.<worker> (core NATS): pool, devices, models and
+                 their status, free and held tokens, tokens/s, draining; also at once when a
+                 gateway pings (shoal.ping), when the worker starts draining and when it stops
+health()       ─ live unless the heartbeat loop stopped turning (a wedged event loop); ready
+                 while it pulls (started, connected, not draining)
+serve_probes   ─ /metrics, /healthz, /readyz on their own thread: a wedged loop still answers
 """
 
 from __future__ import annotations
@@ -45,14 +45,24 @@ class Heartbeats:
         statuses = first.models()
         if len(devices) > 1:  # loaded on any device: loaded on the host
             loaded = {s.id for d in devices[1:] for s in d.service.models() if s.loaded}
-            statuses = [msgspec.structs.replace(s, loaded=True, state="loaded") if s.id in loaded and not s.loaded
-                        else s for s in statuses]
+            statuses = [
+                msgspec.structs.replace(s, loaded=True, state="loaded") if s.id in loaded and not s.loaded else s
+                for s in statuses
+            ]
         rates = [d.service.capacity().tokens_per_s for d in devices]
         return p.Heartbeat(
-            worker=self.worker_id, pool=self.settings.pool, host=self.hostname, devices=tuple(d.name for d in devices),
-            models=statuses, problems=first.problems(), free_tokens=max(0, self.queue.room()),
-            inflight_tokens=self.queue.held(), tokens_per_s=sum(r for r in rates if r) or None,
-            draining=self.queue.draining, sent_at=p.now())
+            worker=self.worker_id,
+            pool=self.settings.pool,
+            host=self.hostname,
+            devices=tuple(d.name for d in devices),
+            models=statuses,
+            problems=first.problems(),
+            free_tokens=max(0, self.queue.room()),
+            inflight_tokens=self.queue.held(),
+            tokens_per_s=sum(r for r in rates if r) or None,
+            draining=self.queue.draining,
+            sent_at=p.now(),
+        )
 
     async def send(self, nc: Any) -> None:
         """One heartbeat now; never raises (a status that fails to build: the next beat may not)."""

@@ -65,7 +65,7 @@ def untoken(text: str) -> str:
     i = 0
     while i < len(text):
         if text[i] == "_":
-            out.append(int(text[i + 1:i + 3], 16))
+            out.append(int(text[i + 1 : i + 3], 16))
             i += 3
         else:
             out += text[i].encode()
@@ -135,8 +135,9 @@ def estimate_tokens(call: AnyCall, card: ModelCard | None = None) -> int:
     return verbs.estimate_tokens(call, card)
 
 
-async def connect(url: str, name: str, *, on_disconnect=None, on_reconnect=None, connect_timeout_s: float = 2.0,
-                  quiet=lambda: False):
+async def connect(
+    url: str, name: str, *, on_disconnect=None, on_reconnect=None, connect_timeout_s: float = 2.0, quiet=lambda: False
+):
     """A NATS connection that reconnects forever (the first attempt included: `nats.connect`
     gives up on a server that is down at start, so this retries it with a back-off). `quiet()`
     true: the owner is closing it, a disconnect is no news."""
@@ -160,12 +161,26 @@ async def connect(url: str, name: str, *, on_disconnect=None, on_reconnect=None,
     delay = 0.1
     while True:
         try:
-            return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                      connect_timeout=connect_timeout_s, disconnected_cb=disconnected,
-                                      reconnected_cb=reconnected, error_cb=error, allow_reconnect=True)
+            return await nats.connect(
+                url,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=connect_timeout_s,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+                allow_reconnect=True,
+            )
         except Exception as exc:  # broad: every failure to connect is retried (unreachable, refused, DNS...)
-            log.warning("%s: cannot reach NATS at %s (%s); retrying in %.1f s", name, redact(url), exc, delay,
-                        exc_info=not is_nats_error(exc))
+            log.warning(
+                "%s: cannot reach NATS at %s (%s); retrying in %.1f s",
+                name,
+                redact(url),
+                exc,
+                delay,
+                exc_info=not is_nats_error(exc),
+            )
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)
 
@@ -178,12 +193,23 @@ async def ensure_queue(js, settings: ClusterSettings) -> None:
 
     streams = [
         # max_age: a backstop for calls nobody will read (their gateway and its callers are gone).
-        api.StreamConfig(name=STREAM, subjects=[f"{WORK_PREFIX}.>"], retention=api.RetentionPolicy.WORK_QUEUE,
-                         storage=api.StorageType.FILE, duplicate_window=120.0, max_age=24 * 3600.0,
-                         description="shoal calls: one subject and one pull consumer per pool and model"),
-        api.StreamConfig(name=DEAD_STREAM, subjects=[DEAD_SUBJECT], retention=api.RetentionPolicy.LIMITS,
-                         storage=api.StorageType.FILE, max_age=7 * 24 * 3600.0,
-                         description="shoal dead letters: calls delivered max_deliver times without an answer"),
+        api.StreamConfig(
+            name=STREAM,
+            subjects=[f"{WORK_PREFIX}.>"],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE,
+            duplicate_window=120.0,
+            max_age=24 * 3600.0,
+            description="shoal calls: one subject and one pull consumer per pool and model",
+        ),
+        api.StreamConfig(
+            name=DEAD_STREAM,
+            subjects=[DEAD_SUBJECT],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_age=7 * 24 * 3600.0,
+            description="shoal dead letters: calls delivered max_deliver times without an answer",
+        ),
     ]
     for config in streams:
         try:
@@ -196,17 +222,21 @@ async def ensure_queue(js, settings: ClusterSettings) -> None:
         from nats.js.api import ObjectStoreConfig
 
         # Objects outlive a crashed gateway by at most a day.
-        await js.create_object_store(PAYLOADS, config=ObjectStoreConfig(ttl=24 * 3600.0,
-                                                                       storage=api.StorageType.FILE))
+        await js.create_object_store(PAYLOADS, config=ObjectStoreConfig(ttl=24 * 3600.0, storage=api.StorageType.FILE))
 
 
 async def ensure_consumer(js, settings: ClusterSettings, pool: str, model_id: str) -> None:
     from nats.js import api
 
     config = api.ConsumerConfig(
-        durable_name=consumer_name(pool, model_id), filter_subject=work_subject(pool, model_id),
-        ack_policy=api.AckPolicy.EXPLICIT, ack_wait=settings.ack_wait_s, max_deliver=settings.max_deliver,
-        max_ack_pending=-1, max_waiting=4096, deliver_policy=api.DeliverPolicy.ALL,
+        durable_name=consumer_name(pool, model_id),
+        filter_subject=work_subject(pool, model_id),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=-1,
+        max_waiting=4096,
+        deliver_policy=api.DeliverPolicy.ALL,
         description=f"shoal workers of pool {pool} serving {model_id}",
     )
     await js.add_consumer(STREAM, config)
@@ -239,5 +269,10 @@ def error_of(exc: BaseException, request_id: str | None) -> ErrorResult:
     """What a worker sends back for an exception of its service."""
     if isinstance(exc, ShoalError):
         return ErrorResult.of(exc, request_id)
-    return ErrorResult.of(ShoalError(f"internal error on a worker (request id {request_id}); its log has the "
-                                     "traceback", details={"request_id": request_id}), request_id)
+    return ErrorResult.of(
+        ShoalError(
+            f"internal error on a worker (request id {request_id}); its log has the traceback",
+            details={"request_id": request_id},
+        ),
+        request_id,
+    )

@@ -43,8 +43,16 @@ _FIRST_MEAN_TOKENS = 64.0
 class Puller:
     """Pulls one model's calls (of the worker's pool) into the host queue (see the module docstring)."""
 
-    def __init__(self, model_id: str, settings: ClusterSettings, nc: Any, js: Any, queue: HostQueue,
-                 wm: WorkerMetrics, cancelled: Mapping[str, float]) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        settings: ClusterSettings,
+        nc: Any,
+        js: Any,
+        queue: HostQueue,
+        wm: WorkerMetrics,
+        cancelled: Mapping[str, float],
+    ) -> None:
         self.model_id = model_id
         self.settings = settings
         self.queue = queue
@@ -79,7 +87,8 @@ class Puller:
                 reserved = waited
                 if sub is None:
                     sub = await self._js.pull_subscribe_bind(
-                        durable=p.consumer_name(self.settings.pool, self.model_id), stream=p.STREAM)
+                        durable=p.consumer_name(self.settings.pool, self.model_id), stream=p.STREAM
+                    )
                 # Wait for one call alone, then take at once what else is there and fits: nats-py's
                 # fetch(n) may hold a call it has received until n have come or the pull expires.
                 try:
@@ -102,8 +111,13 @@ class Puller:
                     reserved = 0
                     await self._take_all(rest)
             except Exception as exc:  # broad: the puller outlives any failure (cut off, consumer lost with the store)
-                log.warning("worker %s: pulling %s: %s; retrying", self.worker_id, self.model_id, exc,
-                            exc_info=not p.is_nats_error(exc))
+                log.warning(
+                    "worker %s: pulling %s: %s; retrying",
+                    self.worker_id,
+                    self.model_id,
+                    exc,
+                    exc_info=not p.is_nats_error(exc),
+                )
                 sub = None
                 await asyncio.sleep(0.5)
                 if self._nc.is_connected:
@@ -120,8 +134,13 @@ class Puller:
             try:
                 await self._take(msg)
             except Exception as exc:  # broad: one call's failure (closed connection, odd metadata) is not the others'
-                log.warning("worker %s: could not take a call of %s: %s", self.worker_id, self.model_id, exc,
-                            exc_info=not p.is_nats_error(exc))
+                log.warning(
+                    "worker %s: could not take a call of %s: %s",
+                    self.worker_id,
+                    self.model_id,
+                    exc,
+                    exc_info=not p.is_nats_error(exc),
+                )
                 try:
                     await msg.nak()
                 except p.nats_errors() as again:  # cut off: it is redelivered after ack_wait
@@ -137,8 +156,17 @@ class Puller:
         delivered = msg.metadata.num_delivered
         # One delivery stays spare for a crash: from the one before last, a call is never handed back.
         keep = delivered >= self.max_deliver - 1
-        job = Job(msg, self.model_id, tokens, headers.get(p.REQUEST_ID, "?"), headers.get(p.MSG_ID, ""), deadline,
-                  headers.get(p.REPLY), headers.get(p.OBJECT), keep)
+        job = Job(
+            msg,
+            self.model_id,
+            tokens,
+            headers.get(p.REQUEST_ID, "?"),
+            headers.get(p.MSG_ID, ""),
+            deadline,
+            headers.get(p.REPLY),
+            headers.get(p.OBJECT),
+            keep,
+        )
         self.wm.pulled.labels(self.model_id).inc()
         if delivered > 1:
             self.wm.redelivered.labels(self.model_id).inc()

@@ -36,8 +36,9 @@ async def admin(nc: Any, model_id: str, action: str, holders: Holders, timeout_s
     """The action on every live worker that serves the model (`holders`); the merged status after
     it. `timeout_s` bounds the wait for replies (a load may take the engine's load timeout)."""
     request = p.RpcRequest(model=model_id, action=action)
-    replies = await _rpc_all(nc, "admin", model_id, request, len(holders), {beat.pool for beat, _ in holders},
-                             timeout_s)
+    replies = await _rpc_all(
+        nc, "admin", model_id, request, len(holders), {beat.pool for beat, _ in holders}, timeout_s
+    )
     statuses = [(None, reply.status) for reply in replies if reply.status is not None]
     errors = [reply.error for reply in replies if reply.error]
     if errors and not statuses:
@@ -53,16 +54,19 @@ async def tokenize(nc: Any, pool: str, request: p.RpcRequest, timeout_s: float) 
     try:
         msg = await nc.request(subject, msgspec.msgpack.encode(request), timeout=timeout_s)
     except p.nats_errors() as exc:  # no responders, a timeout, cut off
-        raise NoWorker(f"no worker answered the tokenize request for {request.model} ({type(exc).__name__}); "
-                       "retry", retry_after_s=2.0) from None
+        raise NoWorker(
+            f"no worker answered the tokenize request for {request.model} ({type(exc).__name__}); retry",
+            retry_after_s=2.0,
+        ) from None
     reply = msgspec.msgpack.decode(msg.data, type=p.RpcReply)
     if reply.error:
         raise ErrorResult(**reply.error).error()
     return reply.tokens or []
 
 
-async def _rpc_all(nc: Any, action: str, model_id: str, request: p.RpcRequest, expected: int, pools: set[str],
-                   timeout_s: float) -> list[p.RpcReply]:
+async def _rpc_all(
+    nc: Any, action: str, model_id: str, request: p.RpcRequest, expected: int, pools: set[str], timeout_s: float
+) -> list[p.RpcReply]:
     """Send to every worker of `pools` serving the model; the replies of up to `expected` of them."""
     inbox = nc.new_inbox()
     replies: list[p.RpcReply] = []
@@ -115,8 +119,9 @@ class WorkerRpc:
         request = msgspec.msgpack.decode(msg.data, type=p.RpcRequest)
         device = min(self.devices, key=lambda d: d.held_tokens)
         try:
-            tokens = await device.service.tokenize(request.model, request.texts, request.add_special_tokens,
-                                                   request.prompt_name)
+            tokens = await device.service.tokenize(
+                request.model, request.texts, request.add_special_tokens, request.prompt_name
+            )
             reply = p.RpcReply(worker=self.worker_id, tokens=tokens)
         except Exception as exc:  # broad: whatever the engine raises is the caller's answer (a bug: a logged 500)
             reply = self._error(exc, "tokenize")

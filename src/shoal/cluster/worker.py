@@ -45,8 +45,7 @@ from .probes import Heartbeats, health, serve_probes
 from .pulling import MAX_FETCH, MORE_WAIT_S, PULL_WAIT_S, Puller
 from .rpc import WorkerRpc
 
-__all__ = ["MAX_FETCH", "MIN_BUDGET_TOKENS", "MORE_WAIT_S", "PULL_WAIT_S", "Worker", "WorkerMetrics",
-           "serve_probes"]
+__all__ = ["MAX_FETCH", "MIN_BUDGET_TOKENS", "MORE_WAIT_S", "PULL_WAIT_S", "Worker", "WorkerMetrics", "serve_probes"]
 
 log = logging.getLogger("shoal.worker")
 
@@ -57,8 +56,16 @@ _CANCEL_MEMORY_S = 600.0
 class Worker:
     """Pulls the calls of the models `services` serve (every service has the same catalog) and runs them."""
 
-    def __init__(self, services: list[Service], settings: ClusterSettings, *, devices: list[str] | None = None,
-                 metrics: Metrics | None = None, worker_id: str | None = None, preload: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        services: list[Service],
+        settings: ClusterSettings,
+        *,
+        devices: list[str] | None = None,
+        metrics: Metrics | None = None,
+        worker_id: str | None = None,
+        preload: tuple[str, ...] = (),
+    ) -> None:
         if not services:
             raise InvalidRequest("a worker needs at least one device")
         self.settings = settings
@@ -129,11 +136,17 @@ class Worker:
             await device.service.start()
         for device in self.devices:
             await device.service.warm(list(self.preload))
-        self._nc = await p.connect(self.settings.nats_url, f"shoal-worker {self.id}",
-                                   on_reconnect=self._on_reconnect, quiet=lambda: self._closing)
+        self._nc = await p.connect(
+            self.settings.nats_url,
+            f"shoal-worker {self.id}",
+            on_reconnect=self._on_reconnect,
+            quiet=lambda: self._closing,
+        )
         self._js = self._nc.jetstream()
-        self.pullers = {model_id: Puller(model_id, self.settings, self._nc, self._js, self.queue, self.wm,
-                                         self._cancelled) for model_id in self.model_ids}
+        self.pullers = {
+            model_id: Puller(model_id, self.settings, self._nc, self._js, self.queue, self.wm, self._cancelled)
+            for model_id in self.model_ids
+        }
         await self._setup()
         await self._nc.subscribe(p.CANCEL_SUBJECT, cb=self._on_cancel)
         await self._nc.subscribe(p.PING_SUBJECT, cb=self._on_ping)
@@ -144,8 +157,14 @@ class Worker:
             self._tasks.append(self._task(self._device_loop(device), f"worker-{device.name}"))
         self._pulling = [self._task(puller.run(), f"pull {model_id}") for model_id, puller in self.pullers.items()]
         self.started.set()
-        log.info("worker %s: pulling %d models on %s from %s (pool %s)", self.id, len(self._pulling),
-                 ", ".join(d.name for d in self.devices), p.redact(self.settings.nats_url), self.settings.pool)
+        log.info(
+            "worker %s: pulling %d models on %s from %s (pool %s)",
+            self.id,
+            len(self._pulling),
+            ", ".join(d.name for d in self.devices),
+            p.redact(self.settings.nats_url),
+            self.settings.pool,
+        )
 
     def _task(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A loop that runs until the drain; one that dies of an error says so in the log."""
@@ -169,8 +188,11 @@ class Worker:
         deadline = time.monotonic() + self.drain_timeout_s
         while self.queue.jobs or any(device.running for device in self.devices):
             if time.monotonic() > deadline:
-                log.warning("worker %s: calls still running after %.0f s of drain; leaving them to be redelivered",
-                            self.id, self.drain_timeout_s)
+                log.warning(
+                    "worker %s: calls still running after %.0f s of drain; leaving them to be redelivered",
+                    self.id,
+                    self.drain_timeout_s,
+                )
                 break
             running = [task for device in self.devices for task in device.running]
             if running:
@@ -196,8 +218,12 @@ class Worker:
                 self._store = await self._js.object_store(p.PAYLOADS)
                 return
             except Exception as exc:  # broad: retried until it works (JetStream not ready yet)
-                log.warning("worker %s: cannot set up the work queue yet (%s); retrying", self.id, exc,
-                            exc_info=not p.is_nats_error(exc))
+                log.warning(
+                    "worker %s: cannot set up the work queue yet (%s); retrying",
+                    self.id,
+                    exc,
+                    exc_info=not p.is_nats_error(exc),
+                )
                 await asyncio.sleep(0.5)
 
     async def _on_reconnect(self) -> None:
@@ -241,15 +267,21 @@ class Worker:
         try:
             data = job.msg.data
             if job.obj:
-                data = await asyncio.wait_for(payloads.read_object(self._store, job.obj),
-                                              max(0.01, job.deadline - p.now()))
+                data = await asyncio.wait_for(
+                    payloads.read_object(self._store, job.obj), max(0.01, job.deadline - p.now())
+                )
             call = calls.decode_call(data)
         except asyncio.TimeoutError:
             await self.queue.drop(job, "dropped_deadline")
             return
         except Exception as exc:  # broad: its object gone, or bytes no decoder reads (which may raise anything)
-            log.warning("worker %s: request %s could not be read: %r", self.id, job.request_id, exc,
-                        exc_info=not isinstance(exc, (msgspec.DecodeError, *p.nats_errors())))
+            log.warning(
+                "worker %s: request %s could not be read: %r",
+                self.id,
+                job.request_id,
+                exc,
+                exc_info=not isinstance(exc, (msgspec.DecodeError, *p.nats_errors())),
+            )
             unread = p.error_of(InvalidRequest(f"the worker could not read the call: {exc}"), job.request_id)
             await self._reply(job, unread)
             await job.msg.term()  # answered: never retried

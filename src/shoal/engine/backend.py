@@ -18,12 +18,13 @@ backend with another forward would be another, built by a `Backend` the engine i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ModelLoadError
-from ..head_info import H, GlinerPrompt, HeadInfo, LlmFrame, NliLabels, TokenLabels
+from ..head_info import GlinerPrompt, H, HeadInfo, LlmFrame, NliLabels, TokenLabels
 
 if TYPE_CHECKING:
     from ..catalog import ModelCard
@@ -112,5 +113,4 @@ class Backend(Protocol):
         ...
 
 
-__all__ = ["Backend", "GlinerPrompt", "HeadInfo", "LlmFrame", "LoadedModel", "ModelInfo", "NliLabels",
-           "TokenLabels"]
+__all__ = ["Backend", "GlinerPrompt", "HeadInfo", "LlmFrame", "LoadedModel", "ModelInfo", "NliLabels", "TokenLabels"]

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from ..catalog import ModelCard
 from ..errors import InvalidRequest, ModelLoadError, Overloaded
@@ -135,8 +135,9 @@ class ModelCache(AdapterResidency):
         """What a resident model holds that no eviction of idle adapters frees: its tensors and its
         busy adapters."""
         runner = self._loaded[model_id]
-        return runner.num_bytes + sum(size for key, size in self._adapters.items()
-                                      if key[0] == model_id and self._adapter_inflight[key] > 0)
+        return runner.num_bytes + sum(
+            size for key, size in self._adapters.items() if key[0] == model_id and self._adapter_inflight[key] > 0
+        )
 
     def _workspace(self, runners, at_least: int = 0) -> int:
         """The largest of `runners`' batch workspaces (or `at_least`), once per batch the device
@@ -150,8 +151,11 @@ class ModelCache(AdapterResidency):
         """The loaded model, counted in flight until `release(card.id)`. A request waits up to
         `load_timeout_s` for a load; `patient` (preloading at start) waits for it to end."""
         if self._drop_when_idle.get(card.id) == "changed":  # the old card's model drains first
-            await self._until(lambda: self._drop_when_idle.get(card.id) != "changed", None if patient else
-                              self._load_timeout_s, f"model {card.id} is reloading its changed card; retry shortly")
+            await self._until(
+                lambda: self._drop_when_idle.get(card.id) != "changed",
+                None if patient else self._load_timeout_s,
+                f"model {card.id} is reloading its changed card; retry shortly",
+            )
         self._inflight[card.id] += 1
         try:
             runner = self._loaded.get(card.id)
@@ -203,7 +207,8 @@ class ModelCache(AdapterResidency):
         except asyncio.TimeoutError:
             raise Overloaded(
                 f"model {card.id} is still loading; retry in {self._retry_after_s(card.id):.0f} s",
-                retry_after_s=self._retry_after_s(card.id), details={"model": card.id, "state": "loading"},
+                retry_after_s=self._retry_after_s(card.id),
+                details={"model": card.id, "state": "loading"},
             ) from None
         finally:
             if self._metrics is not None:
@@ -234,14 +239,20 @@ class ModelCache(AdapterResidency):
                 measured = (runner.num_bytes, runner.workspace_bytes)
                 try:
                     if self._generation[card.id] != generation:  # its card changed while it loaded
-                        raise Overloaded(f"the card of {card.id} changed while it loaded; retry", retry_after_s=1.0,
-                                         details={"model": card.id})
+                        raise Overloaded(
+                            f"the card of {card.id} changed while it loaded; retry",
+                            retry_after_s=1.0,
+                            details={"model": card.id},
+                        )
                     self._measured[card.id] = measured
                     # The measured figure may pass the estimate: room again, now without waiting.
                     if self.budget_bytes is not None and not self._evict_for(card.id, *measured):
-                        raise Overloaded(f"no room for {card.id}: it measured {measured[0]} bytes and the models "
-                                         "in memory are busy; retry shortly", retry_after_s=2.0,
-                                         details={"model": card.id})
+                        raise Overloaded(
+                            f"no room for {card.id}: it measured {measured[0]} bytes and the models "
+                            "in memory are busy; retry shortly",
+                            retry_after_s=2.0,
+                            details={"model": card.id},
+                        )
                 except BaseException:
                     runner.close()
                     raise
@@ -296,9 +307,15 @@ class ModelCache(AdapterResidency):
                     return
             remaining = give_up_at - time.monotonic()
             if remaining <= 0:
-                raise Overloaded(f"no room to load {subject}: the models in memory are busy; retry shortly",
-                                 retry_after_s=2.0, details={"needed_bytes": needed, "resident_bytes": self.loaded_bytes,
-                                                             "memory_budget_bytes": self.budget_bytes})
+                raise Overloaded(
+                    f"no room to load {subject}: the models in memory are busy; retry shortly",
+                    retry_after_s=2.0,
+                    details={
+                        "needed_bytes": needed,
+                        "resident_bytes": self.loaded_bytes,
+                        "memory_budget_bytes": self.budget_bytes,
+                    },
+                )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), remaining)
 
@@ -319,11 +336,16 @@ class ModelCache(AdapterResidency):
         if used(staying, fixed=True) + needed > budget:
             raise ModelLoadError(
                 f"{subject} needs {needed + workspace} bytes"
-                + (f" beside {keep}" if keep else "") + f", more than the memory budget of {budget}",
-                details={"needed_bytes": needed + workspace, "memory_budget_bytes": budget})
+                + (f" beside {keep}" if keep else "")
+                + f", more than the memory budget of {budget}",
+                details={"needed_bytes": needed + workspace, "memory_budget_bytes": budget},
+            )
         if used([m for m in self._loaded if m == keep or m in self._pinned], fixed=True) + needed > budget:
-            raise Overloaded(f"no room to load {subject}: pinned models hold the memory budget; unpin one",
-                             retry_after_s=2.0, details={"needed_bytes": needed, "memory_budget_bytes": budget})
+            raise Overloaded(
+                f"no room to load {subject}: pinned models hold the memory budget; unpin one",
+                retry_after_s=2.0,
+                details={"needed_bytes": needed, "memory_budget_bytes": budget},
+            )
 
         def fits() -> bool:
             return used(list(self._loaded)) + needed <= budget
@@ -372,8 +394,10 @@ class ModelCache(AdapterResidency):
         """Unload now ("unloaded"), after the work in flight ("unloading"), or "not_loaded".
         A pinned model is refused (unpin it first)."""
         if model_id in self._pinned:
-            raise InvalidRequest(f"model {model_id} is pinned: unpin it first (POST /v1/models/{model_id}/unpin)",
-                                 details={"model": model_id})
+            raise InvalidRequest(
+                f"model {model_id} is pinned: unpin it first (POST /v1/models/{model_id}/unpin)",
+                details={"model": model_id},
+            )
         if model_id not in self._loaded:
             return "not_loaded"
         if self._inflight[model_id] > 0:

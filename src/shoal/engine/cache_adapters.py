@@ -11,8 +11,9 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ..errors import ModelLoadError, Overloaded
 from .backend import LoadedModel
@@ -40,10 +41,12 @@ class AdapterResidency:
     _adapter_failures: dict[tuple[str, str], Failure]
 
     if TYPE_CHECKING:  # ModelCache's
+
         async def _until(self, done: Callable[[], bool], timeout_s: float | None, message: str) -> None: ...
 
-        def _room(self, subject: str, needed: int, workspace: int = 0,
-                  keep: str | None = None) -> contextlib.AbstractAsyncContextManager[None]: ...
+        def _room(
+            self, subject: str, needed: int, workspace: int = 0, keep: str | None = None
+        ) -> contextlib.AbstractAsyncContextManager[None]: ...
 
         def _evict_for(self, subject: str, needed: int, workspace: int = 0, keep: str | None = None) -> bool: ...
 
@@ -60,8 +63,11 @@ class AdapterResidency:
         `release_adapter`. The caller holds the model itself (`acquire`)."""
         key = (model_id, name)
         if key in self._adapter_stale and key in self._adapters:  # the old files' copy drains first
-            await self._until(lambda: key not in self._adapter_stale, self._load_timeout_s,
-                              f"adapter {name} of {model_id} is reloading its changed files; retry shortly")
+            await self._until(
+                lambda: key not in self._adapter_stale,
+                self._load_timeout_s,
+                f"adapter {name} of {model_id} is reloading its changed files; retry shortly",
+            )
         self._adapter_inflight[key] += 1
         try:
             if key in self._adapters and runner.adapter_slot(name) is None:  # recorded for a runner since gone
@@ -81,8 +87,11 @@ class AdapterResidency:
             return slot
         except asyncio.TimeoutError:
             self.release_adapter(model_id, name)
-            raise Overloaded(f"adapter {name} of {model_id} is still loading; retry shortly", retry_after_s=2.0,
-                             details={"model": model_id, "adapter": name}) from None
+            raise Overloaded(
+                f"adapter {name} of {model_id} is still loading; retry shortly",
+                retry_after_s=2.0,
+                details={"model": model_id, "adapter": name},
+            ) from None
         except BaseException:
             self.release_adapter(model_id, name)
             raise
@@ -119,8 +128,9 @@ class AdapterResidency:
                 num_bytes = runner.adapter_bytes(name)  # measured: its stacked factors on the device
                 try:
                     if self.budget_bytes is not None and not self._evict_for(what, num_bytes, keep=model_id):
-                        raise Overloaded(f"no room for {what}: the models in memory are busy; retry shortly",
-                                         retry_after_s=2.0)
+                        raise Overloaded(
+                            f"no room for {what}: the models in memory are busy; retry shortly", retry_after_s=2.0
+                        )
                 except BaseException:
                     runner.remove_adapter(name)
                     raise

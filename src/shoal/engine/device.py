@@ -29,15 +29,15 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import DeadlineExceeded, InferenceFailed, Overloaded
 from ..metrics import Metrics
 from . import memory
-from .scheduler import BatchLimits, Scheduler, Slot
-from .threads import share_threads
 from .backend import LoadedModel
 from .pending import Pending
+from .scheduler import BatchLimits, Scheduler, Slot
+from .threads import share_threads
 from .types import Batch
 
 log = logging.getLogger("shoal.device")
@@ -51,9 +51,17 @@ CONTENTION_WINDOW_S = 5.0
 
 
 class DeviceWorker:
-    def __init__(self, limits_for: Callable[[str], BatchLimits], metrics: Metrics, *, name: str = "shoal-device",
-                 restart_delay_s: float = 1.0, small_request_tokens: int = 1024, min_rate_tokens: int = 128,
-                 lanes: int = 1) -> None:
+    def __init__(
+        self,
+        limits_for: Callable[[str], BatchLimits],
+        metrics: Metrics,
+        *,
+        name: str = "shoal-device",
+        restart_delay_s: float = 1.0,
+        small_request_tokens: int = 1024,
+        min_rate_tokens: int = 128,
+        lanes: int = 1,
+    ) -> None:
         if lanes < 1:
             raise ValueError(f"a device needs at least one lane, not {lanes}")
         self._scheduler = Scheduler(limits_for)
@@ -98,9 +106,12 @@ class DeviceWorker:
         self._running = 0
         self._shared.clear()
         self._held.clear()
-        self._threads = [threading.Thread(target=self._lane_main, daemon=True,
-                                          name=self._name if self._lanes == 1 else f"{self._name}-{i}")
-                         for i in range(self._lanes)]
+        self._threads = [
+            threading.Thread(
+                target=self._lane_main, daemon=True, name=self._name if self._lanes == 1 else f"{self._name}-{i}"
+            )
+            for i in range(self._lanes)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -110,8 +121,9 @@ class DeviceWorker:
 
     @property
     def ready(self) -> bool:
-        return (bool(self._threads) and all(t.is_alive() for t in self._threads) and not self._dead
-                and not self._stopping)
+        return (
+            bool(self._threads) and all(t.is_alive() for t in self._threads) and not self._dead and not self._stopping
+        )
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -171,8 +183,9 @@ class DeviceWorker:
         self._dead = True
         with self._wake:
             self._scheduler.drain()
-        error = Overloaded("the device worker failed and is restarting; retry shortly",
-                           retry_after_s=self._restart_delay_s)
+        error = Overloaded(
+            "the device worker failed and is restarting; retry shortly", retry_after_s=self._restart_delay_s
+        )
         for pending in list(self._live.values()):
             pending.error = pending.error or error
             self._settle(pending)
@@ -274,8 +287,11 @@ class DeviceWorker:
             return
         limits = self._scheduler.limits_of(model_id)
         end = time.monotonic() + limits.batch_wait_s
-        while (not self._stopping and self._scheduler.num_tokens < limits.max_batch_tokens
-               and len(self._scheduler) < limits.max_batch_items):
+        while (
+            not self._stopping
+            and self._scheduler.num_tokens < limits.max_batch_tokens
+            and len(self._scheduler) < limits.max_batch_items
+        ):
             left = end - time.monotonic()
             if left <= 0:
                 return
@@ -357,8 +373,9 @@ class DeviceWorker:
         if elapsed > 0:
             rate = num_tokens / elapsed  # one lane's: how long a batch of the model takes
             device_rate = rate * max(1, side_by_side)  # the device's, with the lanes busy beside it
-            self._tokens_per_s = (device_rate if self._tokens_per_s is None
-                                  else 0.8 * self._tokens_per_s + 0.2 * device_rate)
+            self._tokens_per_s = (
+                device_rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * device_rate
+            )
             if num_tokens >= self._min_rate_tokens:
                 old = self._model_rates.get(model_id)
                 self._model_rates[model_id] = rate if old is None else 0.7 * old + 0.3 * rate
@@ -430,4 +447,3 @@ class DeviceWorker:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
-

@@ -17,8 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..calls import (AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult,
-                     timeout_of)
+from ..calls import (
+    AnyCall,
+    AnyResult,
+    EncodeCall,
+    EncodeResult,
+    ExtractCall,
+    ExtractResult,
+    ScoreCall,
+    ScoreResult,
+    timeout_of,
+)
 from ..catalog import Catalog, ModelCard
 from ..config import EngineSettings
 from ..cpuinfo import usable_cores
@@ -62,8 +71,12 @@ class Engine:
             def max_batch_tokens(card: ModelCard) -> int:
                 return card.batching_for(self._hardware).max_batch_tokens or settings.max_batch_tokens
 
-            backend = TorchBackend(settings.device, allow_download=allow_download,
-                                   max_batch_tokens_of=max_batch_tokens, pack=settings.onednn_linear)
+            backend = TorchBackend(
+                settings.device,
+                allow_download=allow_download,
+                max_batch_tokens_of=max_batch_tokens,
+                pack=settings.onednn_linear,
+            )
         self.backend = backend
         fetch = None
         if allow_download:  # a download happens outside the lock that materializes weights
@@ -75,19 +88,27 @@ class Engine:
             budget = memory.default_budget_bytes(settings.device)
         self.metrics.memory_budget_bytes.labels(settings.device).set(budget or 0)
         cache = ModelCache(
-            backend.load, backend.estimate_bytes, fetch=fetch,
+            backend.load,
+            backend.estimate_bytes,
+            fetch=fetch,
             memory_budget_bytes=budget,
             pinned=frozenset(settings.pinned_models),
             load_timeout_s=settings.load_timeout_s,
             load_backoff_s=settings.load_backoff_s,
-            metrics=self.metrics, device=settings.device, side_by_side=lanes,
+            metrics=self.metrics,
+            device=settings.device,
+            side_by_side=lanes,
         )
-        self.fleet = Fleet(catalog, cache, device=settings.device, models_dirs=models_dirs,
-                           watch_interval_s=settings.watch_interval_s)
+        self.fleet = Fleet(
+            catalog, cache, device=settings.device, models_dirs=models_dirs, watch_interval_s=settings.watch_interval_s
+        )
         self._tokenizers = TokenizerPool(settings.tokenizer_threads)
         self._device = DeviceWorker(
-            self._limits_for, self.metrics, restart_delay_s=settings.device_restart_delay_s,
-            small_request_tokens=4 * settings.min_batch_tokens, min_rate_tokens=settings.min_batch_tokens // 2,
+            self._limits_for,
+            self.metrics,
+            restart_delay_s=settings.device_restart_delay_s,
+            small_request_tokens=4 * settings.min_batch_tokens,
+            min_rate_tokens=settings.min_batch_tokens // 2,
             lanes=lanes,
         )
         self._admitted_items = 0
@@ -147,8 +168,9 @@ class Engine:
     async def admin(self, model_id: str, action: str) -> ModelStatus:
         return await self.fleet.admin(model_id, action)
 
-    async def tokenize(self, model_id: str, texts: list[str], add_special_tokens: bool = True,
-                       prompt_name: str | None = None) -> list[list[Token]]:
+    async def tokenize(
+        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+    ) -> list[list[Token]]:
         card = self.catalog.get(model_id)
         prefix = prompt_of(card, prompt_name, None)
         deadline = time.monotonic() + self.settings.request_timeout_s
@@ -156,7 +178,8 @@ class Engine:
         try:
             tokenizer = model.info.text
             cut = await self._tokenizers.map(
-                lambda chunk, _: [tokenizer.tokens(prefix + t, add_special_tokens) for t in chunk], texts)
+                lambda chunk, _: [tokenizer.tokens(prefix + t, add_special_tokens) for t in chunk], texts
+            )
         finally:
             self.fleet.release(card.id, None)
         return [[Token(*token) for token in tokens] for tokens in cut]
@@ -203,20 +226,32 @@ class Engine:
                     raise InvalidRequest(
                         f"{real} tokens in one request is more than the queue holds "
                         f"({self.settings.max_queue_tokens}); split the request",
-                        details={"tokens": real, "max_queue_tokens": self.settings.max_queue_tokens})
+                        details={"tokens": real, "max_queue_tokens": self.settings.max_queue_tokens},
+                    )
                 if real > tokens and self._admitted_tokens + real - tokens > self.settings.max_queue_tokens:
                     self.metrics.rejected.labels(card.id).inc()  # admitted on an estimate the real count passes
-                    retry_after_s = self._retry_after(0, self._admitted_tokens + real - tokens
-                                                      - self.settings.max_queue_tokens)
-                    raise Overloaded(f"the queue is full (about {self._admitted_tokens} tokens waiting, and this "
-                                     f"request has {real}); retry in {retry_after_s:.0f} s", retry_after_s=retry_after_s,
-                                     details={"queued_tokens": self._admitted_tokens})
+                    retry_after_s = self._retry_after(
+                        0, self._admitted_tokens + real - tokens - self.settings.max_queue_tokens
+                    )
+                    raise Overloaded(
+                        f"the queue is full (about {self._admitted_tokens} tokens waiting, and this "
+                        f"request has {real}); retry in {retry_after_s:.0f} s",
+                        retry_after_s=retry_after_s,
+                        details={"queued_tokens": self._admitted_tokens},
+                    )
                 self._admitted_tokens += real - tokens
                 tokens = real
-                pending = Pending(card.id, runner, seqs, task.specs(plan, seqs), deadline=deadline,
-                                  request_id=call.request_id, future=asyncio.get_running_loop().create_future(),
-                                  on_released=lambda: self.fleet.release(card.id, call.adapter),
-                                  adapter_slot=adapter_slot)
+                pending = Pending(
+                    card.id,
+                    runner,
+                    seqs,
+                    task.specs(plan, seqs),
+                    deadline=deadline,
+                    request_id=call.request_id,
+                    future=asyncio.get_running_loop().create_future(),
+                    on_released=lambda: self.fleet.release(card.id, call.adapter),
+                    adapter_slot=adapter_slot,
+                )
                 self._device.submit(pending)
                 handed_over = True
                 outputs = await self._outcome(pending, deadline)
@@ -268,7 +303,8 @@ class Engine:
         if num_tokens > max_tokens:
             raise InvalidRequest(
                 f"about {num_tokens} tokens in one request is more than the queue holds ({max_tokens}); "
-                "split the request", details={"estimated_tokens": num_tokens, "max_queue_tokens": max_tokens},
+                "split the request",
+                details={"estimated_tokens": num_tokens, "max_queue_tokens": max_tokens},
             )
         over_items = self._admitted_items + num_items - max_items
         over_tokens = self._admitted_tokens + num_tokens - max_tokens
@@ -309,8 +345,9 @@ class Engine:
             rate = self._device.tokens_per_s_of(model_id)
             timed = int(rate * s.target_batch_s) if rate else 4 * s.min_batch_tokens
             max_tokens = min(max_tokens, max(s.min_batch_tokens, timed))
-        return BatchLimits(max_tokens, batching.max_batch_items or s.max_batch_items,
-                           (batching.batch_wait_ms or 0.0) / 1000)
+        return BatchLimits(
+            max_tokens, batching.max_batch_items or s.max_batch_items, (batching.batch_wait_ms or 0.0) / 1000
+        )
 
     def _record_queue(self) -> None:
         self.metrics.queue_depth.set(self._admitted_items)
@@ -327,14 +364,19 @@ def device_lanes(settings: EngineSettings) -> int:
     if lanes < 1:
         raise ConfigError(f"device_lanes must be at least 1, not {lanes}", details={"field": "device_lanes"})
     if lanes > 1 and not on_cpu:
-        raise ConfigError(f"device_lanes {lanes} is for CPUs: a GPU runs one batch at a time (one launch over "
-                          f"the whole batch is what is fast there); leave it unset or 1 on {settings.device}",
-                          details={"field": "device_lanes", "device": settings.device})
+        raise ConfigError(
+            f"device_lanes {lanes} is for CPUs: a GPU runs one batch at a time (one launch over "
+            f"the whole batch is what is fast there); leave it unset or 1 on {settings.device}",
+            details={"field": "device_lanes", "device": settings.device},
+        )
     return lanes
 
 
-_PHASE_WORDS = {"load": "waiting for the model to load", "tokenize": "being tokenized",
-                "queue": "waiting for the device"}
+_PHASE_WORDS = {
+    "load": "waiting for the model to load",
+    "tokenize": "being tokenized",
+    "queue": "waiting for the device",
+}
 # How long past its deadline a call still waits for a batch it may already be in.
 _RUNNING_GRACE_S = 10.0
 
@@ -364,5 +406,7 @@ async def _within(awaitable: Any, deadline: float, phase: str) -> Any:
 def _check_sequences(seqs: list) -> None:
     for index, seq in enumerate(seqs):
         if len(seq) == 0:
-            raise InvalidRequest(f"items[{index}] is empty after tokenization (this tokenizer adds no special "
-                                 "tokens): send some text", details={"index": index})
+            raise InvalidRequest(
+                f"items[{index}] is empty after tokenization (this tokenizer adds no special tokens): send some text",
+                details={"index": index},
+            )

@@ -28,8 +28,15 @@ log = logging.getLogger("shoal.fleet")
 
 
 class Fleet:
-    def __init__(self, catalog: Catalog, cache: ModelCache, *, device: str, models_dirs: tuple[Path, ...] = (),
-                 watch_interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        cache: ModelCache,
+        *,
+        device: str,
+        models_dirs: tuple[Path, ...] = (),
+        watch_interval_s: float | None = None,
+    ) -> None:
         self.catalog = catalog
         self.cache = cache
         self._aliases = dict(catalog.extra_aliases)  # `--alias`: applied again on every reload
@@ -67,14 +74,18 @@ class Fleet:
         directory = None
         if adapter is not None:
             if card.extract is not None and card.extract.kind == "gliner":
-                raise InvalidRequest(f"model {card.id} is a GLiNER span model: LoRA adapters are not supported for "
-                                     "those yet", details={"model": card.id, "adapter": adapter})
+                raise InvalidRequest(
+                    f"model {card.id} is a GLiNER span model: LoRA adapters are not supported for those yet",
+                    details={"model": card.id, "adapter": adapter},
+                )
             directory = card.adapter_dirs().get(adapter)
             if directory is None:
                 have = ", ".join(sorted(card.adapters)) or "none"
-                raise InvalidRequest(f"model {card.id} has no adapter {adapter!r} (its adapters: {have}; "
-                                     f"GET /v1/models/{card.id} lists them)",
-                                     details={"model": card.id, "adapter": adapter, "adapters": sorted(card.adapters)})
+                raise InvalidRequest(
+                    f"model {card.id} has no adapter {adapter!r} (its adapters: {have}; "
+                    f"GET /v1/models/{card.id} lists them)",
+                    details={"model": card.id, "adapter": adapter, "adapters": sorted(card.adapters)},
+                )
         runner = await self.cache.acquire(card)
         if directory is None:
             return runner, -1
@@ -98,17 +109,32 @@ class Fleet:
         cache = self.cache
         failure = cache.failure(card.id)
         loaded = cache.is_loaded(card.id)
-        state = ("loaded" if loaded else "loading" if cache.is_loading(card.id)
-                 else "failed" if failure is not None else "not_loaded")
+        state = (
+            "loaded"
+            if loaded
+            else "loading"
+            if cache.is_loading(card.id)
+            else "failed"
+            if failure is not None
+            else "not_loaded"
+        )
         return status_of_card(
-            card, loaded=loaded, state=state, bytes=cache.model_bytes(card.id) if loaded else None,
-            pinned=cache.is_pinned(card.id), device=self._device, adapters_loaded=cache.adapters_of(card.id),
-            aliases=self.catalog.aliases_of(card.id), error=failure.message if failure is not None and not loaded else None,
+            card,
+            loaded=loaded,
+            state=state,
+            bytes=cache.model_bytes(card.id) if loaded else None,
+            pinned=cache.is_pinned(card.id),
+            device=self._device,
+            adapters_loaded=cache.adapters_of(card.id),
+            aliases=self.catalog.aliases_of(card.id),
+            error=failure.message if failure is not None and not loaded else None,
         )
 
     def problems(self) -> list[CardProblem]:
-        return [CardProblem(file=os.path.basename(file.rstrip("/")), error=_public(error))
-                for file, error in sorted(self.catalog.broken.items())]
+        return [
+            CardProblem(file=os.path.basename(file.rstrip("/")), error=_public(error))
+            for file, error in sorted(self.catalog.broken.items())
+        ]
 
     async def warm(self, model_ids: list[str]) -> None:
         """Load these models, then the cards that ask for it, waiting as long as each load takes."""

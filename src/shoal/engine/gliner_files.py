@@ -32,30 +32,47 @@ def load_gliner_backbone(card: ModelCard, directory: Path, device: str, allow_do
     encoder = dict(encoder)
     rows = tensor_shape(directory, tuple(BACKBONE_PREFIX + name for name in _EMBEDDINGS))
     if rows is None:
-        raise ModelLoadError(f"{directory}: the checkpoint has no {BACKBONE_PREFIX}embeddings.word_embeddings.weight "
-                             "(or its ModernBERT name); is this a GLiNER checkpoint?", details={"file": CONFIG_FILE})
+        raise ModelLoadError(
+            f"{directory}: the checkpoint has no {BACKBONE_PREFIX}embeddings.word_embeddings.weight "
+            "(or its ModernBERT name); is this a GLiNER checkpoint?",
+            details={"file": CONFIG_FILE},
+        )
     encoder["vocab_size"] = rows[0]  # resized for GLiNER's added tokens
-    model = build_model(directory, card.architecture or encoder.get("model_type"), device, card.dtype,
-                        config=encoder, prefixes=(BACKBONE_PREFIX,))
+    model = build_model(
+        directory,
+        card.architecture or encoder.get("model_type"),
+        device,
+        card.dtype,
+        config=encoder,
+        prefixes=(BACKBONE_PREFIX,),
+    )
 
     if (directory / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(directory)
     else:
         backbone_dir = backbone_dir or _backbone_dir(card, config, allow_download)
         tokenizer = load_tokenizer(backbone_dir)
-        tokenizer.add_special_tokens(["[FLERT]", config.get("ent_token", "<<ENT>>"), config.get("sep_token", "<<SEP>>")])
+        tokenizer.add_special_tokens(
+            ["[FLERT]", config.get("ent_token", "<<ENT>>"), config.get("sep_token", "<<SEP>>")]
+        )
     max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
     for name in ("ent_token", "sep_token"):
         token = config.get(name, "<<ENT>>" if name == "ent_token" else "<<SEP>>")
         token_id = tokenizer.token_to_id(token)
         if token_id is None or token_id >= rows[0]:
-            raise ModelLoadError(f"{directory}: GLiNER's {name} {token!r} is not in the tokenizer (or past the "
-                                 f"checkpoint's {rows[0]} embeddings)", details={"file": CONFIG_FILE, "field": name})
+            raise ModelLoadError(
+                f"{directory}: GLiNER's {name} {token!r} is not in the tokenizer (or past the "
+                f"checkpoint's {rows[0]} embeddings)",
+                details={"file": CONFIG_FILE, "field": name},
+            )
     index = config.get("class_token_index", -1)
     ent_id = tokenizer.token_to_id(config.get("ent_token", "<<ENT>>"))
     if index not in (-1, None) and index != ent_id:
-        raise ModelLoadError(f"{directory}: class_token_index {index} is not the tokenizer's id {ent_id} for "
-                             f"{config.get('ent_token', '<<ENT>>')!r}", details={"file": CONFIG_FILE})
+        raise ModelLoadError(
+            f"{directory}: class_token_index {index} is not the tokenizer's id {ent_id} for "
+            f"{config.get('ent_token', '<<ENT>>')!r}",
+            details={"file": CONFIG_FILE},
+        )
     return model, TextTokenizer(tokenizer, max_length)
 
 
@@ -69,5 +86,7 @@ def _backbone_dir(card: ModelCard, config: dict, allow_download: bool) -> Path:
         raise ModelLoadError(
             f"{card.id}: {CONFIG_FILE} has no encoder_config and the folder no tokenizer.json; the card's "
             f"extract.backbone must say where the backbone ({config.get('model_name', '?')}) config and "
-            "tokenizer are", details={"model": card.id, "field": "extract.backbone"})
+            "tokenizer are",
+            details={"model": card.id, "field": "extract.backbone"},
+        )
     return resolve_source(source, f"the backbone of {card.id}", card.card_path, allow_download)

@@ -21,5 +21,6 @@ def retry_later(failure: Failure) -> ModelLoadError:
     """The failure's error again, with the seconds until the next attempt."""
     wait_s = max(1.0, failure.retry_at - time.monotonic())
     details = {**failure.error.details, "retry_after_s": round(wait_s, 1)}
-    return ModelLoadError(f"{failure.error.message}; the next attempt is in {wait_s:.0f} s", details=details,
-                          retry_after_s=wait_s)
+    return ModelLoadError(
+        f"{failure.error.message}; the next attempt is in {wait_s:.0f} s", details=details, retry_after_s=wait_s
+    )

@@ -48,7 +48,7 @@ _REFUSED = {
     "use_dora": "DoRA (use_dora) rescales the merged weight per column; merge it into the base model instead",
     "lora_bias": "LoRA biases (lora_bias) are not supported; retrain with lora_bias=False",
     "modules_to_save": "modules_to_save replaces whole modules (a classifier, embeddings); shoal applies only "
-                       "low-rank deltas: merge the adapter into the base model instead",
+    "low-rank deltas: merge the adapter into the base model instead",
     "trainable_token_indices": "trainable token embeddings are not supported; merge the adapter instead",
     "layer_replication": "layer_replication changes the model's layers; merge the adapter instead",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
@@ -108,19 +108,34 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
         if raw.get(field):
             raise ModelLoadError(f"{path}: {why}", details={"field": field})
     if raw.get("bias", "none") != "none":
-        raise ModelLoadError(f"{path}: bias={raw['bias']!r} trains the base model's biases; shoal applies only "
-                             "low-rank deltas: retrain with bias='none' or merge the adapter",
-                             details={"field": "bias"})
+        raise ModelLoadError(
+            f"{path}: bias={raw['bias']!r} trains the base model's biases; shoal applies only "
+            "low-rank deltas: retrain with bias='none' or merge the adapter",
+            details={"field": "bias"},
+        )
     targets = raw.get("target_modules")
     return AdapterConfig(
-        r=int(raw.get("r", 8)), lora_alpha=float(raw.get("lora_alpha", 8)), use_rslora=bool(raw.get("use_rslora")),
-        rank_pattern=dict(raw.get("rank_pattern") or {}), alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+        r=int(raw.get("r", 8)),
+        lora_alpha=float(raw.get("lora_alpha", 8)),
+        use_rslora=bool(raw.get("use_rslora")),
+        rank_pattern=dict(raw.get("rank_pattern") or {}),
+        alpha_pattern=dict(raw.get("alpha_pattern") or {}),
         target_modules=tuple(targets) if isinstance(targets, list) else targets,
-        fan_in_fan_out=bool(raw.get("fan_in_fan_out")), base_model_name_or_path=raw.get("base_model_name_or_path"))
+        fan_in_fan_out=bool(raw.get("fan_in_fan_out")),
+        base_model_name_or_path=raw.get("base_model_name_or_path"),
+    )
 
 
-def read_adapter(name: str, directory: Path, model: nn.Module, *, device: torch.device | str, dtype: torch.dtype,
-                 drop_head_targets: bool = False, prefixes: tuple[str, ...] | None = None) -> LoraAdapter:
+def read_adapter(
+    name: str,
+    directory: Path,
+    model: nn.Module,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    drop_head_targets: bool = False,
+    prefixes: tuple[str, ...] | None = None,
+) -> LoraAdapter:
     """The adapter in `directory` mapped onto `model` (a shoal model), its tensors on `device` in
     `dtype`. `prefixes`: the base checkpoint's, when not the model class's."""
     directory = Path(directory)
@@ -155,29 +170,40 @@ def read_adapter(name: str, directory: Path, model: nn.Module, *, device: torch.
         _check_shapes(names, a, b, r, linear, shard, ours)
         shards.setdefault(ours, []).append(LoraShard(shard, a, b, scale))
     if unrouted:
-        raise ModelLoadError(f"{directory}: LoRA tensors for modules that are not Linears of this model's encoder: "
-                             f"{', '.join(unrouted[:8])}" + (f" and {len(unrouted) - 8} more" if len(unrouted) > 8 else "")
-                             + "; was the adapter trained on this base model?", details={"tensors": unrouted})
+        raise ModelLoadError(
+            f"{directory}: LoRA tensors for modules that are not Linears of this model's encoder: "
+            f"{', '.join(unrouted[:8])}"
+            + (f" and {len(unrouted) - 8} more" if len(unrouted) > 8 else "")
+            + "; was the adapter trained on this base model?",
+            details={"tensors": unrouted},
+        )
     if on_shared:
-        raise ModelLoadError(f"{directory}: the adapter targets {', '.join(on_shared[:8])}, which this model also "
-                             "applies to inputs every sequence of a batch shares (DeBERTa's relative-position "
-                             "table); a per-sequence adapter cannot adapt them: retrain without them or merge it",
-                             details={"modules": on_shared})
+        raise ModelLoadError(
+            f"{directory}: the adapter targets {', '.join(on_shared[:8])}, which this model also "
+            "applies to inputs every sequence of a batch shares (DeBERTa's relative-position "
+            "table); a per-sequence adapter cannot adapt them: retrain without them or merge it",
+            details={"modules": on_shared},
+        )
     if dropped and not drop_head_targets:
-        raise ModelLoadError(f"{directory}: the adapter targets {', '.join(dropped[:8])}, outside the encoder, which "
-                             "this model's heads use; shoal adapts the encoder's Linears only: retrain excluding them "
-                             "(exclude_modules) or merge the adapter", details={"modules": dropped})
+        raise ModelLoadError(
+            f"{directory}: the adapter targets {', '.join(dropped[:8])}, outside the encoder, which "
+            "this model's heads use; shoal adapts the encoder's Linears only: retrain excluding them "
+            "(exclude_modules) or merge the adapter",
+            details={"modules": dropped},
+        )
     if not shards:
-        raise ModelLoadError(f"{directory}: the adapter adapts no Linear of the encoder "
-                             f"(target_modules: {config.target_modules})")
+        raise ModelLoadError(
+            f"{directory}: the adapter adapts no Linear of the encoder (target_modules: {config.target_modules})"
+        )
     factors = {m: LoraFactors.stack(model.get_submodule(m), s).to(device, dtype) for m, s in shards.items()}
     return LoraAdapter(name, directory, config, factors, tuple(dropped))
 
 
 def _read_pairs(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, tuple[str, str]]]:
     """PEFT module name -> (A, B, (A's tensor name, B's)) from the adapter's weights file."""
-    path = next((p for p in (directory / "adapter_model.safetensors", directory / "adapter_model.bin") if p.is_file()),
-                None)
+    path = next(
+        (p for p in (directory / "adapter_model.safetensors", directory / "adapter_model.bin") if p.is_file()), None
+    )
     if path is None:
         raise ModelLoadError(f"{directory}: no adapter_model.safetensors (or adapter_model.bin)")
     found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
@@ -193,12 +219,15 @@ def _read_pairs(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, 
         module = match["module"].removeprefix(_PEFT_PREFIX)
         found.setdefault(module, {})[match["kind"]] = (key, load())
     if unexpected:
-        raise ModelLoadError(f"{path}: tensors that are not LoRA A/B weights: {', '.join(unexpected[:8])}"
-                             " (LoRA biases, DoRA magnitudes or saved modules are not supported)",
-                             details={"tensors": unexpected})
+        raise ModelLoadError(
+            f"{path}: tensors that are not LoRA A/B weights: {', '.join(unexpected[:8])}"
+            " (LoRA biases, DoRA magnitudes or saved modules are not supported)",
+            details={"tensors": unexpected},
+        )
     if len(adapters) > 1:
-        raise ModelLoadError(f"{path}: holds several adapters ({', '.join(sorted(map(str, adapters)))}); "
-                             "save each to its own folder")
+        raise ModelLoadError(
+            f"{path}: holds several adapters ({', '.join(sorted(map(str, adapters)))}); save each to its own folder"
+        )
     pairs = {}
     for module, parts in found.items():
         if set(parts) != {"A", "B"}:
@@ -222,13 +251,16 @@ def _linear(model: nn.Module, module: str, shard: int | None) -> nn.Linear | Int
     return linear
 
 
-def _check_shapes(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor, r: int, linear: nn.Linear,
-                  shard: int | None, ours: str) -> None:
+def _check_shapes(
+    names: tuple[str, str], a: torch.Tensor, b: torch.Tensor, r: int, linear: nn.Linear, shard: int | None, ours: str
+) -> None:
     out = linear.out_features if shard is None else linear.shard_sizes[shard]
     where = ours + ("" if shard is None else f" shard {shard}")
     if tuple(a.shape) != (r, linear.in_features):
-        raise ModelLoadError(f"{names[0]}: shape {tuple(a.shape)}, expected (r={r}, in={linear.in_features}) for "
-                             f"{where}" + (" (r from adapter_config.json's r / rank_pattern)" if a.shape[0] != r else ""))
+        raise ModelLoadError(
+            f"{names[0]}: shape {tuple(a.shape)}, expected (r={r}, in={linear.in_features}) for "
+            f"{where}" + (" (r from adapter_config.json's r / rank_pattern)" if a.shape[0] != r else "")
+        )
     if tuple(b.shape) != (out, r):
         raise ModelLoadError(f"{names[1]}: shape {tuple(b.shape)}, expected (out={out}, r={r}) for {where}")
 

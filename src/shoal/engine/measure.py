@@ -10,7 +10,8 @@ scratch (SPLADE's vocabulary-wide logits) say so with `workspace_bytes(num_token
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -48,8 +49,14 @@ def _tensors(objects: Iterable[Any], depth: int) -> Iterator[torch.Tensor]:
             yield from _tensors(vars(obj).values(), depth + 1)
 
 
-def workspace_bytes(model: torch.nn.Module, heads: Iterable[Any], num_tokens: int, max_length: int,
-                    device: torch.device, flash: bool = False) -> int:
+def workspace_bytes(
+    model: torch.nn.Module,
+    heads: Iterable[Any],
+    num_tokens: int,
+    max_length: int,
+    device: torch.device,
+    flash: bool = False,
+) -> int:
     """Peak transient bytes of one batch of `num_tokens` tokens (sequences up to `max_length`)."""
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or 1024

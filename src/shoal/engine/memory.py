@@ -68,7 +68,7 @@ def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(name)
         libc.mallopt  # noqa: B018  (glibc only)
-        libc.malloc_trim
+        libc.malloc_trim  # noqa: B018  (glibc only)
     except (OSError, AttributeError):
         return None
     return libc
@@ -84,11 +84,14 @@ def tune_allocator() -> bool:
     libc = _libc()
     if libc is None:
         return False
-    ok = all(libc.mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-        (_M_ARENA_MAX, ARENA_MAX),
-    ))
+    ok = all(
+        libc.mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+            (_M_ARENA_MAX, ARENA_MAX),
+        )
+    )
     if not ok:
         log.warning("mallopt refused a setting; resident memory may grow under load")
     return ok

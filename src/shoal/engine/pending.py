@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import ShoalError
 from .backend import LoadedModel
@@ -16,10 +16,19 @@ from .types import Encoded, Spec
 class Pending:
     """One request's sequences on their way through the device, resolved on the event loop."""
 
-    def __init__(self, model_id: str, runner: LoadedModel, seqs: Sequence[Encoded], specs: Sequence[Spec], *,
-                 deadline: float,
-                 request_id: str | None, future: asyncio.Future,
-                 on_released: Callable[[], None] | None = None, adapter_slot: int = -1) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        runner: LoadedModel,
+        seqs: Sequence[Encoded],
+        specs: Sequence[Spec],
+        *,
+        deadline: float,
+        request_id: str | None,
+        future: asyncio.Future,
+        on_released: Callable[[], None] | None = None,
+        adapter_slot: int = -1,
+    ) -> None:
         self.model_id = model_id
         self.adapter_slot = adapter_slot  # the runner's slot of the request's LoRA adapter; -1: the base model
         self.runner = runner  # held (refcounted by the cache) until the device lets go of it

@@ -9,8 +9,8 @@ description the tasks, the cache and the device read.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -55,8 +55,15 @@ def _use_default_threads() -> None:
 
 
 class ModelRunner:
-    def __init__(self, card: ModelCard, model: torch.nn.Module, tokenizer: TextTokenizer, device: str,
-                 directory: Path | None = None, max_batch_tokens: int = 16384) -> None:
+    def __init__(
+        self,
+        card: ModelCard,
+        model: torch.nn.Module,
+        tokenizer: TextTokenizer,
+        device: str,
+        directory: Path | None = None,
+        max_batch_tokens: int = 16384,
+    ) -> None:
         self.card = card
         # Torch intra-op threads for this model's forwards (the card's `batching.threads` for this
         # device, e.g. from `shoal tune`), set on the calling (device) thread; unset: the process default.
@@ -67,8 +74,13 @@ class ModelRunner:
         self.device = torch.device(device)
         # Smaller batches run on a thread fewer (`Batching.small_batch_tokens`): on a CPU the HTTP side
         # shares the cores with the forward, and a small forward gains least from the extra thread.
-        self.small_batch_tokens = (limits.small_batch_tokens if limits.small_batch_tokens is not None
-                                   else SMALL_BATCH_TOKENS if self.device.type == "cpu" else 0)
+        self.small_batch_tokens = (
+            limits.small_batch_tokens
+            if limits.small_batch_tokens is not None
+            else SMALL_BATCH_TOKENS
+            if self.device.type == "cpu"
+            else 0
+        )
         # Feed-forward blocks a block of rows at a time, on a CPU only (layers/rows.py).
         self.row_block_bytes = 0
         if self.device.type == "cpu":
@@ -81,13 +93,20 @@ class ModelRunner:
                 query, document = head.tokenizers()
         # What heads tell the tasks (GLiNER's prompt tokens, label maps, an LLM frame); others say nothing.
         described = tuple(d for head in self.heads.values() if (d := getattr(head, "describe", _nothing)()) is not None)
-        self.info = ModelInfo(card, tokenizer, tuple(self.heads), query_text=query, document_text=document,
-                              heads=described)
+        self.info = ModelInfo(
+            card, tokenizer, tuple(self.heads), query_text=query, document_text=document, heads=described
+        )
         self._adapters = AdapterTable()  # PEFT LoRA adapters by slot (engine/lora.py)
         # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
         self.num_bytes = tensor_bytes([model, *self.heads.values()]) + packed.packed_bytes(model)
-        self.workspace_bytes = workspace_bytes(model, self.heads.values(), max_batch_tokens, tokenizer.max_length,
-                                               self.device, flash=flash_available(self.device, dtype))
+        self.workspace_bytes = workspace_bytes(
+            model,
+            self.heads.values(),
+            max_batch_tokens,
+            tokenizer.max_length,
+            self.device,
+            flash=flash_available(self.device, dtype),
+        )
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -102,14 +121,22 @@ class ModelRunner:
         return self.info.tokenizer_for(False)
 
     @classmethod
-    def load(cls, card: ModelCard, device: str, allow_download: bool = True,
-             max_batch_tokens: int = 16384, pack: bool = True) -> "ModelRunner":
+    def load(
+        cls, card: ModelCard, device: str, allow_download: bool = True, max_batch_tokens: int = 16384, pack: bool = True
+    ) -> ModelRunner:
         directory = resolve_weights(card, allow_download=allow_download)
         return cls.from_dir(card, directory, device, allow_download, max_batch_tokens, pack)
 
     @classmethod
-    def from_dir(cls, card: ModelCard, directory: Path, device: str, allow_download: bool = True,
-                 max_batch_tokens: int = 16384, pack: bool = True) -> "ModelRunner":
+    def from_dir(
+        cls,
+        card: ModelCard,
+        directory: Path,
+        device: str,
+        allow_download: bool = True,
+        max_batch_tokens: int = 16384,
+        pack: bool = True,
+    ) -> ModelRunner:
         card = _quantize_here(card, device)
         _check_quantize(card, device)
         _use_default_threads()
@@ -137,8 +164,9 @@ class ModelRunner:
         directory = resolve_weights(card, allow_download=allow_download)
         # A GLiNER folder's backbone config lives in gliner_config.json: counted unquantised (over).
         gliner = card.extract is not None and card.extract.kind == "gliner"
-        return estimate_bytes(directory, card.dtype, quantize=None if gliner else card.quantize,
-                              architecture=card.architecture)
+        return estimate_bytes(
+            directory, card.dtype, quantize=None if gliner else card.quantize, architecture=card.architecture
+        )
 
     def add_adapter(self, name: str, directory: Path) -> int:
         """Load the PEFT LoRA adapter in `directory` onto this model (tensors on its device, in its
@@ -149,8 +177,14 @@ class ModelRunner:
         """
         _use_default_threads()
         dtype = next(self.model.parameters()).dtype
-        adapter = read_adapter(name, directory, self.model, device=self.device, dtype=dtype,
-                               drop_head_targets=set(self.heads) <= _ENCODER_ONLY_HEADS)
+        adapter = read_adapter(
+            name,
+            directory,
+            self.model,
+            device=self.device,
+            dtype=dtype,
+            drop_head_targets=set(self.heads) <= _ENCODER_ONLY_HEADS,
+        )
         if self.device.type == "cuda":  # the copies are complete before any forward can read them
             torch.cuda.synchronize(self.device)
         return self._adapters.install(adapter)
@@ -190,11 +224,19 @@ class ModelRunner:
         cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(**to)  # [n+1]
         key_lengths = None if batch.key_lengths is None else torch.from_numpy(batch.key_lengths).to(**to)  # [n]
         token_type_ids = None if batch.token_type_ids is None else torch.from_numpy(batch.token_type_ids).to(**to)
-        routing = (None if batch.adapter_slots is None
-                   else self._adapters.routing(batch.cu_seqlens, batch.adapter_slots, self.device))
+        routing = (
+            None
+            if batch.adapter_slots is None
+            else self._adapters.routing(batch.cu_seqlens, batch.adapter_slots, self.device)
+        )
         # Never in row blocks under LoRA: its hooks route a Linear's rows by batch position (layers/rows.py).
-        meta = AttentionMeta.build(cu_seqlens, batch.max_seqlen, key_lengths, each=self.attention_each,
-                                   row_block_bytes=self.row_block_bytes if routing is None else 0)
+        meta = AttentionMeta.build(
+            cu_seqlens,
+            batch.max_seqlen,
+            key_lengths,
+            each=self.attention_each,
+            row_block_bytes=self.row_block_bytes if routing is None else 0,
+        )
         inputs = PackedInputs(input_ids, position_ids, meta, token_type_ids, _features(batch, to))
         if routing is None:
             states = self.model(inputs)  # [T, hidden]
@@ -209,12 +251,21 @@ class ModelRunner:
         if "token_states" in wanted:  # the encoder's own states, per sequence (TEI's /embed_all)
             states_np = states.float().cpu().numpy()
             cu = batch.cu_seqlens
-            per_head["token_states"] = [states_np[cu[i]:cu[i + 1]].copy() if "token_states" in spec.outputs else None
-                                        for i, spec in enumerate(specs)]
-        return [EncodedItem(dense=per_head.get("dense", none)[i], sparse=per_head.get("sparse", none)[i],
-                            multivector=per_head.get("multivector", none)[i],
-                            token_states=per_head.get("token_states", none)[i]) if isinstance(spec, EncodeSpec)
-                else per_head[spec.outputs[0]][i] for i, spec in enumerate(specs)]
+            per_head["token_states"] = [
+                states_np[cu[i] : cu[i + 1]].copy() if "token_states" in spec.outputs else None
+                for i, spec in enumerate(specs)
+            ]
+        return [
+            EncodedItem(
+                dense=per_head.get("dense", none)[i],
+                sparse=per_head.get("sparse", none)[i],
+                multivector=per_head.get("multivector", none)[i],
+                token_states=per_head.get("token_states", none)[i],
+            )
+            if isinstance(spec, EncodeSpec)
+            else per_head[spec.outputs[0]][i]
+            for i, spec in enumerate(specs)
+        ]
 
     def close(self) -> None:
         """Called on eviction. A batch already running keeps its reference until it finishes."""
@@ -227,8 +278,15 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, device: str, *, allow_download: bool = True, max_batch_tokens: int = 16384,
-                 max_batch_tokens_of: Callable[[ModelCard], int] | None = None, pack: bool = True) -> None:
+    def __init__(
+        self,
+        device: str,
+        *,
+        allow_download: bool = True,
+        max_batch_tokens: int = 16384,
+        max_batch_tokens_of: Callable[[ModelCard], int] | None = None,
+        pack: bool = True,
+    ) -> None:
         self.device = device
         self.allow_download = allow_download
         self._max_batch_tokens = max_batch_tokens
@@ -293,10 +351,14 @@ def _check_quantize(card: ModelCard, device: str) -> None:
     if card.quantize is None:
         return
     if torch.device(device).type != "cpu":
-        raise ConfigError(f"{card.id}: quantize {card.quantize} runs on CPUs only (int8 matmuls through oneDNN), "
-                          f"not on {device}: serve it on a CPU, or drop quantize and use dtype float16 or bfloat16",
-                          details={"model": card.id, "field": "quantize", "device": device})
+        raise ConfigError(
+            f"{card.id}: quantize {card.quantize} runs on CPUs only (int8 matmuls through oneDNN), "
+            f"not on {device}: serve it on a CPU, or drop quantize and use dtype float16 or bfloat16",
+            details={"model": card.id, "field": "quantize", "device": device},
+        )
     if card.dtype != "float32":
-        raise ConfigError(f"{card.id}: quantize {card.quantize} runs with float32 activations, not dtype "
-                          f"{card.dtype}: leave dtype unset (float32) or drop quantize",
-                          details={"model": card.id, "field": "quantize", "dtype": card.dtype})
+        raise ConfigError(
+            f"{card.id}: quantize {card.quantize} runs with float32 activations, not dtype "
+            f"{card.dtype}: leave dtype unset (float32) or drop quantize",
+            details={"model": card.id, "field": "quantize", "dtype": card.dtype},
+        )

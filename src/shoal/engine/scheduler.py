@@ -19,8 +19,9 @@ answer them.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 
 class Queued(Protocol):
@@ -149,6 +150,6 @@ class Scheduler:
         return batch
 
     def _count(self, request: Queued, sign: int) -> None:
-        rest = request.lengths[request.next_index:]
+        rest = request.lengths[request.next_index :]
         self._num_seqs += sign * len(rest)
         self._num_tokens += sign * sum(rest)

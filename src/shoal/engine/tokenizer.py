@@ -45,9 +45,16 @@ class TextTokenizer:
     to only when `attend_to_expansion`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_length: int, *, marker_id: int | None = None,
-                 expand_to: int | None = None, expand_id: int | None = None,
-                 attend_to_expansion: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_length: int,
+        *,
+        marker_id: int | None = None,
+        expand_to: int | None = None,
+        expand_id: int | None = None,
+        attend_to_expansion: bool = False,
+    ) -> None:
         self.max_length = max_length
         self.marker_id = marker_id
         self.expand_to = min(expand_to, max_length) if expand_to else None
@@ -63,17 +70,29 @@ class TextTokenizer:
         self._pair_lock = threading.Lock()
 
     @classmethod
-    def from_dir(cls, directory: Path, max_length: int) -> "TextTokenizer":
+    def from_dir(cls, directory: Path, max_length: int) -> TextTokenizer:
         """The folder's tokenizer.json, or one built from its vocab.txt (`tokenizer_files`)."""
         return cls(load_tokenizer(directory), max_length)
 
-    def variant(self, max_length: int, *, marker: str | None = None, expand_to: int | None = None,
-                expand_token: str | None = None, attend_to_expansion: bool = False) -> "TextTokenizer":
+    def variant(
+        self,
+        max_length: int,
+        *,
+        marker: str | None = None,
+        expand_to: int | None = None,
+        expand_token: str | None = None,
+        attend_to_expansion: bool = False,
+    ) -> TextTokenizer:
         """A copy with its own truncation, marker and expansion (the original is shared by threads)."""
         clone = Tokenizer.from_str(self._tokenizer.to_str())
-        return TextTokenizer(clone, max_length, marker_id=self.token_id(marker) if marker else None,
-                             expand_to=expand_to, expand_id=self.token_id(expand_token) if expand_token else None,
-                             attend_to_expansion=attend_to_expansion)
+        return TextTokenizer(
+            clone,
+            max_length,
+            marker_id=self.token_id(marker) if marker else None,
+            expand_to=expand_to,
+            expand_id=self.token_id(expand_token) if expand_token else None,
+            attend_to_expansion=attend_to_expansion,
+        )
 
     def token_ids(self, tokens) -> list[int]:
         """Ids of those `tokens` that are in the vocabulary (others are skipped)."""
@@ -100,8 +119,9 @@ class TextTokenizer:
         text is the token itself and it has no offsets; another's text is its slice of `text`."""
         encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         out = []
-        for token_id, token, special, (start, stop) in zip(encoding.ids, encoding.tokens,
-                                                          encoding.special_tokens_mask, encoding.offsets):
+        for token_id, token, special, (start, stop) in zip(
+            encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets
+        ):
             if special:
                 out.append((int(token_id), token, True, None, None))
             else:
@@ -110,9 +130,17 @@ class TextTokenizer:
 
     # --- encoding -------------------------------------------------------------------------------
 
-    def encode(self, texts: list[str], truncate: bool, *, pairs: list[str] | None = None,
-               with_offsets: bool = False, first_index: int | None = 0, what: str = "items",
-               cut_first: bool = False) -> list[Encoded]:
+    def encode(
+        self,
+        texts: list[str],
+        truncate: bool,
+        *,
+        pairs: list[str] | None = None,
+        with_offsets: bool = False,
+        first_index: int | None = 0,
+        what: str = "items",
+        cut_first: bool = False,
+    ) -> list[Encoded]:
         """One sequence per text (or per `(texts[i], pairs[i])` pair), special tokens included,
         each at most `max_length` tokens. A pair is truncated from its second text only (from its
         first, `cut_first`: an NLI premise before its hypothesis).
@@ -125,15 +153,20 @@ class TextTokenizer:
             bound = self.max_chars
             # A cut text that kept too few tokens, or whose kept tokens reach into a word the cut
             # split, may differ from the full text's: widen (up to WIDEN_LIMIT x the bound).
-            while cut[index] is not text and _needs_wider(cut[index], encodings[index]) \
-                    and bound < self.max_chars * WIDEN_LIMIT:
+            while (
+                cut[index] is not text
+                and _needs_wider(cut[index], encodings[index])
+                and bound < self.max_chars * WIDEN_LIMIT
+            ):
                 bound *= 4
                 cut[index] = text if len(text) <= bound else _cut(text, bound)
                 encodings[index] = self._tokenizer.encode(cut[index])
         if not truncate:
             self._refuse_overflow(encodings, what, first_index)
-        return [self._shape(enc, with_offsets, pair=False, truncated=bool(enc.overflowing) or c is not t)
-                for enc, c, t in zip(encodings, cut, texts)]
+        return [
+            self._shape(enc, with_offsets, pair=False, truncated=bool(enc.overflowing) or c is not t)
+            for enc, c, t in zip(encodings, cut, texts)
+        ]
 
     def _refuse_overflow(self, encodings: list, what: str, first_index: int | None) -> None:
         """InputTooLong naming `what[i]` (or `what` alone, when `first_index` is None)."""
@@ -142,46 +175,64 @@ class TextTokenizer:
                 name = what if first_index is None else f"{what}[{index}]"
                 raise InputTooLong(
                     f"{name} is longer than the model's max_length of {self.max_length} tokens; "
-                    "shorten it or send truncate: true", details={"index": index, "max_length": self.max_length},
+                    "shorten it or send truncate: true",
+                    details={"index": index, "max_length": self.max_length},
                 )
 
-    def _encode_pairs(self, firsts: list[str], seconds: list[str], truncate: bool, with_offsets: bool,
-                      first_index: int, cut_first: bool = False) -> list[Encoded]:
+    def _encode_pairs(
+        self,
+        firsts: list[str],
+        seconds: list[str],
+        truncate: bool,
+        with_offsets: bool,
+        first_index: int,
+        cut_first: bool = False,
+    ) -> list[Encoded]:
         """Pairs truncated from their second text (from their first, `cut_first`)."""
         cut = 0 if cut_first else 1  # which text of the pair is truncated
         tokenizer = self._pair_variant(strategy="only_first" if cut_first else "only_second")
         bound = self.max_chars
         texts = (firsts, seconds)
-        inputs = [(a if len(a) <= bound else _cut(a, bound), b if len(b) <= bound else _cut(b, bound))
-                  for a, b in zip(firsts, seconds)]
+        inputs = [
+            (a if len(a) <= bound else _cut(a, bound), b if len(b) <= bound else _cut(b, bound))
+            for a, b in zip(firsts, seconds)
+        ]
         try:
             encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
             for index, pair in enumerate(inputs):
                 # As for single texts: a cut text whose kept tokens may differ from the whole
                 # text's is tokenized again from a wider cut.
                 whole, wider, pair = texts[cut][index], bound, list(pair)
-                while pair[cut] is not whole and _needs_wider(pair[cut], encodings[index], sequence=cut) \
-                        and wider < bound * WIDEN_LIMIT:
+                while (
+                    pair[cut] is not whole
+                    and _needs_wider(pair[cut], encodings[index], sequence=cut)
+                    and wider < bound * WIDEN_LIMIT
+                ):
                     wider *= 4
                     pair[cut] = whole if len(whole) <= wider else _cut(whole, wider)
                     inputs[index] = tuple(pair)
                     encodings[index] = tokenizer.encode(*pair, add_special_tokens=True)
         except Exception as exc:  # tokenizers refuses when the text kept whole alone is too long
             kept = "hypothesis" if cut_first else "first text"
-            raise InputTooLong(f"a {kept} of a pair leaves no room for the other within {self.max_length} tokens: "
-                               f"shorten it ({exc})", details={"max_length": self.max_length}) from None
+            raise InputTooLong(
+                f"a {kept} of a pair leaves no room for the other within {self.max_length} tokens: shorten it ({exc})",
+                details={"max_length": self.max_length},
+            ) from None
         if not truncate:
             self._refuse_overflow(encodings, "texts" if cut_first else "documents", first_index)
-        return [self._shape(enc, with_offsets, pair=True, truncated=bool(enc.overflowing) or pair[cut] is not whole)
-                for enc, pair, whole in zip(encodings, inputs, texts[cut])]
+        return [
+            self._shape(enc, with_offsets, pair=True, truncated=bool(enc.overflowing) or pair[cut] is not whole)
+            for enc, pair, whole in zip(encodings, inputs, texts[cut])
+        ]
 
     def window_room(self, first: str) -> int:
         """Tokens of a pair's second text that fit in one sequence next to `first` (whole)."""
         specials = self._tokenizer.num_special_tokens_to_add(True)
         return self._budget - specials - len(self.plain_ids(first))
 
-    def encode_pair_windows(self, first: str, seconds: list[str], overlap_tokens: int,
-                            max_windows: int) -> list[tuple[list[Encoded], bool]]:
+    def encode_pair_windows(
+        self, first: str, seconds: list[str], overlap_tokens: int, max_windows: int
+    ) -> list[tuple[list[Encoded], bool]]:
         """Each `(first, second)` pair as one or more sequences: `first` whole in each, `second` in
         windows of the tokens that fit, consecutive windows sharing `overlap_tokens` tokens (at most
         half a window). A second text longer than `max_windows` windows is cut to that many; each
@@ -191,7 +242,8 @@ class TextTokenizer:
             raise InvalidRequest(
                 f"window_overlap_tokens must be between 0 and half a window ({max(0, room // 2)} tokens here: "
                 f"{room} of the model's {self.max_length} are left for the document next to the query); "
-                f"got {overlap_tokens}", details={"option": "window_overlap_tokens", "max": max(0, room // 2)},
+                f"got {overlap_tokens}",
+                details={"option": "window_overlap_tokens", "max": max(0, room // 2)},
             )
         tokenizer = self._pair_variant(overlap_tokens)
         longest = room + (max_windows - 1) * (room - overlap_tokens)
@@ -232,9 +284,13 @@ class TextTokenizer:
         sizes it), tokenized word by word as transformers does with `is_split_into_words`; word ids
         index the list."""
         encodings = self._plain_tokenizer().encode_batch(word_lists, is_pretokenized=True, add_special_tokens=True)
-        return [Encoded(np.asarray(enc.ids, dtype=np.int64),
-                        word_ids=np.asarray([-1 if w is None else w for w in enc.word_ids], dtype=np.int32))
-                for enc in encodings]
+        return [
+            Encoded(
+                np.asarray(enc.ids, dtype=np.int64),
+                word_ids=np.asarray([-1 if w is None else w for w in enc.word_ids], dtype=np.int32),
+            )
+            for enc in encodings
+        ]
 
     def encode_whole(self, text: str) -> tuple[Encoded, int, int]:
         """`text` as one sequence without truncation, with offsets and word ids (the caller reads
@@ -307,9 +363,14 @@ class TextTokenizer:
             return np.asarray(cols[name], dtype=dtype) if name in cols else None
 
         offsets = column("offsets", np.int32)
-        return Encoded(column("ids", np.int64), column("type_ids", np.int64),
-                       offsets.reshape(-1, 2) if offsets is not None else None, column("word_ids", np.int32),
-                       truncated, num_keys)
+        return Encoded(
+            column("ids", np.int64),
+            column("type_ids", np.int64),
+            offsets.reshape(-1, 2) if offsets is not None else None,
+            column("word_ids", np.int32),
+            truncated,
+            num_keys,
+        )
 
 
 # What a marker or expansion token carries in each column but `ids`.
@@ -323,7 +384,7 @@ def _cut(text: str, bound: int) -> str:
     """The first `bound` characters of `text`, ending at whitespace when there is some in the last
     quarter (a word split in two may tokenize differently from the whole word)."""
     head = text[:bound]
-    if text[bound:bound + 1].isspace():
+    if text[bound : bound + 1].isspace():
         return head
     tail = _TRAILING_WORD.search(head)
     if tail is not None and tail.start() >= bound * 3 // 4:
@@ -340,8 +401,11 @@ def _needs_wider(cut: str, enc, sequence: int | None = None) -> bool:
         return False
     tail = _TRAILING_WORD.search(cut)
     owners = enc.sequence_ids if sequence is not None else [None] * len(enc.offsets)
-    ends = [end for (start, end), special, owner in zip(enc.offsets, enc.special_tokens_mask, owners)
-            if not special and owner == sequence]
+    ends = [
+        end
+        for (start, end), special, owner in zip(enc.offsets, enc.special_tokens_mask, owners)
+        if not special and owner == sequence
+    ]
     return tail is not None and bool(ends) and max(ends) > tail.start()
 
 
@@ -359,27 +423,53 @@ class TokenizerPool:
         loop = asyncio.get_running_loop()
         out: list = []
         for start in range(0, len(items), TEXTS_PER_JOB):
-            out += await loop.run_in_executor(self._executor, fn, items[start:start + TEXTS_PER_JOB], start)
+            out += await loop.run_in_executor(self._executor, fn, items[start : start + TEXTS_PER_JOB], start)
         return out
 
-    async def encode(self, tokenizer: TextTokenizer, texts: list[str], truncate: bool, *,
-                     pairs: list[str] | None = None, with_offsets: bool = False, what: str = "items",
-                     indexed: bool = True, cut_first: bool = False) -> list[Encoded]:
+    async def encode(
+        self,
+        tokenizer: TextTokenizer,
+        texts: list[str],
+        truncate: bool,
+        *,
+        pairs: list[str] | None = None,
+        with_offsets: bool = False,
+        what: str = "items",
+        indexed: bool = True,
+        cut_first: bool = False,
+    ) -> list[Encoded]:
         """`tokenizer.encode` in the pool, TEXTS_PER_JOB texts a job (so requests take turns).
         Errors name `what[i]`, or `what` alone when not `indexed`."""
         if len(texts) <= INLINE_TEXTS and sum(map(len, texts)) + sum(map(len, pairs or ())) <= INLINE_CHARS:
             # A short request (a query, a sentence): tokenized here on the loop in tens of
             # microseconds, cheaper than the two thread hops of the pool.
-            return tokenizer.encode(texts, truncate, pairs=pairs, with_offsets=with_offsets,
-                                    first_index=0 if indexed else None, what=what, cut_first=cut_first)
+            return tokenizer.encode(
+                texts,
+                truncate,
+                pairs=pairs,
+                with_offsets=with_offsets,
+                first_index=0 if indexed else None,
+                what=what,
+                cut_first=cut_first,
+            )
         loop = asyncio.get_running_loop()
         out: list[Encoded] = []
         for start in range(0, len(texts), TEXTS_PER_JOB):
-            chunk = texts[start:start + TEXTS_PER_JOB]
-            chunk_pairs = pairs[start:start + TEXTS_PER_JOB] if pairs is not None else None
-            out += await loop.run_in_executor(self._executor, functools.partial(
-                tokenizer.encode, chunk, truncate, pairs=chunk_pairs, with_offsets=with_offsets,
-                first_index=start if indexed else None, what=what, cut_first=cut_first))
+            chunk = texts[start : start + TEXTS_PER_JOB]
+            chunk_pairs = pairs[start : start + TEXTS_PER_JOB] if pairs is not None else None
+            out += await loop.run_in_executor(
+                self._executor,
+                functools.partial(
+                    tokenizer.encode,
+                    chunk,
+                    truncate,
+                    pairs=chunk_pairs,
+                    with_offsets=with_offsets,
+                    first_index=start if indexed else None,
+                    what=what,
+                    cut_first=cut_first,
+                ),
+            )
         return out
 
     def close(self) -> None:

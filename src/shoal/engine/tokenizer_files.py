@@ -24,8 +24,13 @@ from tokenizers.models import WordPiece
 
 from ..errors import ModelLoadError
 
-_BERT_SPECIALS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-                  "mask_token": "[MASK]"}
+_BERT_SPECIALS = {
+    "unk_token": "[UNK]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "cls_token": "[CLS]",
+    "mask_token": "[MASK]",
+}
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:
@@ -37,8 +42,10 @@ def load_tokenizer(directory: Path) -> Tokenizer:
         return wordpiece_from_vocab(directory)
     if any((directory / name).is_file() for name in _SENTENCEPIECE):
         return from_sentencepiece(directory)
-    raise ModelLoadError(f"{directory}: no tokenizer.json, vocab.txt or SentencePiece model to build a tokenizer from",
-                         details={"directory": str(directory)})
+    raise ModelLoadError(
+        f"{directory}: no tokenizer.json, vocab.txt or SentencePiece model to build a tokenizer from",
+        details={"directory": str(directory)},
+    )
 
 
 # SentencePiece models of repos without a tokenizer.json (microsoft/deberta-v3-*: spm.model).
@@ -51,14 +58,18 @@ def from_sentencepiece(directory: Path) -> Tokenizer:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ModelLoadError(f"{directory} has only a SentencePiece model; converting it needs transformers and "
-                             "sentencepiece: pip install 'shoal[sentencepiece]'") from None
+        raise ModelLoadError(
+            f"{directory} has only a SentencePiece model; converting it needs transformers and "
+            "sentencepiece: pip install 'shoal[sentencepiece]'"
+        ) from None
     try:
         converted = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         return Tokenizer.from_str(converted.backend_tokenizer.to_str())
     except Exception as exc:  # a missing sentencepiece/protobuf, or a model transformers cannot read
-        raise ModelLoadError(f"{directory}: cannot convert its SentencePiece model ({type(exc).__name__}: {exc}); "
-                             "pip install 'shoal[sentencepiece]'") from None
+        raise ModelLoadError(
+            f"{directory}: cannot convert its SentencePiece model ({type(exc).__name__}: {exc}); "
+            "pip install 'shoal[sentencepiece]'"
+        ) from None
 
 
 def wordpiece_from_vocab(directory: Path) -> Tokenizer:
@@ -70,11 +81,17 @@ def wordpiece_from_vocab(directory: Path) -> Tokenizer:
 
     vocab = _read_vocab(directory / "vocab.txt")
     named = {name: special(name) for name in _BERT_SPECIALS}
-    tokenizer = Tokenizer(WordPiece(vocab, unk_token=named["unk_token"].content, continuing_subword_prefix="##",
-                                    max_input_chars_per_word=100))
+    tokenizer = Tokenizer(
+        WordPiece(
+            vocab, unk_token=named["unk_token"].content, continuing_subword_prefix="##", max_input_chars_per_word=100
+        )
+    )
     tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
-        strip_accents=config.get("strip_accents"), lowercase=bool(config.get("do_lower_case", True)))
+        clean_text=True,
+        handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
+        strip_accents=config.get("strip_accents"),
+        lowercase=bool(config.get("do_lower_case", True)),
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
 
@@ -88,7 +105,8 @@ def wordpiece_from_vocab(directory: Path) -> Tokenizer:
     cls, sep = named["cls_token"].content, named["sep_token"].content
     ids = {token: tokenizer.token_to_id(token) for token in (cls, sep)}
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1", special_tokens=list(ids.items()))
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1", special_tokens=list(ids.items())
+    )
     return tokenizer
 
 
@@ -107,9 +125,14 @@ def _added(token: Any) -> AddedToken:
     if isinstance(token, str):
         return AddedToken(token, special=True, normalized=False)
     if isinstance(token, dict) and isinstance(token.get("content"), str):
-        return AddedToken(token["content"], single_word=bool(token.get("single_word", False)),
-                          lstrip=bool(token.get("lstrip", False)), rstrip=bool(token.get("rstrip", False)),
-                          normalized=bool(token.get("normalized", False)), special=bool(token.get("special", True)))
+        return AddedToken(
+            token["content"],
+            single_word=bool(token.get("single_word", False)),
+            lstrip=bool(token.get("lstrip", False)),
+            rstrip=bool(token.get("rstrip", False)),
+            normalized=bool(token.get("normalized", False)),
+            special=bool(token.get("special", True)),
+        )
     raise ModelLoadError(f"not a token: {token!r}")
 
 

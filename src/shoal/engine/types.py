@@ -9,8 +9,8 @@ Text has none.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class ExtractSpec:
     is_query: bool = False
 
 
-Spec = Union[EncodeSpec, ScoreSpec, ExtractSpec]
+Spec = EncodeSpec | ScoreSpec | ExtractSpec
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Batch:
         return int(self.cu_seqlens.shape[0] - 1)
 
     @classmethod
-    def pack(cls, seqs: Sequence[Encoded], adapter_slots: Sequence[int] | None = None) -> "Batch":
+    def pack(cls, seqs: Sequence[Encoded], adapter_slots: Sequence[int] | None = None) -> Batch:
         lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         cu = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(lengths, out=cu[1:])
@@ -125,7 +125,9 @@ class Batch:
         position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), lengths)
         type_ids = None
         if any(s.type_ids is not None for s in seqs):
-            type_ids = np.concatenate([s.type_ids if s.type_ids is not None else np.zeros(len(s), np.int64) for s in seqs])
+            type_ids = np.concatenate(
+                [s.type_ids if s.type_ids is not None else np.zeros(len(s), np.int64) for s in seqs]
+            )
         slots = None
         if adapter_slots is not None and any(slot >= 0 for slot in adapter_slots):
             slots = np.asarray(adapter_slots, dtype=np.int32)

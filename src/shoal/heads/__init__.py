@@ -24,16 +24,33 @@ from typing import Any
 import torch
 
 from ..layers import AttentionMeta
+from .gliner import GlinerHead
 from .multivector import ColbertHead
 from .pooling import PoolingHead, finish, pool
-from .gliner import GlinerHead
 from .score import ClassifierHead, NliHead, YesNoHead
-from .token_class import TokenClassHead
 from .sparse import MaskedLMHead, SpladeHead, TokenWeightsHead, sparse_entries, splade, token_weights
+from .token_class import TokenClassHead
 
-__all__ = ["BuildContext", "Hidden", "build_heads", "finish", "pool", "sparse_entries", "splade", "token_weights",
-           "MaskedLMHead", "PoolingHead", "SpladeHead", "TokenWeightsHead", "ColbertHead",
-           "ClassifierHead", "YesNoHead", "GlinerHead", "NliHead", "TokenClassHead"]
+__all__ = [
+    "BuildContext",
+    "Hidden",
+    "build_heads",
+    "finish",
+    "pool",
+    "sparse_entries",
+    "splade",
+    "token_weights",
+    "MaskedLMHead",
+    "PoolingHead",
+    "SpladeHead",
+    "TokenWeightsHead",
+    "ColbertHead",
+    "ClassifierHead",
+    "YesNoHead",
+    "GlinerHead",
+    "NliHead",
+    "TokenClassHead",
+]
 
 
 @dataclass(frozen=True)
@@ -78,7 +95,9 @@ def build_heads(ctx: BuildContext) -> dict[str, Any]:
     """One head per output the card lists (when it encodes), a reranker's score head, an extraction
     model's head; by output name."""
     card = ctx.card
-    heads = {output: _REGISTRY[_key(card, output)].build(ctx) for output in card.outputs} if "encode" in card.tasks else {}
+    heads = (
+        {output: _REGISTRY[_key(card, output)].build(ctx) for output in card.outputs} if "encode" in card.tasks else {}
+    )
     if card.score is not None:
         heads["score"] = _REGISTRY[f"score:{card.score.kind}"].build(ctx)
     if card.extract is not None:

@@ -55,9 +55,12 @@ def read_gliner_config(directory: Path) -> dict[str, Any]:
 
 def check_gliner_config(config: dict[str, Any], where: str) -> None:
     """Refuse, naming the field, the GLiNER variants this head does not implement."""
+
     def refuse(field: str, value: Any, supported: str) -> None:
-        raise ModelLoadError(f"{where}: GLiNER {field}={value!r} is not implemented (shoal serves {supported})",
-                             details={"file": CONFIG_FILE, "field": field})
+        raise ModelLoadError(
+            f"{where}: GLiNER {field}={value!r} is not implemented (shoal serves {supported})",
+            details={"file": CONFIG_FILE, "field": field},
+        )
 
     span_mode = config.get("span_mode", "markerV0")
     if span_mode not in SPAN_MODES:
@@ -102,8 +105,11 @@ class GlinerHead:
         self.hidden_size = int(config["hidden_size"])
         self.embed_ent_token = bool(config.get("embed_ent_token", True))
         self.pooling = config.get("subtoken_pooling", "first")
-        self.projection = (t["token_rep_layer.projection.weight"], t["token_rep_layer.projection.bias"]) \
-            if "token_rep_layer.projection.weight" in t else None
+        self.projection = (
+            (t["token_rep_layer.projection.weight"], t["token_rep_layer.projection.bias"])
+            if "token_rep_layer.projection.weight" in t
+            else None
+        )
         self.lstm = lstm
         self.prompt = _Mlp(t, "prompt_rep_layer")
         self.start = _Mlp(t, "span_rep_layer.span_rep_layer.project_start")
@@ -115,15 +121,24 @@ class GlinerHead:
             self.out_start, self.out_end = out.w1[:, :h], out.w1[:, h:]  # [4H, H] each
             self.out_b1, self.out_w2, self.out_b2 = out.b1, out.w2, out.b2
         else:  # marker: out_project is one Linear(2H, H)
-            w, b = t["span_rep_layer.span_rep_layer.out_project.weight"], t["span_rep_layer.span_rep_layer.out_project.bias"]
+            w, b = (
+                t["span_rep_layer.span_rep_layer.out_project.weight"],
+                t["span_rep_layer.span_rep_layer.out_project.bias"],
+            )
             self.out_start, self.out_end, self.out_bias = w[:, :h], w[:, h:], b  # [H, H] each, [H]
 
     def describe(self) -> GlinerPrompt:
-        return GlinerPrompt(self.ent_token, self.sep_token, self.max_width, self.max_len, self.embed_ent_token,
-                            last_subtoken=self.pooling == "last")
+        return GlinerPrompt(
+            self.ent_token,
+            self.sep_token,
+            self.max_width,
+            self.max_len,
+            self.embed_ent_token,
+            last_subtoken=self.pooling == "last",
+        )
 
     @classmethod
-    def build(cls, ctx) -> "GlinerHead":
+    def build(cls, ctx) -> GlinerHead:
         config = read_gliner_config(ctx.directory)
         check_gliner_config(config, str(ctx.directory))
         names = [*_Mlp.names("prompt_rep_layer")]
@@ -134,12 +149,19 @@ class GlinerHead:
         else:
             names += [f"span_rep_layer.span_rep_layer.out_project.{kind}" for kind in ("weight", "bias")]
         layers = int(config.get("num_rnn_layers", 1))
-        lstm_names = [f"rnn.lstm.{kind}_l{i}{rev}" for i in range(layers) for rev in ("", "_reverse")
-                      for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+        lstm_names = [
+            f"rnn.lstm.{kind}_l{i}{rev}"
+            for i in range(layers)
+            for rev in ("", "_reverse")
+            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        ]
         t = load_tensors(ctx.directory, names + lstm_names, prefixes=())
         try:
-            t.update(load_tensors(ctx.directory, ["token_rep_layer.projection.weight",
-                                                  "token_rep_layer.projection.bias"], prefixes=()))
+            t.update(
+                load_tensors(
+                    ctx.directory, ["token_rep_layer.projection.weight", "token_rep_layer.projection.bias"], prefixes=()
+                )
+            )
         except ModelLoadError:  # the backbone's hidden size is GLiNER's: no projection
             pass
         lstm = None
@@ -149,8 +171,10 @@ class GlinerHead:
             try:
                 lstm.load_state_dict({name.removeprefix("rnn.lstm."): t.pop(name) for name in lstm_names})
             except RuntimeError as exc:
-                raise ModelLoadError(f"{ctx.directory}: the checkpoint's LSTM does not fit hidden_size {h}: {exc}",
-                                     details={"file": CONFIG_FILE}) from None
+                raise ModelLoadError(
+                    f"{ctx.directory}: the checkpoint's LSTM does not fit hidden_size {h}: {exc}",
+                    details={"file": CONFIG_FILE},
+                ) from None
             lstm = lstm.to(**ctx.to).eval().requires_grad_(False)
         t = {k: v.to(**ctx.to) for k, v in t.items()}
         return cls(config, t, lstm)
@@ -186,13 +210,15 @@ class GlinerHead:
         w0 = c0 = 0
         for j, i in enumerate(mine):
             w, c = len(words[j]), len(prompts[j])
-            out[i] = self._candidates(a[w0:w0 + w], b[w0:w0 + w], label_rows[c0:c0 + c], label_bias[c0:c0 + c],
-                                      specs[i])
+            out[i] = self._candidates(
+                a[w0 : w0 + w], b[w0 : w0 + w], label_rows[c0 : c0 + c], label_bias[c0 : c0 + c], specs[i]
+            )
             w0, c0 = w0 + w, c0 + c
         return out
 
-    def _candidates(self, a: torch.Tensor, b: torch.Tensor, label_rows: torch.Tensor, label_bias: torch.Tensor,
-                    spec) -> tuple[np.ndarray, ...]:
+    def _candidates(
+        self, a: torch.Tensor, b: torch.Tensor, label_rows: torch.Tensor, label_bias: torch.Tensor, spec
+    ) -> tuple[np.ndarray, ...]:
         """One sequence's spans: a, b `[W, R]` (the start and end words' parts of each span's hidden
         layer, or of its score for marker), label_rows `[C, R]`, label_bias `[C]`."""
         num_words, num_labels = a.shape[0], label_rows.shape[0]

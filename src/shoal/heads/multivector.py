@@ -32,14 +32,20 @@ class ColbertHead:
         query, document = base, base
         if mv.query_marker or mv.query_length:
             length = min(mv.query_length or base.max_length, base.max_length)
-            query = base.variant(length, marker=mv.query_marker, expand_to=mv.query_length, expand_token=mv.mask_token,
-                                 attend_to_expansion=mv.attend_to_expansion_tokens)
+            query = base.variant(
+                length,
+                marker=mv.query_marker,
+                expand_to=mv.query_length,
+                expand_token=mv.mask_token,
+                attend_to_expansion=mv.attend_to_expansion_tokens,
+            )
         if mv.document_marker or mv.document_length:
             length = min(mv.document_length or base.max_length, base.max_length)
             document = base.variant(length, marker=mv.document_marker)
         punctuation = torch.tensor(base.token_ids(string.punctuation), device=ctx.to["device"])
-        return cls(mv, t[mv.weight].to(**ctx.to), t[mv.bias].to(**ctx.to) if mv.bias else None, punctuation,
-                   query, document)
+        return cls(
+            mv, t[mv.weight].to(**ctx.to), t[mv.bias].to(**ctx.to) if mv.bias else None, punctuation, query, document
+        )
 
     def tokenizers(self):
         """(query tokenizer, document tokenizer) this head needs."""
@@ -58,5 +64,7 @@ class ColbertHead:
             keep &= ~(is_document & torch.isin(input_ids, self.punctuation_ids))
         vectors, keep = vectors.float().cpu().numpy(), keep.cpu().numpy()
         bounds = meta.cu_seqlens.tolist()
-        return [vectors[a:b][keep[a:b]] if "multivector" in s.outputs else None
-                for a, b, s in zip(bounds[:-1], bounds[1:], specs)]
+        return [
+            vectors[a:b][keep[a:b]] if "multivector" in s.outputs else None
+            for a, b, s in zip(bounds[:-1], bounds[1:], specs)
+        ]

@@ -30,8 +30,14 @@ _HALF = (torch.float16, torch.bfloat16)
 Step = Callable[[torch.Tensor], torch.Tensor]  # [n, d_in] -> [n, d_out]
 
 
-def pool(hidden: torch.Tensor, meta: AttentionMeta, method: str, *, skip: torch.Tensor | None = None,
-         dtype: torch.dtype | None = None) -> torch.Tensor:
+def pool(
+    hidden: torch.Tensor,
+    meta: AttentionMeta,
+    method: str,
+    *,
+    skip: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """`[T, hidden]` -> `[n, hidden]`, one vector per sequence, in `dtype` (default: hidden's).
 
     `skip` `[n]`: leading tokens of each sequence left out of pooling (a prompt, with
@@ -100,34 +106,56 @@ class PoolingHead:
         for step in self.steps:
             x = step(x)
         vectors = x.cpu().numpy()  # [n, d]
-        return [finish(vectors[i], dimensions=s.dimensions, normalize=s.normalize, output_dtype=s.output_dtype)
-                if "dense" in s.outputs else None for i, s in enumerate(specs)]
+        return [
+            finish(vectors[i], dimensions=s.dimensions, normalize=s.normalize, output_dtype=s.output_dtype)
+            if "dense" in s.outputs
+            else None
+            for i, s in enumerate(specs)
+        ]
 
 
 def _check_card(card, pipeline: DensePipeline, directory: Path) -> str:
     """The card's pooling, dimensions and normalize agree with the folder; returns the pooling."""
+
     def fail(field: str, message: str, folder_value) -> None:
-        raise ModelLoadError(f"{card.id}: the card's `{field}` {message}",
-                             details={"model": card.id, "field": field, "card": getattr(card, field),
-                                      "folder": folder_value, "directory": str(directory)})
+        raise ModelLoadError(
+            f"{card.id}: the card's `{field}` {message}",
+            details={
+                "model": card.id,
+                "field": field,
+                "card": getattr(card, field),
+                "folder": folder_value,
+                "directory": str(directory),
+            },
+        )
 
     modes = pipeline.modes
     if len(modes) != 1 or modes[0] not in CARD_POOLING:
-        fail("pooling", f"cannot express the folder's pooling {'+'.join(modes)} (shoal pools cls, mean or lasttoken)",
-             list(modes))
+        fail(
+            "pooling",
+            f"cannot express the folder's pooling {'+'.join(modes)} (shoal pools cls, mean or lasttoken)",
+            list(modes),
+        )
     method = CARD_POOLING[modes[0]]
     if card.pooling != method:
         fail("pooling", f"is {card.pooling}, but the folder's Pooling module says {modes[0]}", modes[0])
     if card.dimensions != pipeline.dimensions:
-        fail("dimensions", f"is {card.dimensions}, but the folder's modules make {pipeline.dimensions}-dimensional "
-             "vectors", pipeline.dimensions)
+        fail(
+            "dimensions",
+            f"is {card.dimensions}, but the folder's modules make {pipeline.dimensions}-dimensional vectors",
+            pipeline.dimensions,
+        )
     if pipeline.normalizes and not card.normalize:
         fail("normalize", "is false, but the folder ends with a Normalize module", True)
     return method
 
 
 _ACTIVATIONS: dict[str, Step] = {
-    "Identity": lambda x: x, "Tanh": torch.tanh, "ReLU": F.relu, "GELU": F.gelu, "Sigmoid": torch.sigmoid,
+    "Identity": lambda x: x,
+    "Tanh": torch.tanh,
+    "ReLU": F.relu,
+    "GELU": F.gelu,
+    "Sigmoid": torch.sigmoid,
     "SiLU": F.silu,
 }
 
@@ -136,20 +164,26 @@ def _dense(module: DenseModule, width: int, device) -> Step:
     """One Dense module as a float32 step on `device`."""
     config = module.directory / "config.json"
     if module.in_features != width:
-        raise ModelLoadError(f"{config}: in_features {module.in_features} does not fit the {width}-dimensional "
-                             "input it gets", details={"file": str(config), "field": "in_features"})
+        raise ModelLoadError(
+            f"{config}: in_features {module.in_features} does not fit the {width}-dimensional input it gets",
+            details={"file": str(config), "field": "in_features"},
+        )
     if module.activation not in _ACTIVATIONS:
-        raise ModelLoadError(f"{config}: activation_function {module.activation} is not supported; known: "
-                             f"{', '.join(_ACTIVATIONS)}",
-                             details={"file": str(config), "field": "activation_function"})
+        raise ModelLoadError(
+            f"{config}: activation_function {module.activation} is not supported; known: {', '.join(_ACTIVATIONS)}",
+            details={"file": str(config), "field": "activation_function"},
+        )
     names = ["linear.weight"] + (["linear.bias"] if module.bias else [])
     if module.residual and module.in_features != module.out_features:
         names.append("residual.weight")
     t = {k: v.to(device=device, dtype=torch.float32) for k, v in load_tensors(module.directory, names).items()}
     weight, bias, act = t["linear.weight"], t.get("linear.bias"), _ACTIVATIONS[module.activation]
     if tuple(weight.shape) != (module.out_features, module.in_features):
-        raise ModelLoadError(f"{module.directory}: linear.weight is {tuple(weight.shape)}, config says "
-                             f"({module.out_features}, {module.in_features})", details={"file": str(config)})
+        raise ModelLoadError(
+            f"{module.directory}: linear.weight is {tuple(weight.shape)}, config says "
+            f"({module.out_features}, {module.in_features})",
+            details={"file": str(config)},
+        )
     if not module.residual:
         return lambda x: act(F.linear(x, weight, bias))
     project = t.get("residual.weight")

@@ -13,7 +13,8 @@ logit when the spec says `raw`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,14 @@ from .pooling import pool
 class ClassifierHead:
     output = "score"
 
-    def __init__(self, pooling: str, steps: list[Callable[[torch.Tensor], torch.Tensor]], activation_name: str,
-                 num_labels: int, positive_label: int) -> None:
+    def __init__(
+        self,
+        pooling: str,
+        steps: list[Callable[[torch.Tensor], torch.Tensor]],
+        activation_name: str,
+        num_labels: int,
+        positive_label: int,
+    ) -> None:
         self.pooling = pooling
         self.steps = steps
         self.activation = activation_name
@@ -37,13 +44,15 @@ class ClassifierHead:
         self.positive_label = positive_label
 
     @classmethod
-    def build(cls, ctx) -> "ClassifierHead":
+    def build(cls, ctx) -> ClassifierHead:
         pooling, steps, num_labels = classifier_steps(ctx)
         spec = ctx.card.score
         positive = spec.positive_label if spec.positive_label is not None else num_labels - 1
         if not 0 <= positive < num_labels:
-            raise ModelLoadError(f"{ctx.card.id}: score.positive_label {positive} is outside the model's "
-                                 f"{num_labels} labels", details={"field": "score.positive_label"})
+            raise ModelLoadError(
+                f"{ctx.card.id}: score.positive_label {positive} is outside the model's {num_labels} labels",
+                details={"field": "score.positive_label"},
+            )
         return cls(pooling, steps, spec.activation, num_labels, positive)
 
     def logits(self, hidden) -> torch.Tensor:
@@ -75,17 +84,20 @@ class NliHead(ClassifierHead):
     output = "nli"
 
     @classmethod
-    def build(cls, ctx) -> "NliHead":
+    def build(cls, ctx) -> NliHead:
         pooling, steps, num_labels = classifier_steps(ctx)
         head = cls(pooling, steps, "none", num_labels, 0)
         names = {int(k): str(v) for k, v in (read_config(ctx.directory).get("id2label") or {}).items()}
         wanted = ctx.card.extract.entailment_label
-        matches = [i for i, name in sorted(names.items())
-                   if (name == wanted if wanted else name.lower().startswith("entail"))]
+        matches = [
+            i for i, name in sorted(names.items()) if (name == wanted if wanted else name.lower().startswith("entail"))
+        ]
         if not matches or num_labels < 2:
-            raise ModelLoadError(f"{ctx.card.id}: no {wanted or 'entailment'} label among config.json's id2label "
-                                 f"{sorted(names.values())}; set extract.entailment_label",
-                                 details={"field": "extract.entailment_label"})
+            raise ModelLoadError(
+                f"{ctx.card.id}: no {wanted or 'entailment'} label among config.json's id2label "
+                f"{sorted(names.values())}; set extract.entailment_label",
+                details={"field": "extract.entailment_label"},
+            )
         # As transformers' pipeline: the entailment label, and (multi-label) label 0 against it,
         # or the last label when entailment is label 0.
         head.entailment_id = matches[0]
@@ -123,13 +135,15 @@ def classifier_steps(ctx) -> tuple[str, list[Callable[[torch.Tensor], torch.Tens
             num_labels = weight.shape[0]
         elif op == "norm":
             weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
-            steps.append(lambda x, w=weight, b=bias, eps=opt.get("eps", 1e-5): F.layer_norm(x, w.shape, w, b, eps))
+            eps = opt.get("eps", 1e-5)
+            steps.append(lambda x, w=weight, b=bias, eps=eps: F.layer_norm(x, w.shape, w, b, eps))
         elif op == "act":
             try:
                 steps.append(activation(name))
             except ValueError as exc:  # an activation config.json names that shoal lacks
-                raise ModelLoadError(f"{ctx.card.id}: the classifier head's {exc}",
-                                     details={"file": "config.json"}) from None
+                raise ModelLoadError(
+                    f"{ctx.card.id}: the classifier head's {exc}", details={"file": "config.json"}
+                ) from None
         else:
             raise ModelLoadError(f"unknown classifier step {op!r}")
     return pooling, steps, num_labels
@@ -149,11 +163,16 @@ class YesNoHead:
         self.body_tokenizer = body_tokenizer  # truncates at max_length minus the prefix and suffix
 
     def describe(self) -> LlmFrame:
-        return LlmFrame(tuple(self.prefix_ids), tuple(self.suffix_ids), self.spec.template, self.spec.instruction,
-                        self.body_tokenizer)
+        return LlmFrame(
+            tuple(self.prefix_ids),
+            tuple(self.suffix_ids),
+            self.spec.template,
+            self.spec.instruction,
+            self.body_tokenizer,
+        )
 
     @classmethod
-    def build(cls, ctx) -> "YesNoHead":
+    def build(cls, ctx) -> YesNoHead:
         spec = ctx.card.score
         ids = [ctx.tokenizer.token_id(spec.no_token), ctx.tokenizer.token_id(spec.yes_token)]
         config = read_config(ctx.directory)
@@ -161,15 +180,19 @@ class YesNoHead:
             weight = load_tensors(ctx.directory, ["lm_head.weight"], prefixes=())["lm_head.weight"]
         except ModelLoadError:
             if not config.get("tie_word_embeddings", False):
-                raise ModelLoadError(f"{ctx.card.id}: the checkpoint has no lm_head.weight and does not tie it "
-                                     "to the embeddings") from None
+                raise ModelLoadError(
+                    f"{ctx.card.id}: the checkpoint has no lm_head.weight and does not tie it to the embeddings"
+                ) from None
             weight = _tied_embeddings(ctx.model)
         tokenizer = ctx.tokenizer
         prefix, suffix = tokenizer.plain_ids(spec.prefix), tokenizer.plain_ids(spec.suffix)
         room = tokenizer.max_length - len(prefix) - len(suffix)
         if room < 8:
-            raise ModelLoadError(f"{ctx.card.id}: score.prefix and score.suffix take {len(prefix) + len(suffix)} "
-                                 f"of the {tokenizer.max_length} tokens", details={"field": "score.prefix"})
+            raise ModelLoadError(
+                f"{ctx.card.id}: score.prefix and score.suffix take {len(prefix) + len(suffix)} "
+                f"of the {tokenizer.max_length} tokens",
+                details={"field": "score.prefix"},
+            )
         return cls(weight[ids].to(**ctx.to), spec, prefix, suffix, tokenizer.variant(room))
 
     def run(self, hidden, specs) -> list[float | None]:

@@ -53,8 +53,15 @@ def splade(hidden: torch.Tensor, meta: AttentionMeta, mlm: MaskedLMHead, chunk_t
     return out
 
 
-def token_weights(hidden: torch.Tensor, input_ids: torch.Tensor, meta: AttentionMeta, weight, bias, vocab_size: int,
-                  skip_ids: torch.Tensor) -> torch.Tensor:
+def token_weights(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    meta: AttentionMeta,
+    weight,
+    bias,
+    vocab_size: int,
+    skip_ids: torch.Tensor,
+) -> torch.Tensor:
     """BGE-M3-style sparse weights: relu(linear(h)) per token, max per token id. `[T, h]` -> `[n, V]`."""
     w = torch.relu(torch.nn.functional.linear(hidden, weight, bias)).squeeze(-1)  # [T]
     w = w.masked_fill(torch.isin(input_ids, skip_ids), 0.0)
@@ -108,12 +115,15 @@ class SpladeHead(_SparseHead):
 
     @classmethod
     def build(cls, ctx) -> SpladeHead:
-        return cls(_mlm_head(ctx.model, ctx.directory, ctx.to), _skip_ids(ctx), ctx.tokenizer,
-                   ctx.card.sparse_spec.top_k)
+        return cls(
+            _mlm_head(ctx.model, ctx.directory, ctx.to), _skip_ids(ctx), ctx.tokenizer, ctx.card.sparse_spec.top_k
+        )
 
     def workspace_bytes(self, num_tokens: int, max_items: int = 256) -> int:
         """Also the chunk of `[t, V]` logits `splade` holds, twice (the logits and their log1p)."""
-        return super().workspace_bytes(num_tokens, max_items) + 2 * min(num_tokens, 2048) * self.tokenizer.vocab_size * 4
+        return (
+            super().workspace_bytes(num_tokens, max_items) + 2 * min(num_tokens, 2048) * self.tokenizer.vocab_size * 4
+        )
 
     def weights(self, hidden) -> torch.Tensor:
         out = splade(hidden.states, hidden.meta, self.mlm)  # [n, V]
@@ -130,12 +140,24 @@ class TokenWeightsHead(_SparseHead):
     def build(cls, ctx) -> TokenWeightsHead:
         spec = ctx.card.sparse_spec
         t = load_tensors(ctx.directory, [n for n in (spec.weight, spec.bias) if n], spec.file)
-        return cls(t[spec.weight].to(**ctx.to), t[spec.bias].to(**ctx.to) if spec.bias else None,
-                   _skip_ids(ctx), ctx.tokenizer, spec.top_k)
+        return cls(
+            t[spec.weight].to(**ctx.to),
+            t[spec.bias].to(**ctx.to) if spec.bias else None,
+            _skip_ids(ctx),
+            ctx.tokenizer,
+            spec.top_k,
+        )
 
     def weights(self, hidden) -> torch.Tensor:
-        return token_weights(hidden.states, hidden.input_ids, hidden.meta, self.weight, self.bias,
-                             self.tokenizer.vocab_size, self.skip_ids)
+        return token_weights(
+            hidden.states,
+            hidden.input_ids,
+            hidden.meta,
+            self.weight,
+            self.bias,
+            self.tokenizer.vocab_size,
+            self.skip_ids,
+        )
 
 
 def _skip_ids(ctx) -> torch.Tensor:
@@ -151,8 +173,13 @@ def _mlm_head(model: torch.nn.Module, directory, to: dict) -> MaskedLMHead:
     names = getattr(model, "mlm_head", None)
     if names is None:
         raise ModelLoadError(f"{type(model).__name__} has no masked-LM head for SPLADE output")
-    required = [f"{names['dense']}.weight", f"{names['dense']}.bias", f"{names['norm']}.weight",
-                f"{names['norm']}.bias", names["bias"]]
+    required = [
+        f"{names['dense']}.weight",
+        f"{names['dense']}.bias",
+        f"{names['norm']}.weight",
+        f"{names['norm']}.bias",
+        names["bias"],
+    ]
     t = load_tensors(directory, required)
     try:
         decoder = load_tensors(directory, [f"{names['decoder']}.weight"])[f"{names['decoder']}.weight"]
@@ -160,7 +187,12 @@ def _mlm_head(model: torch.nn.Module, directory, to: dict) -> MaskedLMHead:
         decoder = model.get_parameter(names["tied"])
     cfg = model.config
     return MaskedLMHead(
-        t[required[0]].to(**to), t[required[1]].to(**to), t[required[2]].to(**to), t[required[3]].to(**to),
-        decoder.to(**to), t[required[4]].to(**to),
-        activation(cfg.hidden_act), cfg.layer_norm_eps,
+        t[required[0]].to(**to),
+        t[required[1]].to(**to),
+        t[required[2]].to(**to),
+        t[required[3]].to(**to),
+        decoder.to(**to),
+        t[required[4]].to(**to),
+        activation(cfg.hidden_act),
+        cfg.layer_norm_eps,
     )

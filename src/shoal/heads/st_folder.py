@@ -87,19 +87,24 @@ def read_pipeline(directory: Path) -> DensePipeline | None:
         return None
     for kind, path in kinds[:at]:
         if kind != "Transformer":
-            raise ModelLoadError(f"{listing}: module {kind} ({path.name}) before Pooling is not supported",
-                                 details={"file": str(listing), "module": kind})
+            raise ModelLoadError(
+                f"{listing}: module {kind} ({path.name}) before Pooling is not supported",
+                details={"file": str(listing), "module": kind},
+            )
     modes, include_prompt, width = _pooling(kinds[at][1] / "config.json")
     steps: list[DenseModule | NormalizeModule] = []
-    for kind, path in kinds[at + 1:]:
+    for kind, path in kinds[at + 1 :]:
         if kind == "Dense":
             steps.append(_dense(path))
         elif kind == "Normalize":
             _check_keys(path / "config.json", ("module_input_name", "module_output_name"))
             steps.append(NormalizeModule())
         elif kind != "Dropout":
-            raise ModelLoadError(f"{listing}: module {kind} ({path.name}) after Pooling is not supported "
-                                 "(shoal applies Dense and Normalize)", details={"file": str(listing), "module": kind})
+            raise ModelLoadError(
+                f"{listing}: module {kind} ({path.name}) after Pooling is not supported "
+                "(shoal applies Dense and Normalize)",
+                details={"file": str(listing), "module": kind},
+            )
     return DensePipeline(modes, include_prompt, width, tuple(steps))
 
 
@@ -123,15 +128,24 @@ def _dense(folder: Path) -> DenseModule:
     try:
         in_features, out_features = int(config["in_features"]), int(config["out_features"])
     except (KeyError, TypeError, ValueError):
-        raise ModelLoadError(f"{path}: needs integer in_features and out_features",
-                             details={"file": str(path)}) from None
+        raise ModelLoadError(
+            f"{path}: needs integer in_features and out_features", details={"file": str(path)}
+        ) from None
     # sentence-transformers' default activation is Tanh; it stores the class's dotted path.
     name = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
     if not name.startswith("torch."):
-        raise ModelLoadError(f"{path}: activation_function {name!r} is not a torch.nn module",
-                             details={"file": str(path), "field": "activation_function"})
-    return DenseModule(folder, in_features, out_features, bool(config.get("bias", True)), name.rsplit(".", 1)[-1],
-                       bool(config.get("use_residual", False)))
+        raise ModelLoadError(
+            f"{path}: activation_function {name!r} is not a torch.nn module",
+            details={"file": str(path), "field": "activation_function"},
+        )
+    return DenseModule(
+        folder,
+        in_features,
+        out_features,
+        bool(config.get("bias", True)),
+        name.rsplit(".", 1)[-1],
+        bool(config.get("use_residual", False)),
+    )
 
 
 def _check_keys(path: Path, keys: tuple[str, ...], config: dict | None = None) -> None:
@@ -141,8 +155,10 @@ def _check_keys(path: Path, keys: tuple[str, ...], config: dict | None = None) -
     for key in keys:
         value = config.get(key)
         if value is not None and value != _OUTPUT_KEY:
-            raise ModelLoadError(f"{path}: {key} {value!r} is not supported (only {_OUTPUT_KEY!r})",
-                                 details={"file": str(path), "field": key})
+            raise ModelLoadError(
+                f"{path}: {key} {value!r} is not supported (only {_OUTPUT_KEY!r})",
+                details={"file": str(path), "field": key},
+            )
 
 
 def _kind(type_name: str) -> str:

@@ -33,17 +33,19 @@ class TokenClassHead:
         return TokenLabels(dict(self.id2label))
 
     @classmethod
-    def build(cls, ctx) -> "TokenClassHead":
+    def build(cls, ctx) -> TokenClassHead:
         config = read_config(ctx.directory)
         raw = config.get("id2label")
         if not isinstance(raw, dict) or not raw:
-            raise ModelLoadError(f"{ctx.directory}/config.json has no id2label for token classification",
-                                 details={"file": "config.json"})
+            raise ModelLoadError(
+                f"{ctx.directory}/config.json has no id2label for token classification", details={"file": "config.json"}
+            )
         try:
             id2label = {int(k): str(v) for k, v in raw.items()}
         except ValueError:
-            raise ModelLoadError(f"{ctx.directory}/config.json: id2label keys must be integers",
-                                 details={"file": "config.json"}) from None
+            raise ModelLoadError(
+                f"{ctx.directory}/config.json: id2label keys must be integers", details={"file": "config.json"}
+            ) from None
         prefixes = getattr(ctx.model, "checkpoint_prefixes", ("bert.", "model."))
         weight = load_tensors(ctx.directory, ["classifier.weight"], prefixes=prefixes)["classifier.weight"]
         try:
@@ -51,9 +53,11 @@ class TokenClassHead:
         except ModelLoadError:  # a bias-free classifier
             bias = None
         if weight.ndim != 2 or sorted(id2label) != list(range(weight.shape[0])):
-            raise ModelLoadError(f"{ctx.directory}: classifier.weight {tuple(weight.shape)} does not match "
-                                 f"the {len(id2label)} labels of config.json's id2label",
-                                 details={"file": "config.json"})
+            raise ModelLoadError(
+                f"{ctx.directory}: classifier.weight {tuple(weight.shape)} does not match "
+                f"the {len(id2label)} labels of config.json's id2label",
+                details={"file": "config.json"},
+            )
         return cls(weight.to(**ctx.to), None if bias is None else bias.to(**ctx.to), id2label)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
@@ -63,5 +67,4 @@ class TokenClassHead:
     def run(self, hidden, specs) -> list:
         logits = self.logits(hidden.states).cpu().numpy()  # [T, labels]
         bounds = hidden.meta.cu_seqlens.tolist()
-        return [logits[bounds[i]:bounds[i + 1]] if "token_logits" in s.outputs else None
-                for i, s in enumerate(specs)]
+        return [logits[bounds[i] : bounds[i + 1]] if "token_logits" in s.outputs else None for i, s in enumerate(specs)]

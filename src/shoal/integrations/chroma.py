@@ -32,8 +32,17 @@ class ShoalEmbeddingFunction(EmbeddingFunction[Documents]):
     environment variable holding it, and is saved. `dimensions` truncates Matryoshka vectors.
     """
 
-    def __init__(self, url: str, model: str, *, api_key: str | None = None, api_key_env_var: str | None = None,
-                 dimensions: int | None = None, batch_size: int = 64, adapter: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        api_key_env_var: str | None = None,
+        dimensions: int | None = None,
+        batch_size: int = 64,
+        adapter: str | None = None,
+    ) -> None:
         self.url, self.model, self.dimensions, self.adapter = url, model, dimensions, adapter
         self.batch_size, self.api_key_env_var = batch_size, api_key_env_var
         if api_key is None and api_key_env_var is not None:
@@ -50,8 +59,14 @@ class ShoalEmbeddingFunction(EmbeddingFunction[Documents]):
     def _encode(self, texts: Documents, is_query: bool) -> Embeddings:
         if not texts:
             return []
-        dense = self.client.encode(self.model, list(texts), is_query=is_query, dimensions=self.dimensions,
-                                   batch_size=self.batch_size, adapter=self.adapter).dense
+        dense = self.client.encode(
+            self.model,
+            list(texts),
+            is_query=is_query,
+            dimensions=self.dimensions,
+            batch_size=self.batch_size,
+            adapter=self.adapter,
+        ).dense
         return list(dense.astype(np.float32, copy=False))  # n rows of [dims]
 
     def __call__(self, input: Documents) -> Embeddings:
@@ -68,8 +83,14 @@ class ShoalEmbeddingFunction(EmbeddingFunction[Documents]):
         return "cosine"
 
     def get_config(self) -> dict[str, Any]:
-        return {"url": self.url, "model": self.model, "api_key_env_var": self.api_key_env_var,
-                "dimensions": self.dimensions, "batch_size": self.batch_size, "adapter": self.adapter}
+        return {
+            "url": self.url,
+            "model": self.model,
+            "api_key_env_var": self.api_key_env_var,
+            "dimensions": self.dimensions,
+            "batch_size": self.batch_size,
+            "adapter": self.adapter,
+        }
 
     @staticmethod
     def build_from_config(config: dict[str, Any]) -> ShoalEmbeddingFunction:
@@ -78,5 +99,6 @@ class ShoalEmbeddingFunction(EmbeddingFunction[Documents]):
     def validate_config_update(self, old_config: dict[str, Any], new_config: dict[str, Any]) -> None:
         for key in ("model", "dimensions", "adapter"):  # each changes the vectors already stored
             if key in new_config and new_config[key] != old_config.get(key):
-                raise ValueError(f"a collection's shoal {key} cannot change: its stored vectors came from "
-                                 f"{old_config.get(key)!r}")
+                raise ValueError(
+                    f"a collection's shoal {key} cannot change: its stored vectors came from {old_config.get(key)!r}"
+                )

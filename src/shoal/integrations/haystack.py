@@ -46,8 +46,15 @@ class _Shoal:
 
 
 class _Embedder(_Shoal):
-    def __init__(self, url: str, model: str, api_key: Secret | None = None, dimensions: int | None = None,
-                 batch_size: int = 64, adapter: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        api_key: Secret | None = None,
+        dimensions: int | None = None,
+        batch_size: int = 64,
+        adapter: str | None = None,
+    ) -> None:
         super().__init__(url, model, api_key)
         self.dimensions, self.batch_size, self.adapter = dimensions, batch_size, adapter
 
@@ -113,16 +120,19 @@ class ShoalRanker(_Shoal):
     def run(self, query: str, documents: list[Document], top_k: int | None = None) -> dict[str, list[Document]]:
         if not documents:
             return {"documents": []}
-        ranking = self.client.score(self.model, query, [d.content or "" for d in documents],
-                                    top_k=self.top_k if top_k is None else top_k)
+        ranking = self.client.score(
+            self.model, query, [d.content or "" for d in documents], top_k=self.top_k if top_k is None else top_k
+        )
         return self._ranked(documents, ranking)
 
     @component.output_types(documents=list[Document])
-    async def run_async(self, query: str, documents: list[Document],
-                        top_k: int | None = None) -> dict[str, list[Document]]:
+    async def run_async(
+        self, query: str, documents: list[Document], top_k: int | None = None
+    ) -> dict[str, list[Document]]:
         if not documents:
             return {"documents": []}
         async with self._aclient() as client:
-            ranking = await client.score(self.model, query, [d.content or "" for d in documents],
-                                         top_k=self.top_k if top_k is None else top_k)
+            ranking = await client.score(
+                self.model, query, [d.content or "" for d in documents], top_k=self.top_k if top_k is None else top_k
+            )
         return self._ranked(documents, ranking)

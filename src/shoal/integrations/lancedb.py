@@ -40,6 +40,7 @@ class ShoalEmbeddingFunction(TextEmbeddingFunction):
     def sensitive_keys() -> list[str]:
         """LanceDB refuses to store these in a table's config unless given as `$var:NAME`."""
         return ["api_key"]
+
     dimensions: int | None = None
     batch_size: int = 64
     adapter: str | None = None
@@ -63,8 +64,14 @@ class ShoalEmbeddingFunction(TextEmbeddingFunction):
     def _encode(self, texts: list[str], is_query: bool) -> list[np.ndarray]:
         if not texts:
             return []
-        dense = self.client.encode(self.model, texts, is_query=is_query, dimensions=self.dimensions,
-                                   batch_size=self.batch_size, adapter=self.adapter).dense
+        dense = self.client.encode(
+            self.model,
+            texts,
+            is_query=is_query,
+            dimensions=self.dimensions,
+            batch_size=self.batch_size,
+            adapter=self.adapter,
+        ).dense
         return list(dense.astype(np.float32, copy=False))  # n rows of [dims]
 
     def generate_embeddings(self, texts: list[str] | np.ndarray, *args: Any, **kwargs: Any) -> list[np.ndarray]:

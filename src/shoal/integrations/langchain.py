@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
@@ -23,9 +24,24 @@ class ShoalEmbeddings(Embeddings):
     """Dense vectors from a shoal server: `embed_documents` sends `is_query=False` and `embed_query`
     `is_query=True`, so a card's document and query prompts (E5, BGE, Nomic...) apply."""
 
-    def __init__(self, url: str, model: str, *, api_key: str | None = None, dimensions: int | None = None,
-                 batch_size: int = 64, adapter: str | None = None, **client: Any) -> None:
-        self.url, self.model, self.dimensions, self.batch_size, self.adapter = url, model, dimensions, batch_size, adapter
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        dimensions: int | None = None,
+        batch_size: int = 64,
+        adapter: str | None = None,
+        **client: Any,
+    ) -> None:
+        self.url, self.model, self.dimensions, self.batch_size, self.adapter = (
+            url,
+            model,
+            dimensions,
+            batch_size,
+            adapter,
+        )
         self._options = dict(api_key=api_key, **client)
         self._client: Client | None = None
 
@@ -38,8 +54,14 @@ class ShoalEmbeddings(Embeddings):
     def _encode(self, texts: Sequence[str], is_query: bool) -> list[list[float]]:
         if not texts:
             return []
-        result = self.client.encode(self.model, list(texts), is_query=is_query, dimensions=self.dimensions,
-                                    batch_size=self.batch_size, adapter=self.adapter)
+        result = self.client.encode(
+            self.model,
+            list(texts),
+            is_query=is_query,
+            dimensions=self.dimensions,
+            batch_size=self.batch_size,
+            adapter=self.adapter,
+        )
         return result.dense.astype(float).tolist()
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -58,8 +80,14 @@ class ShoalEmbeddings(Embeddings):
         if not texts:
             return []
         async with AsyncClient(self.url, **self._options) as client:  # one per event loop
-            result = await client.encode(self.model, list(texts), is_query=is_query, dimensions=self.dimensions,
-                                         batch_size=self.batch_size, adapter=self.adapter)
+            result = await client.encode(
+                self.model,
+                list(texts),
+                is_query=is_query,
+                dimensions=self.dimensions,
+                batch_size=self.batch_size,
+                adapter=self.adapter,
+            )
         return result.dense.astype(float).tolist()
 
 
@@ -80,12 +108,14 @@ class ShoalRerank(BaseDocumentCompressor):
         out = []
         for index, score in ranking:
             doc = documents[index]
-            out.append(Document(page_content=doc.page_content, metadata={**doc.metadata, "relevance_score": score},
-                                id=doc.id))
+            out.append(
+                Document(page_content=doc.page_content, metadata={**doc.metadata, "relevance_score": score}, id=doc.id)
+            )
         return out
 
-    def compress_documents(self, documents: Sequence[Document], query: str,
-                           callbacks: Callbacks | None = None) -> Sequence[Document]:
+    def compress_documents(
+        self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
+    ) -> Sequence[Document]:
         if not documents:
             return []
         if self._client is None:
@@ -93,8 +123,9 @@ class ShoalRerank(BaseDocumentCompressor):
         ranking = self._client.score(self.model, query, [d.page_content for d in documents], top_k=self.top_n)
         return self._ranked(documents, ranking)
 
-    async def acompress_documents(self, documents: Sequence[Document], query: str,
-                                  callbacks: Callbacks | None = None) -> Sequence[Document]:
+    async def acompress_documents(
+        self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
+    ) -> Sequence[Document]:
         if not documents:
             return []
         async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:

@@ -28,8 +28,9 @@ class ShoalEmbedding(BaseEmbedding):
 
     url: str = Field(description="The shoal server's base URL.")
     # A secret: kept out of repr() and of serialised objects.
-    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False,
-                                      description="Bearer token, if the server needs one.")
+    api_key: SecretStr | None = Field(
+        default=None, exclude=True, repr=False, description="Bearer token, if the server needs one."
+    )
     dimensions: int | None = Field(default=None, description="Matryoshka truncation; None: the model's own.")
     adapter: str | None = Field(default=None, description="A LoRA adapter loaded on the server.")
     embed_batch_size: int = Field(default=64, gt=0, description="Texts per request.")
@@ -83,8 +84,9 @@ class ShoalRerank(BaseNodePostprocessor):
     model: str = Field(description="The model that scores: a reranker, or an embedder (cosine).")
     top_n: int | None = Field(default=None, description="How many nodes to keep; None: all.")
     # A secret: kept out of repr() and of serialised objects.
-    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False,
-                                      description="Bearer token, if the server needs one.")
+    api_key: SecretStr | None = Field(
+        default=None, exclude=True, repr=False, description="Bearer token, if the server needs one."
+    )
     _client: Client | None = PrivateAttr(default=None)
 
     @classmethod
@@ -101,8 +103,9 @@ class ShoalRerank(BaseNodePostprocessor):
     def _ranked(nodes: list[NodeWithScore], ranking: Ranking) -> list[NodeWithScore]:
         return [NodeWithScore(node=nodes[index].node, score=score) for index, score in ranking]
 
-    def _postprocess_nodes(self, nodes: list[NodeWithScore],
-                           query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
         texts = self._texts(nodes, query_bundle)
         if not texts:
             return []
@@ -110,8 +113,9 @@ class ShoalRerank(BaseNodePostprocessor):
             self._client = Client(self.url, api_key=_secret(self.api_key))
         return self._ranked(nodes, self._client.score(self.model, query_bundle.query_str, texts, top_k=self.top_n))
 
-    async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
-                                  query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+    async def _apostprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
         texts = self._texts(nodes, query_bundle)
         if not texts:
             return []

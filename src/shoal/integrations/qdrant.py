@@ -33,9 +33,21 @@ class ShoalHybrid:
     `is_query=True`, so a card's query prompt applies.
     """
 
-    def __init__(self, qdrant: QdrantClient, collection: str, *, url: str, dense_model: str, sparse_model: str,
-                 api_key: str | None = None, dense_name: str = "dense", sparse_name: str = "sparse",
-                 dimensions: int | None = None, batch_size: int = 64, **client: Any) -> None:
+    def __init__(
+        self,
+        qdrant: QdrantClient,
+        collection: str,
+        *,
+        url: str,
+        dense_model: str,
+        sparse_model: str,
+        api_key: str | None = None,
+        dense_name: str = "dense",
+        sparse_name: str = "sparse",
+        dimensions: int | None = None,
+        batch_size: int = 64,
+        **client: Any,
+    ) -> None:
         self.qdrant, self.collection = qdrant, collection
         self.dense_model, self.sparse_model = dense_model, sparse_model
         self.dense_name, self.sparse_name = dense_name, sparse_name
@@ -50,26 +62,38 @@ class ShoalHybrid:
             self.collection,
             vectors_config={self.dense_name: models.VectorParams(size=num_dims, distance=distance)},
             sparse_vectors_config={self.sparse_name: models.SparseVectorParams()},
-            **options)
+            **options,
+        )
 
     def vectors(self, texts: Sequence[str], *, is_query: bool) -> list[dict[str, Any]]:
         """Each text's named vectors: `{dense_name: [d] floats, sparse_name: SparseVector}`."""
         texts = list(texts)
         options = {"is_query": is_query, "batch_size": self.batch_size}
         if self.dense_model == self.sparse_model:
-            both = self.client.encode(self.dense_model, texts, outputs=["dense", "sparse"], dimensions=self.dimensions,
-                                      **options)
+            both = self.client.encode(
+                self.dense_model, texts, outputs=["dense", "sparse"], dimensions=self.dimensions, **options
+            )
             dense, sparse = both.dense, both.sparse
         else:
-            dense = self.client.encode(self.dense_model, texts, outputs=["dense"], dimensions=self.dimensions,
-                                       **options).dense
+            dense = self.client.encode(
+                self.dense_model, texts, outputs=["dense"], dimensions=self.dimensions, **options
+            ).dense
             sparse = self.client.encode(self.sparse_model, texts, outputs=["sparse"], **options).sparse
-        return [{self.dense_name: row.tolist(),
-                 self.sparse_name: models.SparseVector(indices=s.indices.tolist(), values=s.values.tolist())}
-                for row, s in zip(dense, sparse)]
+        return [
+            {
+                self.dense_name: row.tolist(),
+                self.sparse_name: models.SparseVector(indices=s.indices.tolist(), values=s.values.tolist()),
+            }
+            for row, s in zip(dense, sparse)
+        ]
 
-    def upsert(self, texts: Sequence[str], *, ids: Sequence[int | str] | None = None,
-               payloads: Sequence[dict[str, Any]] | None = None) -> list[int | str]:
+    def upsert(
+        self,
+        texts: Sequence[str],
+        *,
+        ids: Sequence[int | str] | None = None,
+        payloads: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int | str]:
         """Add (or replace, by id) one point per text; ids default to new UUIDs. Returns the ids."""
         if isinstance(texts, str):
             raise TypeError("texts must be a sequence of strings, not one str: pass [text]")
@@ -79,23 +103,37 @@ class ShoalHybrid:
             raise ValueError(f"{len(texts)} texts, but {len(ids)} ids and {len(payloads)} payloads")
         for start in range(0, len(texts), self.batch_size):
             end = start + self.batch_size
-            points = [models.PointStruct(id=i, vector=v, payload=p)
-                      for i, v, p in zip(ids[start:end], self.vectors(texts[start:end], is_query=False),
-                                         payloads[start:end])]
+            points = [
+                models.PointStruct(id=i, vector=v, payload=p)
+                for i, v, p in zip(ids[start:end], self.vectors(texts[start:end], is_query=False), payloads[start:end])
+            ]
             self.qdrant.upsert(self.collection, points=points)
         return ids
 
-    def query(self, text: str, *, limit: int = 10, prefetch_limit: int | None = None,
-              query_filter: models.Filter | None = None, **options: Any) -> list[models.ScoredPoint]:
+    def query(
+        self,
+        text: str,
+        *,
+        limit: int = 10,
+        prefetch_limit: int | None = None,
+        query_filter: models.Filter | None = None,
+        **options: Any,
+    ) -> list[models.ScoredPoint]:
         """The `limit` best points for `text`: the `prefetch_limit` (default max(4 * limit, 20)) best
         by each vector, fused by RRF; `query_filter` applies to both prefetches."""
         vectors = self.vectors([text], is_query=True)[0]
         candidates = prefetch_limit or max(4 * limit, 20)
-        prefetch = [models.Prefetch(query=vectors[name], using=name, limit=candidates, filter=query_filter)
-                    for name in (self.dense_name, self.sparse_name)]
-        return self.qdrant.query_points(self.collection, prefetch=prefetch,
-                                        query=models.FusionQuery(fusion=models.Fusion.RRF), limit=limit,
-                                        **options).points
+        prefetch = [
+            models.Prefetch(query=vectors[name], using=name, limit=candidates, filter=query_filter)
+            for name in (self.dense_name, self.sparse_name)
+        ]
+        return self.qdrant.query_points(
+            self.collection,
+            prefetch=prefetch,
+            query=models.FusionQuery(fusion=models.Fusion.RRF),
+            limit=limit,
+            **options,
+        ).points
 
     def close(self) -> None:
         """Close the shoal client (the Qdrant client stays the caller's)."""

@@ -13,6 +13,24 @@ from .norm import RMSNorm
 from .rotary import Rotary, apply_rotary
 from .rows import in_row_blocks
 
-__all__ = ["AdapterFactors", "AttentionMeta", "FusedLinear", "Int8FusedLinear", "Int8Linear", "LoraFactors",
-           "LoraRouting", "LoraShard", "PackedInputs", "PositionBias", "RMSNorm", "Rotary", "ScoreBias", "activation",
-           "apply_rotary", "in_row_blocks", "input_maxima", "quantize_linears", "varlen_attention"]
+__all__ = [
+    "AdapterFactors",
+    "AttentionMeta",
+    "FusedLinear",
+    "Int8FusedLinear",
+    "Int8Linear",
+    "LoraFactors",
+    "LoraRouting",
+    "LoraShard",
+    "PackedInputs",
+    "PositionBias",
+    "RMSNorm",
+    "Rotary",
+    "ScoreBias",
+    "activation",
+    "apply_rotary",
+    "in_row_blocks",
+    "input_maxima",
+    "quantize_linears",
+    "varlen_attention",
+]

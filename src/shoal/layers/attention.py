@@ -53,10 +53,8 @@ from functools import cached_property
 from typing import ClassVar, Protocol
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
-
 
 # Length groups by default: cut where a length more than doubles the group's shortest and grows by
 # more than 32 tokens (`AttentionMeta.groups_within`).
@@ -214,15 +212,22 @@ class AttentionMeta:
             L = int(lens.max())
             mask = None if keys.min() == L else torch.from_numpy(np.arange(L)[None, :] < keys[:, None])
             to = dict(device=self.cu_seqlens.device)
-            groups.append(LengthGroup(
-                torch.from_numpy(tokens).to(**to), torch.from_numpy(seq_index).to(**to),
-                torch.from_numpy(pos_in_seq).to(**to), mask.to(**to) if mask is not None else None,
-                len(members), L, cuts_keys=bool((keys < lens).any()),
-            ))
+            groups.append(
+                LengthGroup(
+                    torch.from_numpy(tokens).to(**to),
+                    torch.from_numpy(seq_index).to(**to),
+                    torch.from_numpy(pos_in_seq).to(**to),
+                    mask.to(**to) if mask is not None else None,
+                    len(members),
+                    L,
+                    cuts_keys=bool((keys < lens).any()),
+                )
+            )
         return tuple(groups)
 
-    def per_group(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor,
-                  groups: tuple[LengthGroup, ...] | None = None) -> torch.Tensor:
+    def per_group(
+        self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor, groups: tuple[LengthGroup, ...] | None = None
+    ) -> torch.Tensor:
         """`fn(group, *rows)` for each length group (`groups`, default `self.groups`), on that
         group's rows of each packed `[T, ...]` tensor in `xs`; the results `[Tg, ...]` are put back
         in packed order `[T, ...]`."""
@@ -238,9 +243,14 @@ class AttentionMeta:
         return out
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int,
-              key_lengths: torch.Tensor | None = None, each: bool = True,
-              row_block_bytes: int = 0) -> "AttentionMeta":
+    def build(
+        cls,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        key_lengths: torch.Tensor | None = None,
+        each: bool = True,
+        row_block_bytes: int = 0,
+    ) -> AttentionMeta:
         """`key_lengths` `[n]`: keys per sequence (see the class), None when every token is one;
         `each`: whether the CPU "each" path may be taken; `row_block_bytes`: see the class."""
         device = cu_seqlens.device
@@ -352,20 +362,37 @@ def varlen_attention(
 EACH_MAX_SEQLEN = 512
 
 
-def attention_path(q: torch.Tensor, k: torch.Tensor, meta: AttentionMeta, *, causal: bool = False,
-                   window: tuple[int, int] | None = None, bias: ScoreBias | torch.Tensor | None = None) -> str:
+def attention_path(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    meta: AttentionMeta,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    bias: ScoreBias | torch.Tensor | None = None,
+) -> str:
     """Which kernel `varlen_attention` runs for these arguments: "flash", "each" or "padded"."""
     if bias is None and meta.key_lengths is None and flash_available(q.device, q.dtype):
         return "flash"
-    if (meta.each and q.device.type == "cpu" and q.dtype == torch.float32 and not causal and window is None
-            and bias is None and meta.key_lengths is None and k.shape[1] == q.shape[1]
-            and meta.max_seqlen <= EACH_MAX_SEQLEN and not meta.uniform):
+    if (
+        meta.each
+        and q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and not causal
+        and window is None
+        and bias is None
+        and meta.key_lengths is None
+        and k.shape[1] == q.shape[1]
+        and meta.max_seqlen <= EACH_MAX_SEQLEN
+        and not meta.uniform
+    ):
         return "each"
     return "padded"
 
 
-def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
-                 scale: float | None) -> torch.Tensor:
+def _attend_each(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float | None
+) -> torch.Tensor:
     """Full attention, one sequence at a time, on views of the packed rows: `[T, H, D]`."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     out = torch.empty_like(q)
@@ -395,15 +422,22 @@ def _flash_varlen():
 
 def _flash(q, k, v, meta: AttentionMeta, causal: bool, scale: float | None, window) -> torch.Tensor:
     return _flash_varlen()(
-        q, k, v,
-        cu_seqlens_q=meta.cu_seqlens, cu_seqlens_k=meta.cu_seqlens,
-        max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen,
-        softmax_scale=scale, causal=causal, window_size=window or (-1, -1),
+        q,
+        k,
+        v,
+        cu_seqlens_q=meta.cu_seqlens,
+        cu_seqlens_k=meta.cu_seqlens,
+        max_seqlen_q=meta.max_seqlen,
+        max_seqlen_k=meta.max_seqlen,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window or (-1, -1),
     )
 
 
-def _sdpa_group(g: LengthGroup, q, k, v, *, causal: bool, scale: float | None, window,
-                bias: ScoreBias | None) -> torch.Tensor:
+def _sdpa_group(
+    g: LengthGroup, q, k, v, *, causal: bool, scale: float | None, window, bias: ScoreBias | None
+) -> torch.Tensor:
     """Attention over one length group's padded view: q `[Tg, H, D]`, k/v `[Tg, Hkv, D]` -> `[Tg, H, D]`."""
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     # A mask shared by the group's sequences cannot hide each one's padding keys. One extra channel
@@ -427,6 +461,7 @@ def _sdpa_group(g: LengthGroup, q, k, v, *, causal: bool, scale: float | None, w
     if Hkv != H:  # grouped-query attention: each kv head serves H // Hkv query heads
         kp = kp.repeat_interleave(H // Hkv, dim=1)
         vp = vp.repeat_interleave(H // Hkv, dim=1)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal and mask is None,
-                                         scale=scale if scale is not None else D ** -0.5)  # [ng, H, Lg, width]
+    out = F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=mask, is_causal=causal and mask is None, scale=scale if scale is not None else D**-0.5
+    )  # [ng, H, Lg, width]
     return g.unpad(out[..., :D].transpose(1, 2))  # [Tg, H, D]

@@ -92,9 +92,15 @@ class Int8Linear(nn.Module):
     """`y = x @ W^T + b` with W in int8 and x quantised per token on the fly; the input channels
     in `outliers` stay float32 (see the module)."""
 
-    def __init__(self, weight_t: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 outliers: torch.Tensor | None = None, outlier_weight_t: torch.Tensor | None = None,
-                 kernel: Kernel = "int_mm") -> None:
+    def __init__(
+        self,
+        weight_t: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        outliers: torch.Tensor | None = None,
+        outlier_weight_t: torch.Tensor | None = None,
+        kernel: Kernel = "int_mm",
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = weight_t.shape
         self.kernel = kernel
@@ -116,7 +122,7 @@ class Int8Linear(nn.Module):
         return self.in_features * self.out_features if self.kernel == "u8" else 0
 
     @classmethod
-    def of(cls, linear: nn.Linear, input_max: torch.Tensor | None = None, kernel: Kernel | None = None) -> "Int8Linear":
+    def of(cls, linear: nn.Linear, input_max: torch.Tensor | None = None, kernel: Kernel | None = None) -> Int8Linear:
         """The int8 stand-in for `linear` (a float32 CPU Linear, or a FusedLinear). `input_max`
         `[in]`: the largest |x| seen per input channel on calibration text (`input_maxima`);
         channels far above the others stay float32. `kernel`: None, this CPU's (`default_kernel`)."""
@@ -143,8 +149,21 @@ class Int8Linear(nn.Module):
         rows, scratch = (x, False) if self.outliers is None else (x.index_fill(1, self.outliers, 0), True)
         if self.kernel == "u8":
             u8, scale = quantize_rows(rows, overwrite=scratch, zero_point=_U8_ZERO_POINT)  # [T, in] uint8, q + 128
-            y = torch.ops.onednn.qlinear_pointwise(u8, 1.0, _U8_ZERO_POINT, self.packed, self.weight_scale,
-                                                   self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+            y = torch.ops.onednn.qlinear_pointwise(
+                u8,
+                1.0,
+                _U8_ZERO_POINT,
+                self.packed,
+                self.weight_scale,
+                self._zero_points,
+                None,
+                1.0,
+                0,
+                torch.float32,
+                "none",
+                [],
+                "",
+            )
             if self.bias is None:  # y = acc * s_row: the tokens' scales and the bias are left
                 y.mul_(scale)
             else:
@@ -164,8 +183,10 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         outliers = 0 if self.outliers is None else len(self.outliers)
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"float32_inputs={outliers}, kernel={self.kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"float32_inputs={outliers}, kernel={self.kernel}"
+        )
 
 
 class Int8FusedLinear(Int8Linear):
@@ -212,8 +233,11 @@ def input_maxima(model: nn.Module, run: Callable[[], object]) -> dict[str, torch
         seen = inputs[0].detach().reshape(-1, module.in_features).abs().amax(0).float()  # [in]
         maxima[name] = seen if name not in maxima else torch.maximum(maxima[name], seen)
 
-    handles = [module.register_forward_hook(functools.partial(record, name))
-               for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    handles = [
+        module.register_forward_hook(functools.partial(record, name))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    ]
     try:
         with torch.inference_mode():
             run()
@@ -223,8 +247,9 @@ def input_maxima(model: nn.Module, run: Callable[[], object]) -> dict[str, torch
     return maxima
 
 
-def quantize_linears(model: nn.Module, input_max: Mapping[str, torch.Tensor] | None = None,
-                     kernel: Kernel | None = None) -> tuple[str, ...]:
+def quantize_linears(
+    model: nn.Module, input_max: Mapping[str, torch.Tensor] | None = None, kernel: Kernel | None = None
+) -> tuple[str, ...]:
     """Replace every `nn.Linear` of `model` by its int8 stand-in, in place; returns their names.
     `input_max`: `input_maxima` of the float32 model, to keep its outlier channels in float32.
 
@@ -235,5 +260,7 @@ def quantize_linears(model: nn.Module, input_max: Mapping[str, torch.Tensor] | N
     names = tuple(name for name, module in model.named_modules() if isinstance(module, nn.Linear))
     for name in names:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Int8Linear.of(model.get_submodule(name), input_max.get(name), kernel))
+        setattr(
+            model.get_submodule(parent), child, Int8Linear.of(model.get_submodule(name), input_max.get(name), kernel)
+        )
     return names

@@ -60,26 +60,30 @@ class LoraFactors:
     columns: tuple[int, int]  # (start, end) output columns of the Linear
 
     @classmethod
-    def stack(cls, linear: nn.Linear, shards: Sequence[LoraShard]) -> "LoraFactors":
+    def stack(cls, linear: nn.Linear, shards: Sequence[LoraShard]) -> LoraFactors:
         """Stack `shards` (distinct, each shaped for its shard of `linear`) into one update, in
         float32 on the factors' device; `to` moves it to the model's device and dtype."""
         sizes = getattr(linear, "shard_sizes", (linear.out_features,))
         offsets = [0, *itertools.accumulate(sizes)]
-        spans = [(0, linear.out_features) if s.shard is None else (offsets[s.shard], offsets[s.shard + 1])
-                 for s in shards]
+        spans = [
+            (0, linear.out_features) if s.shard is None else (offsets[s.shard], offsets[s.shard + 1]) for s in shards
+        ]
         start, end = min(lo for lo, _ in spans), max(hi for _, hi in spans)
         a = torch.cat([s.a.float() for s in shards])  # [R, in]
         b_t = a.new_zeros(a.shape[0], end - start)  # [R, end - start]
         rank_row = 0
         for s, (lo, hi) in zip(shards, spans):
             r = s.a.shape[0]
-            b_t[rank_row: rank_row + r, lo - start: hi - start] = (s.b.float() * s.scale).T
+            b_t[rank_row : rank_row + r, lo - start : hi - start] = (s.b.float() * s.scale).T
             rank_row += r
         return cls(a, b_t, (start, end))
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraFactors":
-        return LoraFactors(self.a.to(device=device, dtype=dtype).contiguous(),
-                           self.b_t.to(device=device, dtype=dtype).contiguous(), self.columns)
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> LoraFactors:
+        return LoraFactors(
+            self.a.to(device=device, dtype=dtype).contiguous(),
+            self.b_t.to(device=device, dtype=dtype).contiguous(),
+            self.columns,
+        )
 
     @property
     def num_bytes(self) -> int:
@@ -105,8 +109,9 @@ class LoraRouting:
     groups: tuple[tuple[int, int, AdapterFactors], ...]
 
     @classmethod
-    def build(cls, cu_seqlens: np.ndarray, slots: np.ndarray, adapters: Mapping[int, AdapterFactors],
-              device: torch.device) -> "LoraRouting | None":
+    def build(
+        cls, cu_seqlens: np.ndarray, slots: np.ndarray, adapters: Mapping[int, AdapterFactors], device: torch.device
+    ) -> LoraRouting | None:
         """Routing for sequences bounded by `cu_seqlens` `[n+1]`, sequence i using adapter
         `slots[i]` (`[n]`, -1: the base model) of `adapters`; None when no sequence uses one."""
         cu = cu_seqlens.astype(np.int64)
@@ -137,20 +142,31 @@ class LoraRouting:
             for name, update in factors.items():
                 plans.setdefault(name, []).append((start, end, update))
         calls = dict.fromkeys(plans, 0)
-        handles = [model.get_submodule(name).register_forward_hook(functools.partial(self._add, name, plan, calls))
-                   for name, plan in plans.items()]
+        handles = [
+            model.get_submodule(name).register_forward_hook(functools.partial(self._add, name, plan, calls))
+            for name, plan in plans.items()
+        ]
         try:
             yield
             skipped = [name for name, count in calls.items() if count == 0]
             if skipped:  # a model that bypasses the module (F.linear on its weight) would drop the delta
-                raise InferenceFailed(f"adapted modules {', '.join(skipped[:4])} were never called by the "
-                                      "model's forward: their LoRA deltas could not be applied")
+                raise InferenceFailed(
+                    f"adapted modules {', '.join(skipped[:4])} were never called by the "
+                    "model's forward: their LoRA deltas could not be applied"
+                )
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _add(self, name: str, plan: list[tuple[int, int, LoraFactors]], calls: dict[str, int],
-             module: nn.Module, inputs: tuple, y: torch.Tensor) -> None:
+    def _add(
+        self,
+        name: str,
+        plan: list[tuple[int, int, LoraFactors]],
+        calls: dict[str, int],
+        module: nn.Module,
+        inputs: tuple,
+        y: torch.Tensor,
+    ) -> None:
         """The forward hook: `y` `[T, out]` (the Linear's output on `inputs[0]` `[T, in]`) gains
         each adapter's delta in its rows, in place."""
         x = inputs[0]
@@ -158,8 +174,10 @@ class LoraRouting:
         if calls[name] > 1 or x.shape[0] != self.num_tokens:
             # Per-token routing holds only for one call over the batch's tokens (DeBERTa projects its
             # shared relative-position embeddings through the same Linears).
-            raise InferenceFailed(f"an adapter targets {name}, which the model also applies to something "
-                                  "other than the batch's tokens; adapters cannot target it on this model")
+            raise InferenceFailed(
+                f"an adapter targets {name}, which the model also applies to something "
+                "other than the batch's tokens; adapters cannot target it on this model"
+            )
         if self.rows is None:  # the adapted rows are a slice: add into y's rows in place
             lo, hi = self.span
             xa, ya = x[lo:hi], y[lo:hi]  # [Ta, in], [Ta, out], views
@@ -181,5 +199,5 @@ class LoraRouting:
             if same:
                 torch.mm(h, update.b_t, out=delta[start:end])
             else:
-                delta[start:end, c0 - first: c1 - first].addmm_(h, update.b_t)
+                delta[start:end, c0 - first : c1 - first].addmm_(h, update.b_t)
         y[:, first:last].index_add_(0, self.rows, delta)

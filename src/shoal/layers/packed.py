@@ -25,8 +25,11 @@ _PACK_FOR_TOKENS = 4096
 
 def available() -> bool:
     """Whether this torch has the oneDNN inner-product ops (x86 and aarch64 CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class PackedLinear(nn.Module):
@@ -39,7 +42,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias)  # [out] float32, or None
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> "PackedLinear":
+    def of(cls, linear: nn.Linear) -> PackedLinear:
         weight = linear.weight.detach()
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError("oneDNN packing is for float32 CPU Linears")
@@ -63,8 +66,14 @@ class PackedLinear(nn.Module):
 class PackedFusedLinear(PackedLinear):
     """A `FusedLinear` packed: one product for the shards, `split` cuts the output as it did."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
-                 shard_sizes: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int,
+        shard_sizes: tuple[int, ...],
+    ) -> None:
         super().__init__(packed, bias, in_features, out_features)
         self.shard_sizes = shard_sizes
 
@@ -77,8 +86,11 @@ def pack_linears(model: nn.Module) -> int:
     stand-ins, e.g. int8, are left as they are) for its packed stand-in; returns the packed bytes."""
     # Names first, modules looked up one at a time: a list of the modules would keep every float32
     # weight alive until the last is packed (twice the Linears' bytes at load).
-    names = [name for name, m in model.named_modules() if type(m) in (nn.Linear, FusedLinear)
-             and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    names = [
+        name
+        for name, m in model.named_modules()
+        if type(m) in (nn.Linear, FusedLinear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    ]
     total = 0
     for name in names:
         parent, _, child = name.rpartition(".")

@@ -19,7 +19,7 @@ class Rotary:
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """`[rotary_dim / 2]` rotation frequencies; subclasses rescale them (long-context variants)."""
         exponent = torch.arange(self.rotary_dim // 2, device=device, dtype=torch.float32) * 2.0 / self.rotary_dim
-        return 1.0 / (self.base ** exponent)
+        return 1.0 / (self.base**exponent)
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T]` positions -> cos, sin of shape `[T, 1, rotary_dim]` (broadcast over heads)."""

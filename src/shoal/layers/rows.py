@@ -6,13 +6,9 @@ is each of the elementwise passes that follow it (GELU; with `quantize: int8`, t
 conversion, its scaling, and the quantisation of the next Linear's input). That buffer fits no
 cache: every pass streams it through memory. Run on blocks of rows whose intermediate fits 3 MiB
 (the default, catalog/card.py's ROW_BLOCK_BYTES: 512 MiniLM tokens, 256 BERT-base ones), the
-block's buffers stay in L2/L3 and are reused block after block. On 2 AVX-512 VNNI EPYC cores
-(`python bench/int8.py --row-block-bytes 0,1572864,3145728,6291456`, MiniLM over 4,096-token
-batches of Lee documents, glibc's default malloc) that took float32 from 5,421 to 6,031 tokens/s (1.11x) and int8 from 7,834 to 10,939 (1.40x; int8
-over float32 1.45x -> 1.81x); 1.5 and 6 MiB blocks were slower than 3 MiB for int8. With the
-server's malloc settings (engine/memory.py: no page faults left to save) float32's gain is within
-the host's noise (MiniLM 0.93-1.13x, MPNet 0.99-1.04x) and int8's stays (MiniLM 1.07-1.27x, MPNet
-1.06-1.23x; docs/benchmarks.md). A card's `batching.row_block_bytes` sets the size per hardware
+block's buffers stay in L2/L3 and are reused block after block: int8's passes gain most, float32's
+less (`python bench/int8.py --row-block-bytes 0,1572864,3145728,6291456`; the figures are in
+docs/benchmarks.md, CPU kernels). A card's `batching.row_block_bytes` sets the size per hardware
 class (0: off), and `shoal tune` tries it.
 
 Each row's result is what the whole-batch call gives it (the block's matmuls and norms are per row;
@@ -38,8 +34,9 @@ def block_rows(width: int, block_bytes: int, element_size: int = 4) -> int:
     return max(MIN_BLOCK_ROWS, block_bytes // (width * element_size))
 
 
-def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int,
-                  block_bytes: int) -> torch.Tensor:
+def in_row_blocks(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int, block_bytes: int
+) -> torch.Tensor:
     """`fn(x)` for per-token `fn` over `x` `[T, ...]`, called on blocks of rows whose widest
     intermediate (`width` values a row) fits `block_bytes` (0: one call over all T rows)."""
     rows = block_rows(width, block_bytes, x.element_size())
@@ -50,5 +47,5 @@ def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, w
     out = first.new_empty((T, *first.shape[1:]))
     out[:rows] = first
     for start in range(rows, T, rows):
-        out[start:start + rows] = fn(x[start:start + rows])
+        out[start : start + rows] = fn(x[start : start + rows])
     return out

@@ -30,7 +30,7 @@ class BertConfig:
     position_embedding_type: str = "absolute"
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "BertConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> BertConfig:
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"BERT with position_embedding_type={cfg['position_embedding_type']!r} is not supported")
         names = cls.__dataclass_fields__

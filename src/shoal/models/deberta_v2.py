@@ -51,7 +51,7 @@ class DebertaV2Config:
     conv_act: str = "tanh"
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "DebertaV2Config":
+    def from_dict(cls, cfg: dict[str, Any]) -> DebertaV2Config:
         names = cls.__dataclass_fields__
         kw = {k: v for k, v in cfg.items() if k in names}
         pos_att_type = cfg.get("pos_att_type") or ()
@@ -114,7 +114,7 @@ class RelativeIndex:
     _windows: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, L: int, cfg: DebertaV2Config, device: torch.device) -> "RelativeIndex":
+    def build(cls, L: int, cfg: DebertaV2Config, device: torch.device) -> RelativeIndex:
         """Row r of a `[2S, ...]` position table holds distance r - S; farther distances are clamped."""
         rel, span = relative_positions(L, cfg, device), cfg.position_span  # [L, L], S
         return cls((rel + span).clamp(0, 2 * span - 1), (span - rel).clamp(0, 2 * span - 1))
@@ -251,15 +251,25 @@ class DebertaV2Model(nn.Module):
         (_L + r"output\.LayerNorm\.(weight|bias)", r"layers.\1.ffn_norm.\2", None),
     ]
     # Task heads and the MLM / replaced-token-detection heads a serve-only encoder does not use.
-    ignored_weights = [r"lm_predictions\..*", r"mask_predictions\..*", r"cls\..*", r"pooler\..*",
-                       r"classifier\..*", r"qa_outputs\..*", r".*position_ids"]
+    ignored_weights = [
+        r"lm_predictions\..*",
+        r"mask_predictions\..*",
+        r"cls\..*",
+        r"pooler\..*",
+        r"classifier\..*",
+        r"qa_outputs\..*",
+        r".*position_ids",
+    ]
 
     @staticmethod
     def classifier_layout(config: dict) -> tuple[str, list[tuple]]:
         """DebertaV2ForSequenceClassification: ContextPooler (dense + pooler_hidden_act on [CLS]),
         then the classifier."""
-        return "cls", [("linear", "pooler.dense"), ("act", config.get("pooler_hidden_act", "gelu")),
-                       ("linear", "classifier")]
+        return "cls", [
+            ("linear", "pooler.dense"),
+            ("act", config.get("pooler_hidden_act", "gelu")),
+            ("linear", "classifier"),
+        ]
 
     def shared_linears(self) -> tuple[str, ...]:
         """Linears that also project the relative-position table, which all sequences of a batch

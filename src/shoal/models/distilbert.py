@@ -18,7 +18,7 @@ from .bert import BertConfig, BertModel
 @dataclass(frozen=True)
 class DistilBertConfig(BertConfig):
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "DistilBertConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> DistilBertConfig:
         # Sinusoidal position tables are stored in the checkpoint like learned ones; nothing to do.
         return cls(
             vocab_size=cfg["vocab_size"],

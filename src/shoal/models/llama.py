@@ -57,7 +57,7 @@ class LlamaConfig:
     qk_norm: bool = False
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
         model_type = cfg.get("model_type", "llama")
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
             raise ValueError(f"{model_type} with sliding-window attention layers is not supported")
@@ -68,15 +68,21 @@ class LlamaConfig:
             raise ValueError(f"{model_type} with per-layer-type rope parameters is not supported")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in _ROPE_TYPES:
-            raise ValueError(f"{model_type} with rope scaling type {rope_type!r} is not supported; "
-                             f"shoal has: {', '.join(_ROPE_TYPES)}")
+            raise ValueError(
+                f"{model_type} with rope scaling type {rope_type!r} is not supported; "
+                f"shoal has: {', '.join(_ROPE_TYPES)}"
+            )
         if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError(f"{model_type} with partial_rotary_factor != 1 is not supported")
         llama3 = None
         if rope_type == "llama3":
             original = rope.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-            llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                      int(original))
+            llama3 = (
+                float(rope["factor"]),
+                float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]),
+                int(original),
+            )
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             model_type=model_type,
@@ -102,8 +108,15 @@ class Llama3Rotary(Rotary):
     """Rotary whose low frequencies are divided by `factor`, blended smoothly into the untouched high
     frequencies, as Llama 3.1 extends its context ("rope_type": "llama3")."""
 
-    def __init__(self, head_dim: int, base: float, factor: float, low_freq_factor: float,
-                 high_freq_factor: float, original_max_positions: int) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        factor: float,
+        low_freq_factor: float,
+        high_freq_factor: float,
+        original_max_positions: int,
+    ) -> None:
         super().__init__(head_dim, base)
         self.factor, self.low, self.high = factor, low_freq_factor, high_freq_factor
         self.original = original_max_positions
@@ -181,8 +194,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         # Holds no tensors: cos/sin are computed in forward, so building on the meta device is safe.
-        self.rotary = (Llama3Rotary(cfg.head_dim, cfg.rope_theta, *cfg.rope_llama3) if cfg.rope_llama3
-                       else Rotary(cfg.head_dim, cfg.rope_theta))
+        self.rotary = (
+            Llama3Rotary(cfg.head_dim, cfg.rope_theta, *cfg.rope_llama3)
+            if cfg.rope_llama3
+            else Rotary(cfg.head_dim, cfg.rope_theta)
+        )
 
     def forward(self, inputs: PackedInputs) -> torch.Tensor:
         # Decoders have no segments: token_type_ids are ignored.

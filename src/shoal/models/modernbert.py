@@ -37,7 +37,7 @@ class ModernBertConfig:
     mlp_bias: bool = False
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModernBertConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> ModernBertConfig:
         """Reads both config.json layouts: the original one (`global_attn_every_n_layers`,
         `global_rope_theta`, `local_rope_theta`) and transformers 5's (`layer_types`,
         `rope_parameters`)."""
@@ -58,9 +58,12 @@ class ModernBertConfig:
         if len(global_layers) != n_layers:
             raise ValueError(f"layer_types names {len(global_layers)} layers, num_hidden_layers is {n_layers}")
         fields = {k: v for k, v in cfg.items() if k in cls.__dataclass_fields__ and v is not None}
-        fields.update(global_layers=global_layers, global_rope_theta=global_theta,
-                      # An explicit null local theta meant "use the global one" in the original code.
-                      local_rope_theta=global_theta if local_theta is None else local_theta)
+        fields.update(
+            global_layers=global_layers,
+            global_rope_theta=global_theta,
+            # An explicit null local theta meant "use the global one" in the original code.
+            local_rope_theta=global_theta if local_theta is None else local_theta,
+        )
         return cls(**fields)
 
 
@@ -144,8 +147,10 @@ class ModernBertModel(nn.Module):
         # ModernBERT has no segment embeddings: token_type_ids are ignored.
         x = self.embed_norm(self.word_embeddings(inputs.input_ids))  # [T, hidden]
         # Two rotary tables per forward, one per layer kind, shared by all layers of that kind.
-        tables = {True: self.global_rotary.cos_sin(inputs.position_ids, x.dtype),  # [T, 1, D] each
-                  False: self.local_rotary.cos_sin(inputs.position_ids, x.dtype)}
+        tables = {
+            True: self.global_rotary.cos_sin(inputs.position_ids, x.dtype),  # [T, 1, D] each
+            False: self.local_rotary.cos_sin(inputs.position_ids, x.dtype),
+        }
         for layer in self.layers:
             x = layer(x, *tables[layer.is_global], inputs.meta)
         return self.final_norm(x)  # [T, hidden]

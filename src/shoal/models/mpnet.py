@@ -87,8 +87,10 @@ class MPNetModel(nn.Module):
     def __init__(self, cfg: MPNetConfig) -> None:
         super().__init__()
         if cfg.relative_attention_num_buckets < NUM_BUCKETS:
-            raise ValueError(f"MPNet buckets relative positions into {NUM_BUCKETS}; "
-                             f"relative_attention_num_buckets={cfg.relative_attention_num_buckets} is too few")
+            raise ValueError(
+                f"MPNet buckets relative positions into {NUM_BUCKETS}; "
+                f"relative_attention_num_buckets={cfg.relative_attention_num_buckets} is too few"
+            )
         h = cfg.hidden_size
         self.config = cfg
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h)

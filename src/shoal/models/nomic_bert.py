@@ -67,15 +67,17 @@ class NomicBertConfig:
     hidden_act: str = "silu"  # applied to the gate of the gated MLP
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "NomicBertConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> NomicBertConfig:
         return cls._from_nomic(cfg) if "n_embd" in cfg else cls._from_transformers(cfg)
 
     @classmethod
-    def _from_nomic(cls, cfg: dict[str, Any]) -> "NomicBertConfig":
+    def _from_nomic(cls, cfg: dict[str, Any]) -> NomicBertConfig:
         for key, (supported, default) in _NOMIC_FIXED.items():
             if cfg.get(key, default) != supported:
-                raise ValueError(f"NomicBERT with {key}={cfg.get(key, default)!r} is not supported "
-                                 f"(shoal implements {key}={supported!r})")
+                raise ValueError(
+                    f"NomicBERT with {key}={cfg.get(key, default)!r} is not supported "
+                    f"(shoal implements {key}={supported!r})"
+                )
         if cfg.get("type_vocab_size", 2) < 1:
             raise ValueError("NomicBERT without token type embeddings (type_vocab_size < 1) is not supported")
         h, heads = cfg["n_embd"], cfg["n_head"]
@@ -83,13 +85,21 @@ class NomicBertConfig:
         # vocabulary is padded to `pad_vocab_size_multiple`.
         inner = _round_up(cfg.get("n_inner") or int(8 * h / 3), 256)
         vocab = _round_up(cfg["vocab_size"], cfg.get("pad_vocab_size_multiple", 1))
-        return cls(vocab_size=vocab, hidden_size=h, num_hidden_layers=cfg["n_layer"], num_attention_heads=heads,
-                   intermediate_size=inner, head_dim=h // heads, type_vocab_size=cfg.get("type_vocab_size", 2),
-                   layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-                   rope_theta=cfg.get("rotary_emb_base", 1000.0), hidden_act="silu")
+        return cls(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=cfg["n_layer"],
+            num_attention_heads=heads,
+            intermediate_size=inner,
+            head_dim=h // heads,
+            type_vocab_size=cfg.get("type_vocab_size", 2),
+            layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            rope_theta=cfg.get("rotary_emb_base", 1000.0),
+            hidden_act="silu",
+        )
 
     @classmethod
-    def _from_transformers(cls, cfg: dict[str, Any]) -> "NomicBertConfig":
+    def _from_transformers(cls, cfg: dict[str, Any]) -> NomicBertConfig:
         rope = cfg.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"NomicBERT with rope_type={rope['rope_type']!r} is not supported")

@@ -11,7 +11,7 @@ from ...errors import InvalidRequest, ResultTooLarge
 from ...verbs import estimate_tokens
 from ..backend import ModelInfo
 from ..tokenizer import TextTokenizer, TokenizerPool
-from ..types import EncodeSpec, Encoded
+from ..types import Encoded, EncodeSpec
 
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}
 TOKEN_STATES = "token_states"
@@ -73,8 +73,9 @@ class EncodeTask:
         return False  # vectors and scores: collecting them is cheap
 
     def collect(self, plan: EncodePlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> EncodeResult:
-        return EncodeResult(items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
-                            **timings)
+        return EncodeResult(
+            items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id, **timings
+        )
 
 
 class PromptTokens:
@@ -109,8 +110,8 @@ def check_texts(texts: list[str], what: str = "texts", indexed: bool = True) -> 
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidRequest(
-                f"{name} has a lone surrogate {text[exc.start]!r} at character {exc.start}: "
-                "send valid Unicode text", details={"index": index, "position": exc.start},
+                f"{name} has a lone surrogate {text[exc.start]!r} at character {exc.start}: send valid Unicode text",
+                details={"index": index, "position": exc.start},
             ) from None
 
 
@@ -152,7 +153,8 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
     unsupported = [o for o in outputs if o not in card.outputs and o != TOKEN_STATES]
     if unsupported:
         raise InvalidRequest(
-            f"model {card.id} cannot produce {', '.join(unsupported)} output; its card allows: {', '.join(card.outputs)}",
+            f"model {card.id} cannot produce {', '.join(unsupported)} output; "
+            f"its card allows: {', '.join(card.outputs)}",
             details={"model": card.id, "option": "outputs", "allowed": list(card.outputs)},
         )
     if call.dimensions is not None and "dense" in outputs and call.dimensions > card.dimensions:
@@ -162,8 +164,13 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
         )
     normalize = card.normalize if call.normalize is None else call.normalize
     return EncodeSpec(
-        normalize=normalize, dimensions=call.dimensions, output_dtype=call.output_dtype, outputs=outputs,
-        is_query=bool(call.is_query), sparse_top_k=call.sparse_top_k, return_tokens=call.return_tokens,
+        normalize=normalize,
+        dimensions=call.dimensions,
+        output_dtype=call.output_dtype,
+        outputs=outputs,
+        is_query=bool(call.is_query),
+        sparse_top_k=call.sparse_top_k,
+        return_tokens=call.return_tokens,
     )
 
 

@@ -47,8 +47,16 @@ class ExtractPlan:
         return len(self.call.texts)
 
 
-def plan_extract(card: ModelCard, call: ExtractCall, kind: str, options: frozenset[str], *, labels_required: bool,
-                 fold_labels: bool = False, default_threshold: float | None = None) -> ExtractPlan:
+def plan_extract(
+    card: ModelCard,
+    call: ExtractCall,
+    kind: str,
+    options: frozenset[str],
+    *,
+    labels_required: bool,
+    fold_labels: bool = False,
+    default_threshold: float | None = None,
+) -> ExtractPlan:
     """The checks every kind makes, then the plan: texts, labels, threshold, the kind's options."""
     if not call.texts:
         raise InvalidRequest("no items to extract from", details={"option": "items"})
@@ -62,28 +70,36 @@ def plan_extract(card: ModelCard, call: ExtractCall, kind: str, options: frozens
     for option in KIND_OPTIONS:
         if getattr(call, option) is not None and option not in options:
             kinds = [name for name in _kinds_taking(option)]
-            raise InvalidRequest(f"{option} applies to {' and '.join(kinds)} models; model {card.id} is {kind}",
-                                 details={"option": option})
+            raise InvalidRequest(
+                f"{option} applies to {' and '.join(kinds)} models; model {card.id} is {kind}",
+                details={"option": option},
+            )
     return ExtractPlan(card, call, kind, labels, threshold, estimate_tokens(call, card))
 
 
 def _kinds_taking(option: str) -> list[str]:
     from . import task_of_kind  # the registry's tasks, each with its `options`
 
-    return [name.split(":", 1)[1] for name in KINDS if name.startswith("extract:")
-            and option in getattr(task_of_kind(name), "options", ())]
+    return [
+        name.split(":", 1)[1]
+        for name in KINDS
+        if name.startswith("extract:") and option in getattr(task_of_kind(name), "options", ())
+    ]
 
 
 def one_spec_each(plan: ExtractPlan, seqs: list[Encoded], output: str) -> list[ExtractSpec]:
     return plan.specs or [ExtractSpec((output,))] * len(seqs)
 
 
-def result(plan: ExtractPlan, seqs: list[Encoded], items: list[tuple], windows: np.ndarray,
-           timings: dict[str, float]) -> ExtractResult:
+def result(
+    plan: ExtractPlan, seqs: list[Encoded], items: list[tuple], windows: np.ndarray, timings: dict[str, float]
+) -> ExtractResult:
     """The call's result from one (entities, labels) pair per text."""
     truncated = plan.truncated or [False] * len(items)
-    out = [ExtractedItem(entities=item[0], labels=item[1], num_windows=int(windows[i]), truncated=truncated[i])
-           for i, item in enumerate(items)]
+    out = [
+        ExtractedItem(entities=item[0], labels=item[1], num_windows=int(windows[i]), truncated=truncated[i])
+        for i, item in enumerate(items)
+    ]
     return ExtractResult(items=out, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id, **timings)
 
 
@@ -96,18 +112,26 @@ def check_labels(labels: list, required: bool, fold: bool = False) -> list[str]:
     if not isinstance(labels, list):
         raise InvalidRequest("labels must be a list of strings", details={"option": "labels"})
     if required and not labels:
-        raise InvalidRequest("labels is empty: send the entity types (or classes) to look for, "
-                             'e.g. "labels": ["person", "organization"]', details={"option": "labels"})
+        raise InvalidRequest(
+            "labels is empty: send the entity types (or classes) to look for, "
+            'e.g. "labels": ["person", "organization"]',
+            details={"option": "labels"},
+        )
     if len(labels) > MAX_LABELS:
-        raise InvalidRequest(f"{len(labels)} labels is more than one request may send ({MAX_LABELS})",
-                             details={"option": "labels", "max": MAX_LABELS})
+        raise InvalidRequest(
+            f"{len(labels)} labels is more than one request may send ({MAX_LABELS})",
+            details={"option": "labels", "max": MAX_LABELS},
+        )
     for index, label in enumerate(labels):
         if not isinstance(label, str) or not label.strip():
-            raise InvalidRequest(f"labels[{index}] is empty: every label needs some text",
-                                 details={"option": "labels", "index": index})
+            raise InvalidRequest(
+                f"labels[{index}] is empty: every label needs some text", details={"option": "labels", "index": index}
+            )
         if len(label) > MAX_LABEL_CHARS:
-            raise InvalidRequest(f"labels[{index}] is {len(label)} characters long; a label may have at most "
-                                 f"{MAX_LABEL_CHARS}", details={"option": "labels", "index": index, "max": MAX_LABEL_CHARS})
+            raise InvalidRequest(
+                f"labels[{index}] is {len(label)} characters long; a label may have at most {MAX_LABEL_CHARS}",
+                details={"option": "labels", "index": index, "max": MAX_LABEL_CHARS},
+            )
     if fold:  # labels that lowercase alike are one prompt: the first as sent is kept
         first: dict[str, str] = {}
         for label in labels:

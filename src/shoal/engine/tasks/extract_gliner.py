@@ -34,31 +34,46 @@ class GlinerTask:
 
     def plan(self, card: ModelCard, call: ExtractCall) -> ExtractPlan:
         assert card.extract is not None
-        plan = plan_extract(card, call, "gliner", self.options, labels_required=True,
-                            fold_labels=card.extract.lowercase_labels, default_threshold=0.5)
+        plan = plan_extract(
+            card,
+            call,
+            "gliner",
+            self.options,
+            labels_required=True,
+            fold_labels=card.extract.lowercase_labels,
+            default_threshold=0.5,
+        )
         if call.max_span_width is not None and (not isinstance(call.max_span_width, int) or call.max_span_width < 1):
-            raise InvalidRequest(f"max_span_width must be an integer >= 1, not {call.max_span_width!r}",
-                                 details={"option": "max_span_width"})
+            raise InvalidRequest(
+                f"max_span_width must be an integer >= 1, not {call.max_span_width!r}",
+                details={"option": "max_span_width"},
+            )
         return plan
 
     async def tokenize(self, plan: ExtractPlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
         head, tok, ex, call = model.head(GlinerPrompt), model.text, plan.card.extract, plan.call
         assert ex is not None
         if call.max_span_width is not None and call.max_span_width > head.max_width:
-            raise InvalidRequest(f"max_span_width {call.max_span_width} is wider than the model's spans "
-                                 f"({head.max_width} words)", details={"option": "max_span_width", "max": head.max_width})
+            raise InvalidRequest(
+                f"max_span_width {call.max_span_width} is wider than the model's spans ({head.max_width} words)",
+                details={"option": "max_span_width", "max": head.max_width},
+            )
         labels = [label.lower() for label in plan.labels] if ex.lowercase_labels else plan.labels
         for index, label in enumerate(labels):
             if label.strip() in (head.ent_token, head.sep_token, "[FLERT]"):
-                raise InvalidRequest(f"labels[{index}] {label!r} is one of the model's prompt tokens; name an entity "
-                                     "type", details={"option": "labels", "index": index})
+                raise InvalidRequest(
+                    f"labels[{index}] {label!r} is one of the model's prompt tokens; name an entity type",
+                    details={"option": "labels", "index": index},
+                )
         prompt = [w for label in labels for w in (head.ent_token, label)] + [head.sep_token]
         prompt_tokens = int(tok.word_token_counts(prompt).sum())
         room = tok.max_length - 2 - prompt_tokens
         if room < MIN_TEXT_TOKENS:
-            raise InvalidRequest(f"the {len(labels)} labels take {prompt_tokens} of the model's {tok.max_length} "
-                                 "tokens, leaving too little for the text: send fewer or shorter labels",
-                                 details={"option": "labels", "prompt_tokens": prompt_tokens})
+            raise InvalidRequest(
+                f"the {len(labels)} labels take {prompt_tokens} of the model's {tok.max_length} "
+                "tokens, leaving too little for the text: send fewer or shorter labels",
+                details={"option": "labels", "prompt_tokens": prompt_tokens},
+            )
         max_words = ex.max_words or head.max_words
         skip = 0 if head.embed_ent_token else 1  # the label's own first token instead of [ENT]
         last = head.last_subtoken
@@ -68,12 +83,20 @@ class GlinerTask:
             for text in chunk:
                 words, starts, ends = split_words(text)
                 counts = tok.word_token_counts(words)
-                spans = word_windows(np.minimum(counts, room), room, max_words, ex.window_overlap_words) if words else []
+                spans = (
+                    word_windows(np.minimum(counts, room), room, max_words, ex.window_overlap_words) if words else []
+                )
                 seqs = tok.encode_words([prompt + words[a:b] for a, b in spans]) if spans else []
-                read = [_window(seq, b - a, len(prompt), room if counts[a:b].max() > room else None, last)
-                        for seq, (a, b) in zip(seqs, spans)]
-                out.append(((starts, ends, counts == 0),
-                            list(zip(read, [a for a, _ in spans], owned_starts(spans) if spans else []))))
+                read = [
+                    _window(seq, b - a, len(prompt), room if counts[a:b].max() > room else None, last)
+                    for seq, (a, b) in zip(seqs, spans)
+                ]
+                out.append(
+                    (
+                        (starts, ends, counts == 0),
+                        list(zip(read, [a for a, _ in spans], owned_starts(spans) if spans else [])),
+                    )
+                )
             return out
 
         per_text = await pool.map(windows_of, call.texts)
@@ -84,9 +107,16 @@ class GlinerTask:
                 seqs.append(seq)
                 plan.owners.append(index)
                 plan.windows.append((first_word, own))
-                plan.specs.append(ExtractSpec(("entities",), word_tokens=word_tokens,
-                                                     prompt_tokens=prompt_positions + skip, threshold=plan.threshold,
-                                                     max_width=width, owned=(own[0] - first_word, own[1] - first_word)))
+                plan.specs.append(
+                    ExtractSpec(
+                        ("entities",),
+                        word_tokens=word_tokens,
+                        prompt_tokens=prompt_positions + skip,
+                        threshold=plan.threshold,
+                        max_width=width,
+                        owned=(own[0] - first_word, own[1] - first_word),
+                    )
+                )
         return seqs
 
     def specs(self, plan: ExtractPlan, seqs: list[Encoded]) -> list[ExtractSpec]:
@@ -99,16 +129,21 @@ class GlinerTask:
         """Many span candidates (a low threshold, many labels, long texts): decode in a thread."""
         return sum(len(out[0]) for out in outputs) > OFF_LOOP_CANDIDATES
 
-    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> ExtractResult:
+    def collect(
+        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
+    ) -> ExtractResult:
         return result(plan, seqs, self._items(plan, outputs), windows_per_text(plan), timings)
 
     def _items(self, plan: ExtractPlan, outputs: list) -> list[tuple]:
         call, n = plan.call, len(plan.call.texts)
         candidates = sum(len(out[0]) for out in outputs)
         if candidates > MAX_CANDIDATES:
-            raise InvalidRequest(f"{candidates} candidate spans score above threshold {plan.threshold}, more than one "
-                                 f"request may decode ({MAX_CANDIDATES}): raise the threshold, or send fewer labels "
-                                 "or shorter texts", details={"option": "threshold", "candidates": candidates})
+            raise InvalidRequest(
+                f"{candidates} candidate spans score above threshold {plan.threshold}, more than one "
+                f"request may decode ({MAX_CANDIDATES}): raise the threshold, or send fewer labels "
+                "or shorter texts",
+                details={"option": "threshold", "candidates": candidates},
+            )
         merge = plan.card.extract is not None and plan.card.extract.merge_adjacent
         found: list[list] = [[] for _ in range(n)]
         for owner, (first_word, (lo, hi)), (s, k, c, p) in zip(plan.owners, plan.windows, outputs):
@@ -125,11 +160,16 @@ class GlinerTask:
                 if dropped.any():  # no span starts or ends on a word the tokenizer drops (a lone accent, ZWSP)
                     keep = ~(dropped[s] | dropped[s + k])
                     s, k, c, p = s[keep], k[keep], c[keep], p[keep]
-                for start, end, label, score in decode_spans(s, k, c, p, call.flat_ner is not False,
-                                                                     bool(call.multi_label)):
+                for start, end, label, score in decode_spans(
+                    s, k, c, p, call.flat_ner is not False, bool(call.multi_label)
+                ):
                     a, b = int(starts[start]), int(ends[end])
-                    if (merge and entities and entities[-1].label == plan.labels[label]
-                            and 0 <= a - entities[-1].end <= 1):
+                    if (
+                        merge
+                        and entities
+                        and entities[-1].label == plan.labels[label]
+                        and 0 <= a - entities[-1].end <= 1
+                    ):
                         first = entities.pop()
                         a, score = first.start, first.score
                     entities.append(Entity(text=text[a:b], label=plan.labels[label], score=score, start=a, end=b))

@@ -31,8 +31,10 @@ class TokenClassTask:
     def plan(self, card: ModelCard, call: ExtractCall) -> ExtractPlan:
         plan = plan_extract(card, call, "token_class", self.options, labels_required=False)
         if call.aggregation is not None and call.aggregation not in STRATEGIES:
-            raise InvalidRequest(f"aggregation must be one of {', '.join(STRATEGIES)}, not {call.aggregation!r}",
-                                 details={"option": "aggregation"})
+            raise InvalidRequest(
+                f"aggregation must be one of {', '.join(STRATEGIES)}, not {call.aggregation!r}",
+                details={"option": "aggregation"},
+            )
         return plan
 
     async def tokenize(self, plan: ExtractPlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
@@ -43,8 +45,11 @@ class TokenClassTask:
             known = head.entity_types
             unknown = [label for label in plan.labels if label not in known]
             if unknown:
-                raise InvalidRequest(f"model {plan.card.id} does not tag {', '.join(map(repr, unknown))}; "
-                                     f"its labels are {', '.join(known)}", details={"option": "labels", "known": known})
+                raise InvalidRequest(
+                    f"model {plan.card.id} does not tag {', '.join(map(repr, unknown))}; "
+                    f"its labels are {', '.join(known)}",
+                    details={"option": "labels", "known": known},
+                )
 
         def windows_of(chunk: list[str], start: int) -> list:
             out = []
@@ -56,9 +61,10 @@ class TokenClassTask:
                 # empty text is one window of its special tokens alone.
                 spans = word_windows(np.ones(n, dtype=np.int64), size, size, ex.window_overlap_tokens) or [(0, 0)]
                 ids = whole.ids
-                seqs = [Encoded(np.concatenate([ids[:lead], ids[inner][a:b], ids[inner.stop:]])) for a, b in spans]
-                out.append(((whole.offsets[inner], whole.word_ids[inner]),
-                            list(zip(seqs, spans, owned_starts(spans))), lead))
+                seqs = [Encoded(np.concatenate([ids[:lead], ids[inner][a:b], ids[inner.stop :]])) for a, b in spans]
+                out.append(
+                    ((whole.offsets[inner], whole.word_ids[inner]), list(zip(seqs, spans, owned_starts(spans))), lead)
+                )
             return out
 
         per_text = await pool.map(windows_of, plan.call.texts)
@@ -80,7 +86,9 @@ class TokenClassTask:
     def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
         return sum(len(out) for out in outputs) > OFF_LOOP_TOKENS
 
-    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> ExtractResult:
+    def collect(
+        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
+    ) -> ExtractResult:
         assert plan.model is not None
         id2label = plan.model.head(TokenLabels).id2label
         return result(plan, seqs, self._items(plan, outputs, id2label), windows_per_text(plan), timings)
@@ -95,18 +103,24 @@ class TokenClassTask:
             offsets, _ = plan.texts[owner]
             if stitched[owner] is None:
                 stitched[owner] = np.zeros((len(offsets), logits.shape[1]), dtype=np.float32)
-            stitched[owner][lo:hi] = logits[lead + lo - a: lead + hi - a]
+            stitched[owner][lo:hi] = logits[lead + lo - a : lead + hi - a]
         items = []
         for index in range(n):
             offsets, word_ids = plan.texts[index]
             logits = stitched[index]
-            groups = aggregate_entities(logits, id2label, offsets, word_ids, call.texts[index], strategy) \
-                if logits is not None and len(logits) else []
+            groups = (
+                aggregate_entities(logits, id2label, offsets, word_ids, call.texts[index], strategy)
+                if logits is not None and len(logits)
+                else []
+            )
             if card.extract.merge_adjacent:
                 groups = _merge_runs(groups, call.texts[index])
-            entities = [Entity(**g) for g in groups
-                        if (plan.threshold is None or g["score"] >= plan.threshold)
-                        and (not plan.labels or g["label"] in plan.labels)]
+            entities = [
+                Entity(**g)
+                for g in groups
+                if (plan.threshold is None or g["score"] >= plan.threshold)
+                and (not plan.labels or g["label"] in plan.labels)
+            ]
             items.append((entities, None))
         return items
 
@@ -117,11 +131,11 @@ def _merge_runs(groups: list[dict], text: str) -> list[dict]:
     counts: list[int] = []
     for g in groups:
         last = merged[-1] if merged else None
-        if last and last["label"] == g["label"] and not text[last["end"]:g["start"]].strip():
+        if last and last["label"] == g["label"] and not text[last["end"] : g["start"]].strip():
             last["score"] = (last["score"] * counts[-1] + g["score"]) / (counts[-1] + 1)
             counts[-1] += 1
             last["end"] = g["end"]
-            last["text"] = text[last["start"]:g["end"]]
+            last["text"] = text[last["start"] : g["end"]]
         else:
             merged.append(dict(g))
             counts.append(1)

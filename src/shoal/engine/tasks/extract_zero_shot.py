@@ -36,7 +36,7 @@ class ZeroShotTask:
         seqs = await pool.encode(tok, texts, True, pairs=hypotheses * len(call.texts), cut_first=True, what="items")
         k = len(hypotheses)
         plan.owners = [i for i in range(len(call.texts)) for _ in hypotheses]
-        plan.truncated = [any(s.truncated for s in seqs[i * k:(i + 1) * k]) for i in range(len(call.texts))]
+        plan.truncated = [any(s.truncated for s in seqs[i * k : (i + 1) * k]) for i in range(len(call.texts))]
         return seqs
 
     def specs(self, plan: ExtractPlan, seqs: list[Encoded]) -> list[ExtractSpec]:
@@ -48,7 +48,9 @@ class ZeroShotTask:
     def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
         return False
 
-    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> ExtractResult:
+    def collect(
+        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
+    ) -> ExtractResult:
         windows = np.ones(len(plan.call.texts), dtype=np.int64)  # one reading of each text
         return result(plan, seqs, self._items(plan, outputs), windows, timings)
 
@@ -58,7 +60,7 @@ class ZeroShotTask:
         head = plan.model.head(NliLabels)
         items = []
         for index in range(len(call.texts)):
-            logits = np.stack(outputs[index * k:(index + 1) * k]).astype(np.float64)  # [labels, nli labels]
+            logits = np.stack(outputs[index * k : (index + 1) * k]).astype(np.float64)  # [labels, nli labels]
             if bool(call.multi_label) or k == 1:
                 pair = logits[:, [head.contradiction_id, head.entailment_id]]
                 pair = np.exp(pair - pair.max(axis=1, keepdims=True))
@@ -68,8 +70,11 @@ class ZeroShotTask:
                 entail = np.exp(entail - entail.max())
                 scores = entail / entail.sum()
             order = sorted(range(k), key=lambda i: -scores[i])
-            labels = [LabelScore(plan.labels[i], float(scores[i])) for i in order
-                      if plan.threshold is None or scores[i] >= plan.threshold]
+            labels = [
+                LabelScore(plan.labels[i], float(scores[i]))
+                for i in order
+                if plan.threshold is None or scores[i] >= plan.threshold
+            ]
             items.append((None, labels))
         return items
 
@@ -88,6 +93,9 @@ def _hypotheses(template: str, labels: list[str]) -> list[str]:
     except (IndexError, KeyError, ValueError, AttributeError):
         placed = 0
     if placed != 1:
-        raise InvalidRequest(f"hypothesis_template must contain {{}} exactly once (where the label goes), as a "
-                             f"format string; got {template!r}", details={"option": "hypothesis_template"})
+        raise InvalidRequest(
+            f"hypothesis_template must contain {{}} exactly once (where the label goes), as a "
+            f"format string; got {template!r}",
+            details={"option": "hypothesis_template"},
+        )
     return [template.format(label) for label in labels]

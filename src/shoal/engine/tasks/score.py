@@ -1,13 +1,13 @@
 """score: rank documents against one query. How depends on the card:
 
-    cross_encoder  one sequence per (query, document) pair, segment ids as the tokenizer gives them;
-                   a long document is truncated (the query is kept whole up to half the length),
-                   or scored in overlapping windows, keeping its best window
-    llm            one sequence per pair: prefix + template(instruction, query, document) + suffix;
-                   only the templated part is truncated (from its end: the document)
-    encoder        the query (as a query) and each document (as a document) through the card's
-                   first output: cosine of dense vectors, dot product of sparse ones, MaxSim of
-                   multi-vectors
+cross_encoder  one sequence per (query, document) pair, segment ids as the tokenizer gives them;
+               a long document is truncated (the query is kept whole up to half the length),
+               or scored in overlapping windows, keeping its best window
+llm            one sequence per pair: prefix + template(instruction, query, document) + suffix;
+               only the templated part is truncated (from its end: the document)
+encoder        the query (as a query) and each document (as a document) through the card's
+               first output: cosine of dense vectors, dot product of sparse ones, MaxSim of
+               multi-vectors
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ...vectors import maxsim
 from ...verbs import MAX_WINDOWS, estimate_tokens
 from ..backend import ModelInfo
 from ..tokenizer import TokenizerPool
-from ..types import EncodeSpec, Encoded, ScoreSpec
+from ..types import Encoded, EncodeSpec, ScoreSpec
 from .encode import PromptTokens, check_texts
 
 _PAIRED = ("cross_encoder", "llm")
@@ -55,11 +55,14 @@ class ScoreTask:
 
     def plan(self, card: ModelCard, call: ScoreCall) -> ScorePlan:
         if "score" not in card.tasks:
-            raise InvalidRequest(f"model {card.id} does not score; it serves: {', '.join(card.tasks)}",
-                                 details={"model": card.id, "tasks": list(card.tasks)})
+            raise InvalidRequest(
+                f"model {card.id} does not score; it serves: {', '.join(card.tasks)}",
+                details={"model": card.id, "tasks": list(card.tasks)},
+            )
         if not isinstance(call.query, str) or not call.query.strip():
-            raise InvalidRequest("the query is empty: send the text to score the documents against",
-                                 details={"option": "query"})
+            raise InvalidRequest(
+                "the query is empty: send the text to score the documents against", details={"option": "query"}
+            )
         if not call.documents:
             raise InvalidRequest("no documents to score", details={"option": "documents"})
         check_texts([call.query], "query", indexed=False)
@@ -72,14 +75,20 @@ class ScoreTask:
         overlap = call.window_overlap_tokens
         if overlap is not None:
             if mode != "cross_encoder":
-                raise InvalidRequest(f"window_overlap_tokens applies to cross-encoders; model {card.id} scores "
-                                     f"by {_HOW[mode]}", details={"option": "window_overlap_tokens"})
+                raise InvalidRequest(
+                    f"window_overlap_tokens applies to cross-encoders; model {card.id} scores by {_HOW[mode]}",
+                    details={"option": "window_overlap_tokens"},
+                )
             if not isinstance(overlap, int) or overlap < 0:
-                raise InvalidRequest(f"window_overlap_tokens must be an integer >= 0, not {overlap!r}",
-                                     details={"option": "window_overlap_tokens"})
+                raise InvalidRequest(
+                    f"window_overlap_tokens must be an integer >= 0, not {overlap!r}",
+                    details={"option": "window_overlap_tokens"},
+                )
         if call.instruction is not None and mode != "llm":
-            raise InvalidRequest(f"instruction applies to LLM rerankers; model {card.id} scores by {_HOW[mode]}",
-                                 details={"option": "instruction"})
+            raise InvalidRequest(
+                f"instruction applies to LLM rerankers; model {card.id} scores by {_HOW[mode]}",
+                details={"option": "instruction"},
+            )
         return ScorePlan(card, call, mode, estimate_tokens(call, card))
 
     async def tokenize(self, plan: ScorePlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
@@ -87,8 +96,9 @@ class ScoreTask:
         documents = call.documents
         if call.max_tokens_per_doc is not None:
             tok = model.tokenizer_for(False)
-            cuts = await pool.map(lambda chunk, _: [tok.cut_to_tokens(d, call.max_tokens_per_doc) for d in chunk],
-                                  documents)
+            cuts = await pool.map(
+                lambda chunk, _: [tok.cut_to_tokens(d, call.max_tokens_per_doc) for d in chunk], documents
+            )
             documents = [text for text, _ in cuts]
             cut = [was_cut for _, was_cut in cuts]
         else:
@@ -103,15 +113,21 @@ class ScoreTask:
         else:
             card = plan.card
             query_prompt, document_prompt = card.prompt_for(None, True), card.prompt_for(None, False)
-            seqs = await pool.encode(model.tokenizer_for(True), [query_prompt + call.query], call.truncate,
-                                     what="the query", indexed=False)
-            seqs += await pool.encode(model.tokenizer_for(False), [document_prompt + d for d in documents],
-                                      call.truncate, what="documents")
+            seqs = await pool.encode(
+                model.tokenizer_for(True), [query_prompt + call.query], call.truncate, what="the query", indexed=False
+            )
+            seqs += await pool.encode(
+                model.tokenizer_for(False), [document_prompt + d for d in documents], call.truncate, what="documents"
+            )
             owners = [-1, *range(len(documents))]
             if plan.mode == "dense":  # a pooling that leaves prompts out needs their lengths
-                plan.prompt_tokens = tuple(self._prompt_tokens.count(tok, prompt) if prompt else 0 for tok, prompt in
-                                           ((model.tokenizer_for(True), query_prompt),
-                                            (model.tokenizer_for(False), document_prompt)))
+                plan.prompt_tokens = tuple(
+                    self._prompt_tokens.count(tok, prompt) if prompt else 0
+                    for tok, prompt in (
+                        (model.tokenizer_for(True), query_prompt),
+                        (model.tokenizer_for(False), document_prompt),
+                    )
+                )
         truncated = list(cut)
         if call.window_overlap_tokens is None:  # windows cover what one sequence would have cut
             for seq, owner in zip(seqs, owners):
@@ -124,8 +140,9 @@ class ScoreTask:
         if plan.mode in _PAIRED:
             return [ScoreSpec(raw=plan.call.raw_scores)] * len(seqs)
         query_tokens, document_tokens = plan.prompt_tokens
-        spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32", outputs=(plan.mode,),
-                          prompt_tokens=document_tokens)
+        spec = EncodeSpec(
+            normalize=True, dimensions=None, output_dtype="float32", outputs=(plan.mode,), prompt_tokens=document_tokens
+        )
         return [replace(spec, is_query=True, prompt_tokens=query_tokens)] + [spec] * (len(seqs) - 1)
 
     def check_size(self, plan: ScorePlan, seqs: list[Encoded], max_result_bytes: int) -> None:
@@ -147,31 +164,44 @@ class ScoreTask:
             scores = np.array([_similarity(plan.mode, query, d) for d in documents])
             windows = np.ones(n, dtype=np.int64)
         order = sorted(range(n), key=lambda i: -scores[i])[: plan.call.top_k]
-        items = [ScoredItem(index=i, score=float(scores[i]), truncated=plan.truncated[i],
-                            num_windows=int(windows[i])) for i in order]
-        return ScoreResult(items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id,
-                           **timings)
+        items = [
+            ScoredItem(index=i, score=float(scores[i]), truncated=plan.truncated[i], num_windows=int(windows[i]))
+            for i in order
+        ]
+        return ScoreResult(
+            items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id, **timings
+        )
 
 
-_HOW = {"cross_encoder": "a cross-encoder", "llm": "an LLM reranker", "dense": "cosine of dense vectors",
-        "sparse": "dot product of sparse vectors", "multivector": "MaxSim of multi-vectors"}
+_HOW = {
+    "cross_encoder": "a cross-encoder",
+    "llm": "an LLM reranker",
+    "dense": "cosine of dense vectors",
+    "sparse": "dot product of sparse vectors",
+    "multivector": "MaxSim of multi-vectors",
+}
 
 
-async def _pairs(plan: ScorePlan, model: ModelInfo, pool: TokenizerPool,
-                 documents: list[str]) -> tuple[list[Encoded], list[int], list[bool]]:
+async def _pairs(
+    plan: ScorePlan, model: ModelInfo, pool: TokenizerPool, documents: list[str]
+) -> tuple[list[Encoded], list[int], list[bool]]:
     """Cross-encoder sequences, the document each belongs to, and which documents were cut before
     pairing. Documents are truncated first: the query keeps up to half the length (a longer query
     is cut, and then every pair counts as truncated), so it always leaves the document room."""
     call, tok = plan.call, model.text
     query, query_cut = tok.cut_to_tokens(call.query, max(1, tok.max_length // 2))
     if query_cut and not call.truncate:
-        raise InputTooLong(f"the query is longer than half the model's max_length of {tok.max_length} tokens; "
-                           "shorten it or send truncate: true", details={"option": "query", "max_length": tok.max_length})
+        raise InputTooLong(
+            f"the query is longer than half the model's max_length of {tok.max_length} tokens; "
+            "shorten it or send truncate: true",
+            details={"option": "query", "max_length": tok.max_length},
+        )
     if call.window_overlap_tokens is None:
         seqs = await pool.encode(tok, [query] * len(documents), call.truncate, pairs=documents)
         return seqs, list(range(len(documents))), [query_cut] * len(documents)
     groups = await pool.map(
-        lambda chunk, _: tok.encode_pair_windows(query, chunk, call.window_overlap_tokens, MAX_WINDOWS), documents)
+        lambda chunk, _: tok.encode_pair_windows(query, chunk, call.window_overlap_tokens, MAX_WINDOWS), documents
+    )
     seqs = [seq for windows, _ in groups for seq in windows]
     owners = [i for i, (windows, _) in enumerate(groups) for _ in windows]
     return seqs, owners, [query_cut or cut for _, cut in groups]
