@@ -64,7 +64,7 @@ class DeviceWorker:
     ) -> None:
         if lanes < 1:
             raise ValueError(f"a device needs at least one lane, not {lanes}")
-        self._scheduler = Scheduler(limits_for)
+        self._scheduler: Scheduler[Pending] = Scheduler(limits_for)
         self._metrics = metrics
         self._name = name
         self._restart_delay_s = restart_delay_s
@@ -190,7 +190,7 @@ class DeviceWorker:
             pending.error = pending.error or error
             self._settle(pending)
             self._release(pending)
-        if not self._stopping:
+        if not self._stopping and self._loop is not None:
             self._loop.call_later(self._restart_delay_s, self._restart)
 
     def _settle(self, pending: Pending) -> None:
@@ -261,7 +261,7 @@ class DeviceWorker:
             elif self._stopping and not dropped:
                 return
 
-    def _take(self) -> tuple[list[Slot], list[Pending]]:
+    def _take(self) -> tuple[list[Slot[Pending]], list[Pending]]:
         """(this lane's next batch, the requests dropped on the way), the lock held. With other lanes
         idle, the batch takes only its share of the queued tokens, and an idle lane is woken for the
         rest: a lone request of several sequences runs on every lane."""
@@ -341,7 +341,7 @@ class DeviceWorker:
             if free:
                 self._call_soon(self._release, pending)
 
-    def _run(self, slots: list[Slot]) -> None:
+    def _run(self, slots: list[Slot[Pending]]) -> None:
         runner = slots[0][0].runner
         if any(p.adapter_slot >= 0 for p, _ in slots):
             # Each adapter's sequences side by side (the base's first): its LoRA delta is then one
@@ -435,7 +435,7 @@ class DeviceWorker:
             self._turn.notify_all()
 
     @staticmethod
-    def _forward(runner: LoadedModel, slots: list[Slot]) -> list[object]:
+    def _forward(runner: LoadedModel, slots: list[Slot[Pending]]) -> list[object]:
         batch = Batch.pack([p.seqs[i] for p, i in slots], [p.adapter_slot for p, _ in slots])
         outputs = runner.forward(batch, [p.specs[i] for p, i in slots])
         if len(outputs) != len(slots):
@@ -443,6 +443,7 @@ class DeviceWorker:
         return outputs
 
     def _call_soon(self, fn, *args) -> None:
+        assert self._loop is not None, "the device was started on a loop"
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is waiting any more

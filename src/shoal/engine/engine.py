@@ -192,15 +192,21 @@ class Engine:
 
     async def encode(self, call: EncodeCall) -> EncodeResult:
         """`run` for an encode call (typed for in-process callers)."""
-        return await self.run(call)
+        result = await self.run(call)
+        assert isinstance(result, EncodeResult)
+        return result
 
     async def score(self, call: ScoreCall) -> ScoreResult:
         """`run` for a score call (typed for in-process callers)."""
-        return await self.run(call)
+        result = await self.run(call)
+        assert isinstance(result, ScoreResult)
+        return result
 
     async def extract(self, call: ExtractCall) -> ExtractResult:
         """`run` for an extract call (typed for in-process callers)."""
-        return await self.run(call)
+        result = await self.run(call)
+        assert isinstance(result, ExtractResult)
+        return result
 
     async def run(self, call: AnyCall) -> AnyResult:
         if type(call) not in VERB_OF_CALL:

@@ -89,6 +89,7 @@ class Fleet:
         runner = await self.cache.acquire(card)
         if directory is None:
             return runner, -1
+        assert adapter is not None  # its folder was found above
         try:
             return runner, await self.cache.acquire_adapter(card.id, runner, adapter, directory)
         except BaseException:

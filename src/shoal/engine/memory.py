@@ -124,8 +124,8 @@ def default_budget_bytes(device: str) -> int | None:
     if device.startswith("cuda"):
         import torch
 
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * DEFAULT_BUDGET_FRACTION)
+        free_vram, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free_vram * DEFAULT_BUDGET_FRACTION)
     free = _mem_available_bytes()
     limit = _cgroup_free_bytes()
     if limit is not None:

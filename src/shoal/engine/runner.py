@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -218,7 +219,7 @@ class ModelRunner:
         threads = self.threads_for(batch.num_tokens)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        to = dict(device=self.device, non_blocking=True)
+        to: dict[str, Any] = dict(device=self.device, non_blocking=True)
         input_ids = torch.from_numpy(batch.input_ids).to(**to)  # [T]
         position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]
         cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(**to)  # [n+1]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class Queued(Protocol):
@@ -29,11 +29,17 @@ class Queued(Protocol):
 
     model_id: str
     deadline: float  # time.monotonic() seconds
-    lengths: Sequence[int]  # real tokens per sequence
     next_index: int  # the first sequence not yet handed to a batch
 
     @property
+    def lengths(self) -> Sequence[int]:  # real tokens per sequence
+        ...
+
+    @property
     def cancelled(self) -> bool: ...
+
+
+Q = TypeVar("Q", bound=Queued)
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,15 @@ class BatchLimits:
 
 
 # One batch slot: sequence `index` of `request`.
-Slot = tuple[Queued, int]
+Slot = tuple[Q, int]
 
 
-class Scheduler:
+class Scheduler(Generic[Q]):
+    """Cuts batches from the queued requests of type Q (the device's Pending)."""
+
     def __init__(self, limits_for: Callable[[str], BatchLimits]) -> None:
         self._limits_for = limits_for
-        self._queues: dict[str, deque[Queued]] = {}
+        self._queues: dict[str, deque[Q]] = {}
         self._ring: deque[str] = deque()  # models in turn order
         self._last_served: str | None = None
         self._num_seqs = 0
@@ -73,21 +81,22 @@ class Scheduler:
     def limits_of(self, model_id: str) -> BatchLimits:
         return self._limits_for(model_id)
 
-    def add(self, request: Queued) -> None:
+    def add(self, request: Q) -> None:
         if request.model_id not in self._queues:
             self._queues[request.model_id] = deque()
             # Just before the model served last: a newcomer never waits on a repeat turn.
-            last = self._ring.index(self._last_served) if self._last_served in self._ring else len(self._ring)
+            served = self._last_served
+            last = self._ring.index(served) if served is not None and served in self._ring else len(self._ring)
             self._ring.insert(last, request.model_id)
         self._queues[request.model_id].append(request)
         self._count(request, +1)
 
-    def next_batch(self, now: float, max_tokens: int | None = None) -> tuple[list[Slot], list[Queued]]:
+    def next_batch(self, now: float, max_tokens: int | None = None) -> tuple[list[Slot[Q]], list[Q]]:
         """(the next batch, the requests dropped on the way: cancelled or past their deadline).
 
         `max_tokens` cuts the batch below the model's token budget (a device lane's share of the
         queued work). The batch is empty when nothing live is waiting."""
-        dropped: list[Queued] = []
+        dropped: list[Q] = []
         while self._ring:
             model_id = self._ring[0]
             queue = self._queues[model_id]
@@ -107,7 +116,7 @@ class Scheduler:
             return self._fill(queue, limits), dropped
         return [], dropped
 
-    def drain(self) -> list[Queued]:
+    def drain(self) -> list[Q]:
         """Every waiting request, removed (the device is stopping or died)."""
         requests = [r for q in self._queues.values() for r in q]
         self._queues.clear()
@@ -115,11 +124,11 @@ class Scheduler:
         self._num_seqs = self._num_tokens = 0
         return requests
 
-    def _fill(self, queue: deque[Queued], limits: BatchLimits) -> list[Slot]:
-        batch: list[Slot] = []
+    def _fill(self, queue: deque[Q], limits: BatchLimits) -> list[Slot[Q]]:
+        batch: list[Slot[Q]] = []
         num_tokens = 0
-        blocked: Queued | None = None  # the first request whose next sequence did not fit
-        last: Queued | None = None  # the request served last, where the next batch starts after
+        blocked: Q | None = None  # the first request whose next sequence did not fit
+        last: Q | None = None  # the request served last, where the next batch starts after
         progress = True
         while progress and len(batch) < limits.max_batch_items and num_tokens < limits.max_batch_tokens:
             progress = False
@@ -149,7 +158,7 @@ class Scheduler:
             queue.remove(request)  # fully handed out; completion is the caller's business
         return batch
 
-    def _count(self, request: Queued, sign: int) -> None:
+    def _count(self, request: Q, sign: int) -> None:
         rest = request.lengths[request.next_index :]
         self._num_seqs += sign * len(rest)
         self._num_tokens += sign * sum(rest)

@@ -120,11 +120,12 @@ def _item_bytes(card: ModelCard, spec: EncodeSpec, num_tokens: int) -> float:
     of non-zero terms is only known after the forward)."""
     size = 0.0
     if "dense" in spec.outputs:
-        size += (spec.dimensions or card.dimensions) * _DTYPE_BYTES[spec.output_dtype]
+        size += (spec.dimensions or card.dimensions or 0) * _DTYPE_BYTES[spec.output_dtype]
     if "sparse" in spec.outputs:
         terms = 8 * num_tokens + 128
-        if spec.sparse_top_k or card.sparse_spec.top_k:
-            terms = min(terms, spec.sparse_top_k or card.sparse_spec.top_k)
+        top_k = spec.sparse_top_k or card.sparse_spec.top_k
+        if top_k:
+            terms = min(terms, top_k)
         size += terms * (8 + (16 if spec.return_tokens else 0))
     if "multivector" in spec.outputs and card.multivector is not None:
         size += num_tokens * card.multivector.dim * 4
@@ -157,7 +158,12 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
             f"its card allows: {', '.join(card.outputs)}",
             details={"model": card.id, "option": "outputs", "allowed": list(card.outputs)},
         )
-    if call.dimensions is not None and "dense" in outputs and call.dimensions > card.dimensions:
+    if (
+        call.dimensions is not None
+        and card.dimensions is not None
+        and "dense" in outputs
+        and call.dimensions > card.dimensions
+    ):
         raise InvalidRequest(
             f"model {card.id}: dimensions {call.dimensions} is larger than the model's {card.dimensions}",
             details={"model": card.id, "option": "dimensions", "max": card.dimensions},

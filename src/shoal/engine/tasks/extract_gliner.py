@@ -52,6 +52,8 @@ class GlinerTask:
 
     async def tokenize(self, plan: ExtractPlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
         head, tok, ex, call = model.head(GlinerPrompt), model.text, plan.card.extract, plan.call
+        threshold = plan.threshold
+        assert threshold is not None  # the gliner plan defaults it
         assert ex is not None
         if call.max_span_width is not None and call.max_span_width > head.max_width:
             raise InvalidRequest(
@@ -112,7 +114,7 @@ class GlinerTask:
                         ("entities",),
                         word_tokens=word_tokens,
                         prompt_tokens=prompt_positions + skip,
-                        threshold=plan.threshold,
+                        threshold=threshold,
                         max_width=width,
                         owned=(own[0] - first_word, own[1] - first_word),
                     )
@@ -154,7 +156,7 @@ class GlinerTask:
         for index, parts in enumerate(found):
             starts, ends, dropped = plan.texts[index]
             text = call.texts[index]
-            entities = []
+            entities: list[Entity] = []
             if parts:
                 s, k, c, p = (np.concatenate(column) for column in zip(*parts))
                 if dropped.any():  # no span starts or ends on a word the tokenizer drops (a lone accent, ZWSP)
@@ -182,6 +184,7 @@ def _window(seq: Encoded, num_words: int, num_prompt_words: int, cap: int | None
     and of each label's [ENT] token. With `cap`, a word longer than the whole room keeps its first
     `cap` tokens. A word the tokenizer drops entirely reads the closing special token."""
     ids, word_ids = seq.ids, seq.word_ids
+    assert word_ids is not None  # encode_words gives word ids
     if cap is not None:
         rank = np.zeros(len(ids), dtype=np.int64)
         for i in range(1, len(ids)):

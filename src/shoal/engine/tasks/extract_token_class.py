@@ -55,6 +55,7 @@ class TokenClassTask:
             out = []
             for text in chunk:
                 whole, lead, trail = tok.encode_whole(text)
+                assert whole.offsets is not None and whole.word_ids is not None  # encode_whole gives both
                 inner = slice(lead, len(whole) - trail)
                 n, size = inner.stop - lead, tok.max_length - lead - trail
                 # Token windows as GLiNER's word windows, each token one "word" of one token; an
@@ -101,9 +102,10 @@ class TokenClassTask:
         stitched: list[np.ndarray | None] = [None] * n
         for owner, (a, (lo, hi), lead), logits in zip(plan.owners, plan.windows, outputs):
             offsets, _ = plan.texts[owner]
-            if stitched[owner] is None:
-                stitched[owner] = np.zeros((len(offsets), logits.shape[1]), dtype=np.float32)
-            stitched[owner][lo:hi] = logits[lead + lo - a : lead + hi - a]
+            rows = stitched[owner]
+            if rows is None:
+                rows = stitched[owner] = np.zeros((len(offsets), logits.shape[1]), dtype=np.float32)
+            rows[lo:hi] = logits[lead + lo - a : lead + hi - a]
         items = []
         for index in range(n):
             offsets, word_ids = plan.texts[index]

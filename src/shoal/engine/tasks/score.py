@@ -121,12 +121,10 @@ class ScoreTask:
             )
             owners = [-1, *range(len(documents))]
             if plan.mode == "dense":  # a pooling that leaves prompts out needs their lengths
-                plan.prompt_tokens = tuple(
-                    self._prompt_tokens.count(tok, prompt) if prompt else 0
-                    for tok, prompt in (
-                        (model.tokenizer_for(True), query_prompt),
-                        (model.tokenizer_for(False), document_prompt),
-                    )
+                count = self._prompt_tokens.count
+                plan.prompt_tokens = (
+                    count(model.tokenizer_for(True), query_prompt) if query_prompt else 0,
+                    count(model.tokenizer_for(False), document_prompt) if document_prompt else 0,
                 )
         truncated = list(cut)
         if call.window_overlap_tokens is None:  # windows cover what one sequence would have cut
