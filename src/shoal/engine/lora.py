@@ -28,9 +28,10 @@ import json
 import math
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -141,11 +142,14 @@ def read_adapter(
     directory = Path(directory)
     config = read_adapter_config(directory)
     pairs = _read_pairs(directory)
-    rules = [(re.compile(p), repl, shard) for p, repl, shard in model.weight_map]
-    ignored = [re.compile(p) for p in model.ignored_weights]
+    # A shoal model class's attributes (shoal.models), which nn.Module types as `Tensor | Module`.
+    weight_map = cast(Sequence[tuple[str, str, int | None]], model.weight_map)
+    rules = [(re.compile(p), repl, shard) for p, repl, shard in weight_map]
+    ignored = [re.compile(p) for p in cast(Sequence[str], model.ignored_weights)]
     prefixes = tuple(getattr(model, "checkpoint_prefixes", _PREFIXES)) if prefixes is None else prefixes
 
-    shared = set(model.shared_linears()) if hasattr(model, "shared_linears") else set()
+    shared_linears = getattr(model, "shared_linears", None)
+    shared: set[str] = set(shared_linears()) if shared_linears is not None else set()
     shards: dict[str, list[LoraShard]] = {}
     unrouted, dropped, on_shared = [], [], []
     for module, (a, b, names) in sorted(pairs.items()):
@@ -195,7 +199,11 @@ def read_adapter(
         raise ModelLoadError(
             f"{directory}: the adapter adapts no Linear of the encoder (target_modules: {config.target_modules})"
         )
-    factors = {m: LoraFactors.stack(model.get_submodule(m), s).to(device, dtype) for m, s in shards.items()}
+    # Each module is one `_linear` accepted. `stack` reads only `out_features` and `shard_sizes`, which
+    # Int8Linear and PackedLinear share with nn.Linear, though its annotation names nn.Linear alone.
+    factors = {
+        m: LoraFactors.stack(cast(nn.Linear, model.get_submodule(m)), s).to(device, dtype) for m, s in shards.items()
+    }
     return LoraAdapter(name, directory, config, factors, tuple(dropped))
 
 
@@ -252,9 +260,16 @@ def _linear(model: nn.Module, module: str, shard: int | None) -> nn.Linear | Int
 
 
 def _check_shapes(
-    names: tuple[str, str], a: torch.Tensor, b: torch.Tensor, r: int, linear: nn.Linear, shard: int | None, ours: str
+    names: tuple[str, str],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    r: int,
+    linear: nn.Linear | Int8Linear | PackedLinear,
+    shard: int | None,
+    ours: str,
 ) -> None:
-    out = linear.out_features if shard is None else linear.shard_sizes[shard]
+    shard_sizes: tuple[int, ...] = getattr(linear, "shard_sizes", ())  # a fused Linear's; `_linear` checked `shard`
+    out = linear.out_features if shard is None else shard_sizes[shard]
     where = ours + ("" if shard is None else f" shard {shard}")
     if tuple(a.shape) != (r, linear.in_features):
         raise ModelLoadError(

@@ -118,7 +118,7 @@ class TextTokenizer:
         """(id, text, special, start, stop) per token of `text` (TEI's /tokenize): a special token's
         text is the token itself and it has no offsets; another's text is its slice of `text`."""
         encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        out = []
+        out: list[tuple[int, str, bool, int | None, int | None]] = []
         for token_id, token, special, (start, stop) in zip(
             encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets
         ):
@@ -185,7 +185,7 @@ class TextTokenizer:
         seconds: list[str],
         truncate: bool,
         with_offsets: bool,
-        first_index: int,
+        first_index: int | None,
         cut_first: bool = False,
     ) -> list[Encoded]:
         """Pairs truncated from their second text (from their first, `cut_first`)."""
@@ -202,16 +202,16 @@ class TextTokenizer:
             for index, pair in enumerate(inputs):
                 # As for single texts: a cut text whose kept tokens may differ from the whole
                 # text's is tokenized again from a wider cut.
-                whole, wider, pair = texts[cut][index], bound, list(pair)
+                whole, wider, parts = texts[cut][index], bound, list(pair)
                 while (
-                    pair[cut] is not whole
-                    and _needs_wider(pair[cut], encodings[index], sequence=cut)
+                    parts[cut] is not whole
+                    and _needs_wider(parts[cut], encodings[index], sequence=cut)
                     and wider < bound * WIDEN_LIMIT
                 ):
                     wider *= 4
-                    pair[cut] = whole if len(whole) <= wider else _cut(whole, wider)
-                    inputs[index] = tuple(pair)
-                    encodings[index] = tokenizer.encode(*pair, add_special_tokens=True)
+                    parts[cut] = whole if len(whole) <= wider else _cut(whole, wider)
+                    inputs[index] = (parts[0], parts[1])
+                    encodings[index] = tokenizer.encode(parts[0], parts[1], add_special_tokens=True)
         except Exception as exc:  # tokenizers refuses when the text kept whole alone is too long
             kept = "hypothesis" if cut_first else "first text"
             raise InputTooLong(
@@ -364,7 +364,7 @@ class TextTokenizer:
 
         offsets = column("offsets", np.int32)
         return Encoded(
-            column("ids", np.int64),
+            np.asarray(cols["ids"], dtype=np.int64),  # always a column
             column("type_ids", np.int64),
             offsets.reshape(-1, 2) if offsets is not None else None,
             column("word_ids", np.int32),

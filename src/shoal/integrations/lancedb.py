@@ -24,6 +24,7 @@ import numpy as np
 from lancedb.embeddings import TextEmbeddingFunction, register
 from pydantic import PrivateAttr
 
+from ..errors import ConfigError, InvalidRequest
 from ..sdk import Client
 
 
@@ -58,10 +59,14 @@ class ShoalEmbeddingFunction(TextEmbeddingFunction):
 
     def ndims(self) -> int:
         if self._num_dims is None:
-            self._num_dims = self.dimensions or self.client.model(self.model)["dimensions"]
+            num_dims = self.dimensions or self.client.model(self.model)["dimensions"]
+            if num_dims is None:
+                raise ConfigError(f"model {self.model!r} has no dense dimensions: pass dimensions= or a dense model")
+            self._num_dims = num_dims
         return self._num_dims
 
-    def _encode(self, texts: list[str], is_query: bool) -> list[np.ndarray]:
+    # Rows are never None; the element type is the base class's (`list[np.array | None]`).
+    def _encode(self, texts: list[str], is_query: bool) -> list[np.ndarray | None]:
         if not texts:
             return []
         dense = self.client.encode(
@@ -72,12 +77,14 @@ class ShoalEmbeddingFunction(TextEmbeddingFunction):
             batch_size=self.batch_size,
             adapter=self.adapter,
         ).dense
+        if dense is None:
+            raise InvalidRequest(f"model {self.model!r} returned no dense vectors: is it a dense embedder?")
         return list(dense.astype(np.float32, copy=False))  # n rows of [dims]
 
-    def generate_embeddings(self, texts: list[str] | np.ndarray, *args: Any, **kwargs: Any) -> list[np.ndarray]:
+    def generate_embeddings(self, texts: list[str] | np.ndarray, *args: Any, **kwargs: Any) -> list[np.ndarray | None]:
         return self._encode([str(t) for t in texts], is_query=False)
 
-    def compute_query_embeddings(self, query: str, *args: Any, **kwargs: Any) -> list[np.ndarray]:
+    def compute_query_embeddings(self, query: str, *args: Any, **kwargs: Any) -> list[np.ndarray | None]:
         return self._encode(list(self.sanitize_input(query)), is_query=True)
 
     # The client owns an event-loop thread, which neither copies nor pickles: a copy builds its own.

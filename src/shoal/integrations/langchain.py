@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.embeddings import Embeddings
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from ..sdk import AsyncClient, Client
+from ..errors import InvalidRequest
+from ..sdk import AsyncClient, Client, Encoded
 
 
 class ShoalEmbeddings(Embeddings):
@@ -62,7 +64,7 @@ class ShoalEmbeddings(Embeddings):
             batch_size=self.batch_size,
             adapter=self.adapter,
         )
-        return result.dense.astype(float).tolist()
+        return _dense(result).astype(float).tolist()
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         return self._encode(texts, is_query=False)
@@ -88,7 +90,7 @@ class ShoalEmbeddings(Embeddings):
                 batch_size=self.batch_size,
                 adapter=self.adapter,
             )
-        return result.dense.astype(float).tolist()
+        return _dense(result).astype(float).tolist()
 
 
 class ShoalRerank(BaseDocumentCompressor):
@@ -135,3 +137,10 @@ class ShoalRerank(BaseDocumentCompressor):
 
 def _secret(value: SecretStr | None) -> str | None:
     return None if value is None else value.get_secret_value()
+
+
+def _dense(result: Encoded) -> np.ndarray:
+    """The dense rows of `result`, or a clear error when the model sent none (not a dense embedder)."""
+    if result.dense is None:
+        raise InvalidRequest(f"model {result.model!r} returned no dense vectors: is it a dense embedder?")
+    return result.dense

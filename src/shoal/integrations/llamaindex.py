@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from ..sdk import AsyncClient, Client, Ranking
+from ..errors import InvalidRequest
+from ..sdk import AsyncClient, Client, Encoded, Ranking
 
 
 class ShoalEmbedding(BaseEmbedding):
@@ -37,7 +39,9 @@ class ShoalEmbedding(BaseEmbedding):
     _client: Client | None = PrivateAttr(default=None)
 
     def __init__(self, url: str, model: str, **fields: Any) -> None:
-        super().__init__(url=url, model_name=model, **fields)
+        # `url` by name: BaseEmbedding's __init__, as mypy synthesises it for a pydantic model, knows only
+        # BaseEmbedding's own fields; pydantic's takes every field of this class.
+        super().__init__(model_name=model, **{"url": url, **fields})
 
     @classmethod
     def class_name(cls) -> str:
@@ -50,12 +54,12 @@ class ShoalEmbedding(BaseEmbedding):
         if self._client is None:
             self._client = Client(self.url, api_key=_secret(self.api_key))
         result = self._client.encode(self.model_name, texts, is_query=is_query, **self._options())
-        return result.dense.astype(float).tolist()
+        return _dense(result).astype(float).tolist()
 
     async def _aencode(self, texts: list[str], is_query: bool) -> list[Embedding]:
         async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:  # one per event loop
             result = await client.encode(self.model_name, texts, is_query=is_query, **self._options())
-        return result.dense.astype(float).tolist()
+        return _dense(result).astype(float).tolist()
 
     def _get_query_embedding(self, query: str) -> Embedding:
         return self._encode([query], is_query=True)[0]
@@ -94,10 +98,11 @@ class ShoalRerank(BaseNodePostprocessor):
         return "ShoalRerank"
 
     @staticmethod
-    def _texts(nodes: list[NodeWithScore], query_bundle: QueryBundle | None) -> list[str]:
+    def _inputs(nodes: list[NodeWithScore], query_bundle: QueryBundle | None) -> tuple[str, list[str]]:
+        """The query and the nodes' texts."""
         if query_bundle is None:
             raise ValueError("ShoalRerank needs the query: pass query_str or query_bundle")
-        return [n.node.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes]
+        return query_bundle.query_str, [n.node.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes]
 
     @staticmethod
     def _ranked(nodes: list[NodeWithScore], ranking: Ranking) -> list[NodeWithScore]:
@@ -106,23 +111,30 @@ class ShoalRerank(BaseNodePostprocessor):
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
-        texts = self._texts(nodes, query_bundle)
+        query, texts = self._inputs(nodes, query_bundle)
         if not texts:
             return []
         if self._client is None:
             self._client = Client(self.url, api_key=_secret(self.api_key))
-        return self._ranked(nodes, self._client.score(self.model, query_bundle.query_str, texts, top_k=self.top_n))
+        return self._ranked(nodes, self._client.score(self.model, query, texts, top_k=self.top_n))
 
     async def _apostprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
-        texts = self._texts(nodes, query_bundle)
+        query, texts = self._inputs(nodes, query_bundle)
         if not texts:
             return []
         async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:
-            ranking = await client.score(self.model, query_bundle.query_str, texts, top_k=self.top_n)
+            ranking = await client.score(self.model, query, texts, top_k=self.top_n)
         return self._ranked(nodes, ranking)
 
 
 def _secret(value: SecretStr | None) -> str | None:
     return None if value is None else value.get_secret_value()
+
+
+def _dense(result: Encoded) -> np.ndarray:
+    """The dense rows of `result`, or a clear error when the model sent none (not a dense embedder)."""
+    if result.dense is None:
+        raise InvalidRequest(f"model {result.model!r} returned no dense vectors: is it a dense embedder?")
+    return result.dense

@@ -22,6 +22,7 @@ from typing import Any
 
 from qdrant_client import QdrantClient, models
 
+from ..errors import ConfigError, InvalidRequest
 from ..sdk import Client
 
 
@@ -58,6 +59,8 @@ class ShoalHybrid:
         """Create the collection: the dense vector sized as the server says (or `dimensions`), the
         sparse one as is (SPLADE weights are already term weights: no IDF modifier)."""
         num_dims = self.dimensions or self.client.model(self.dense_model)["dimensions"]
+        if num_dims is None:
+            raise ConfigError(f"model {self.dense_model!r} has no dense dimensions: pass dimensions= or a dense model")
         self.qdrant.create_collection(
             self.collection,
             vectors_config={self.dense_name: models.VectorParams(size=num_dims, distance=distance)},
@@ -68,17 +71,34 @@ class ShoalHybrid:
     def vectors(self, texts: Sequence[str], *, is_query: bool) -> list[dict[str, Any]]:
         """Each text's named vectors: `{dense_name: [d] floats, sparse_name: SparseVector}`."""
         texts = list(texts)
-        options = {"is_query": is_query, "batch_size": self.batch_size}
         if self.dense_model == self.sparse_model:
             both = self.client.encode(
-                self.dense_model, texts, outputs=["dense", "sparse"], dimensions=self.dimensions, **options
+                self.dense_model,
+                texts,
+                outputs=["dense", "sparse"],
+                dimensions=self.dimensions,
+                is_query=is_query,
+                batch_size=self.batch_size,
             )
             dense, sparse = both.dense, both.sparse
         else:
             dense = self.client.encode(
-                self.dense_model, texts, outputs=["dense"], dimensions=self.dimensions, **options
+                self.dense_model,
+                texts,
+                outputs=["dense"],
+                dimensions=self.dimensions,
+                is_query=is_query,
+                batch_size=self.batch_size,
             ).dense
-            sparse = self.client.encode(self.sparse_model, texts, outputs=["sparse"], **options).sparse
+            sparse = self.client.encode(
+                self.sparse_model, texts, outputs=["sparse"], is_query=is_query, batch_size=self.batch_size
+            ).sparse
+        if dense is None:
+            raise InvalidRequest(f"model {self.dense_model!r} returned no dense vectors: is it a dense embedder?")
+        if sparse is None:
+            raise InvalidRequest(
+                f"model {self.sparse_model!r} returned no sparse vectors: is it a sparse (SPLADE) model?"
+            )
         return [
             {
                 self.dense_name: row.tolist(),
