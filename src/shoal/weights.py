@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -84,14 +84,22 @@ def _tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor], tupl
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                yield key, (lambda key=key: f.get_tensor(key)), tuple(f.get_slice(key).get_shape())
+
+                def get(key: str = key) -> torch.Tensor:
+                    return f.get_tensor(key)
+
+                yield key, get, tuple(f.get_slice(key).get_shape())
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
             state = torch.load(path, map_location="cpu", weights_only=True)
         for key, tensor in state.items():
-            yield key, (lambda tensor=tensor: tensor), tuple(tensor.shape)
+
+            def loaded(tensor: torch.Tensor = tensor) -> torch.Tensor:
+                return tensor
+
+            yield key, loaded, tuple(tensor.shape)
 
 
 def _canonical(name: str, prefixes: tuple[str, ...]) -> str:
@@ -106,8 +114,10 @@ def _canonical(name: str, prefixes: tuple[str, ...]) -> str:
 
 
 def load_weights(model: nn.Module, directory: Path, prefixes: tuple[str, ...] | None = None) -> None:
-    rules = [(re.compile(p), repl, shard) for p, repl, shard in model.weight_map]
-    ignored = [re.compile(p) for p in model.ignored_weights]
+    # Class attributes of the model class (nn.Module's __getattr__ stub says Tensor | Module).
+    weight_map = cast("Iterable[tuple[str, str, int | None]]", model.weight_map)
+    rules = [(re.compile(p), repl, shard) for p, repl, shard in weight_map]
+    ignored = [re.compile(p) for p in cast("Iterable[str]", model.ignored_weights)]
     prefixes = tuple(getattr(model, "checkpoint_prefixes", _PREFIXES)) if prefixes is None else prefixes
     params = dict(model.named_parameters())
     filled: Counter[str] = Counter()
@@ -155,7 +165,7 @@ def _copy(
 ) -> None:
     dest = param.data
     if shard is not None:
-        sizes = model.get_submodule(param_name.rsplit(".", 1)[0]).shard_sizes
+        sizes = cast("tuple[int, ...]", model.get_submodule(param_name.rsplit(".", 1)[0]).shard_sizes)
         dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"{key}: shape {tuple(tensor.shape)} does not fit {param_name} {tuple(dest.shape)}")

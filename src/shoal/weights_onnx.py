@@ -173,6 +173,7 @@ def _matmul_nbits_weight(node, inits: dict[str, np.ndarray], path: Path) -> np.n
     if not all(name in inits for name in _present(names)) or not all(names[:2]):
         raise ModelLoadError(f"{path}: {node.name}: B, scales and zero points must be constants")
     packed, scales, zero_points = (inits[name] if name else None for name in names)
+    assert packed is not None and scales is not None  # names[:2] are given (checked above)
     try:
         return dequantize_nbits(
             packed,
@@ -192,10 +193,10 @@ def dequantize_nbits(
     scales: np.ndarray,
     zero_points: np.ndarray | None,
     *,
-    k: int,
-    n: int,
+    k: int | None,
+    n: int | None,
     bits: int,
-    block_size: int,
+    block_size: int | None,
 ) -> np.ndarray:
     """com.microsoft MatMulNBits' B as a torch Linear weight `[N, K]` fp32 (the op computes
     `A @ weight.T`). Raises ValueError for a layout it does not define.
@@ -205,7 +206,14 @@ def dequantize_nbits(
     w[n, k] = (q[n, k] - zero_point[n, k // block_size]) * scale[n, k // block_size]; the zero
     point defaults to 2 ** (bits - 1) and, when given as uint8, is packed like B, row by row of N.
     """
-    if None in (k, n, block_size) or bits not in (2, 4, 8) or block_size < 16 or block_size & (block_size - 1):
+    if (
+        k is None
+        or n is None
+        or block_size is None
+        or bits not in (2, 4, 8)
+        or block_size < 16
+        or block_size & (block_size - 1)
+    ):
         raise ValueError(f"K={k}, N={n}, bits={bits}, block_size={block_size} is not a MatMulNBits layout")
     n_blocks = -(-k // block_size)
     blob = block_size * bits // 8

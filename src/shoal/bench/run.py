@@ -165,6 +165,7 @@ def run(args) -> int:
                 else:
                     from .targets import infinity_serve
 
+                    assert model_dir is not None  # --against needs the local folder (checked above)
                     url, _ = stack.enter_context(
                         infinity_serve(
                             args.infinity, model_dir, Path(tmp) / "infinity.log", batch_size=args.infinity_batch_size
@@ -193,6 +194,7 @@ def run(args) -> int:
     if "st" in against:
         from .targets import sentence_transformers_baseline
 
+        assert model_dir is not None  # --against needs the local folder (checked above)
         base = sentence_transformers_baseline(model_dir, workload, duration_s=args.step_s)
         baseline = dict(
             calls=base.calls,
@@ -214,6 +216,7 @@ def run(args) -> int:
         probes.append(_gemm_probe())
         peak, threads = max(probes, key=lambda probe: probe[0] or 0.0)
         if peak:
+            assert model_dir is not None and card.architecture is not None  # probes are taken only then
             seq = machine.effective_seq_len(lengths)
             try:
                 per_token = machine.shape_of(model_dir, card.architecture).flops_per_token(seq)

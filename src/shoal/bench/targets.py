@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +83,7 @@ def log_tail(path: Path, num_lines: int = 30) -> str:
 
 @contextlib.contextmanager
 def shoal_serve(
-    model: str, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None, port: int | None = None
+    model: str, log_path: Path, *, args: Sequence[str] = (), env: dict[str, str] | None = None, port: int | None = None
 ) -> Iterator[tuple[str, int]]:
     """`shoal serve --preload MODEL` on loopback; yields (url, pid) once ready."""
     port = port or free_port()

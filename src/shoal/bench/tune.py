@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 import httpx
 import msgspec
@@ -117,6 +118,7 @@ def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
     )
     for spec in specs:
         knob, _, listed = spec.partition("=")
+        parsed: tuple[Any, ...]  # words, floats or ints, by knob
         try:
             parsed = tuple(
                 v if knob in _CHOICES else float(v) if knob == "batch_wait_ms" else int(v)
@@ -168,27 +170,30 @@ def _quantize_refusal(card, hardware: str) -> str | None:
     return None
 
 
+_S = TypeVar("_S", bound=msgspec.Struct)  # what `search` searches: Batching, or Lanes
+
+
 @dataclass
-class Searched:
+class Searched(Generic[_S]):
     """What `search` found: the settings kept, their score and the start's (means over the
     confirmation turns when there were any), and whether the confirmation held (None: none ran)."""
 
-    best: Batching
+    best: _S
     best_score: float
     start_score: float
     confirmed: bool | None
 
 
 def search(
-    trial: Callable[[Batching], float],
-    start: Batching,
+    trial: Callable[[_S], float],
+    start: _S,
     values: dict[str, tuple],
     knobs: list[str],
     min_gain: float,
     confirm: int,
     log: Callable[[str], None] = print,
     start_name: str = "the card's limits",
-) -> Searched:
+) -> Searched[_S]:
     """Coordinate search from `start`, one knob at a time over its `values`, scoring each candidate
     by `trial` (tokens/s, 0 for a failure); a value is kept when it beats the best so far by
     `min_gain`, and a candidate already scored keeps its score. A search over noisy single trials
@@ -360,6 +365,7 @@ def tune(args) -> int:
             serve_args += ["--device", args.device, "--lanes", str(lanes.lanes)]
             settings = {k: v for k, v in msgspec.to_builtins(batching).items() if v is not None}
             quality: dict = {}
+            measured: dict[str, Any]
             try:
                 with shoal_serve(card.id, Path(tmp) / "serve.log", args=serve_args) as (url, _):
                     quality, refused = gate.check(url, batching) if gate else ({}, None)

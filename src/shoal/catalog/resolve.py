@@ -56,12 +56,12 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
     if source.hub:
         if allow_download:
             try:
-                path = _hub_snapshot(source.hub, source.revision, local_files_only=False)
+                downloaded = _hub_snapshot(source.hub, source.revision, local_files_only=False)
             except Exception as exc:  # network, auth, missing repo: all reported the same way
                 tried.append(f"download of {source.hub} failed: {type(exc).__name__}: {exc}")
             else:
-                if path is not None:
-                    return path
+                if downloaded is not None:
+                    return downloaded
         else:
             tried.append("Hub downloads are disabled (HF_HUB_OFFLINE)")
 

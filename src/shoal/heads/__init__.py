@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -74,7 +74,13 @@ class BuildContext:
     to: dict
 
 
-_REGISTRY: dict[str, type] = {
+class _HeadClass(Protocol):
+    """A head class: `build(ctx)` loads its tensors and returns the head."""
+
+    def build(self, ctx: BuildContext) -> Any: ...
+
+
+_REGISTRY: dict[str, _HeadClass] = {
     "dense": PoolingHead,
     "sparse:splade": SpladeHead,
     "sparse:token_weights": TokenWeightsHead,

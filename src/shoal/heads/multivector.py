@@ -62,9 +62,9 @@ class ColbertHead:
         if mv.skip_punctuation:
             is_document = torch.tensor([not s.is_query for s in specs], device=input_ids.device)[meta.seq_index]
             keep &= ~(is_document & torch.isin(input_ids, self.punctuation_ids))
-        vectors, keep = vectors.float().cpu().numpy(), keep.cpu().numpy()
+        rows, kept = vectors.float().cpu().numpy(), keep.cpu().numpy()
         bounds = meta.cu_seqlens.tolist()
         return [
-            vectors[a:b][keep[a:b]] if "multivector" in s.outputs else None
+            rows[a:b][kept[a:b]] if "multivector" in s.outputs else None
             for a, b, s in zip(bounds[:-1], bounds[1:], specs)
         ]

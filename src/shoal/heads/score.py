@@ -73,8 +73,10 @@ class ClassifierHead:
             scores = logits.softmax(-1)[:, self.positive_label]
         else:
             scores = raw
-        raw, scores = raw.cpu().tolist(), scores.cpu().tolist()
-        return [(raw[i] if s.raw else scores[i]) if "score" in s.outputs else None for i, s in enumerate(specs)]
+        raw_list, score_list = raw.cpu().tolist(), scores.cpu().tolist()
+        return [
+            (raw_list[i] if s.raw else score_list[i]) if "score" in s.outputs else None for i, s in enumerate(specs)
+        ]
 
 
 class NliHead(ClassifierHead):
@@ -82,6 +84,8 @@ class NliHead(ClassifierHead):
     pairs; `run` returns each pair's logits `[labels]` (numpy) for the extract task to read."""
 
     output = "nli"
+    entailment_id: int  # set by `build`
+    contradiction_id: int
 
     @classmethod
     def build(cls, ctx) -> NliHead:
@@ -126,17 +130,28 @@ def classifier_steps(ctx) -> tuple[str, list[Callable[[torch.Tensor], torch.Tens
                 names.append(f"{name}.bias")
     prefixes = getattr(ctx.model, "checkpoint_prefixes", ("bert.", "model."))
     t = {k: v.to(**ctx.to) for k, v in load_tensors(ctx.directory, names, prefixes=prefixes).items()}
-    steps, num_labels = [], None
+    steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    num_labels: int | None = None
     for op, name, *opts in layout_steps:
         opt = opts[0] if opts else {}
         if op == "linear":
             weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
-            steps.append(lambda x, w=weight, b=bias: F.linear(x, w, b))
+
+            def linear(x: torch.Tensor, w: torch.Tensor = weight, b: torch.Tensor | None = bias) -> torch.Tensor:
+                return F.linear(x, w, b)
+
+            steps.append(linear)
             num_labels = weight.shape[0]
         elif op == "norm":
             weight, bias = t[f"{name}.weight"], t.get(f"{name}.bias")
             eps = opt.get("eps", 1e-5)
-            steps.append(lambda x, w=weight, b=bias, eps=eps: F.layer_norm(x, w.shape, w, b, eps))
+
+            def norm(
+                x: torch.Tensor, w: torch.Tensor = weight, b: torch.Tensor | None = bias, eps: float = eps
+            ) -> torch.Tensor:
+                return F.layer_norm(x, w.shape, w, b, eps)
+
+            steps.append(norm)
         elif op == "act":
             try:
                 steps.append(activation(name))
@@ -146,6 +161,7 @@ def classifier_steps(ctx) -> tuple[str, list[Callable[[torch.Tensor], torch.Tens
                 ) from None
         else:
             raise ModelLoadError(f"unknown classifier step {op!r}")
+    assert num_labels is not None  # a classifier head ends in a linear step
     return pooling, steps, num_labels
 
 

@@ -10,6 +10,8 @@ its [CLS], [SEP]/EOS, [PAD] and [UNK] entries (not <mask>).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -50,6 +52,7 @@ def splade(hidden: torch.Tensor, meta: AttentionMeta, mlm: MaskedLMHead, chunk_t
             out = weights.new_zeros(meta.num_seqs, weights.shape[1])
         index = meta.seq_index[start : start + chunk_tokens, None].expand_as(weights)
         out.scatter_reduce_(0, index, weights, reduce="amax")  # weights >= 0, so zeros are neutral
+    assert out is not None  # a batch has tokens
     return out
 
 
@@ -185,7 +188,7 @@ def _mlm_head(model: torch.nn.Module, directory, to: dict) -> MaskedLMHead:
         decoder = load_tensors(directory, [f"{names['decoder']}.weight"])[f"{names['decoder']}.weight"]
     except ModelLoadError:  # tied: the checkpoint stores the matrix once, as the word embeddings
         decoder = model.get_parameter(names["tied"])
-    cfg = model.config
+    cfg: Any = model.config  # the architecture's config dataclass
     return MaskedLMHead(
         t[required[0]].to(**to),
         t[required[1]].to(**to),

@@ -50,7 +50,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -211,7 +211,7 @@ class AttentionMeta:
             pos_in_seq = tokens - np.repeat(bounds[members], lens)
             L = int(lens.max())
             mask = None if keys.min() == L else torch.from_numpy(np.arange(L)[None, :] < keys[:, None])
-            to = dict(device=self.cu_seqlens.device)
+            to: dict[str, Any] = dict(device=self.cu_seqlens.device)
             groups.append(
                 LengthGroup(
                     torch.from_numpy(tokens).to(**to),
@@ -240,6 +240,7 @@ class AttentionMeta:
             if out is None:
                 out = rows.new_empty(xs[0].shape[0], *rows.shape[1:])
             out.index_copy_(0, g.tokens, rows)
+        assert out is not None  # groups is never empty
         return out
 
     @classmethod
@@ -270,7 +271,11 @@ def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, n: int, length: int, wid
     """Rows `[R, ..., D]` -> `[n, length, ..., width]`: row r at flat slot `slots[r]`, zeros elsewhere
     (and in channels past D)."""
     widened = width is not None and width != x.shape[-1]
-    out = x.new_zeros(n * length, *x.shape[1:-1], width) if widened else x.new_zeros(n * length, *x.shape[1:])
+    if widened:
+        assert width is not None
+        out = x.new_zeros(n * length, *x.shape[1:-1], width)
+    else:
+        out = x.new_zeros(n * length, *x.shape[1:])
     (out[..., : x.shape[-1]] if widened else out).index_copy_(0, slots, x)
     return out.view(n, length, *out.shape[1:])
 
@@ -456,6 +461,7 @@ def _sdpa_group(
         if not bias.shared and g.key_mask is not None:  # a fresh per-sequence bias: pad keys -inf
             mask = mask.masked_fill_(~g.key_mask[:, None, None, :], float("-inf"))
     if drop_pad_keys:
+        assert g.key_mask is not None  # drop_pad_keys asks for it
         qp[..., D] = 1.0
         kp[..., D].masked_fill_(~g.key_mask[:, None, :], -torch.finfo(q.dtype).max / 4)
     if Hkv != H:  # grouped-query attention: each kv head serves H // Hkv query heads

@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import platform
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -92,6 +92,13 @@ class Int8Linear(nn.Module):
     """`y = x @ W^T + b` with W in int8 and x quantised per token on the fly; the input channels
     in `outliers` stay float32 (see the module)."""
 
+    # Buffers (registered in __init__).
+    weight_t: torch.Tensor | None  # None with kernel u8
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+    outliers: torch.Tensor | None
+    outlier_weight_t: torch.Tensor | None  # set exactly when `outliers` is
+
     def __init__(
         self,
         weight_t: torch.Tensor,
@@ -104,13 +111,14 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight_t.shape
         self.kernel = kernel
+        kept: torch.Tensor | None = weight_t
         # Buffers, not parameters: nothing trains them, and `ModelRunner` reads the activations'
         # dtype off the model's parameters (float32 here), not off the int8 weights.
         if kernel == "u8":  # the weights live in oneDNN's layout only (opaque: `packed_bytes` counts them)
             self.packed = torch.ops.onednn.qlinear_prepack(weight_t.t().contiguous(), None)
             self.register_buffer("_zero_points", torch.zeros(self.out_features, dtype=torch.int64))
-            weight_t = None
-        self.register_buffer("weight_t", weight_t)  # [in, out] int8, zeros in the outliers' rows (int_mm)
+            kept = None
+        self.register_buffer("weight_t", kept)  # [in, out] int8, zeros in the outliers' rows (int_mm)
         self.register_buffer("weight_scale", weight_scale)  # [out] float32
         self.register_buffer("bias", bias)  # [out] float32, or None
         self.register_buffer("outliers", outliers)  # [k] int64 input channels, or None
@@ -170,6 +178,7 @@ class Int8Linear(nn.Module):
                 torch.addcmul(self.bias, y, scale, out=y)
         else:
             q, scale = quantize_rows(rows, overwrite=scratch)  # [T, in] int8, [T, 1]
+            assert self.weight_t is not None  # kernel int_mm keeps its weights
             acc = torch._int_mm(q, self.weight_t)  # [T, out] int32
             y = acc.view(torch.float32).copy_(acc)  # [T, out] float32, in the same memory: no second buffer
             y.mul_(scale)
@@ -178,6 +187,7 @@ class Int8Linear(nn.Module):
             else:
                 torch.addcmul(self.bias, y, self.weight_scale, out=y)
         if self.outliers is not None:  # + x[:, outliers] @ W[:, outliers]^T, in float32
+            assert self.outlier_weight_t is not None
             y.addmm_(x.index_select(1, self.outliers), self.outlier_weight_t)
         return y.view(*lead, self.out_features)
 
@@ -192,12 +202,13 @@ class Int8Linear(nn.Module):
 class Int8FusedLinear(Int8Linear):
     """A `FusedLinear` in int8: one matmul for the shards, `split` cuts the output as it did."""
 
-    def __init__(self, *parts: torch.Tensor | None, shard_sizes: tuple[int, ...]) -> None:
+    def __init__(self, *parts: Any, shard_sizes: tuple[int, ...]) -> None:
         super().__init__(*parts)
         self.shard_sizes = shard_sizes
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.split(self(x), self.shard_sizes, dim=-1)
+        # torch.split takes any sequence of sizes; its stub says list
+        return torch.split(self(x), cast("list[int]", self.shard_sizes), dim=-1)
 
 
 def quantize_rows(x: torch.Tensor, overwrite: bool = False, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,6 +272,8 @@ def quantize_linears(
     for name in names:
         parent, _, child = name.rpartition(".")
         setattr(
-            model.get_submodule(parent), child, Int8Linear.of(model.get_submodule(name), input_max.get(name), kernel)
+            model.get_submodule(parent),
+            child,
+            Int8Linear.of(cast(nn.Linear, model.get_submodule(name)), input_max.get(name), kernel),
         )
     return names

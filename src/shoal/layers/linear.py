@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -18,4 +20,5 @@ class FusedLinear(nn.Linear):
         self.shard_sizes = shard_sizes
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.split(self(x), self.shard_sizes, dim=-1)
+        # torch.split takes any sequence of sizes; its stub says list
+        return torch.split(self(x), cast("list[int]", self.shard_sizes), dim=-1)

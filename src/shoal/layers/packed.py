@@ -14,6 +14,8 @@ A LoRA adapter's forward hook (layers/lora.py) sees this module as it sees any L
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -78,7 +80,8 @@ class PackedFusedLinear(PackedLinear):
         self.shard_sizes = shard_sizes
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.split(self(x), self.shard_sizes, dim=-1)
+        # torch.split takes any sequence of sizes; its stub says list
+        return torch.split(self(x), cast("list[int]", self.shard_sizes), dim=-1)
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -192,13 +192,28 @@ class DebertaV2Layer(nn.Module):
     def position_projections(self, rel_emb: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Relative-distance embeddings `[2S, hidden]` -> (pos_key, pos_query), each `[2S, H, D]` or None."""
         S2 = rel_emb.shape[0]
+        pos_key: torch.Tensor | None
+        pos_query: torch.Tensor | None
         if self.share_att_key:
             pos_query, pos_key, _ = self.qkv.split(rel_emb)
+        else:  # each projection exists when its term is on
+            pos_key = pos_query = None
+            if self.c2p:
+                assert self.pos_key_proj is not None
+                pos_key = self.pos_key_proj(rel_emb)
+            if self.p2c:
+                assert self.pos_query_proj is not None
+                pos_query = self.pos_query_proj(rel_emb)
+        if self.c2p:
+            assert pos_key is not None
+            pos_key = pos_key.view(S2, self.num_heads, self.head_dim)
         else:
-            pos_key = self.pos_key_proj(rel_emb) if self.c2p else None
-            pos_query = self.pos_query_proj(rel_emb) if self.p2c else None
-        pos_key = pos_key.view(S2, self.num_heads, self.head_dim) if self.c2p else None
-        pos_query = pos_query.view(S2, self.num_heads, self.head_dim) if self.p2c else None
+            pos_key = None
+        if self.p2c:
+            assert pos_query is not None
+            pos_query = pos_query.view(S2, self.num_heads, self.head_dim)
+        else:
+            pos_query = None
         return pos_key, pos_query
 
     def forward(

@@ -76,7 +76,7 @@ class LlamaConfig:
             raise ValueError(f"{model_type} with partial_rotary_factor != 1 is not supported")
         llama3 = None
         if rope_type == "llama3":
-            original = rope.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+            original: Any = rope.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
             llama3 = (
                 float(rope["factor"]),
                 float(rope["low_freq_factor"]),
@@ -153,6 +153,7 @@ class LlamaLayer(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head, before rotary
+            assert self.k_norm is not None  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = varlen_attention(q, k, v, meta, causal=True).reshape(T, -1)  # [T, H * D]

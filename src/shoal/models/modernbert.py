@@ -10,8 +10,9 @@ no attention norm: the embedding norm plays its part. Every tensor outside atten
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -151,6 +152,6 @@ class ModernBertModel(nn.Module):
             True: self.global_rotary.cos_sin(inputs.position_ids, x.dtype),  # [T, 1, D] each
             False: self.local_rotary.cos_sin(inputs.position_ids, x.dtype),
         }
-        for layer in self.layers:
+        for layer in cast("Iterable[ModernBertLayer]", self.layers):  # nn.ModuleList iterates as Module
             x = layer(x, *tables[layer.is_global], inputs.meta)
         return self.final_norm(x)  # [T, hidden]
