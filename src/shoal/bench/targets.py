@@ -28,6 +28,11 @@ _NOT_INHERITED = {
     "SHOAL_MODELS_DIRS",
     "SHOAL_HOST",
     "SHOAL_PORT",
+    # What the bench server serves is the bench's to say: which models are pinned, their aliases,
+    # and whether weights may be downloaded.
+    "SHOAL_PINNED_MODELS",
+    "SHOAL_ALIASES",
+    "SHOAL_ALLOW_DOWNLOAD",
 }
 
 

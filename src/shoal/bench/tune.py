@@ -326,10 +326,7 @@ def tune(args) -> int:
         )
     # The lanes serve would run (SHOAL_DEVICE_LANES, which the servers started here inherit, else the
     # default): the card's knobs are measured at these unless the lanes search finds better.
-    try:
-        engine_settings = Settings.from_env().engine
-    except ValueError as exc:
-        raise ConfigError(f"a SHOAL_* environment variable does not parse: {exc}") from exc
+    engine_settings = Settings.from_env().engine  # a SHOAL_* that does not parse: a ConfigError naming it
     lanes = Lanes(device_lanes(dataclasses.replace(engine_settings, device=args.device)))
     if "quantize" in knobs and refusal:
         raise ConfigError(f"--knobs quantize: {card.id} cannot be tuned for int8 here: {refusal}")
