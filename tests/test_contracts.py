@@ -273,7 +273,8 @@ def test_a_cut_that_splits_a_long_word_is_widened_when_the_kept_tokens_reach_int
 
 
 def test_tokenizing_a_bulk_request_names_the_too_long_item_by_its_index_in_the_whole_request():
-    from shoal.engine.tokenizer import TEXTS_PER_JOB, TokenizerPool
+    from shoal.engine.tokenizer import TEXTS_PER_JOB
+    from shoal.engine.tokenizer_pool import TokenizerPool
 
     tokenizer = TextTokenizer.from_dir(MINILM_DIR, MAX_LENGTH)
     texts = ["short"] * (TEXTS_PER_JOB + 5) + ["word " * 100]

@@ -44,7 +44,7 @@ from .hardware import hardware_class
 from .scheduler import BatchLimits
 from .tasks import task_for
 from .tasks.encode import prompt_of
-from .tokenizer import TokenizerPool
+from .tokenizer_pool import TokenizerPool
 
 log = logging.getLogger("shoal.engine")
 

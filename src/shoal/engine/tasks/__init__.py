@@ -23,7 +23,7 @@ from ...calls import AnyCall, AnyResult
 from ...catalog import ModelCard
 from ...verbs import KINDS, kind_of
 from ..backend import ModelInfo
-from ..tokenizer import TokenizerPool
+from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, Spec
 
 

@@ -10,7 +10,8 @@ from ...catalog import ModelCard
 from ...errors import InvalidRequest, ResultTooLarge
 from ...verbs import estimate_tokens
 from ..backend import ModelInfo
-from ..tokenizer import TextTokenizer, TokenizerPool
+from ..tokenizer import TextTokenizer
+from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, EncodeSpec
 
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}

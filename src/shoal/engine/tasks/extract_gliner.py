@@ -17,7 +17,7 @@ from ...head_info import GlinerPrompt
 from ...spans import decode_spans, owned_starts, split_words, word_windows
 from ...verbs import MIN_TEXT_TOKENS
 from ..backend import ModelInfo
-from ..tokenizer import TokenizerPool
+from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, ExtractSpec
 from .extract_common import ExtractPlan, plan_extract, result, windows_per_text
 

@@ -16,7 +16,7 @@ from ...errors import InvalidRequest
 from ...head_info import TokenLabels
 from ...spans import STRATEGIES, aggregate_entities, owned_starts, word_windows
 from ..backend import ModelInfo
-from ..tokenizer import TokenizerPool
+from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, ExtractSpec
 from .extract_common import ExtractPlan, one_spec_each, plan_extract, result, windows_per_text
 

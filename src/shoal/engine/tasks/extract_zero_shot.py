@@ -13,7 +13,7 @@ from ...catalog import ModelCard
 from ...errors import InvalidRequest
 from ...head_info import NliLabels
 from ..backend import ModelInfo
-from ..tokenizer import TokenizerPool
+from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, ExtractSpec
 from .extract_common import ExtractPlan, one_spec_each, plan_extract, result
 

@@ -23,7 +23,7 @@ from ...head_info import LlmFrame
 from ...vectors import maxsim
 from ...verbs import MAX_WINDOWS, estimate_tokens
 from ..backend import ModelInfo
-from ..tokenizer import TokenizerPool
+from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, EncodeSpec, ScoreSpec
 from .encode import PromptTokens, check_texts
 
