@@ -93,3 +93,23 @@ def test_planning_imports_neither_torch_nor_heads():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_batch_packs_feature_slots_per_sequence_and_refuses_mixed_rows():
+    """Feature slots (an image's patch rows, later) pack like ids: every sequence's rows back to
+    back, with each sequence's first row in `cu_rows`; a sequence without the slot has none."""
+    import numpy as np
+
+    from shoal.engine.types import Batch, Encoded
+
+    ids = np.arange(3, dtype=np.int64)
+    a = Encoded(ids, features={"pixels": np.ones((2, 4), np.float32)})
+    b = Encoded(ids)
+    c = Encoded(ids, features={"pixels": np.full((3, 4), 2, np.float32)})
+    batch = Batch.pack([a, b, c])
+    slot = batch.features["pixels"]
+    assert slot.cu_rows.tolist() == [0, 2, 2, 5]
+    assert slot.values.shape == (5, 4) and slot.values[2:].min() == 2.0
+    assert Batch.pack([b, b]).features == {}
+    with pytest.raises(ValueError, match="one dtype and row shape"):
+        Batch.pack([a, Encoded(ids, features={"pixels": np.ones((1, 5), np.float32)})])

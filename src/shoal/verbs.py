@@ -82,10 +82,14 @@ def _score(call: AnyCall, card: ModelCard) -> int:
 
 
 def _labels(call: ExtractCall, card: ModelCard) -> list[str]:
+    """The labels the task will prompt with: de-duplicated (case-folded where the card folds them,
+    the first as sent kept), as sent."""
     labels = [label for label in call.labels if isinstance(label, str)] if isinstance(call.labels, list) else []
-    if card.extract is not None and card.extract.lowercase_labels:
-        labels = [label.lower() for label in labels]
-    return list(dict.fromkeys(labels))
+    fold = card.extract is not None and card.extract.lowercase_labels
+    first: dict[str, str] = {}
+    for label in labels:
+        first.setdefault(label.lower() if fold else label, label)
+    return list(first.values())
 
 
 def _gliner(call: AnyCall, card: ModelCard) -> int:
@@ -140,11 +144,6 @@ def kind_of(call: AnyCall, card: ModelCard) -> Kind:
     if kind is None:
         raise InvalidRequest(f"model {card.id}: this server has no task for {name}", details={"model": card.id})
     return kind
-
-
-def extract_kinds() -> list[str]:
-    """The extract kinds served, by their card name (`gliner`, ...)."""
-    return [name.split(":", 1)[1] for name in KINDS if name.startswith("extract:")]
 
 
 def estimate_tokens(call: AnyCall, card: ModelCard | None) -> int:

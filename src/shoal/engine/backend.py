@@ -53,8 +53,8 @@ class ModelInfo:
         return chosen or self.text
 
     def head(self, kind: type[H]) -> H:
-        """The head description of `kind`; a ModelLoadError if the model has none (a card whose
-        heads do not fit its task: caught when the model loads, not per request)."""
+        """The head description of `kind`; a ModelLoadError (502, naming the model) if the model
+        has none: its card's task needs a head its checkpoint did not give."""
         for info in self.heads:
             if isinstance(info, kind):
                 return info

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ class Engine:
         self.metrics.start_models(card.id for card in catalog)
         self._hardware = hardware_class(settings.device)
         lanes = device_lanes(settings)
+        fetch: Callable[[ModelCard], object] | None = None  # the torch backend's Hub downloads
         if backend is None:
             from .runner import TorchBackend  # torch is imported here, not at `import shoal`
 
@@ -77,12 +79,11 @@ class Engine:
                 max_batch_tokens_of=max_batch_tokens,
                 pack=settings.onednn_linear,
             )
-        self.backend = backend
-        fetch = None
-        if allow_download:  # a download happens outside the lock that materializes weights
-            from ..catalog import resolve_weights
+            if allow_download:  # a download happens outside the lock that materializes weights
+                from ..catalog import resolve_weights
 
-            fetch = lambda card: resolve_weights(card, allow_download=True)  # noqa: E731
+                fetch = lambda card: resolve_weights(card, allow_download=True)  # noqa: E731
+        self.backend = backend
         budget = settings.memory_budget_bytes
         if budget is None:
             budget = memory.default_budget_bytes(settings.device)

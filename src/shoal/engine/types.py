@@ -3,8 +3,9 @@ sequence (`Encoded`) it packs; and the per-sequence head spec that tells the bac
 outputs one sequence wants. No torch, no tokenizers here.
 
 A sequence is token ids (what the scheduler counts and budgets) plus optional feature slots: host
-arrays a model reads beside the ids, such as an image's patch pixels, whose rows count as tokens.
-Text has none.
+arrays a model reads beside the ids, such as an image's patch pixels. A preprocessor that makes
+feature rows gives each row a position among the ids (a placeholder id per patch), so the rows
+count as tokens in every budget. Text has none.
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ def _features(seqs: Sequence[Encoded]) -> dict[str, FeatureSlot]:
     for name in names:
         parts = [s.features.get(name) for s in seqs]
         present = next(p for p in parts if p is not None)
+        for p in parts:  # one slot is one array: the same dtype and row shape in every sequence
+            if p is not None and (p.dtype != present.dtype or p.shape[1:] != present.shape[1:]):
+                raise ValueError(
+                    f"feature slot {name!r}: rows of {p.dtype} {p.shape[1:]} beside rows of "
+                    f"{present.dtype} {present.shape[1:]}; a preprocessor must give one dtype and row shape"
+                )
         rows = np.fromiter((0 if p is None else len(p) for p in parts), dtype=np.int64, count=len(parts))
         cu_rows = np.zeros(len(parts) + 1, dtype=np.int32)
         np.cumsum(rows, out=cu_rows[1:])
