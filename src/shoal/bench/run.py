@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelLoadError
 from . import machine, report, workloads
 from .knee import CLOSED_CLIENTS, OPEN_SHARES, Bounds, knee, probe, ramp
 from .load import HttpTarget, Step, closed_loop
@@ -121,7 +121,7 @@ def run(args) -> int:
     workload = workloads.build(args.workload, seed=args.seed, items=args.items, labels=labels)
     try:
         model_dir = resolve_weights(card, allow_download=False)
-    except Exception:
+    except ModelLoadError:
         model_dir = None  # a remote model: no local tokenizer, FLOPs or baseline
     per_call, lengths = call_tokens(model_dir, card.max_length, workload)
     if against and per_call is None:

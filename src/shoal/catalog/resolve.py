@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import logging
 import shutil
 from pathlib import Path
 
 from ..errors import ModelLoadError
 from .card import ModelCard
+
+log = logging.getLogger("shoal.catalog")
 
 
 def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
@@ -140,12 +143,13 @@ def resolve_source(source, what: str, card_path: str | None, allow_download: boo
                     source.hub, revision=source.revision, local_files_only=True, allow_patterns=list(_READ_FILES)
                 )
             )
-        except Exception:
+        except Exception as exc:  # broad: any miss of the local cache (absent, partial, unreadable) is "not cached"
+            log.debug("%s not in the Hugging Face cache: %r", source.hub, exc)
             tried.append(f"{source.hub} is not in the Hugging Face cache")
         if allow_download:
             try:
                 return Path(snapshot_download(source.hub, revision=source.revision, allow_patterns=list(_READ_FILES)))
-            except Exception as exc:
+            except Exception as exc:  # broad: network, auth, missing repo are all reported in the error
                 tried.append(f"download of {source.hub} failed: {type(exc).__name__}: {exc}")
         else:
             tried.append("Hub downloads are disabled (HF_HUB_OFFLINE)")
@@ -161,8 +165,9 @@ def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) ->
         else:
             files = HfApi().list_repo_files(repo_id, revision=revision)
             path = snapshot_download(repo_id, revision=revision, allow_patterns=download_patterns(files))
-    except Exception:
+    except Exception as exc:  # broad: offline, any miss of the local cache means "not here"; online it is raised
         if local_files_only:
+            log.debug("%s: no usable cached snapshot: %r", repo_id, exc)
             return None
         raise
     return Path(path) if _is_model_dir(Path(path)) else None
