@@ -199,10 +199,10 @@ def read_adapter(
         raise ModelLoadError(
             f"{directory}: the adapter adapts no Linear of the encoder (target_modules: {config.target_modules})"
         )
-    # Each module is one `_linear` accepted. `stack` reads only `out_features` and `shard_sizes`, which
-    # Int8Linear and PackedLinear share with nn.Linear, though its annotation names nn.Linear alone.
+    # Each module is one `_linear` accepted: a float Linear, or its int8 or packed form.
     factors = {
-        m: LoraFactors.stack(cast(nn.Linear, model.get_submodule(m)), s).to(device, dtype) for m, s in shards.items()
+        m: LoraFactors.stack(cast(nn.Linear | Int8Linear | PackedLinear, model.get_submodule(m)), s).to(device, dtype)
+        for m, s in shards.items()
     }
     return LoraAdapter(name, directory, config, factors, tuple(dropped))
 

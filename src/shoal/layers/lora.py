@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from ..errors import InferenceFailed
+from .int8 import Int8Linear
+from .packed import PackedLinear
 
 
 class LoraShard(NamedTuple):
@@ -60,7 +62,7 @@ class LoraFactors:
     columns: tuple[int, int]  # (start, end) output columns of the Linear
 
     @classmethod
-    def stack(cls, linear: nn.Linear, shards: Sequence[LoraShard]) -> LoraFactors:
+    def stack(cls, linear: nn.Linear | Int8Linear | PackedLinear, shards: Sequence[LoraShard]) -> LoraFactors:
         """Stack `shards` (distinct, each shaped for its shard of `linear`) into one update, in
         float32 on the factors' device; `to` moves it to the model's device and dtype."""
         sizes = getattr(linear, "shard_sizes", (linear.out_features,))
