@@ -38,10 +38,14 @@ class Kind:
     estimate: Callable[[AnyCall, ModelCard], int]
 
 
-# ~4 characters a token, plus the specials around a sequence.
+def raw_tokens(text: str) -> int:
+    """Tokens a text will cost, before tokenizing and uncut: ~4 characters a token, plus specials."""
+    return len(text) // 4 + 2
+
+
 def text_tokens(text: str, max_length: int) -> int:
-    """Tokens a text will cost, before tokenizing: ~4 characters a token, plus specials."""
-    return min(max_length, len(text) // 4 + 2)
+    """`raw_tokens`, cut to what one sequence of `max_length` keeps."""
+    return min(max_length, raw_tokens(text))
 
 
 # A GLiNER window keeps at least this many tokens for text next to the label prompt.
@@ -67,7 +71,7 @@ def _score(call: AnyCall, card: ModelCard) -> int:
     if isinstance(overlap, int) and overlap >= 0:  # every window repeats the query and the overlap
         room = max(2, longest - query_tokens - 3)
         step = max(1, room - overlap)
-        whole = [min(len(d) // 4 + 2, room + (MAX_WINDOWS - 1) * step) for d in call.documents]
+        whole = [min(raw_tokens(d), room + (MAX_WINDOWS - 1) * step) for d in call.documents]
         return sum(d + -(-d // step) * (query_tokens + 3 + overlap) for d in whole)
     per_doc = (
         call.max_tokens_per_doc if isinstance(call.max_tokens_per_doc, int) and call.max_tokens_per_doc > 0 else longest
@@ -81,15 +85,20 @@ def _score(call: AnyCall, card: ModelCard) -> int:
     return text_tokens(call.query, longest) + sum(doc_tokens)
 
 
-def _labels(call: ExtractCall, card: ModelCard) -> list[str]:
-    """The labels the task will prompt with: de-duplicated (case-folded where the card folds them,
-    the first as sent kept), as sent."""
-    labels = [label for label in call.labels if isinstance(label, str)] if isinstance(call.labels, list) else []
-    fold = card.extract is not None and card.extract.lowercase_labels
+def unique_labels(labels: list[str], fold: bool) -> list[str]:
+    """Labels de-duplicated in request order; with `fold`, labels that lowercase alike are one (the
+    first as sent is kept)."""
     first: dict[str, str] = {}
     for label in labels:
         first.setdefault(label.lower() if fold else label, label)
     return list(first.values())
+
+
+def _labels(call: ExtractCall, card: ModelCard) -> list[str]:
+    """The labels the task will prompt with (before the task has checked them)."""
+    labels = [label for label in call.labels if isinstance(label, str)] if isinstance(call.labels, list) else []
+    fold = card.extract is not None and card.extract.kind == "gliner" and card.extract.lowercase_labels
+    return unique_labels(labels, fold)
 
 
 def _gliner(call: AnyCall, card: ModelCard) -> int:
@@ -98,20 +107,20 @@ def _gliner(call: AnyCall, card: ModelCard) -> int:
     longest = card.max_length
     prompt = sum(text_tokens(label, longest) for label in _labels(call, card)) + 1
     room = max(MIN_TEXT_TOKENS, longest - prompt - 2)
-    text = [len(t) // 4 + 2 for t in call.texts]
+    text = [raw_tokens(t) for t in call.texts]
     return sum(t + -(-t // room) * prompt for t in text)
 
 
 def _token_class(call: AnyCall, card: ModelCard) -> int:
     assert isinstance(call, ExtractCall)
-    return sum(len(t) // 4 + 2 for t in call.texts)
+    return sum(raw_tokens(t) for t in call.texts)
 
 
 def _zero_shot(call: AnyCall, card: ModelCard) -> int:
     """One (text, hypothesis) pair per label."""
     assert isinstance(call, ExtractCall)
     labels = max(1, len(_labels(call, card)))
-    return sum(min(card.max_length, len(t) // 4 + 2 + 12) for t in call.texts) * labels
+    return sum(min(card.max_length, raw_tokens(t) + 12) for t in call.texts) * labels
 
 
 KINDS: dict[str, Kind] = {
@@ -125,7 +134,7 @@ KINDS: dict[str, Kind] = {
     )
 }
 
-VERB_OF_CALL: dict[type, str] = {EncodeCall: "encode", ScoreCall: "score", ExtractCall: "extract"}
+VERB_OF_CALL: dict[type, str] = {kind.call: name.split(":")[0] for name, kind in KINDS.items()}
 
 
 def kind_of(call: AnyCall, card: ModelCard) -> Kind:

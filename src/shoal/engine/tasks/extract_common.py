@@ -15,7 +15,7 @@ import numpy as np
 from ...calls import ExtractCall, ExtractedItem, ExtractResult
 from ...catalog import ModelCard
 from ...errors import InvalidRequest
-from ...verbs import KINDS, estimate_tokens
+from ...verbs import KINDS, estimate_tokens, unique_labels
 from ..backend import ModelInfo
 from ..types import Encoded, ExtractSpec
 from .encode import check_texts
@@ -69,9 +69,8 @@ def plan_extract(
         raise InvalidRequest(f"threshold must be between 0 and 1, not {threshold!r}", details={"option": "threshold"})
     for option in KIND_OPTIONS:
         if getattr(call, option) is not None and option not in options:
-            kinds = [name for name in _kinds_taking(option)]
             raise InvalidRequest(
-                f"{option} applies to {' and '.join(kinds)} models; model {card.id} is {kind}",
+                f"{option} applies to {' and '.join(_kinds_taking(option))} models; model {card.id} is {kind}",
                 details={"option": option},
             )
     return ExtractPlan(card, call, kind, labels, threshold, estimate_tokens(call, card))
@@ -132,9 +131,4 @@ def check_labels(labels: list, required: bool, fold: bool = False) -> list[str]:
                 f"labels[{index}] is {len(label)} characters long; a label may have at most {MAX_LABEL_CHARS}",
                 details={"option": "labels", "index": index, "max": MAX_LABEL_CHARS},
             )
-    if fold:  # labels that lowercase alike are one prompt: the first as sent is kept
-        first: dict[str, str] = {}
-        for label in labels:
-            first.setdefault(label.lower(), label)
-        return list(first.values())
-    return list(dict.fromkeys(labels))
+    return unique_labels(labels, fold)
