@@ -13,10 +13,9 @@ by device, dtype, flash-attn's presence and the call's masking, says which a cal
 - on CPU in float32, full attention (no causal or window mask, no bias, no key cut, no grouped-query
   heads) over sequences of unequal lengths, none past EACH_MAX_SEQLEN: each sequence on its own, as
   two batched matmuls over its heads and a softmax, read straight from the packed rows (views, no
-  padding, no mask, no gather). On two AVX2
-  cores this took MiniLM's attention over 32 Lee documents from 62.5 to 49.7 ms a layer, and 64
-  one-sentence texts from 12.3 to 8.2 ms: padded groups pay for their padding, their key mask and
-  their gathers, and for head dims of 32-64 the matmuls outrun the fused CPU kernel. Past ~512
+  padding, no mask, no gather). Padded groups pay for their padding, their key mask and their
+  gathers, and for head dims of 32-64 the matmuls outrun the fused CPU kernel (docs/benchmarks.md,
+  CPU kernels). Past ~512
   tokens the `[H, L, L]` scores cost more than the fused kernel saves, and sequences all of one
   length need no padding at all: those take the padded path below. Whether it wins depends on the
   CPU's kernels, so a card's `batching.attention: padded` (e.g. from `shoal tune`) turns it off.

@@ -28,8 +28,7 @@ keeping its shards and `split`) with the same contract: float32 `[..., in]` in, 
     (AVX-512 VNNI, AVX-VNNI, AMX), and on non-x86 CPUs.
   - `u8`: x86 CPUs without VNNI (AVX2 only). There `_int_mm` runs ~35x slower than float32 (a
     reference loop), while oneDNN's u8 x s8 inner product (`torch.ops.onednn.qlinear_pointwise`,
-    weights prepacked once) runs one [4096, 384] x [384, 1536] product ~2x faster than float32
-    (a whole MiniLM forward: ~1x, MPNet's 1.3x; docs/benchmarks.md). Its AVX2 kernel multiplies u8 by s8 and
+    weights prepacked once) runs faster than float32 (docs/benchmarks.md, int8). Its AVX2 kernel multiplies u8 by s8 and
     adds pairs in int16 with saturation, so one operand must keep to 7 bits: the weights do (per
     row, [-63, 63]; |pair| <= 2 x 255 x 63 < 2^15), the activations keep 8 (per token, sent as
     q + 128 with zero point 128). 7-bit activations instead cost twice the quality (MPNet: worst

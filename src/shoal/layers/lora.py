@@ -17,7 +17,7 @@ Per targeted Linear and forward: two small matmuls per adapter (`LoraFactors` st
 Linear's shards, so the update is two matmuls whatever the shards), added into y's rows in place
 when the adapted tokens are a slice; otherwise one gather of their rows of x and one scatter-add of
 the deltas into y. Whoever packs a batch gets the slice by putting each adapter's sequences side by
-side in slot order, with base sequences before or after them (bench/lora_forward.py: ~5% faster).
+side in slot order, with base sequences before or after them (bench/lora_forward.py measures it).
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@
 keeping its shards and `split`) with the same contract and the same arithmetic (float32 in,
 float32 accumulate, float32 out): the weight is reordered once, at load, into oneDNN's blocked
 layout for this CPU, and each call is one `mkldnn._linear_pointwise` (the inner-product primitive
-torch's own compiler uses) instead of MKL's sgemm on the plain `[out, in]` matrix. On the
-development machine's 2 AMD cores that ran MiniLM's projections 10-20 % faster in the whole forward
-(`shoal bench --workload passages`, docs/benchmarks.md). The float32 weight is not kept: the packed copy
+torch's own compiler uses) instead of MKL's sgemm on the plain `[out, in]` matrix, which runs the
+projections faster (docs/benchmarks.md, CPU kernels). The float32 weight is not kept: the packed copy
 is the only one (its bytes are counted by `packed_bytes`).
 
 A LoRA adapter's forward hook (layers/lora.py) sees this module as it sees any Linear.
