@@ -33,6 +33,7 @@ from shoal.cluster.worker import Worker
 from shoal.config import ClusterSettings, EngineSettings, Settings
 from shoal.errors import DeadLetter, DeadlineExceeded, NoWorker, UnknownModel
 from shoal.metrics import Metrics
+from shoal.verbs import estimate_tokens
 from standin import RERANK_MODEL, StandIn
 
 MODEL = "standin/dense-16"
@@ -234,7 +235,7 @@ def test_what_a_worker_pulled_beyond_its_room_goes_back_to_the_queue_and_is_serv
                     headers={
                         p.REQUEST_ID: f"big{i}",
                         p.DEADLINE: f"{p.now() + 60:.3f}",
-                        p.TOKENS: str(p.estimate_tokens(call)),
+                        p.TOKENS: str(estimate_tokens(call, None)),
                         p.REPLY: inbox,
                     },
                 )

@@ -186,6 +186,10 @@ class Catalog:
     def __len__(self) -> int:
         return len(self._cards)
 
+    def find(self, model_id: str) -> ModelCard | None:
+        """The card `model_id` names (an id or an alias), or None."""
+        return self.get(model_id) if model_id in self else None
+
     def __contains__(self, model_id: str) -> bool:
         return model_id in self._cards or model_id in self._aliases
 

@@ -38,6 +38,7 @@ from ..config import Settings
 from ..errors import DeadlineExceeded, QueueUnavailable
 from ..metrics import GatewayMetrics, Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
+from ..verbs import estimate_tokens
 from . import dead_letters, payloads, queue_gauges, rpc
 from . import protocol as p
 from .directory import Holders, WorkerDirectory
@@ -273,7 +274,7 @@ class RemoteService:
         headers = {
             p.REQUEST_ID: request_id,
             p.DEADLINE: f"{p.now() + timeout_s:.6f}",
-            p.TOKENS: str(p.estimate_tokens(call, self.catalog.get(model_id) if model_id in self.catalog else None)),
+            p.TOKENS: str(estimate_tokens(call, self.catalog.find(model_id))),
             p.REPLY: f"{self._inbox}.{key}",
             p.MSG_ID: key,
         }
@@ -340,7 +341,8 @@ class RemoteService:
                     timeout=min(self.cluster.publish_timeout_s, self._remaining(deadline)),
                 )
                 return int(ack.seq)
-            except p.nats_errors() as exc:  # a timeout, no responders, cut off: sent again while time is left
+            except Exception as exc:  # broad: a timeout, no responders, cut off, a bad ack: a 503, never a 500
+                p.log_swallowed(log, exc, "gateway: publish of request %s", request_id)
                 error = exc
                 if not self._connected() or self._remaining(deadline) < 0.05:
                     break

@@ -212,8 +212,8 @@ class HostQueue:
             for job in list(self.jobs):
                 try:
                     await job.msg.in_progress()
-                except p.nats_errors() as exc:  # cut off from NATS: the call may be redelivered, nothing to do here
-                    log.debug("worker %s: in_progress of request %s: %r", self.worker_id, job.request_id, exc)
+                except Exception as exc:  # broad: the loop keeps every other call alive; this one may be redelivered
+                    p.log_swallowed(log, exc, "worker %s: in_progress of request %s", self.worker_id, job.request_id)
 
     # --- calls that leave unrun -----------------------------------------------------------------
 

@@ -43,7 +43,8 @@ async def put_call(store: Any, name: str, data: bytes, timeout_s: float, request
             "the request's deadline passed while its payload was stored",
             details={"phase": "queue", "request_id": request_id},
         ) from None
-    except p.nats_errors() as exc:  # NATS gone mid-put
+    except Exception as exc:  # broad: NATS gone mid-put, or anything else: a 503, never a 500
+        p.log_swallowed(log, exc, "gateway: payload of request %s", request_id)
         raise QueueUnavailable(
             f"the payload store did not take the call ({type(exc).__name__}); retry shortly",
             retry_after_s=2.0,

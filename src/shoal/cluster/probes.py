@@ -73,8 +73,8 @@ class Heartbeats:
             return
         try:
             await nc.publish(f"{p.HEARTBEAT_PREFIX}.{p.token(self.worker_id)}", data)
-        except p.nats_errors() as exc:  # cut off: gateways count the worker out after worker_ttl_s, as they should
-            log.debug("worker %s: heartbeat not sent: %r", self.worker_id, exc)
+        except Exception as exc:  # broad: never raises; cut off, gateways count the worker out after worker_ttl_s
+            p.log_swallowed(log, exc, "worker %s: heartbeat not sent", self.worker_id)
 
     async def run(self, nc: Any) -> None:
         while True:

@@ -19,15 +19,14 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
 
 import msgspec
 
-from .. import verbs
-from ..calls import AnyCall, ErrorResult
-from ..catalog import ModelCard
+from ..calls import ErrorResult
 from ..config import ClusterSettings
 from ..errors import ShoalError
 from ..service import CardProblem, ModelStatus, Token
@@ -126,13 +125,6 @@ class RpcReply(msgspec.Struct, frozen=True, omit_defaults=True):
     status: ModelStatus | None = None
     tokens: list[list[Token]] | None = None
     error: dict | None = None  # an ErrorResult's fields
-
-
-def estimate_tokens(call: AnyCall, card: ModelCard | None = None) -> int:
-    """About how many tokens the call will run (shoal.verbs.estimate_tokens, the engine's own
-    estimate, from characters; no tokenizer here): sizes how much a worker pulls, never what it
-    admits."""
-    return verbs.estimate_tokens(call, card)
 
 
 async def connect(
@@ -246,6 +238,7 @@ def now() -> float:
     return time.time()
 
 
+@functools.cache
 def nats_errors() -> tuple[type[BaseException], ...]:
     """What talking to NATS raises when it is away, slow or refusing: nats-py's errors (JetStream's
     API errors among them), socket errors and timeouts. (nats-py, the cluster extra, is imported
@@ -258,6 +251,15 @@ def nats_errors() -> tuple[type[BaseException], ...]:
 def is_nats_error(exc: BaseException) -> bool:
     """Whether `exc` is one of `nats_errors()` (expected: NATS away) rather than a bug."""
     return isinstance(exc, nats_errors())
+
+
+def log_swallowed(logger: logging.Logger, exc: BaseException, message: str, *args: object) -> None:
+    """Log what a loop or a request path swallowed: NATS being away at debug, anything else (a bug)
+    as a warning with its traceback."""
+    if is_nats_error(exc):
+        logger.debug(message + ": %r", *args, exc)
+    else:
+        logger.warning(message + ": %r", *args, exc, exc_info=exc)
 
 
 def redact(url: str) -> str:

@@ -123,8 +123,8 @@ class Puller:
                 if self._nc.is_connected:
                     try:
                         await self.ensure_consumer()
-                    except p.nats_errors() as again:  # still cut off: the next turn tries again
-                        log.debug("worker %s: the consumer of %s: %r", self.worker_id, self.model_id, again)
+                    except Exception as again:  # broad: the puller must outlive any failure; the next turn tries again
+                        p.log_swallowed(log, again, "worker %s: the consumer of %s", self.worker_id, self.model_id)
             finally:
                 if reserved:
                     await queue.unreserve(reserved)

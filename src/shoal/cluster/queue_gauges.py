@@ -39,8 +39,8 @@ async def watch(js: Any, gm: GatewayMetrics, connected: Callable[[], bool]) -> N
                     gm.queue_pending.remove(*labels)
                     gm.queue_unacked.remove(*labels)
                 shown = seen
-            except p.nats_errors() as exc:  # NATS away: the gauges keep their last values
-                log.debug("gateway: cannot read the queue's consumers (%r)", exc)
+            except Exception as exc:  # broad: the gauge loop must outlive any failure; the gauges keep their values
+                p.log_swallowed(log, exc, "gateway: cannot read the queue's consumers")
         await asyncio.sleep(POLL_S)
 
 

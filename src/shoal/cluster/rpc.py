@@ -53,7 +53,8 @@ async def tokenize(nc: Any, pool: str, request: p.RpcRequest, timeout_s: float) 
     subject = p.rpc_subject("tokenize", pool, request.model)
     try:
         msg = await nc.request(subject, msgspec.msgpack.encode(request), timeout=timeout_s)
-    except p.nats_errors() as exc:  # no responders, a timeout, cut off
+    except Exception as exc:  # broad: no responders, a timeout, cut off, anything: a 503, never a 500
+        p.log_swallowed(log, exc, "gateway: tokenize for %s", request.model)
         raise NoWorker(
             f"no worker answered the tokenize request for {request.model} ({type(exc).__name__}); retry",
             retry_after_s=2.0,

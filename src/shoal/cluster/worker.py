@@ -319,8 +319,8 @@ class Worker:
             await asyncio.sleep(max(0.1, self.settings.ack_wait_s / 3))
             try:
                 await job.msg.in_progress()
-            except p.nats_errors() as exc:  # cut off: it may be redelivered, nothing to do here
-                log.debug("worker %s: in_progress of request %s: %r", self.id, job.request_id, exc)
+            except Exception as exc:  # broad: the keep-alive must outlive any one failure; the call may be redelivered
+                p.log_swallowed(log, exc, "worker %s: in_progress of request %s", self.id, job.request_id)
 
     async def _reply(self, job: Job, result: Any) -> None:
         if not job.reply:
