@@ -65,9 +65,11 @@ def test_each_setting_is_set_by_its_variable_and_its_flag_and_the_flag_wins(d):
         assert value_of(resolve(command, [], {}), d) == d.default
         assert value_of(resolve(command, [], {d.env: text_of(d, env_value)}), d) == env_value
         assert value_of(resolve(command, flag_args(d, flag_value), {}), d) == flag_value
-        # Both: the flag wins (a bool's variable says the opposite of its flag).
+        # Both: the flag wins (a bool's variable says the opposite of its flag); a merged list (card
+        # directories, aliases) takes the flag's items after the variable's.
         env_text = text_of(d, (not flag_value) if d.kind is bool else env_value)
-        assert value_of(resolve(command, flag_args(d, flag_value), {d.env: env_text}), d) == flag_value, command
+        both = env_value + flag_value if d.spec.merge else flag_value
+        assert value_of(resolve(command, flag_args(d, flag_value), {d.env: env_text}), d) == both, command
 
 
 @pytest.mark.parametrize("d", FLAGGED, ids=lambda d: d.path)
@@ -243,3 +245,11 @@ def test_serve_help_shows_every_engine_and_server_setting_with_its_variable_and_
 def test_the_docs_table_is_the_generated_one():
     doc = DOCS.read_text()
     assert with_table(doc, markdown_table(declared())) == doc, "run: python -m shoal.settings_spec docs/operations.md"
+
+
+def test_values_read_as_before_the_declaration_and_as_huggingface_hub_reads_its_switch():
+    assert Settings.from_env({"SHOAL_TARGET_BATCH_S": "off"}).engine.target_batch_s is None
+    for text in ("no", "off", "False", ""):
+        assert Settings.from_env({"HF_HUB_OFFLINE": text}).allow_download, text
+    for text in ("1", "ON", "yes", "true"):
+        assert not Settings.from_env({"HF_HUB_OFFLINE": text}).allow_download, text

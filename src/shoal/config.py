@@ -193,6 +193,7 @@ class Settings:
         also=("--models-dir",),
         sep=os.pathsep,
         metavar="DIR",
+        merge=True,
     )
     allow_download: bool = setting(
         True,
@@ -202,7 +203,11 @@ class Settings:
         (), "the ids or globs of the cards served (listed, loaded); none: every card", metavar="IDS"
     )
     aliases: tuple[tuple[str, str], ...] = setting(
-        (), "more names for served models (e.g. an OpenAI model name)", also=("--alias",), metavar="NAME=MODEL"
+        (),
+        "more names for served models (e.g. an OpenAI model name)",
+        also=("--alias",),
+        metavar="NAME=MODEL",
+        merge=True,
     )
     cluster: ClusterSettings = section(ClusterSettings, CLUSTER_COMMANDS)
 
@@ -223,7 +228,9 @@ class Settings:
             elif d.name == "allow_download" and _offline(env.get("HF_HUB_OFFLINE", "")):
                 values[d.path] = False  # huggingface_hub's own switch, read by its rule
             if flags and flags.get(d.name):
-                values[d.path] = parse(d, flags[d.name], "/".join(d.flags))
+                flagged = parse(d, flags[d.name], "/".join(d.flags))
+                merged = d.spec.merge and values.get(d.path)
+                values[d.path] = values[d.path] + flagged if merged else flagged
         return build(cls, declared(), values)
 
 
@@ -248,4 +255,5 @@ def child_environ(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 def _offline(value: str) -> bool:
-    return value.strip().lower() not in ("", "0", "false")
+    """HF_HUB_OFFLINE read as huggingface_hub reads it."""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")

@@ -8,7 +8,7 @@ default are the field's own. From that declaration come, for every field:
                               ├─ the parsing of both    (a ConfigError naming the flag or variable)
                               └─ a row of the table     docs/operations.md (`python -m shoal.settings_spec FILE`)
 
-Precedence: defaults < environment < flags. Empty text (an empty variable) counts as not given;
+Precedence: defaults < environment < flags (a `merge` list: the variable's items, then the flag's). Empty text (an empty variable) counts as not given;
 `none` sets an optional field to None. Tuples take items separated by the field's `sep` in a
 variable, and repeat their flag. This module reads no environment: `shoal.config` does.
 """
@@ -50,6 +50,9 @@ class Spec:
     metavar: str | None = None
     # An environment variable only, no flag: a flag's value shows in `ps` and shell history.
     secret: bool = False
+    # Tuples: the flag's items come after the variable's instead of replacing them (more card
+    # directories and aliases on top of those a deployment sets in its environment).
+    merge: bool = False
 
 
 def setting(default: Any, help: str, **spec: Any) -> Any:
@@ -146,7 +149,8 @@ def _shape(hint: Any) -> tuple[type, bool, bool]:
 def parse(d: Declared, text: str, source: str) -> Any:
     """The value of `text` given for `d` by `source` (a flag or a variable); ConfigError if it does not parse."""
     try:
-        if d.optional and text.strip().lower() == "none":
+        # `off` too for a number (SHOAL_TARGET_BATCH_S=off, as before the declaration).
+        if d.optional and text.strip().lower() in (("none", "off") if d.kind in (int, float) else ("none",)):
             return None
         if d.many:
             return tuple(_scalar(d, item.strip()) for item in text.split(d.sep) if item.strip())
