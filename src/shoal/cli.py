@@ -110,11 +110,7 @@ class _Backend:
             got = await self.client.encode(
                 a.model, texts, dimensions=a.dimensions, is_query=a.query_prompt or None, batch_size=len(texts)
             )
-            if got.dense is None:
-                from .errors import InvalidRequest
-
-                raise InvalidRequest(f"{a.model} answered no dense vectors")
-            return got.dense, got.num_tokens
+            return got.dense_rows(), got.num_tokens
         from .calls import EncodeCall
 
         result = await self.engine.run(

@@ -8,10 +8,10 @@ default are the field's own. From that declaration come, for every field:
                               ├─ the parsing of both    (a ConfigError naming the flag or variable)
                               └─ a row of the table     docs/operations.md (`python -m shoal.settings_spec FILE`)
 
-Precedence: defaults < environment < flags (a `merge` list: the variable's items, then the flag's). Empty text (an empty variable) counts as not given;
-`none` sets an optional field to None. Tuples take items separated by the field's `sep` in a
-variable, and repeat their flag. This module reads no environment: `shoal.config` does.
-"""
+Precedence: defaults < environment < flags (a `merge` list: the variable's items, then the flag's).
+Empty text (an empty variable) counts as not given; `none` sets an optional field to None. Tuples
+take items separated by the field's `sep` in a variable, and repeat their flag. This module reads no
+environment: `shoal.config` does."""
 
 from __future__ import annotations
 

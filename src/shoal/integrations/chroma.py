@@ -21,7 +21,6 @@ import numpy as np
 from chromadb.api.types import Documents, EmbeddingFunction, Embeddings, Space
 from chromadb.utils.embedding_functions import register_embedding_function
 
-from ..errors import InvalidRequest
 from ..sdk import Client
 
 
@@ -67,9 +66,7 @@ class ShoalEmbeddingFunction(EmbeddingFunction[Documents]):
             dimensions=self.dimensions,
             batch_size=self.batch_size,
             adapter=self.adapter,
-        ).dense
-        if dense is None:
-            raise InvalidRequest(f"model {self.model!r} returned no dense vectors: is it a dense embedder?")
+        ).dense_rows()
         return list(dense.astype(np.float32, copy=False))  # n rows of [dims]
 
     def __call__(self, input: Documents) -> Embeddings:

@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 from haystack import Document, component
 from haystack.utils import Secret
 
-from ..errors import InvalidRequest
-from ..sdk import AsyncClient, Client, Encoded, Ranking
+from ..sdk import AsyncClient, Client, Ranking
 
 
 class _Shoal:
@@ -64,12 +62,12 @@ class _Embedder(_Shoal):
         return dict(is_query=is_query, dimensions=self.dimensions, batch_size=self.batch_size, adapter=self.adapter)
 
     def _encode(self, texts: list[str], is_query: bool) -> list[list[float]]:
-        return _dense(self.client.encode(self.model, texts, **self._options(is_query))).astype(float).tolist()
+        return self.client.encode(self.model, texts, **self._options(is_query)).dense_rows().astype(float).tolist()
 
     async def _aencode(self, texts: list[str], is_query: bool) -> list[list[float]]:
         async with self._aclient() as client:
             result = await client.encode(self.model, texts, **self._options(is_query))
-        return _dense(result).astype(float).tolist()
+        return result.dense_rows().astype(float).tolist()
 
 
 @component
@@ -138,10 +136,3 @@ class ShoalRanker(_Shoal):
                 self.model, query, [d.content or "" for d in documents], top_k=self.top_k if top_k is None else top_k
             )
         return self._ranked(documents, ranking)
-
-
-def _dense(result: Encoded) -> np.ndarray:
-    """The dense rows of `result`, or a clear error when the model sent none (not a dense embedder)."""
-    if result.dense is None:
-        raise InvalidRequest(f"model {result.model!r} returned no dense vectors: is it a dense embedder?")
-    return result.dense

@@ -24,7 +24,7 @@ import numpy as np
 from lancedb.embeddings import TextEmbeddingFunction, register
 from pydantic import PrivateAttr
 
-from ..errors import ConfigError, InvalidRequest
+from ..errors import ConfigError
 from ..sdk import Client
 
 
@@ -76,9 +76,7 @@ class ShoalEmbeddingFunction(TextEmbeddingFunction):
             dimensions=self.dimensions,
             batch_size=self.batch_size,
             adapter=self.adapter,
-        ).dense
-        if dense is None:
-            raise InvalidRequest(f"model {self.model!r} returned no dense vectors: is it a dense embedder?")
+        ).dense_rows()
         return list(dense.astype(np.float32, copy=False))  # n rows of [dims]
 
     def generate_embeddings(self, texts: list[str] | np.ndarray, *args: Any, **kwargs: Any) -> list[np.ndarray | None]:

@@ -12,14 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.embeddings import Embeddings
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from ..errors import InvalidRequest
-from ..sdk import AsyncClient, Client, Encoded
+from ..sdk import AsyncClient, Client
 
 
 class ShoalEmbeddings(Embeddings):
@@ -64,7 +62,7 @@ class ShoalEmbeddings(Embeddings):
             batch_size=self.batch_size,
             adapter=self.adapter,
         )
-        return _dense(result).astype(float).tolist()
+        return result.dense_rows().astype(float).tolist()
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         return self._encode(texts, is_query=False)
@@ -90,7 +88,7 @@ class ShoalEmbeddings(Embeddings):
                 batch_size=self.batch_size,
                 adapter=self.adapter,
             )
-        return _dense(result).astype(float).tolist()
+        return result.dense_rows().astype(float).tolist()
 
 
 class ShoalRerank(BaseDocumentCompressor):
@@ -137,10 +135,3 @@ class ShoalRerank(BaseDocumentCompressor):
 
 def _secret(value: SecretStr | None) -> str | None:
     return None if value is None else value.get_secret_value()
-
-
-def _dense(result: Encoded) -> np.ndarray:
-    """The dense rows of `result`, or a clear error when the model sent none (not a dense embedder)."""
-    if result.dense is None:
-        raise InvalidRequest(f"model {result.model!r} returned no dense vectors: is it a dense embedder?")
-    return result.dense

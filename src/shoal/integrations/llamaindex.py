@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from ..errors import InvalidRequest
-from ..sdk import AsyncClient, Client, Encoded, Ranking
+from ..sdk import AsyncClient, Client, Ranking
 
 
 class ShoalEmbedding(BaseEmbedding):
@@ -54,12 +52,12 @@ class ShoalEmbedding(BaseEmbedding):
         if self._client is None:
             self._client = Client(self.url, api_key=_secret(self.api_key))
         result = self._client.encode(self.model_name, texts, is_query=is_query, **self._options())
-        return _dense(result).astype(float).tolist()
+        return result.dense_rows().astype(float).tolist()
 
     async def _aencode(self, texts: list[str], is_query: bool) -> list[Embedding]:
         async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:  # one per event loop
             result = await client.encode(self.model_name, texts, is_query=is_query, **self._options())
-        return _dense(result).astype(float).tolist()
+        return result.dense_rows().astype(float).tolist()
 
     def _get_query_embedding(self, query: str) -> Embedding:
         return self._encode([query], is_query=True)[0]
@@ -131,10 +129,3 @@ class ShoalRerank(BaseNodePostprocessor):
 
 def _secret(value: SecretStr | None) -> str | None:
     return None if value is None else value.get_secret_value()
-
-
-def _dense(result: Encoded) -> np.ndarray:
-    """The dense rows of `result`, or a clear error when the model sent none (not a dense embedder)."""
-    if result.dense is None:
-        raise InvalidRequest(f"model {result.model!r} returned no dense vectors: is it a dense embedder?")
-    return result.dense

@@ -80,7 +80,7 @@ class ShoalHybrid:
                 is_query=is_query,
                 batch_size=self.batch_size,
             )
-            dense, sparse = both.dense, both.sparse
+            dense, sparse = both.dense_rows(), both.sparse
         else:
             dense = self.client.encode(
                 self.dense_model,
@@ -89,12 +89,10 @@ class ShoalHybrid:
                 dimensions=self.dimensions,
                 is_query=is_query,
                 batch_size=self.batch_size,
-            ).dense
+            ).dense_rows()
             sparse = self.client.encode(
                 self.sparse_model, texts, outputs=["sparse"], is_query=is_query, batch_size=self.batch_size
             ).sparse
-        if dense is None:
-            raise InvalidRequest(f"model {self.dense_model!r} returned no dense vectors: is it a dense embedder?")
         if sparse is None:
             raise InvalidRequest(
                 f"model {self.sparse_model!r} returned no sparse vectors: is it a sparse (SPLADE) model?"

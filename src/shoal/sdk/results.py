@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import wire
 from ..calls import ExtractedItem
+from ..errors import InvalidRequest
 
 # JSON lists back to arrays: the dtype each `output_dtype` is sent in (binary: packed uint8 bytes).
 JSON_DTYPES: dict[str, type[np.generic]] = {
@@ -38,6 +39,12 @@ class Encoded:
     multivector: list[np.ndarray] | None  # each [tokens kept, dim]
     num_tokens: int
     sparse_tokens: list[list[str]] | None = None  # with return_tokens=True: the token of each index
+
+    def dense_rows(self) -> np.ndarray:
+        """`dense`, or an InvalidRequest when the model sent none (it is not a dense embedder)."""
+        if self.dense is None:
+            raise InvalidRequest(f"model {self.model!r} returned no dense vectors: is it a dense embedder?")
+        return self.dense
 
 
 class Scored(NamedTuple):
