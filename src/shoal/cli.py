@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench.cli import register as register_bench
 
-    register_bench(sub, lambda p: settings(p, "models"))  # (bench and tune declare their own --models-dir)
+    register_bench(sub)  # bench and tune declare their own flags (--models-dir among them)
 
     models = sub.add_parser("models", allow_abbrev=False, help="list the model cards")
     settings(models, "models")

@@ -65,7 +65,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return tune(args)
 
 
-def register(sub, common) -> None:
+def register(sub) -> None:
     from .workloads import WORKLOADS
 
     def models_dir(p: argparse.ArgumentParser) -> None:

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import torch
 
 from .attention import AttentionMeta
-
-_NO_FEATURES: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,17 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..errors import InferenceFailed
-from .int8 import Int8Linear
-from .packed import PackedLinear
+
+if TYPE_CHECKING:
+    from .int8 import Int8Linear
+    from .packed import PackedLinear
 
 
 class LoraShard(NamedTuple):

@@ -101,7 +101,7 @@ def relative_positions(L: int, cfg: DebertaV2Config, device: torch.device) -> to
 
 # Length groups for disentangled attention: cut where a length passes 1.25x the group's shortest
 # (and 16 tokens more); the default 2x pads a batch of 50..257-token texts to 1.7x its tokens.
-GROUP_RATIO, GROUP_SLACK = 1.25, 16
+DEBERTA_GROUPING = (1.25, 16)
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class DisentangledBias:
     scale: float
     shared: ClassVar[bool] = False  # one bias per sequence: it reads each one's q and k
     # Three [L, L] score terms, a gather each: padding costs more here than more groups do.
-    grouping: ClassVar[tuple[float, int]] = (GROUP_RATIO, GROUP_SLACK)
+    grouping: ClassVar[tuple[float, int]] = DEBERTA_GROUPING
 
     def for_group(self, g: LengthGroup, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The two position terms of one length group, summed: q, k `[ng, H, Lg, D]` (padded) ->
