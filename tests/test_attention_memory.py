@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.layers import AttentionMeta, PackedInputs, attention
+from shoal.layers import AttentionMeta, PackedInputs, attention_meta
 
 MIXED = [3, 9, 40, 17, 64, 1, 120, 100]  # three length groups, each padded: 1-17, 40-64, 100-120
 
@@ -88,13 +88,13 @@ def tiny_mpnet(num_layers: int = 2, hidden: int = 48, heads: int = 12, max_lengt
 @pytest.fixture
 def mask_builds(monkeypatch) -> list[tuple]:
     """Every call of the mask builder: (group length, causal, window)."""
-    calls, real = [], attention.build_mask
+    calls, real = [], attention_meta.build_mask
 
     def counting(g, causal, window, dtype):
         calls.append((g.max_seqlen, causal, window))
         return real(g, causal, window, dtype)
 
-    monkeypatch.setattr(attention, "build_mask", counting)
+    monkeypatch.setattr(attention_meta, "build_mask", counting)
     return calls
 
 

@@ -4,7 +4,8 @@ norms, fused projections, activations, feed-forward blocks run a block of rows a
 and, at the Linear seam, LoRA deltas per token group and int8 weights and activations (CPU)."""
 
 from .activation import activation
-from .attention import AttentionMeta, PositionBias, ScoreBias, varlen_attention
+from .attention import PositionBias, ScoreBias, varlen_attention
+from .attention_meta import AttentionMeta
 from .inputs import PackedInputs
 from .int8 import Int8FusedLinear, Int8Linear, input_maxima, quantize_linears
 from .linear import FusedLinear

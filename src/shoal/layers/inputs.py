@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import AttentionMeta
+from .attention_meta import AttentionMeta
 
 
 @dataclass(frozen=True)
