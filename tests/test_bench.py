@@ -20,12 +20,14 @@ import pytest
 import yaml
 
 from conftest import need_tool
-from shoal.bench import machine, workloads
+from shoal.bench import machine, tune_gate, workloads
 from shoal.bench import tune as tune_module
 from shoal.bench.knee import Bounds, knee
 from shoal.bench.load import HttpTarget, Outcome, Step, closed_loop, open_loop
 from shoal.bench.run import Plan, call_tokens, measure_and_close
-from shoal.bench.tune import QualityGate, min_cosine, overlay_name, search
+from shoal.bench.tune import overlay_name
+from shoal.bench.tune_gate import QualityGate, min_cosine
+from shoal.bench.tune_search import search
 from shoal.catalog import Catalog, load_tuned, parse_card
 from shoal.catalog.card import Batching
 from shoal.cpuinfo import cpu_flags
@@ -625,7 +627,7 @@ def test_the_quality_gate_takes_its_reference_from_the_start_and_refuses_what_it
     candidate serves only with every vector within the bar; one that cannot be compared (no
     reference, a failed or short answer, a NaN) is refused with the reason, never passed."""
     answers: list = []
-    monkeypatch.setattr(tune_module, "_dense_vectors", lambda url, model, texts: answers.pop(0))
+    monkeypatch.setattr(tune_gate, "_dense_vectors", lambda url, model, texts: answers.pop(0))
     start = Batching(max_batch_items=64, quantize="none")
     int8, other = Batching(max_batch_items=64, quantize="int8"), Batching(max_batch_items=16, quantize="none")
     gate = QualityGate("m", ["a", "b"], start, 0.99)

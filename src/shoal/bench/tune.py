@@ -1,16 +1,17 @@
 """`shoal tune MODEL`: find the batching and kernels that serve a model best on this machine, and
 write them where `shoal serve` reads them.
 
-Coordinate search from the card's own limits: one knob at a time (max_batch_tokens, max_batch_items,
-batch_wait_ms, threads, the CPU attention path and feed-forward row blocks, and `quantize` int8
-where the card can take it), each value served by a fresh `shoal serve` that reads the candidate as
-a tuned overlay, ramped as `shoal bench` does (closed loop) on the chosen workload; a value is kept
-when its best tokens/s within the bounds beats the best so far by `min_gain` (a server that fails to
-start scores 0). int8 changes outputs, so a quantize candidate must first pass a quality gate: every
-dense vector it gives for the workload's texts within `min_cosine` of the card's own (else it scores
-0). Only the knobs the search changed are written, as `<dir>/tuned/<model>@<hardware>.yaml` with
-everything measured; `shoal serve --models-dir <dir>` then uses it (a later overlay wins over the
-package's and the card's, field by field).
+Coordinate search (bench/tune_search.py) from the card's own limits: one knob at a time
+(max_batch_tokens, max_batch_items, batch_wait_ms, threads, the CPU attention path and feed-forward
+row blocks, and `quantize` int8 where the card can take it), each value served by a fresh
+`shoal serve` that reads the candidate as a tuned overlay, ramped as `shoal bench` does (closed
+loop) on the chosen workload; a value is kept when its best tokens/s within the bounds beats the
+best so far by `min_gain` (a server that fails to start scores 0). int8 changes outputs, so a
+quantize candidate must first pass a quality gate (bench/tune_gate.py): every dense vector it gives
+for the workload's texts within `min_cosine` of the card's own (else it scores 0). Only the knobs
+the search changed are written, as `<dir>/tuned/<model>@<hardware>.yaml` with everything measured;
+`shoal serve --models-dir <dir>` then uses it (a later overlay wins over the package's and the
+card's, field by field).
 
 On a CPU of 2+ cores the device's lanes (1 and 2 batches side by side) are searched first, at the
 card's limits, and the card's knobs then measured at the lanes kept. Lanes belong to the device,
@@ -22,16 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import re
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-import httpx
 import msgspec
 import yaml
 
@@ -45,6 +42,8 @@ from .knee import Bounds, within
 from .load import HttpTarget
 from .run import Plan, measure_and_close
 from .targets import shoal_serve
+from .tune_gate import QualityGate
+from .tune_search import search
 
 DEFAULT_VALUES = {
     "max_batch_tokens": (1024, 2048, 4096, 8192, 16384),
@@ -168,117 +167,6 @@ def _quantize_refusal(card, hardware: str) -> str | None:
     if card.tasks[0] != "encode" or "dense" not in card.outputs:
         return "its quality gate compares dense vectors, and the card does not encode them by default"
     return None
-
-
-_S = TypeVar("_S", bound=msgspec.Struct)  # what `search` searches: Batching, or Lanes
-
-
-@dataclass
-class Searched(Generic[_S]):
-    """What `search` found: the settings kept, their score and the start's (means over the
-    confirmation turns when there were any), and whether the confirmation held (None: none ran)."""
-
-    best: _S
-    best_score: float
-    start_score: float
-    confirmed: bool | None
-
-
-def search(
-    trial: Callable[[_S], float],
-    start: _S,
-    values: dict[str, tuple],
-    knobs: list[str],
-    min_gain: float,
-    confirm: int,
-    log: Callable[[str], None] = print,
-    start_name: str = "the card's limits",
-) -> Searched[_S]:
-    """Coordinate search from `start`, one knob at a time over its `values`, scoring each candidate
-    by `trial` (tokens/s, 0 for a failure); a value is kept when it beats the best so far by
-    `min_gain`, and a candidate already scored keeps its score. A search over noisy single trials
-    favours luck, so a winner other than `start` is confirmed: the two take turns `confirm` more
-    times, and the winner stays only if its mean over those turns alone beats start's by
-    `min_gain` (the search's own trials are left out: the winner's was picked for being high)."""
-    current, best_score = start, trial(start)
-    start_score = best_score
-    scores = {start: best_score}  # a candidate met again (a knob's value back at the start's) is not re-run
-    for knob in knobs:
-        for value in values[knob]:
-            if getattr(current, knob) == value:
-                continue
-            candidate = msgspec.structs.replace(current, **{knob: value})
-            if candidate not in scores:
-                scores[candidate] = trial(candidate)
-            score = scores[candidate]
-            if score > best_score * (1 + min_gain):
-                current, best_score = candidate, score
-    if current == start or confirm <= 0:
-        return Searched(current, best_score, start_score, None)
-    log(f"confirming: {start_name} and the best, {confirm} turns each")
-    ours, theirs = [], []
-    for _ in range(confirm):
-        theirs.append(trial(start))
-        ours.append(trial(current))
-    mean_ours, mean_theirs = sum(ours) / confirm, sum(theirs) / confirm
-    if mean_ours > mean_theirs * (1 + min_gain):
-        return Searched(current, mean_ours, mean_theirs, True)
-    log(f"  not confirmed ({mean_ours:,.0f} vs {mean_theirs:,.0f} tokens/s): {start_name} stay")
-    return Searched(start, mean_theirs, mean_theirs, False)
-
-
-def min_cosine(reference: list[list[float]], other: list[list[float]]) -> float:
-    """The smallest cosine between paired vectors (1.0 for none; NaN if any is not finite)."""
-
-    def cos(a, b):
-        dot = sum(x * y for x, y in zip(a, b))
-        return dot / (math.sqrt(sum(x * x for x in a) * sum(y * y for y in b)) or 1.0)
-
-    values = [cos(a, b) for a, b in zip(reference, other, strict=True)]
-    return float("nan") if not all(map(math.isfinite, values)) else min(values, default=1.0)
-
-
-class QualityGate:
-    """int8 changes outputs: a candidate whose `quantize` differs from the start's serves only if
-    each of its dense vectors for `texts` keeps cosine >= `bar` to the start's (the reference, taken
-    from the start's server, which `search` runs first)."""
-
-    def __init__(self, model_id: str, texts: list[str], start: Batching, bar: float) -> None:
-        self.model_id, self.texts, self.start, self.bar = model_id, texts, start, bar
-        self.reference: list[list[float]] = []
-
-    def check(self, url: str, batching: Batching) -> tuple[dict, str | None]:
-        """(what was measured, why this candidate may not serve or None) for the server at `url`.
-        The start always serves: without its vectors only the quantize candidates are refused."""
-        if batching == self.start:
-            if not self.reference:
-                self.reference = _dense_vectors(url, self.model_id, self.texts) or []
-            return {}, None
-        if batching.quantize == self.start.quantize:
-            return {}, None
-        if not self.reference:
-            return {}, "quality gate: the card's own settings gave no vectors to compare with"
-        vectors = _dense_vectors(url, self.model_id, self.texts)
-        if vectors is None or len(vectors) != len(self.reference):
-            return {}, f"quality gate: /v1/embeddings did not give {len(self.reference)} vectors"
-        lowest = min_cosine(self.reference, vectors)
-        if not math.isfinite(lowest):
-            return {}, "quality gate: a vector is not finite"
-        quality = dict(min_cosine=round(lowest, 6), texts=len(self.texts))
-        if lowest < self.bar:
-            return quality, f"quality gate: a vector's cosine to the card's is {lowest:.6f} < {self.bar:g}"
-        return quality, None
-
-
-def _dense_vectors(url: str, model_id: str, texts: list[str]) -> list[list[float]] | None:
-    """The server's dense vectors for `texts` (OpenAI route), or None if it did not give them."""
-    try:
-        answer = httpx.post(f"{url}/v1/embeddings", json={"model": model_id, "input": texts}, timeout=600)
-        answer.raise_for_status()
-        rows = sorted(answer.json()["data"], key=lambda row: row["index"])
-        return [[float(x) for x in row["embedding"]] for row in rows]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return None
 
 
 def tune(args) -> int:
