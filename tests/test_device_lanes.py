@@ -159,18 +159,18 @@ def test_a_plain_batch_waits_while_an_adapter_batch_has_the_model():
     device = worker(2)
     runner = object()
     events: list[str] = []
-    device._enter(runner, alone=True)
+    device._turns.enter(runner, alone=True)
 
     def plain():
-        device._enter(runner, alone=False)
+        device._turns.enter(runner, alone=False)
         events.append("plain in")
-        device._leave(runner, alone=False)
+        device._turns.leave(runner, alone=False)
 
     thread = threading.Thread(target=plain)
     thread.start()
     time.sleep(0.2)
     events.append("adapter out")
-    device._leave(runner, alone=True)
+    device._turns.leave(runner, alone=True)
     thread.join(5)
     assert events == ["adapter out", "plain in"]
 
@@ -269,8 +269,7 @@ def test_a_lane_that_dies_lets_the_other_finish_its_batch_then_the_rest_fails_wi
 def test_a_busy_device_trims_the_heap_at_most_every_busy_interval_and_once_idle(tokenizer, monkeypatch):
     """Two lanes' working sets swing past RETAINED_HEAP_BYTES: a trim per batch would give back
     memory that the next batch faults straight in again."""
-    from shoal.engine import device as device_module
-    from shoal.engine import memory
+    from shoal.engine import heap_trim, memory
 
     trims: list[tuple[float, bool]] = []  # (when, whether the device was idle)
     real_trim = memory.trim
@@ -283,8 +282,8 @@ def test_a_busy_device_trims_the_heap_at_most_every_busy_interval_and_once_idle(
 
     monkeypatch.setattr(memory, "trim", counted_trim)
     monkeypatch.setattr(memory, "RETAINED_HEAP_BYTES", -(1 << 50))  # every look finds the heap grown
-    monkeypatch.setattr(device_module, "BUSY_TRIM_EVERY_S", 0.3)
-    monkeypatch.setattr(device_module, "TRIM_EVERY_S", 0.1)
+    monkeypatch.setattr(heap_trim, "BUSY_TRIM_EVERY_S", 0.3)
+    monkeypatch.setattr(heap_trim, "TRIM_EVERY_S", 0.1)
     runner = Recorder(hold_s=0.01)
 
     async def main():

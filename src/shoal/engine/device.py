@@ -10,7 +10,7 @@
   of several sequences still runs on every core.
 - Two batches of one model run side by side unless one of them routes LoRA adapters: those hooks
   are installed on the model for one forward (layers/lora.py), so such a batch has the model to
-  itself.
+  itself (engine/model_turns.py).
 
 - A failed batch is run again one sequence at a time, so only the sequences that fail get an
   error (`InferenceFailed` with the request id; the traceback goes to the log, not the client).
@@ -20,7 +20,8 @@
 - `stop` finishes what is queued, then joins the lanes; it reports whether they ended, so the
   caller never frees a model under a running batch.
 
-Idle lanes sleep on a condition variable until work arrives; there is no polling.
+Idle lanes sleep on a condition variable until work arrives; there is no polling. After each batch
+a lane asks the device's heap trim policy (engine/heap_trim.py) whether to give freed memory back.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from collections.abc import Callable
 
 from ..errors import DeadlineExceeded, InferenceFailed, Overloaded
 from ..metrics import Metrics
-from . import memory
 from .backend import LoadedModel
+from .heap_trim import HeapTrimmer
+from .model_turns import ModelTurns
 from .pending import Pending
 from .scheduler import BatchLimits, Scheduler, Slot
 from .threads import share_threads
@@ -42,11 +44,6 @@ from .types import Batch
 
 log = logging.getLogger("shoal.device")
 
-TRIM_EVERY_S = 2.0  # malloc_trim when the device goes idle, at most this often
-# While busy: RSS is read, and the heap trimmed if it grew, at most this often. Two lanes' working
-# sets swing past RETAINED_HEAP_BYTES, so a trim per growth would return memory the next batches
-# fault straight back in.
-BUSY_TRIM_EVERY_S = 10.0
 CONTENTION_WINDOW_S = 5.0
 
 
@@ -71,12 +68,10 @@ class DeviceWorker:
         self._lanes = lanes
         lock = threading.RLock()
         self._wake = threading.Condition(lock)  # work arrived, a lane died, or the device stops
-        self._turn = threading.Condition(lock)  # a model's batch ended (a lane may wait to run one)
+        self._turns = ModelTurns(lock)  # which lanes may run a batch on a model now
         self._threads: list[threading.Thread] = []
         self._alive = 0  # lanes not yet ended (the lock held)
         self._running = 0  # lanes inside a batch (the lock held)
-        self._shared: dict[int, int] = {}  # id(runner): its batches running side by side
-        self._held: set[int] = set()  # id(runner): a batch with adapters waits for or has it alone
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._dead = False
@@ -86,9 +81,7 @@ class DeviceWorker:
         self._small_request_tokens = small_request_tokens
         self._small_seen_at = -1e9
         self._large_live = 0  # large requests submitted and not yet released (the loop's side)
-        self._trimmed_at = 0.0
-        self._busy_check_at = -BUSY_TRIM_EVERY_S  # the first batch's check trims once and sets both
-        self._rss_after_trim = 0
+        self._heap = HeapTrimmer()
         self._tokens_per_s: float | None = None
         self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
         self._min_rate_tokens = min_rate_tokens
@@ -104,8 +97,7 @@ class DeviceWorker:
         self._dead = False
         self._alive = self._lanes
         self._running = 0
-        self._shared.clear()
-        self._held.clear()
+        self._turns.clear()
         self._threads = [
             threading.Thread(
                 target=self._lane_main, daemon=True, name=self._name if self._lanes == 1 else f"{self._name}-{i}"
@@ -298,29 +290,10 @@ class DeviceWorker:
             self._wake.wait(left)
 
     def _trim_if_idle(self) -> None:
-        """Give freed memory back to the OS when the device goes idle (at most every TRIM_EVERY_S;
-        within that, only if RSS grew RETAINED_HEAP_BYTES since the last trim), or, while busy, if
-        RSS grew that much (looked at most every BUSY_TRIM_EVERY_S): below that, and between looks,
-        the next batches reuse the freed heap without page faults."""
+        """Give freed memory back to the OS when the heap trim policy says so (engine/heap_trim.py)."""
         now = time.monotonic()
         with self._wake:  # lanes call this after each batch: one of them looks
-            idle = len(self._scheduler) == 0 and self._running == 0
-            if idle and now - self._trimmed_at >= TRIM_EVERY_S:
-                look = False
-                self._trimmed_at = now
-            elif idle or now - self._busy_check_at >= BUSY_TRIM_EVERY_S:
-                look = True
-                if not idle:
-                    self._busy_check_at = now
-            else:
-                return
-            if look:
-                rss = memory.rss_bytes()
-                if rss is None or rss <= self._rss_after_trim + memory.RETAINED_HEAP_BYTES:
-                    return
-                self._trimmed_at = now
-            memory.trim()
-            self._rss_after_trim = memory.rss_bytes() or 0
+            self._heap.after_batch(now, idle=len(self._scheduler) == 0 and self._running == 0)
 
     def _drop(self, requests: list[Pending]) -> None:
         now = time.monotonic()
@@ -348,7 +321,7 @@ class DeviceWorker:
             # slice of the batch's tokens, not a gather and scatter (layers/lora.py).
             slots = sorted(slots, key=lambda slot: slot[0].adapter_slot)
         alone = any(p.adapter_slot >= 0 for p, _ in slots)
-        self._enter(runner, alone)
+        self._turns.enter(runner, alone)
         side_by_side = self._running  # lanes in a batch now, this one included
         started = time.perf_counter()
         try:
@@ -361,7 +334,7 @@ class DeviceWorker:
                 except Exception as exc:
                     outputs.append(exc)
         finally:
-            self._leave(runner, alone)
+            self._turns.leave(runner, alone)
         elapsed = time.perf_counter() - started
         model_id = slots[0][0].model_id
         num_tokens = sum(p.lengths[i] for p, i in slots)
@@ -407,32 +380,6 @@ class DeviceWorker:
                 # dropped the rest while this batch ran (then `_drop` left the release to it).
                 if pending.in_batches == 0 and (pending.remaining == 0 or pending.dropped):
                     self._call_soon(self._release, pending)
-
-    def _enter(self, runner: LoadedModel, alone: bool) -> None:
-        """Wait until `runner` may run this lane's batch: beside its other batches, or, for a batch
-        with adapters (`alone`), once the batches running on it have ended; no batch starts on it
-        meanwhile, so the adapter batch never waits for long."""
-        key = id(runner)
-        with self._wake:
-            while key in self._held:
-                self._turn.wait()
-            if alone:
-                self._held.add(key)
-                while self._shared.get(key):
-                    self._turn.wait()
-            else:
-                self._shared[key] = self._shared.get(key, 0) + 1
-
-    def _leave(self, runner: LoadedModel, alone: bool) -> None:
-        key = id(runner)
-        with self._wake:
-            if alone:
-                self._held.discard(key)
-            elif self._shared[key] > 1:
-                self._shared[key] -= 1
-            else:
-                del self._shared[key]
-            self._turn.notify_all()
 
     @staticmethod
     def _forward(runner: LoadedModel, slots: list[Slot[Pending]]) -> list[object]:
