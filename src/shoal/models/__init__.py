@@ -23,6 +23,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "shoal.models.llama:LlamaModel",
     "qwen3": "shoal.models.llama:LlamaModel",
     "deberta-v2": "shoal.models.deberta_v2:DebertaV2Model",
+    "clip": "shoal.models.clip:ClipModel",
+    "siglip": "shoal.models.siglip:SiglipModel",
 }
 
 
