@@ -194,7 +194,7 @@ class SimDevice:
         self.model(call.model)
         now = loop.time()
         pending = _Pending(
-            p.estimate_tokens(call), len(call.texts), now, now + (call.timeout_s or 300.0), loop.create_future()
+            p.estimate_tokens(call), len(call.items), now, now + (call.timeout_s or 300.0), loop.create_future()
         )
         self._queues[call.model].append(pending)
         self.queued_tokens += pending.tokens
@@ -504,7 +504,7 @@ class Workload:
         self.calls = [
             EncodeCall(
                 model=rng.choices(model_ids, weights)[0],
-                texts=rng.sample(texts, rng.randint(1, 8)),
+                items=rng.sample(texts, rng.randint(1, 8)),
                 timeout_s=timeout_s,
             )
             for _ in range(20_000)

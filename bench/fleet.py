@@ -125,7 +125,7 @@ async def run_zipf(args) -> None:
     def make_call(rng: random.Random):
         model = rng.choices(ids, weights)[0]
         start = rng.randrange(len(sentences) - TEXTS_PER_REQUEST)
-        return EncodeCall(model=model, texts=sentences[start : start + TEXTS_PER_REQUEST])
+        return EncodeCall(model=model, items=sentences[start : start + TEXTS_PER_REQUEST])
 
     probe_engine = Engine(EngineSettings(watch_interval_s=None), Catalog([card(ids[0])]), allow_download=False)
     await probe_engine.start()
@@ -218,12 +218,12 @@ async def run_adapters(args) -> None:
             def make_call(rng: random.Random):
                 start = rng.randrange(len(sentences) - TEXTS_PER_REQUEST)
                 adapter = rng.choice(names) if with_adapters else None
-                return EncodeCall(model=model_id, texts=sentences[start : start + TEXTS_PER_REQUEST], adapter=adapter)
+                return EncodeCall(model=model_id, items=sentences[start : start + TEXTS_PER_REQUEST], adapter=adapter)
 
             return make_call
 
         for name in names:  # every adapter resident before timing
-            await engine.run(EncodeCall(model=model_id, texts=["warm"], adapter=name))
+            await engine.run(EncodeCall(model=model_id, items=["warm"], adapter=name))
         results = {}
         for label, with_adapters in (("base", False), ("8 adapters", True), ("base again", False)):
             await closed_loop(engine, stream(with_adapters), args.clients, 2.0)

@@ -23,7 +23,17 @@ import math
 import msgspec
 import numpy as np
 
-from shoal.calls import AnyCall, AnyResult, EncodeCall, EncodedItem, EncodeResult, ScoreCall, ScoredItem, ScoreResult
+from shoal.calls import (
+    AnyCall,
+    AnyResult,
+    EncodeCall,
+    EncodedItem,
+    EncodeResult,
+    ScoreCall,
+    ScoredItem,
+    ScoreResult,
+    text_of,
+)
 from shoal.errors import InputTooLong, InvalidRequest, UnknownModel
 from shoal.metrics import Metrics
 from shoal.service import Capacity, CardProblem, ModelStatus, Token
@@ -181,11 +191,11 @@ class StandIn:
                     call.model, text, dimensions=call.dimensions, normalize=normalize, output_dtype=call.output_dtype
                 )
             )
-            for text in call.texts
+            for text in map(text_of, call.items)
         ]
-        num_tokens = sum(count_tokens(text) for text in call.texts)
+        num_tokens = sum(count_tokens(text_of(item) or "") for item in call.items)
         self.metrics.tokens.labels(call.model).inc(num_tokens)
-        self.metrics.items.labels(call.model).inc(len(call.texts))
+        self.metrics.items.labels(call.model).inc(len(call.items))
         return EncodeResult(items=items, num_tokens=num_tokens, request_id=call.request_id)
 
     def _score(self, call: ScoreCall) -> ScoreResult:

@@ -107,7 +107,7 @@ def test_every_verb_round_trips_and_equals_the_service_run_in_process(nats_url):
     async def body():
         reference = StandIn()
         async with cluster(nats_url, "verbs", [[StandIn()], [StandIn()]]) as (gateway, _):
-            encode = EncodeCall(model=MODEL, texts=["a fish", "a shoal of fish", "ünïcödé 🐟"])
+            encode = EncodeCall(model=MODEL, items=["a fish", "a shoal of fish", "ünïcödé 🐟"])
             got = await gateway.run(encode)
             want = await reference.run(encode)
             assert np.array_equal(np.stack(got.vectors), np.stack(want.vectors))
@@ -117,7 +117,7 @@ def test_every_verb_round_trips_and_equals_the_service_run_in_process(nats_url):
             assert [(i.index, i.score) for i in got_s.items] == [(i.index, i.score) for i in want_s.items]
             # An error on the worker comes back as itself.
             with pytest.raises(Exception) as caught:
-                await gateway.run(EncodeCall(model=MODEL, texts=["x"], dimensions=10_000))
+                await gateway.run(EncodeCall(model=MODEL, items=["x"], dimensions=10_000))
             assert type(caught.value).__name__ == "InvalidRequest" and "dimensions" in caught.value.message
             # tokenize and admin travel to the workers too.
             assert [t.text for t in (await gateway.tokenize(MODEL, ["two words"]))[0]] == [
@@ -142,12 +142,12 @@ def test_a_model_no_worker_serves_is_503_with_retry_after_and_counts_as_demand(n
             assert gateway.model(known).state == "no_worker"
             for _ in range(3):
                 with pytest.raises(NoWorker) as caught:
-                    await gateway.run(EncodeCall(model=known, texts=["x"]))
+                    await gateway.run(EncodeCall(model=known, items=["x"]))
             assert caught.value.retry_after_s >= 1
             assert sample(gateway.metrics, "shoal_gateway_demand", model=known) == 3
             assert sample(gateway.metrics, "shoal_gateway_unserved_requests_total", model=known) == 3
             with pytest.raises(UnknownModel):
-                await gateway.run(EncodeCall(model="no/such-model", texts=["x"]))
+                await gateway.run(EncodeCall(model="no/such-model", items=["x"]))
 
     run(body())
 
@@ -161,10 +161,10 @@ def test_work_pulled_for_the_host_goes_to_the_device_that_is_free(nats_url):
         stuck.gate.clear()
         # Budgets of one token: a device holds one call at a time, so the stuck one holds just its first.
         async with cluster(nats_url, "host", [[stuck, free]], min_inflight_tokens=1) as (gateway, [worker]):
-            first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["held"])))
+            first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=["held"])))
             await until(lambda: stuck.started, "the stuck device took the first call")
             results = await asyncio.gather(
-                *[gateway.run(EncodeCall(model=MODEL, texts=[f"text {i}"])) for i in range(20)]
+                *[gateway.run(EncodeCall(model=MODEL, items=[f"text {i}"])) for i in range(20)]
             )
             assert len(results) == 20 and len(free.calls) == 20 and len(stuck.started) == 1
             assert sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=MODEL) == 0
@@ -183,7 +183,7 @@ def test_a_call_whose_deadline_passed_in_the_queue_is_never_computed(nats_url):
             nc = gateway._nc
             inbox = nc.new_inbox()
             replies = await nc.subscribe(inbox)
-            call = EncodeCall(model=MODEL, texts=["too late"], request_id="late-1")
+            call = EncodeCall(model=MODEL, items=["too late"], request_id="late-1")
             await gateway._js.publish(
                 p.work_subject("deadline", MODEL),
                 calls.encode(call),
@@ -200,10 +200,10 @@ def test_a_call_whose_deadline_passed_in_the_queue_is_never_computed(nats_url):
             # worker pulls nothing more; the second call's deadline passes in the queue, the gateway
             # deletes it there, and it is never computed.
             service.gate.clear()
-            busy = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["x " * 10_000], request_id="busy")))
+            busy = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=["x " * 10_000], request_id="busy")))
             await until(lambda: "busy" in service.started, "the busy call started")
             with pytest.raises(DeadlineExceeded):
-                await gateway.run(EncodeCall(model=MODEL, texts=["short"], timeout_s=0.5, request_id="short"))
+                await gateway.run(EncodeCall(model=MODEL, items=["short"], timeout_s=0.5, request_id="short"))
             service.gate.set()
             await busy
             await asyncio.sleep(0.5)
@@ -228,7 +228,7 @@ def test_what_a_worker_pulled_beyond_its_room_goes_back_to_the_queue_and_is_serv
             # calls behind it at once; the device holds the first (the gate is shut), so only some
             # fit, and the rest go back to the queue.
             for i, words in enumerate([1, 1_200, 1_200, 1_200, 1_200]):
-                call = EncodeCall(model=MODEL, texts=["word " * words], request_id=f"big{i}")
+                call = EncodeCall(model=MODEL, items=["word " * words], request_id=f"big{i}")
                 await js.publish(
                     p.work_subject("overpull", MODEL),
                     calls.encode(call),
@@ -266,7 +266,7 @@ def test_a_call_running_longer_than_ack_wait_is_kept_by_in_progress_not_redelive
         service, sibling = Slow(), StandIn()
         service.gate.clear()
         async with cluster(nats_url, "long", [[service]], ack_wait_s=1.0) as (gateway, [worker]):
-            long = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["long"], request_id="long")))
+            long = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=["long"], request_id="long")))
             await until(lambda: "long" in service.started, "the long call started")
             # A sibling that would take the call if it were redelivered.
             settings = ClusterSettings(nats_url=nats_url, pool="long", heartbeat_s=0.2, ack_wait_s=1.0)
@@ -290,11 +290,11 @@ def test_a_caller_that_goes_away_has_its_held_call_dropped(nats_url):
         service = Slow()
         async with cluster(nats_url, "cancel", [[service]], min_inflight_tokens=1_000_000) as (gateway, [worker]):
             service.gate.clear()
-            first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["first"], request_id="first")))
+            first = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=["first"], request_id="first")))
             await until(lambda: "first" in service.started, "the first call started")
             # The device runs one call at a time only if its budget says so; here it takes both, so
             # the second is running (held by the engine) when its caller goes away.
-            second = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["second"], request_id="second")))
+            second = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=["second"], request_id="second")))
             await until(lambda: "second" in service.started, "the second call started")
             second.cancel()
             deadline = time.monotonic() + 10
@@ -333,7 +333,7 @@ def test_a_call_delivered_max_deliver_times_is_a_dead_letter_answered_with_its_r
 
             beating = asyncio.create_task(heartbeats())
             await asyncio.sleep(0.3)
-            call = asyncio.create_task(gateway.run(EncodeCall(model=model.id, texts=["poison"], request_id="doomed")))
+            call = asyncio.create_task(gateway.run(EncodeCall(model=model.id, items=["poison"], request_id="doomed")))
             deliveries = []
 
             async def die_on_each():  # take it and "die" (never ack), as long as JetStream delivers it
@@ -371,7 +371,7 @@ def test_a_draining_worker_pulls_no_more_finishes_what_it_runs_and_leaves_the_re
             task = asyncio.create_task(worker.run(stop))
             await until(lambda: gateway.workers.served().get(MODEL), "the gateway saw the worker")
             pending = [
-                asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=[f"t{i}"], request_id=f"r{i}")))
+                asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=[f"t{i}"], request_id=f"r{i}")))
                 for i in range(12)
             ]
             await until(lambda: draining.started, "the draining worker started a call")
@@ -434,7 +434,7 @@ def test_a_worker_answers_its_probes_starting_pulling_wedged_and_draining(nats_u
                 await asyncio.sleep(0.5)  # the loop turns again: live
                 assert (await asyncio.to_thread(get, "/healthz")).status_code == 200
                 service.gate.clear()
-                pending = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["held"], request_id="p1")))
+                pending = asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=["held"], request_id="p1")))
                 await until(lambda: service.started, "the worker started the call")
                 stop.set()
                 await until(lambda: worker.draining, "the worker drains")
@@ -504,7 +504,7 @@ def test_the_gateway_shows_each_consumers_pending_and_unacked_calls(nats_url, mo
             # Held by the worker (running, or handed back with a delay: JetStream counts both as
             # unacked): five calls of ~3,000 tokens, none answered while the gate is shut.
             running = [
-                asyncio.create_task(gateway.run(EncodeCall(model=MODEL, texts=["word " * 2_400], request_id=f"g{i}")))
+                asyncio.create_task(gateway.run(EncodeCall(model=MODEL, items=["word " * 2_400], request_id=f"g{i}")))
                 for i in range(5)
             ]
             await until(
@@ -545,7 +545,7 @@ def test_a_gateway_makes_the_consumers_of_a_pool_that_has_no_worker_yet(nats_url
             await gateway.stop()
         # A worker of the pool binds to the consumer it finds.
         async with cluster(nats_url, "cold", [[StandIn()]]) as (gateway, _):
-            result = await gateway.run(EncodeCall(model=MODEL, texts=["hello"], request_id="cold-1"))
+            result = await gateway.run(EncodeCall(model=MODEL, items=["hello"], request_id="cold-1"))
             assert result.request_id == "cold-1"
 
     run(body())

@@ -253,7 +253,7 @@ def test_an_in_process_call_with_a_lone_surrogate_is_refused_naming_the_text():
     from shoal.errors import InvalidRequest
 
     card = Catalog.load().get("sentence-transformers/all-MiniLM-L6-v2")
-    with pytest.raises(InvalidRequest, match=r"texts\[1\] has a lone surrogate") as info:
+    with pytest.raises(InvalidRequest, match=r"items\[1\] has a lone surrogate") as info:
         EncodeTask().plan(card, calls.EncodeCall(card.id, ["fine", "bro\ud800ken"]))
     assert info.value.details == {"index": 1, "position": 3}
 

@@ -36,7 +36,7 @@ def test_token_class_entities_equal_the_pipeline(tmp_path, tagger, strategy):
         "token-classification", model=model, tokenizer=tokenizer, aggregation_strategy=strategy, device="cpu"
     )
     catalog = catalog_with(tmp_path, extract_card(directory, "test/tagger", "token_class"))
-    (result,) = run(catalog, ExtractCall(model="test/tagger", texts=TEXTS, aggregation=strategy))
+    (result,) = run(catalog, ExtractCall(model="test/tagger", items=TEXTS, aggregation=strategy))
     total = 0
     for text, item in zip(TEXTS, result.items):
         expected = pipe(text)
@@ -55,10 +55,10 @@ def test_token_class_labels_filter_and_threshold(tmp_path, tagger):
     catalog = catalog_with(tmp_path, extract_card(directory, "test/tagger", "token_class"))
     whole, only, above, unknown = run(
         catalog,
-        ExtractCall(model="test/tagger", texts=TEXTS),
-        ExtractCall(model="test/tagger", texts=TEXTS, labels=["PER"]),
-        ExtractCall(model="test/tagger", texts=TEXTS, threshold=0.5),
-        ExtractCall(model="test/tagger", texts=TEXTS, labels=["person"]),
+        ExtractCall(model="test/tagger", items=TEXTS),
+        ExtractCall(model="test/tagger", items=TEXTS, labels=["PER"]),
+        ExtractCall(model="test/tagger", items=TEXTS, threshold=0.5),
+        ExtractCall(model="test/tagger", items=TEXTS, labels=["person"]),
         catch=(InvalidRequest,),
     )
     everything = [e for item in whole.items for e in item.entities]
@@ -88,7 +88,7 @@ def test_a_long_text_is_tagged_in_token_windows(tmp_path, tagger):
         tmp_path, extract_card(directory, "test/tagger", "token_class", max_length=128, window_overlap_tokens=32)
     )
     text = " ".join(TEXTS[:3] * 40)
-    (result,) = run(catalog, ExtractCall(model="test/tagger", texts=[text], aggregation="first"))
+    (result,) = run(catalog, ExtractCall(model="test/tagger", items=[text], aggregation="first"))
     item = result.items[0]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     n, size, overlap = len(enc["input_ids"]), 126, 32
@@ -135,7 +135,7 @@ def test_zero_shot_scores_equal_the_pipeline(tmp_path, nli, multi_label):
         for template in (None, "The topic is {}."):
             calls.append(
                 ExtractCall(
-                    model="test/nli", texts=TEXTS, labels=labels, multi_label=multi_label, hypothesis_template=template
+                    model="test/nli", items=TEXTS, labels=labels, multi_label=multi_label, hypothesis_template=template
                 )
             )
             expected.append(
@@ -161,7 +161,7 @@ def test_zero_shot_cuts_a_long_text_and_says_so(tmp_path, nli):
     pipe = transformers.pipeline("zero-shot-classification", model=model, tokenizer=tokenizer, device="cpu")
     catalog = catalog_with(tmp_path, extract_card(directory, "test/nli", "zero_shot", max_length=64))
     text = " ".join(TEXTS) * 6
-    (result,) = run(catalog, ExtractCall(model="test/nli", texts=[text, TEXTS[0]], labels=["politics", "food"]))
+    (result,) = run(catalog, ExtractCall(model="test/nli", items=[text, TEXTS[0]], labels=["politics", "food"]))
     assert result.items[0].truncated and not result.items[1].truncated
     pipe.tokenizer.model_max_length = 64
     exp = pipe(text, candidate_labels=["politics", "food"])
@@ -186,10 +186,10 @@ def test_bad_calls_are_refused_naming_the_problem(tmp_path, tagger, nli):
         "flat_ner applies to gliner": dict(labels=["a"], flat_ner=False),
         "as a format string; got 'It is {{}}'": dict(labels=["a"], hypothesis_template="It is {{}}"),
     }
-    calls = [ExtractCall(model="test/nli", texts=["some text"], **kw) for kw in nli_calls.values()]
-    calls.append(ExtractCall(model="test/tagger", texts=["x"], aggregation="best"))
-    calls.append(ExtractCall(model="test/nli", texts=[], labels=["a"]))
-    calls.append(ExtractCall(model="test/tagger", texts=["x"], multi_label=True))
+    calls = [ExtractCall(model="test/nli", items=["some text"], **kw) for kw in nli_calls.values()]
+    calls.append(ExtractCall(model="test/tagger", items=["x"], aggregation="best"))
+    calls.append(ExtractCall(model="test/nli", items=[], labels=["a"]))
+    calls.append(ExtractCall(model="test/tagger", items=["x"], multi_label=True))
     results = run(catalog, *calls, catch=(InvalidRequest,))
     for expected, got in zip(
         [*nli_calls, "aggregation must be one of", "no items", "multi_label applies to gliner and"], results
@@ -220,7 +220,7 @@ def test_a_positional_template_is_filled_as_the_pipeline_fills_it(tmp_path, nli)
     catalog = catalog_with(tmp_path, extract_card(directory, "test/nli", "zero_shot"))
     (result,) = run(
         catalog,
-        ExtractCall(model="test/nli", texts=TEXTS[:1], labels=["food", "sports"], hypothesis_template="About {0}."),
+        ExtractCall(model="test/nli", items=TEXTS[:1], labels=["food", "sports"], hypothesis_template="About {0}."),
     )
     exp = pipe(TEXTS[0], candidate_labels=["food", "sports"], hypothesis_template="About {0}.")
     np.testing.assert_allclose([s.score for s in result.items[0].labels], exp["scores"], atol=1e-4)

@@ -52,7 +52,7 @@ def test_entities_equal_gliner_predict_entities(tmp_path, deberta_gliner, flat_n
             calls.append(
                 ExtractCall(
                     model="test/gliner",
-                    texts=TEXTS,
+                    items=TEXTS,
                     labels=labels,
                     threshold=threshold,
                     flat_ner=flat_ner,
@@ -97,7 +97,7 @@ def test_bert_backbone_and_the_published_layout_equal_gliner(tmp_path, layout):
         card = gliner_card(directory, backbone=tmp_path / "model-backbone")
     catalog = catalog_with(tmp_path, card)
     labels = LABEL_SETS[1]
-    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=0.5))
+    (result,) = run(catalog, ExtractCall(model="test/gliner", items=TEXTS, labels=labels, threshold=0.5))
     total = 0
     for i, (item, text) in enumerate(zip(result.items, TEXTS)):
         expected = reference.predict_entities(text, labels, threshold=0.5)
@@ -112,7 +112,7 @@ def test_marker_span_mode_with_one_word_spans_equals_gliner(tmp_path):
     reference = build_gliner(directory, "deberta-v3", seed=7, span_mode="marker", max_width=1)
     catalog = catalog_with(tmp_path, gliner_card(directory))
     labels = LABEL_SETS[1]
-    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=0.3))
+    (result,) = run(catalog, ExtractCall(model="test/gliner", items=TEXTS, labels=labels, threshold=0.3))
     total = 0
     for i, (item, text) in enumerate(zip(result.items, TEXTS)):
         expected = reference.predict_entities(text, labels, threshold=0.3)
@@ -139,7 +139,7 @@ def test_nuner_zero_lowercases_labels_and_merges_adjacent_words(tmp_path):
     reference = build_gliner(directory, "deberta-v3", seed=7, span_mode="marker", max_width=1)
     catalog = catalog_with(tmp_path, gliner_card(directory, lowercase_labels="true", merge_adjacent="true"))
     labels = ["Person", "Location", "Organization"]
-    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=TEXTS, labels=labels, threshold=0.2))
+    (result,) = run(catalog, ExtractCall(model="test/gliner", items=TEXTS, labels=labels, threshold=0.2))
     merged_any = False
     for i, (item, text) in enumerate(zip(result.items, TEXTS)):
         raw = reference.predict_entities(text, [label.lower() for label in labels], threshold=0.2)
@@ -156,9 +156,9 @@ def test_max_span_width_keeps_shorter_spans_only(tmp_path, deberta_gliner):
     catalog = catalog_with(tmp_path, gliner_card(directory))
     wide, narrow = run(
         catalog,
-        ExtractCall(model="test/gliner", texts=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False),
+        ExtractCall(model="test/gliner", items=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False),
         ExtractCall(
-            model="test/gliner", texts=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False, max_span_width=1
+            model="test/gliner", items=TEXTS, labels=LABEL_SETS[1], threshold=0.3, flat_ner=False, max_span_width=1
         ),
     )
     widths = [len(split_words(e.text)[0]) for item in wide.items for e in item.entities]
@@ -185,7 +185,7 @@ def test_a_5000_word_text_is_read_in_windows_and_merged(tmp_path, deberta_gliner
     text, places = long_text(5000)
     labels = ["person", "city"]
     threshold = 0.9
-    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=[text], labels=labels, threshold=threshold))
+    (result,) = run(catalog, ExtractCall(model="test/gliner", items=[text], labels=labels, threshold=threshold))
     item = result.items[0]
     words, starts, ends = split_words(text)
 
@@ -248,8 +248,8 @@ def test_a_heavy_decoding_runs_beside_the_event_loop(tmp_path, deberta_gliner, m
     monkeypatch.setattr(GlinerTask, "collect", spy)
     heavy, light = run(
         catalog,
-        ExtractCall(model="test/gliner", texts=[long_text(600)[0]], labels=LABEL_SETS[1], threshold=0.0),
-        ExtractCall(model="test/gliner", texts=TEXTS[:1], labels=LABEL_SETS[0], threshold=0.9),
+        ExtractCall(model="test/gliner", items=[long_text(600)[0]], labels=LABEL_SETS[1], threshold=0.0),
+        ExtractCall(model="test/gliner", items=TEXTS[:1], labels=LABEL_SETS[0], threshold=0.9),
     )
     assert threads == [False, True]
     assert len(heavy.items[0].entities) > 100
@@ -262,7 +262,7 @@ def test_texts_without_words_and_a_word_longer_than_the_window(tmp_path, deberta
     catalog = catalog_with(tmp_path, gliner_card(directory))
     giant = "short words here " * 4 + "x" * 3000 + " Angela Merkel met Obama."
     texts = ["", "   \n\t ", "?! ...", giant]
-    (result,) = run(catalog, ExtractCall(model="test/gliner", texts=texts, labels=LABEL_SETS[0], threshold=0.5))
+    (result,) = run(catalog, ExtractCall(model="test/gliner", items=texts, labels=LABEL_SETS[0], threshold=0.5))
     empty, blank, punct, long = result.items
     assert empty.entities == [] and empty.num_windows == 0 and blank.entities == [] and blank.num_windows == 0
     assert punct.num_windows == 1
@@ -281,7 +281,7 @@ def test_a_word_the_tokenizer_drops_is_never_an_entity_edge(tmp_path):
     catalog = catalog_with(tmp_path, gliner_card(directory))
     text = "Angela Merkel \u00ad met Barack Obama \u00ad in Berlin"
     (result,) = run(
-        catalog, ExtractCall(model="test/gliner", texts=[text], labels=LABEL_SETS[1], threshold=0.1, flat_ner=False)
+        catalog, ExtractCall(model="test/gliner", items=[text], labels=LABEL_SETS[1], threshold=0.1, flat_ner=False)
     )
     entities = result.items[0].entities
     assert entities

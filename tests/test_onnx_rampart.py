@@ -328,7 +328,7 @@ max_length: 512
         engine = Engine(EngineSettings(), catalog, allow_download=False)
         await engine.start()
         try:
-            return [await engine.run(ExtractCall(model=m, texts=TEXTS)) for m in ("test/rampart-unmerged", card.id)]
+            return [await engine.run(ExtractCall(model=m, items=TEXTS)) for m in ("test/rampart-unmerged", card.id)]
         finally:
             await engine.stop()
 

@@ -12,6 +12,10 @@ writes them as `{dtype, shape, data}` with raw little-endian bytes and `decode_*
             ├ ExtractResult
             └ ErrorResult         a ShoalError as data: `error()` re-raises it as its own class
 
+Inputs are modality-neutral: an `items` entry (a score's query or document) is an `Item` with its
+`text` or its `image` (the file's bytes), or a bare string, the short form of a text item. What
+modalities a model reads is its card's `modalities`; the engine refuses the others by item.
+
 Every call carries `request_id` (for logs and error bodies) and `timeout_s`, the caller's budget:
 the engine turns it into a deadline at admission and drops work that outlives it.
 """
@@ -19,12 +23,42 @@ the engine turns it into a deadline at admission and drops work that outlives it
 from __future__ import annotations
 
 import math
-from typing import Any, TypeAlias
+from collections.abc import Sequence
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 import numpy as np
 
 from .errors import InvalidRequest, ShoalError, error_from_code
+
+Modality: TypeAlias = Literal["text", "image"]
+
+
+class Item(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One input of a call that is more than a string: a text, or an image as its file's bytes
+    (PNG, JPEG...; base64 in JSON). Exactly one is set."""
+
+    text: str | None = None
+    image: bytes | None = None
+
+    @property
+    def modality(self) -> Modality:
+        return "image" if self.image is not None else "text"
+
+
+# An input: a bare string is a text item.
+Input: TypeAlias = str | Item
+
+
+def modality_of(value: Input) -> Modality:
+    return value.modality if isinstance(value, Item) else "text"
+
+
+def text_of(value: Input) -> str | None:
+    """The text of a text input; None for any other modality."""
+    if isinstance(value, str):
+        return value
+    return value.text if value.image is None else None
 
 
 class Call(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
@@ -34,10 +68,10 @@ class Call(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
 
 
 class EncodeCall(Call, frozen=True, tag="encode"):
-    """Encode texts into dense, sparse and/or multi-vector outputs."""
+    """Encode items into dense, sparse and/or multi-vector outputs, one per item."""
 
     model: str
-    texts: list[str]
+    items: Sequence[Input]  # decoded as a list
     normalize: bool | None = None  # None: as the card says
     dimensions: int | None = None  # Matryoshka truncation
     output_dtype: str = "float32"
@@ -58,8 +92,8 @@ class ScoreCall(Call, frozen=True, tag="score"):
     """
 
     model: str
-    query: str
-    documents: list[str]
+    query: Input
+    documents: Sequence[Input]  # decoded as a list
     top_k: int | None = None  # None: every document, ranked
     raw_scores: bool = False  # cross-encoders and LLM rerankers: the logit, no activation
     truncate: bool = True  # False: a pair (or document) longer than the model takes is a 400
@@ -73,7 +107,7 @@ class ScoreCall(Call, frozen=True, tag="score"):
 
 class ExtractCall(Call, frozen=True, tag="extract"):
     """Extract entities (span and token-classification NER) or labels (zero-shot classification)
-    from each text. How depends on the card's `extract.kind`:
+    from each item. How depends on the card's `extract.kind`:
 
         gliner      entities of the requested `labels` (zero-shot span NER)
         token_class entities of the model's own labels (`labels`, if sent, keeps only those)
@@ -83,7 +117,7 @@ class ExtractCall(Call, frozen=True, tag="extract"):
     """
 
     model: str
-    texts: list[str]
+    items: Sequence[Input]  # decoded as a list
     labels: list[str] = []
     threshold: float | None = None  # minimum score of an entity (or, multi_label, of a label)
     flat_ner: bool | None = None  # gliner (default true): no overlapping entities; false: nested ones are kept
@@ -100,7 +134,7 @@ class SparseVector(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One text's outputs; those not asked for are None."""
+    """One item's outputs; those not asked for are None."""
 
     dense: np.ndarray | None = None  # [dims]
     sparse: SparseVector | None = None

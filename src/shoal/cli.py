@@ -114,7 +114,7 @@ class _Backend:
         from .calls import EncodeCall
 
         result = await self.engine.run(
-            EncodeCall(model=a.model, texts=texts, dimensions=a.dimensions, is_query=a.query_prompt or None)
+            EncodeCall(model=a.model, items=texts, dimensions=a.dimensions, is_query=a.query_prompt or None)
         )
         return np.stack(result.vectors), result.num_tokens
 
@@ -147,7 +147,7 @@ class _Backend:
         result = await self.engine.run(
             ExtractCall(
                 model=a.model,
-                texts=texts,
+                items=texts,
                 labels=a.label or [],
                 threshold=a.threshold,
                 multi_label=a.multi_label or None,

@@ -9,8 +9,9 @@ serves it, and its cost in tokens. Torch-free: the gateway and the worker read i
 
 `estimate_tokens(call, card)` is the one cost function: engine admission, the gateway's token
 header (what workers size their pulls by) and the worker all count a call with it. It runs before
-any tokenizer, from characters (~4 a token), and counts what the task will really run: prompts,
-label prompts repeated per window, one pair per label, the frame around every LLM-reranked pair.
+any tokenizer, from characters (~4 a token) and the card's `image_tokens` an image, and counts what
+the task will really run: prompts, label prompts repeated per window, one pair per label, the frame
+around every LLM-reranked pair.
 
 A new verb or kind is a registry line here, its task file, and its estimate below.
 """
@@ -20,7 +21,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .calls import AnyCall, EncodeCall, EncodeResult, ExtractCall, ExtractResult, Result, ScoreCall, ScoreResult
+from .calls import (
+    AnyCall,
+    EncodeCall,
+    EncodeResult,
+    ExtractCall,
+    ExtractResult,
+    Input,
+    Result,
+    ScoreCall,
+    ScoreResult,
+    text_of,
+)
 from .catalog import ModelCard
 from .errors import InvalidRequest
 
@@ -38,14 +50,22 @@ class Kind:
     estimate: Callable[[AnyCall, ModelCard], int]
 
 
-def raw_tokens(text: str) -> int:
-    """Tokens a text will cost, before tokenizing and uncut: ~4 characters a token, plus specials."""
-    return len(text) // 4 + 2
+# What an image costs on a card that does not say (`image_tokens`): a ViT-B/16's 196 patches + 1.
+IMAGE_TOKENS = 197
 
 
-def text_tokens(text: str, max_length: int) -> int:
+def raw_tokens(value: Input, card: ModelCard | None = None, prefix: int = 0) -> int:
+    """Tokens an input will cost, before preprocessing and uncut: a text ~4 characters a token
+    (`prefix` more characters of prompt), plus specials; an image its card's `image_tokens`."""
+    text = text_of(value)
+    if text is None:
+        return (card.image_tokens if card is not None else None) or IMAGE_TOKENS
+    return (prefix + len(text)) // 4 + 2
+
+
+def text_tokens(value: Input, max_length: int, card: ModelCard | None = None) -> int:
     """`raw_tokens`, cut to what one sequence of `max_length` keeps."""
-    return min(max_length, raw_tokens(text))
+    return min(max_length, raw_tokens(value, card))
 
 
 # A GLiNER window keeps at least this many tokens for text next to the label prompt.
@@ -59,30 +79,30 @@ def _encode(call: AnyCall, card: ModelCard) -> int:
     prefix = (
         card.prompts.get(call.prompt_name, "") if call.prompt_name is not None else card.prompt_for(None, call.is_query)
     )
-    return sum(min(card.max_length, (len(prefix) + len(t)) // 4 + 2) for t in call.texts)  # no copy of prefix + t
+    return sum(min(card.max_length, raw_tokens(item, card, len(prefix))) for item in call.items)
 
 
 def _score(call: AnyCall, card: ModelCard) -> int:
     assert isinstance(call, ScoreCall)
     longest = card.max_length
     mode = card.score.kind if card.score is not None else card.outputs[0]
-    query_tokens = text_tokens(call.query, longest // 2)
+    query_tokens = text_tokens(call.query, longest // 2, card)
     overlap = call.window_overlap_tokens
     if isinstance(overlap, int) and overlap >= 0:  # every window repeats the query and the overlap
         room = max(2, longest - query_tokens - 3)
         step = max(1, room - overlap)
-        whole = [min(raw_tokens(d), room + (MAX_WINDOWS - 1) * step) for d in call.documents]
+        whole = [min(raw_tokens(d, card), room + (MAX_WINDOWS - 1) * step) for d in call.documents]
         return sum(d + -(-d // step) * (query_tokens + 3 + overlap) for d in whole)
     per_doc = (
         call.max_tokens_per_doc if isinstance(call.max_tokens_per_doc, int) and call.max_tokens_per_doc > 0 else longest
     )
-    doc_tokens = [text_tokens(d, per_doc) for d in call.documents]
+    doc_tokens = [text_tokens(d, per_doc, card) for d in call.documents]
     if mode == "llm" and card.score is not None:  # the prefix, template and suffix frame every document
         s = card.score
         query_tokens += text_tokens(s.prefix + s.template + s.suffix + (call.instruction or s.instruction), longest)
     if mode in ("cross_encoder", "llm"):
         return sum(min(longest, query_tokens + d) for d in doc_tokens)
-    return text_tokens(call.query, longest) + sum(doc_tokens)
+    return text_tokens(call.query, longest, card) + sum(doc_tokens)
 
 
 def unique_labels(labels: list[str], fold: bool) -> list[str]:
@@ -107,20 +127,20 @@ def _gliner(call: AnyCall, card: ModelCard) -> int:
     longest = card.max_length
     prompt = sum(text_tokens(label, longest) for label in _labels(call, card)) + 1
     room = max(MIN_TEXT_TOKENS, longest - prompt - 2)
-    text = [raw_tokens(t) for t in call.texts]
+    text = [raw_tokens(t, card) for t in call.items]
     return sum(t + -(-t // room) * prompt for t in text)
 
 
 def _token_class(call: AnyCall, card: ModelCard) -> int:
     assert isinstance(call, ExtractCall)
-    return sum(raw_tokens(t) for t in call.texts)
+    return sum(raw_tokens(t, card) for t in call.items)
 
 
 def _zero_shot(call: AnyCall, card: ModelCard) -> int:
     """One (text, hypothesis) pair per label."""
     assert isinstance(call, ExtractCall)
     labels = max(1, len(_labels(call, card)))
-    return sum(min(card.max_length, raw_tokens(t) + 12) for t in call.texts) * labels
+    return sum(min(card.max_length, raw_tokens(t, card) + 12) for t in call.items) * labels
 
 
 KINDS: dict[str, Kind] = {
@@ -169,5 +189,11 @@ def estimate_tokens(call: AnyCall, card: ModelCard | None) -> int:
 
 def _characters(call: AnyCall) -> int:
     if isinstance(call, ScoreCall):
-        return len(call.query) * len(call.documents) + sum(map(len, call.documents))
-    return sum(map(len, call.texts))
+        return _length(call.query) * len(call.documents) + sum(map(_length, call.documents))
+    return sum(map(_length, call.items))
+
+
+def _length(value: Input) -> int:
+    """An input's characters (an image: what IMAGE_TOKENS tokens of text would be)."""
+    text = text_of(value)
+    return 4 * IMAGE_TOKENS if text is None else len(text)

@@ -174,7 +174,7 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
     result = await ctx.run(
         EncodeCall(
             model=req.model,
-            texts=texts,
+            items=texts,
             dimensions=req.dimensions,
             outputs=("dense",),
             request_id=ctx.request_id,

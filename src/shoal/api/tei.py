@@ -21,7 +21,7 @@ async def embed(ctx: Context) -> list[np.ndarray]:
     req = ctx.decode(wire.tei.EmbedRequest)
     ctx.model = model = ctx.default_model("encode", output="dense")
     call = wire.tei.embed_call(req, model, ctx.request_id)
-    ctx.check_count(len(call.texts))
+    ctx.check_count(len(call.items))
     result = await ctx.run(call)
     ctx.result_bytes = sum(v.nbytes for v in result.vectors) * 4  # JSON floats
     return result.vectors
@@ -31,7 +31,7 @@ async def embed_all(ctx: Context) -> list[np.ndarray]:
     req = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode")
     call = wire.tei.unpooled_call(req, model, "token_states", ctx.request_id)
-    ctx.check_count(len(call.texts))
+    ctx.check_count(len(call.items))
     result = await ctx.run(call)
     states = [item.token_states for item in result.items if item.token_states is not None]
     if len(states) != len(result.items):
@@ -53,7 +53,7 @@ async def embed_sparse(ctx: Context) -> list[list[wire.tei.SparseValue]]:
     req = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode", output="sparse")
     call = wire.tei.unpooled_call(req, model, "sparse", ctx.request_id)
-    ctx.check_count(len(call.texts))
+    ctx.check_count(len(call.items))
     return wire.tei.sparse_values(await ctx.run(call))
 
 

@@ -23,6 +23,8 @@ Pooling = Literal["cls", "mean", "last"]
 Output = Literal["dense", "sparse", "multivector"]
 # The verbs a model serves; each has its own required card fields (see `_check`).
 Task = Literal["encode", "score", "extract"]
+# What a request's items may be (calls.Modality).
+Modality = Literal["text", "image"]
 # real_weights: compared with its reference on the real weights, in shoal's tests.
 # random_weights: only its architecture's parity test (random-initialised) covers it.
 # unverified: a user's card that no shoal test exercises.
@@ -88,6 +90,11 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     architecture: str | None = None
     # Omitted: encode and score (an encoder scores by its outputs); a reranker card says [score].
     tasks: tuple[Task, ...] = ("encode", "score")
+    # What the model reads: a request's items of another modality are refused, by item.
+    modalities: tuple[Modality, ...] = ("text",)
+    # Tokens one image costs in every budget (a ViT's patches, plus its class token, if any);
+    # cards that read images give it (the gateway and admission count from it).
+    image_tokens: int | None = None
     # Required where the model produces dense vectors (`dense` in outputs), else unused.
     pooling: Pooling | None = None
     dimensions: int | None = None
@@ -213,6 +220,12 @@ def _check(card: ModelCard, origin: str) -> None:
         fail("tasks", "must list at least one of encode, score, extract")
     if "encode" in card.tasks and not card.outputs:
         fail("outputs", "must list at least one of dense, sparse, multivector")
+    if not card.modalities or len(set(card.modalities)) != len(card.modalities):
+        fail("modalities", "must list each of text, image at most once, and at least one")
+    if ("image" in card.modalities) != (card.image_tokens is not None):
+        fail("image_tokens", "and `modalities: [..., image]` go together: the tokens one image costs")
+    if card.image_tokens is not None and card.image_tokens < 1:
+        fail("image_tokens", "must be >= 1")
     if card.score is not None and "encode" in card.tasks:
         fail("score", "is for rerankers, which serve only score: set `tasks: [score]`")
     if "score" in card.tasks and "encode" not in card.tasks and card.score is None:

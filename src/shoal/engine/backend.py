@@ -6,8 +6,9 @@
                                        ├ .add_adapter / .remove_adapter / .adapter_slot / .adapter_bytes
                                        └ .close()
 
-`ModelInfo` is the torch-free description of a loaded model: its card, its preprocessors (the
-text one is the tokenizer; a query and a document variant for late interaction), and what its
+`ModelInfo` is the torch-free description of a loaded model: its card, its preprocessors, one per
+modality it reads (`Preprocessor`: the text one is the tokenizer, with a query and a document
+variant for late interaction; an image one makes patch rows), and what its
 heads tell the tasks that plan for them (`HeadInfo` values: GLiNER's prompt tokens, a token
 classifier's label map, an NLI model's entailment ids, an LLM reranker's frame). Tasks plan from
 it alone: they never see torch tensors or head objects.
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ModelLoadError
 from ..head_info import GlinerPrompt, H, HeadInfo, LlmFrame, NliLabels, TokenLabels
@@ -29,7 +30,21 @@ from ..head_info import GlinerPrompt, H, HeadInfo, LlmFrame, NliLabels, TokenLab
 if TYPE_CHECKING:
     from ..catalog import ModelCard
     from .tokenizer import TextTokenizer
-    from .types import Batch, Spec
+    from .types import Batch, Encoded, Spec
+
+
+class Preprocessor(Protocol):
+    """One modality's inputs into the sequences the scheduler packs: a text's tokens, an image's
+    placeholder ids with its patch rows as a feature slot. A sequence's length is its cost in
+    every token budget, so an image's patches count as tokens. Runs on the tokenizer pool's
+    threads, never on the event loop or a device lane."""
+
+    modality: str  # "text", "image": what `calls.modality_of` says of the inputs it takes
+
+    def prepare(self, values: Sequence[Any], truncate: bool, *, first_index: int, what: str) -> list[Encoded]:
+        """One sequence per value (a text, an image file's bytes); an InvalidRequest (or
+        InputTooLong) names the bad one as `what[first_index + i]`."""
+        ...
 
 
 # --- the description -----------------------------------------------------------------------------
@@ -46,11 +61,21 @@ class ModelInfo:
     query_text: TextTokenizer | None = None  # late interaction: queries shaped as queries; None: `text`
     document_text: TextTokenizer | None = None  # late interaction: documents; None: `text`
     heads: tuple[HeadInfo, ...] = field(default_factory=tuple)
+    image: Preprocessor | None = None  # a model that reads images: their preprocessor
 
     def tokenizer_for(self, is_query: bool) -> TextTokenizer:
         """The text preprocessor of a query or of a document."""
         chosen = self.query_text if is_query else self.document_text
         return chosen or self.text
+
+    def preprocessor(self, modality: str, is_query: bool = False) -> Preprocessor:
+        """The preprocessor of `modality`; a ModelLoadError (502, naming the model) if the model
+        has none: its card says it reads what its checkpoint gave no preprocessor for."""
+        if modality == "text":
+            return self.tokenizer_for(is_query)
+        if modality == "image" and self.image is not None:
+            return self.image
+        raise ModelLoadError(f"model {self.card.id} has no {modality} preprocessor", details={"model": self.card.id})
 
     def head(self, kind: type[H]) -> H:
         """The head description of `kind`; a ModelLoadError (502, naming the model) if the model
@@ -113,4 +138,14 @@ class Backend(Protocol):
         ...
 
 
-__all__ = ["Backend", "GlinerPrompt", "HeadInfo", "LlmFrame", "LoadedModel", "ModelInfo", "NliLabels", "TokenLabels"]
+__all__ = [
+    "Backend",
+    "GlinerPrompt",
+    "HeadInfo",
+    "LlmFrame",
+    "LoadedModel",
+    "ModelInfo",
+    "NliLabels",
+    "Preprocessor",
+    "TokenLabels",
+]

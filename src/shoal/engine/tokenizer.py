@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,12 @@ class TextTokenizer:
         return out
 
     # --- encoding -------------------------------------------------------------------------------
+
+    modality = "text"
+
+    def prepare(self, values: Sequence[str], truncate: bool, *, first_index: int, what: str) -> list[Encoded]:
+        """The text preprocessor's side of `backend.Preprocessor`: `encode` of single texts."""
+        return self.encode(list(values), truncate, first_index=first_index, what=what)
 
     def encode(
         self,

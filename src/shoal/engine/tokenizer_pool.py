@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from .tokenizer import TEXTS_PER_JOB, TextTokenizer
 from .types import Encoded
+
+if TYPE_CHECKING:
+    from .backend import Preprocessor
 
 # Requests of at most this many texts and characters are tokenized on the event loop, not in the pool.
 INLINE_CHARS = 1024
@@ -77,6 +82,20 @@ class TokenizerPool:
                 ),
             )
         return out
+
+    async def prepare(
+        self, preprocessor: Preprocessor, values: list, indices: Sequence[int], truncate: bool, what: str = "items"
+    ) -> list[Encoded]:
+        """`preprocessor.prepare` of each value in the pool, TEXTS_PER_JOB values a job; `indices`
+        are the values' positions in their request (errors name `what[index]`)."""
+
+        def job(chunk: list, start: int) -> list[Encoded]:
+            return [
+                preprocessor.prepare([value], truncate, first_index=indices[start + offset], what=what)[0]
+                for offset, value in enumerate(chunk)
+            ]
+
+        return await self.map(job, values)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

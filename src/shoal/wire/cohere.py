@@ -352,7 +352,7 @@ def encode_call(req: _EmbedRequest, model: str, texts: list[str], request_id: st
     req.types()
     return EncodeCall(
         model=model,
-        texts=texts,
+        items=texts,
         is_query=req.is_query(),
         truncate=req.truncates(),
         dimensions=getattr(req, "output_dimension", None),

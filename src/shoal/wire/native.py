@@ -191,7 +191,7 @@ def extract_call(req: ExtractRequest, request_id: str | None = None) -> ExtractC
     opts = req.options
     return ExtractCall(
         model=req.model,
-        texts=[item.text for item in req.items],
+        items=[item.text for item in req.items],
         labels=req.labels,
         threshold=opts.threshold,
         flat_ner=opts.flat_ner,
@@ -226,7 +226,7 @@ def encode_call(req: EncodeRequest, request_id: str | None = None) -> EncodeCall
     opts = req.options
     return EncodeCall(
         model=req.model,
-        texts=[item.text for item in req.items],
+        items=[item.text for item in req.items],
         normalize=opts.normalize,
         dimensions=opts.dimensions,
         output_dtype=opts.output_dtype,

@@ -125,7 +125,7 @@ def embed_call(req: EmbedRequest, model: str, request_id: str | None = None) -> 
     check_direction(req.truncation_direction)
     return EncodeCall(
         model=model,
-        texts=texts_of(req.inputs),
+        items=texts_of(req.inputs),
         normalize=req.normalize,
         dimensions=req.dimensions,
         prompt_name=req.prompt_name,
@@ -141,7 +141,7 @@ def unpooled_call(req: EmbedSparseRequest, model: str, output: str, request_id: 
     check_direction(req.truncation_direction)
     return EncodeCall(
         model=model,
-        texts=texts_of(req.inputs),
+        items=texts_of(req.inputs),
         prompt_name=req.prompt_name,
         truncate=bool(req.truncate),
         outputs=(output,),
@@ -155,7 +155,7 @@ def similarity_call(req: SimilarityRequest, model: str, request_id: str | None =
     check_direction(params.truncation_direction)
     return EncodeCall(
         model=model,
-        texts=[req.inputs.source_sentence, *req.inputs.sentences],
+        items=[req.inputs.source_sentence, *req.inputs.sentences],
         normalize=True,
         prompt_name=params.prompt_name,
         truncate=bool(params.truncate),

@@ -1,11 +1,15 @@
-"""encode: one sequence per text; the card's heads make dense, sparse and multi-vector outputs."""
+"""encode: one sequence per item; the card's heads make dense, sparse and multi-vector outputs.
+
+Each item goes through its modality's preprocessor (a text through the tokenizer, with the prompt
+prefix; an image through the model's image preprocessor), and the results keep the items' order.
+"""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
 
-from ...calls import EncodeCall, EncodeResult
+from ...calls import EncodeCall, EncodeResult, Item, Modality
 from ...catalog import ModelCard
 from ...errors import InvalidRequest, ResultTooLarge
 from ...verbs import estimate_tokens
@@ -13,6 +17,7 @@ from ..backend import ModelInfo
 from ..tokenizer import TextTokenizer
 from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, EncodeSpec
+from .inputs import check_inputs
 
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}
 TOKEN_STATES = "token_states"
@@ -23,13 +28,15 @@ class EncodePlan:
     card: ModelCard
     call: EncodeCall
     spec: EncodeSpec  # its prompt_tokens are filled in by `tokenize`, once the tokenizer is known
-    texts: list[str]  # prompt prefix applied
+    # What each item's preprocessor takes: a text with the prompt prefix applied, an image's bytes.
+    values: list
+    modalities: list[Modality]
     estimated_tokens: int
     prompt: str = ""
 
     @property
     def num_items(self) -> int:
-        return len(self.texts)
+        return len(self.values)
 
 
 class EncodeTask:
@@ -39,22 +46,35 @@ class EncodeTask:
         self._prompt_tokens = PromptTokens()
 
     def plan(self, card: ModelCard, call: EncodeCall) -> EncodePlan:
-        if not call.texts:
-            raise InvalidRequest("no texts to encode", details={"option": "texts"})
-        check_texts(call.texts)
+        if not call.items:
+            raise InvalidRequest("no items to encode", details={"option": "items"})
+        modalities = check_inputs(call.items, card)
         spec = _spec(card, call)
         prefix = prompt_of(card, call.prompt_name, call.is_query)
-        texts = [prefix + t for t in call.texts] if prefix else list(call.texts)
-        return EncodePlan(card, call, spec, texts, estimate_tokens(call, card), prefix)
+        values = [_value(item, prefix) for item in call.items]
+        return EncodePlan(card, call, spec, values, modalities, estimate_tokens(call, card), prefix)
 
     async def tokenize(self, plan: EncodePlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
         tokenizer = model.tokenizer_for(plan.spec.is_query)
-        seqs = await pool.encode(tokenizer, plan.texts, plan.call.truncate)
+        truncate = plan.call.truncate
+        if all(m == "text" for m in plan.modalities):
+            seqs = await pool.encode(tokenizer, plan.values, truncate)
+        else:  # each modality through its preprocessor, back in item order
+            by_index: dict[int, Encoded] = {}
+            for modality in dict.fromkeys(plan.modalities):
+                indices = [i for i, m in enumerate(plan.modalities) if m == modality]
+                preprocessor = model.preprocessor(modality, plan.spec.is_query)
+                prepared = await pool.prepare(preprocessor, [plan.values[i] for i in indices], indices, truncate)
+                by_index.update(zip(indices, prepared))
+            seqs = [by_index[i] for i in range(len(plan.values))]
         if plan.prompt and "dense" in plan.spec.outputs:
             plan.spec = replace(plan.spec, prompt_tokens=self._prompt_tokens.count(tokenizer, plan.prompt))
         return seqs
 
     def specs(self, plan: EncodePlan, seqs: list[Encoded]) -> list[EncodeSpec]:
+        if plan.spec.prompt_tokens and any(m != "text" for m in plan.modalities):
+            unprompted = replace(plan.spec, prompt_tokens=0)  # the prompt prefixes texts only
+            return [plan.spec if m == "text" else unprompted for m in plan.modalities]
         return [plan.spec] * len(seqs)
 
     def check_size(self, plan: EncodePlan, seqs: list[Encoded], max_result_bytes: int) -> None:
@@ -97,23 +117,14 @@ class PromptTokens:
         return counts[prompt]
 
 
-def check_texts(texts: list[str], what: str = "texts", indexed: bool = True) -> None:
-    """Refuse what a tokenizer cannot take: a lone UTF-16 surrogate is not Unicode text (the HTTP
-    decoders refuse it already; in-process callers reach this check). Errors name `what[i]`
-    (or `what` alone when not `indexed`)."""
-    for index, text in enumerate(texts):
-        name = f"{what}[{index}]" if indexed else what
-        if not isinstance(text, str):
-            raise InvalidRequest(f"{name} is {type(text).__name__}, not a string", details={"index": index})
-        if text.isascii():
-            continue
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(
-                f"{name} has a lone surrogate {text[exc.start]!r} at character {exc.start}: send valid Unicode text",
-                details={"index": index, "position": exc.start},
-            ) from None
+def _value(item: str | Item, prefix: str) -> str | bytes:
+    """What the item's preprocessor takes (the call's items are checked already)."""
+    if isinstance(item, Item):
+        if item.image is not None:
+            return item.image
+        assert item.text is not None
+        item = item.text
+    return prefix + item if prefix else item
 
 
 def _item_bytes(card: ModelCard, spec: EncodeSpec, num_tokens: int) -> float:

@@ -18,7 +18,7 @@ from ...errors import InvalidRequest
 from ...verbs import KINDS, estimate_tokens, unique_labels
 from ..backend import ModelInfo
 from ..types import Encoded, ExtractSpec
-from .encode import check_texts
+from .inputs import texts_of
 
 MAX_LABELS = 100
 MAX_LABEL_CHARS = 200
@@ -34,17 +34,18 @@ class ExtractPlan:
     labels: list[str]  # de-duplicated, in request order
     threshold: float | None
     estimated_tokens: int
+    texts: list[str]  # the call's items (extract reads texts only)
     # Filled by tokenize, one entry per sequence: the text it reads and what collect needs of it.
     owners: list[int] = field(default_factory=list)
     windows: list[tuple] = field(default_factory=list)
-    texts: list[tuple] = field(default_factory=list)  # per text: what the kind's collect needs of it
+    per_text: list[tuple] = field(default_factory=list)  # what the kind's collect needs of each text
     truncated: list[bool] = field(default_factory=list)  # texts cut to fit
     specs: list[ExtractSpec] = field(default_factory=list)  # per sequence, when they differ
     model: ModelInfo | None = None  # the model tokenize planned for (collect reads its heads' labels)
 
     @property
     def num_items(self) -> int:
-        return len(self.call.texts)
+        return len(self.texts)
 
 
 def plan_extract(
@@ -58,9 +59,9 @@ def plan_extract(
     default_threshold: float | None = None,
 ) -> ExtractPlan:
     """The checks every kind makes, then the plan: texts, labels, threshold, the kind's options."""
-    if not call.texts:
+    if not call.items:
         raise InvalidRequest("no items to extract from", details={"option": "items"})
-    check_texts(call.texts, "items")
+    texts = texts_of(call.items, card, task="extracts from")
     labels = check_labels(call.labels, required=labels_required, fold=fold_labels)
     threshold = call.threshold if call.threshold is not None else card.extract.threshold if card.extract else None
     if threshold is None:
@@ -73,7 +74,7 @@ def plan_extract(
                 f"{option} applies to {' and '.join(_kinds_taking(option))} models; model {card.id} is {kind}",
                 details={"option": option},
             )
-    return ExtractPlan(card, call, kind, labels, threshold, estimate_tokens(call, card))
+    return ExtractPlan(card, call, kind, labels, threshold, estimate_tokens(call, card), texts)
 
 
 def _kinds_taking(option: str) -> list[str]:
@@ -104,7 +105,7 @@ def result(
 
 def windows_per_text(plan: ExtractPlan) -> np.ndarray:
     """Sequences read per text (0: a text without words)."""
-    return np.bincount(np.asarray(plan.owners, dtype=np.int64), minlength=len(plan.call.texts))
+    return np.bincount(np.asarray(plan.owners, dtype=np.int64), minlength=len(plan.texts))
 
 
 def check_labels(labels: list, required: bool, fold: bool = False) -> list[str]:

@@ -101,10 +101,10 @@ class GlinerTask:
                 )
             return out
 
-        per_text = await pool.map(windows_of, call.texts)
+        per_text = await pool.map(windows_of, plan.texts)
         seqs, width = [], min(head.max_width, call.max_span_width or head.max_width)
         for index, (bounds, windows) in enumerate(per_text):
-            plan.texts.append(bounds)
+            plan.per_text.append(bounds)
             for (seq, word_tokens, prompt_positions), first_word, own in windows:
                 seqs.append(seq)
                 plan.owners.append(index)
@@ -137,7 +137,7 @@ class GlinerTask:
         return result(plan, seqs, self._items(plan, outputs), windows_per_text(plan), timings)
 
     def _items(self, plan: ExtractPlan, outputs: list) -> list[tuple]:
-        call, n = plan.call, len(plan.call.texts)
+        call, n = plan.call, len(plan.texts)
         candidates = sum(len(out[0]) for out in outputs)
         if candidates > MAX_CANDIDATES:
             raise InvalidRequest(
@@ -154,8 +154,8 @@ class GlinerTask:
             found[owner].append((s[keep], k[keep], c[keep], p[keep]))
         items = []
         for index, parts in enumerate(found):
-            starts, ends, dropped = plan.texts[index]
-            text = call.texts[index]
+            starts, ends, dropped = plan.per_text[index]
+            text = plan.texts[index]
             entities: list[Entity] = []
             if parts:
                 s, k, c, p = (np.concatenate(column) for column in zip(*parts))

@@ -68,10 +68,10 @@ class TokenClassTask:
                 )
             return out
 
-        per_text = await pool.map(windows_of, plan.call.texts)
+        per_text = await pool.map(windows_of, plan.texts)
         seqs = []
         for index, (whole, windows, lead) in enumerate(per_text):
-            plan.texts.append(whole)
+            plan.per_text.append(whole)
             for seq, (a, _), own in windows:
                 seqs.append(seq)
                 plan.owners.append(index)
@@ -98,25 +98,25 @@ class TokenClassTask:
         call, card = plan.call, plan.card
         assert card.extract is not None
         strategy = call.aggregation or card.extract.aggregation
-        n = len(call.texts)
+        n = len(plan.texts)
         stitched: list[np.ndarray | None] = [None] * n
         for owner, (a, (lo, hi), lead), logits in zip(plan.owners, plan.windows, outputs):
-            offsets, _ = plan.texts[owner]
+            offsets, _ = plan.per_text[owner]
             rows = stitched[owner]
             if rows is None:
                 rows = stitched[owner] = np.zeros((len(offsets), logits.shape[1]), dtype=np.float32)
             rows[lo:hi] = logits[lead + lo - a : lead + hi - a]
         items = []
         for index in range(n):
-            offsets, word_ids = plan.texts[index]
+            offsets, word_ids = plan.per_text[index]
             logits = stitched[index]
             groups = (
-                aggregate_entities(logits, id2label, offsets, word_ids, call.texts[index], strategy)
+                aggregate_entities(logits, id2label, offsets, word_ids, plan.texts[index], strategy)
                 if logits is not None and len(logits)
                 else []
             )
             if card.extract.merge_adjacent:
-                groups = _merge_runs(groups, call.texts[index])
+                groups = _merge_runs(groups, plan.texts[index])
             entities = [
                 Entity(**g)
                 for g in groups

@@ -32,11 +32,11 @@ class ZeroShotTask:
         plan.model = model
         model.head(NliLabels)  # a model without entailment labels fails here, not after its forward
         hypotheses = _hypotheses(_template(plan.card, call), plan.labels)
-        texts = [t for t in call.texts for _ in hypotheses]
-        seqs = await pool.encode(tok, texts, True, pairs=hypotheses * len(call.texts), cut_first=True, what="items")
+        texts = [t for t in plan.texts for _ in hypotheses]
+        seqs = await pool.encode(tok, texts, True, pairs=hypotheses * len(plan.texts), cut_first=True, what="items")
         k = len(hypotheses)
-        plan.owners = [i for i in range(len(call.texts)) for _ in hypotheses]
-        plan.truncated = [any(s.truncated for s in seqs[i * k : (i + 1) * k]) for i in range(len(call.texts))]
+        plan.owners = [i for i in range(len(plan.texts)) for _ in hypotheses]
+        plan.truncated = [any(s.truncated for s in seqs[i * k : (i + 1) * k]) for i in range(len(plan.texts))]
         return seqs
 
     def specs(self, plan: ExtractPlan, seqs: list[Encoded]) -> list[ExtractSpec]:
@@ -51,7 +51,7 @@ class ZeroShotTask:
     def collect(
         self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
     ) -> ExtractResult:
-        windows = np.ones(len(plan.call.texts), dtype=np.int64)  # one reading of each text
+        windows = np.ones(len(plan.texts), dtype=np.int64)  # one reading of each text
         return result(plan, seqs, self._items(plan, outputs), windows, timings)
 
     def _items(self, plan: ExtractPlan, outputs: list) -> list[tuple]:
@@ -59,7 +59,7 @@ class ZeroShotTask:
         assert plan.model is not None
         head = plan.model.head(NliLabels)
         items = []
-        for index in range(len(call.texts)):
+        for index in range(len(plan.texts)):
             logits = np.stack(outputs[index * k : (index + 1) * k]).astype(np.float64)  # [labels, nli labels]
             if bool(call.multi_label) or k == 1:
                 pair = logits[:, [head.contradiction_id, head.entailment_id]]

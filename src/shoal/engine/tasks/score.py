@@ -25,7 +25,8 @@ from ...verbs import MAX_WINDOWS, estimate_tokens
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, EncodeSpec, ScoreSpec
-from .encode import PromptTokens, check_texts
+from .encode import PromptTokens
+from .inputs import texts_of
 
 _PAIRED = ("cross_encoder", "llm")
 
@@ -36,6 +37,8 @@ class ScorePlan:
     call: ScoreCall
     mode: str  # cross_encoder | llm | dense | sparse | multivector
     estimated_tokens: int
+    query: str
+    documents: list[str]
     # Filled by tokenize: the document each sequence belongs to (-1: the query), which documents
     # were cut to fit, and (encoders) the prompt tokens of the query and of each document.
     owners: list[int] = field(default_factory=list)
@@ -44,7 +47,7 @@ class ScorePlan:
 
     @property
     def num_items(self) -> int:
-        return len(self.call.documents) + (self.mode not in _PAIRED)
+        return len(self.documents) + (self.mode not in _PAIRED)
 
 
 class ScoreTask:
@@ -59,14 +62,14 @@ class ScoreTask:
                 f"model {card.id} does not score; it serves: {', '.join(card.tasks)}",
                 details={"model": card.id, "tasks": list(card.tasks)},
             )
-        if not isinstance(call.query, str) or not call.query.strip():
+        (query,) = texts_of([call.query], card, "query", indexed=False, task="scores")
+        if not query.strip():
             raise InvalidRequest(
                 "the query is empty: send the text to score the documents against", details={"option": "query"}
             )
         if not call.documents:
             raise InvalidRequest("no documents to score", details={"option": "documents"})
-        check_texts([call.query], "query", indexed=False)
-        check_texts(call.documents, "documents")
+        documents = texts_of(call.documents, card, "documents", task="scores")
         for option in ("top_k", "max_tokens_per_doc"):
             value = getattr(call, option)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -89,11 +92,11 @@ class ScoreTask:
                 f"instruction applies to LLM rerankers; model {card.id} scores by {_HOW[mode]}",
                 details={"option": "instruction"},
             )
-        return ScorePlan(card, call, mode, estimate_tokens(call, card))
+        return ScorePlan(card, call, mode, estimate_tokens(call, card), query, documents)
 
     async def tokenize(self, plan: ScorePlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
         call = plan.call
-        documents = call.documents
+        documents = plan.documents
         if call.max_tokens_per_doc is not None:
             tok = model.tokenizer_for(False)
             cuts = await pool.map(
@@ -114,7 +117,7 @@ class ScoreTask:
             card = plan.card
             query_prompt, document_prompt = card.prompt_for(None, True), card.prompt_for(None, False)
             seqs = await pool.encode(
-                model.tokenizer_for(True), [query_prompt + call.query], call.truncate, what="the query", indexed=False
+                model.tokenizer_for(True), [query_prompt + plan.query], call.truncate, what="the query", indexed=False
             )
             seqs += await pool.encode(
                 model.tokenizer_for(False), [document_prompt + d for d in documents], call.truncate, what="documents"
@@ -150,7 +153,7 @@ class ScoreTask:
         return False  # vectors and scores: collecting them is cheap
 
     def collect(self, plan: ScorePlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> ScoreResult:
-        n = len(plan.call.documents)
+        n = len(plan.documents)
         if plan.mode in _PAIRED:
             scores = np.full(n, -np.inf)
             windows = np.zeros(n, dtype=np.int64)
@@ -187,7 +190,7 @@ async def _pairs(
     pairing. Documents are truncated first: the query keeps up to half the length (a longer query
     is cut, and then every pair counts as truncated), so it always leaves the document room."""
     call, tok = plan.call, model.text
-    query, query_cut = tok.cut_to_tokens(call.query, max(1, tok.max_length // 2))
+    query, query_cut = tok.cut_to_tokens(plan.query, max(1, tok.max_length // 2))
     if query_cut and not call.truncate:
         raise InputTooLong(
             f"the query is longer than half the model's max_length of {tok.max_length} tokens; "
@@ -210,7 +213,7 @@ async def _framed(plan: ScorePlan, frame: LlmFrame, pool: TokenizerPool, documen
     call = plan.call
     prefix = np.asarray(frame.prefix_ids, dtype=np.int64)
     suffix = np.asarray(frame.suffix_ids, dtype=np.int64)
-    texts = [frame.text(call.query, d, call.instruction) for d in documents]
+    texts = [frame.text(plan.query, d, call.instruction) for d in documents]
     bodies = await pool.encode(frame.body, texts, call.truncate, what="documents")
     return [Encoded(np.concatenate([prefix, body.ids, suffix]), truncated=body.truncated) for body in bodies]
 
