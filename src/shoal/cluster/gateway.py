@@ -14,10 +14,11 @@ JetStream work queue. It then awaits the worker's reply on its own inbox:
                 (not yet delivered: never computed) and broadcast the request id on shoal.cancel
                 (delivered: the worker drops it); the call's object is deleted in every case
 
-Its other jobs each have a module: `directory` (the live workers, from their heartbeats: what
-`models()`, `capacity()` and routing read), `rpc` (admin and tokenize on the workers),
-`payloads` (the Object Store), `dead_letters` (calls no worker answered), `queue_gauges` (the
-queue as JetStream sees it, on /metrics).
+Its other jobs each have a module: `publishing` (a call's publish, the wait for its reply, its
+abandonment, and the recheck of lost replies after a reconnect), `directory` (the live workers,
+from their heartbeats: what `models()`, `capacity()` and routing read), `rpc` (admin and tokenize
+on the workers), `payloads` (the Object Store), `dead_letters` (calls no worker answered),
+`queue_gauges` (the queue as JetStream sees it, on /metrics).
 """
 
 from __future__ import annotations
@@ -35,20 +36,18 @@ from .. import calls
 from ..calls import AnyCall, AnyResult, ErrorResult, timeout_of
 from ..catalog import Catalog
 from ..config import Settings
-from ..errors import DeadlineExceeded, QueueUnavailable
+from ..errors import QueueUnavailable
 from ..metrics import GatewayMetrics, Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
 from ..verbs import estimate_tokens
-from . import dead_letters, payloads, queue_gauges, rpc
+from . import dead_letters, payloads, publishing, queue_gauges, rpc
 from . import protocol as p
 from .directory import Holders, WorkerDirectory
+from .publishing import time_left_s
 
 __all__ = ["GatewayMetrics", "RemoteService"]
 
 log = logging.getLogger("shoal.gateway")
-
-# How long past a call's deadline the gateway still waits for a reply it may be computing.
-_REPLY_GRACE_S = 2.0
 
 
 class RemoteService:
@@ -179,41 +178,9 @@ class RemoteService:
     async def _on_reconnect(self) -> None:
         async def setup_then_recheck() -> None:
             await self._setup()
-            await self._recheck_pending()
+            await publishing.recheck(self._js, self._sequences, self._pending, lambda: self._stopping)
 
         self._spawn(setup_then_recheck())
-
-    async def _recheck_pending(self) -> None:
-        """Replies travel on core NATS: one sent while this gateway was cut off is lost. A call no
-        longer in the stream (acked: answered) whose reply has not come is failed now, retryably,
-        instead of waiting out its deadline; calls still in the stream are still to be answered."""
-        from nats.js.errors import NotFoundError
-
-        await asyncio.sleep(0.5)  # replies sent just before the acks we are about to miss arrive first
-        for key, seq in list(self._sequences.items()):
-            future = self._pending.get(key)
-            for attempt in range(5):
-                if future is None or future.done() or self._stopping:
-                    break
-                try:
-                    await self._js.get_msg(p.STREAM, seq)
-                    break  # still in the stream: still to be answered
-                except NotFoundError as exc:
-                    if getattr(exc, "err_code", None) != 10037:  # not "no message found" (the stream itself?)
-                        await asyncio.sleep(0.5 * (attempt + 1))
-                        continue
-                    if not future.done():
-                        future.set_exception(
-                            QueueUnavailable(
-                                "the gateway lost its connection to NATS while the call ran, and its answer with it; "
-                                "retry",
-                                retry_after_s=1.0,
-                            )
-                        )
-                    break
-                except p.nats_errors() as exc:  # JetStream still starting: try again shortly
-                    log.debug("gateway: rechecking call %s: %r", key, exc)
-                    await asyncio.sleep(0.5 * (attempt + 1))
 
     # --- Service: statuses (from the workers' heartbeats) ----------------------------------------
 
@@ -290,22 +257,18 @@ class RemoteService:
         try:
             if payloads.over_limit(data, self._nc.max_payload, self.cluster.payload_headroom_bytes):
                 obj = f"call-{key}"
-                await payloads.put_call(self._store, obj, data, self._remaining(deadline), request_id)
+                await payloads.put_call(self._store, obj, data, time_left_s(deadline), request_id)
                 self.gm.objects.labels("call").inc()
                 headers[p.OBJECT] = obj
                 data = b""
             attempted = True
-            seq = await self._publish(p.work_subject(pool, model_id), data, headers, deadline, request_id)
+            subject = p.work_subject(pool, model_id)
+            seq = await publishing.publish(
+                self._js, self.cluster, subject, data, headers, deadline, request_id, self._connected
+            )
             self._sequences[key] = seq
             self.gm.published.labels(model_id, pool).inc()
-            try:
-                reply = await asyncio.wait_for(asyncio.shield(future), self._remaining(deadline) + _REPLY_GRACE_S)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(
-                    "the request's deadline passed before a worker answered (phase: queue); retry later or with "
-                    "a longer timeout_s",
-                    details={"phase": "queue", "request_id": request_id},
-                ) from None
+            reply = await publishing.await_reply(future, deadline, request_id)
             answered = True
             result = await self._read_result(reply, deadline, request_id)
         except asyncio.CancelledError:
@@ -318,7 +281,7 @@ class RemoteService:
             if not answered and (seq is not None or attempted):
                 # Also when the publish's ack was lost: the call may be stored, its worker drops it.
                 self.gm.abandoned.labels(model_id, reason).inc()
-                self._spawn(self._abandon(seq, key))
+                self._spawn(publishing.abandon(self._js, self._nc, seq, key))
             if obj is not None:
                 self._spawn(payloads.delete_object(self._store, obj))
         if isinstance(result, ErrorResult):
@@ -326,35 +289,6 @@ class RemoteService:
             error.details.setdefault("request_id", request_id)
             raise error
         return result
-
-    async def _publish(
-        self, subject: str, data: bytes, headers: dict[str, str], deadline: float, request_id: str
-    ) -> int:
-        """The call's stream sequence once JetStream has stored it. A publish whose ack is lost is
-        sent again with the same Nats-Msg-Id (the stream keeps one copy), while time is left."""
-        for _ in range(3):
-            try:
-                ack = await self._js.publish(
-                    subject,
-                    data,
-                    headers=headers,
-                    timeout=min(self.cluster.publish_timeout_s, self._remaining(deadline)),
-                )
-                return int(ack.seq)
-            except Exception as exc:  # broad: a timeout, no responders, cut off, a bad ack: a 503, never a 500
-                p.log_swallowed(log, exc, "gateway: publish of request %s", request_id)
-                error = exc
-                if not self._connected() or self._remaining(deadline) < 0.05:
-                    break
-        raise QueueUnavailable(
-            f"the work queue did not take the call ({type(error).__name__}); retry shortly",
-            retry_after_s=2.0,
-            details={"request_id": request_id},
-        )
-
-    @staticmethod
-    def _remaining(deadline: float) -> float:
-        return max(0.001, deadline - time.monotonic())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """A background task, referenced until done (the loop holds tasks only weakly)."""
@@ -372,7 +306,7 @@ class RemoteService:
 
     async def _read_result(self, msg: Any, deadline: float, request_id: str) -> AnyResult:
         try:
-            data, name = await payloads.read_reply(self._store, msg, self._remaining(deadline) + 5.0)
+            data, name = await payloads.read_reply(self._store, msg, time_left_s(deadline) + 5.0)
             if name:
                 self.gm.objects.labels("result").inc()
                 self._spawn(payloads.delete_object(self._store, name))
@@ -389,19 +323,6 @@ class RemoteService:
                 retry_after_s=1.0,
                 details={"request_id": request_id},
             ) from None
-
-    async def _abandon(self, seq: int | None, key: str) -> None:
-        """A call nobody waits for: out of the queue if no worker has it, dropped by the one that
-        does (cancels name the gateway's unique key of the call, never the caller's request id)."""
-        if seq is not None:
-            try:
-                await self._js.delete_msg(p.STREAM, seq)
-            except p.nats_errors() as exc:  # gone already once a worker acked it; cut off: the cancel still tries
-                log.debug("gateway: call %s not deleted from the queue: %r", key, exc)
-        try:
-            await self._nc.publish(p.CANCEL_SUBJECT, key.encode())
-        except p.nats_errors() as exc:  # cut off: the worker finds the deadline passed instead
-            log.debug("gateway: cancel of call %s not sent: %r", key, exc)
 
 
 def _log_death(task: asyncio.Task[None]) -> None:
