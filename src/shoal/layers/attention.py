@@ -48,6 +48,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+# LengthGroup is what a `ScoreBias` is handed: a model's bias imports it from here, beside the protocol.
 from .attention_meta import GROUP_RATIO, GROUP_SLACK, AttentionMeta, LengthGroup
 
 
