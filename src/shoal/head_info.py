@@ -1,10 +1,12 @@
 """What heads tell the tasks that plan for them, torch-free: one frozen dataclass per kind of
-head (a new kind of head adds its own). A head's `describe()` returns one; the backend puts them
-in its `ModelInfo` (engine/backend.py), where tasks read them with `info.head(Kind)`.
+head (a new kind of head adds its own). A head's `describe()` returns one (a dual encoder's
+`Similarity` comes from the model itself); the backend puts them in its `ModelInfo`
+(engine/backend.py), where tasks read them with `info.head(Kind)`.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -68,5 +70,22 @@ class LlmFrame:
         return _FIELD.sub(lambda m: values[m.group(1)], self.template)  # one pass: values stay literal
 
 
-HeadInfo = GlinerPrompt | TokenLabels | NliLabels | LlmFrame
-H = TypeVar("H", GlinerPrompt, TokenLabels, NliLabels, LlmFrame)
+@dataclass(frozen=True)
+class Similarity:
+    """A dual encoder's own score of a text against an image (CLIP, SigLIP): the cosine of their
+    embeddings times `scale`, plus `bias`; SigLIP's is then a sigmoid, a match probability."""
+
+    scale: float  # exp(logit_scale), as checkpoints store its log
+    bias: float = 0.0
+    sigmoid: bool = False
+
+    def score(self, cosine: float, raw: bool = False) -> float:
+        """The model's score from a cosine; `raw`: the logit, without the sigmoid."""
+        logit = cosine * self.scale + self.bias
+        if raw or not self.sigmoid:
+            return logit
+        return 1.0 / (1.0 + math.exp(-logit))
+
+
+HeadInfo = GlinerPrompt | TokenLabels | NliLabels | LlmFrame | Similarity
+H = TypeVar("H", GlinerPrompt, TokenLabels, NliLabels, LlmFrame, Similarity)

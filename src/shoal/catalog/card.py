@@ -19,7 +19,9 @@ from .card_parts import Extract, Multivector, Score, Source, Sparse
 
 _HARDWARE_CLASS = re.compile(r"cpu(:[\w .-]+(\+[\w-]+)?)?|cuda(:[\w .-]+)?")
 
-Pooling = Literal["cls", "mean", "last"]
+# model: the model pools itself, one embedding per sequence (a dual encoder such as CLIP: each
+# tower's projected embedding).
+Pooling = Literal["cls", "mean", "last", "model"]
 Output = Literal["dense", "sparse", "multivector"]
 # The verbs a model serves; each has its own required card fields (see `_check`).
 Task = Literal["encode", "score", "extract"]
@@ -267,7 +269,7 @@ def _check(card: ModelCard, origin: str) -> None:
             fail("extract", "backbone and lowercase_labels apply to kind gliner")
     if "dense" in card.outputs and "encode" in card.tasks:
         if card.pooling is None:
-            fail("pooling", "is required when outputs has dense (cls, mean or last)")
+            fail("pooling", "is required when outputs has dense (cls, mean, last or model)")
         if card.dimensions is None:
             fail("dimensions", "is required when outputs has dense")
     if card.source.onnx and not (card.source.package or card.source.path):

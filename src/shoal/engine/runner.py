@@ -18,12 +18,13 @@ import torch
 from ..calls import EncodedItem
 from ..catalog import ModelCard, resolve_weights
 from ..catalog.card import ROW_BLOCK_BYTES
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelLoadError
+from ..head_info import Similarity
 from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta, PackedInputs, input_maxima, packed, quantize_linears
 from ..layers.attention import flash_available
 from ..weights import build_model, estimate_bytes
-from .backend import ModelInfo
+from .backend import ModelInfo, Preprocessor
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
@@ -64,6 +65,7 @@ class ModelRunner:
         device: str,
         directory: Path | None = None,
         max_batch_tokens: int = 16384,
+        image: Preprocessor | None = None,
     ) -> None:
         self.card = card
         # Torch intra-op threads for this model's forwards (the card's `batching.threads` for this
@@ -94,8 +96,10 @@ class ModelRunner:
                 query, document = head.tokenizers()
         # What heads tell the tasks (GLiNER's prompt tokens, label maps, an LLM frame); others say nothing.
         described = tuple(d for head in self.heads.values() if (d := getattr(head, "describe", _nothing)()) is not None)
+        if hasattr(model, "logit_scale"):  # a dual encoder scores with its own scale (and bias)
+            described += (_similarity(model),)
         self.info = ModelInfo(
-            card, tokenizer, tuple(self.heads), query_text=query, document_text=document, heads=described
+            card, tokenizer, tuple(self.heads), query_text=query, document_text=document, heads=described, image=image
         )
         self._adapters = AdapterTable()  # PEFT LoRA adapters by slot (engine/lora.py)
         # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
@@ -104,7 +108,7 @@ class ModelRunner:
             model,
             self.heads.values(),
             max_batch_tokens,
-            tokenizer.max_length,
+            max(tokenizer.max_length, getattr(model, "tokens_per_image", 0)),  # the longest sequence
             self.device,
             flash=flash_available(self.device, dtype),
         )
@@ -149,12 +153,29 @@ class ModelRunner:
             model = build_model(directory, card.architecture, device, card.dtype)
             # Models with a learned position table cannot take more tokens than it has rows.
             max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
-            tokenizer = TextTokenizer.from_dir(directory, max_length)
+            tokenizer = TextTokenizer.from_dir(directory, max_length, pad=getattr(model, "pads_texts", False))
+        image = None
+        if "image" in card.modalities:
+            from .image_inputs import load_image_inputs  # Pillow: the `image` extra
+
+            if not hasattr(model, "tokens_per_image"):
+                raise ModelLoadError(
+                    f"model {card.id}: its card reads images, and its {type(model).__name__} has no vision tower",
+                    details={"model": card.id},
+                )
+            vision = model.config.vision
+            image = load_image_inputs(
+                card,
+                directory,
+                patch_size=vision.patch_size,
+                num_patches=vision.num_patches,
+                tokens_per_image=model.tokens_per_image,
+            )
         if card.quantize == "int8":  # the encoder's Linears; embeddings, norms and heads stay float32
             _quantize_int8(model, tokenizer)
         elif pack and torch.device(device).type == "cpu" and packed.available():
             packed.pack_linears(model)  # float32 Linears in oneDNN's layout (layers/packed.py)
-        return cls(card, model, tokenizer, device, directory, max_batch_tokens)
+        return cls(card, model, tokenizer, device, directory, max_batch_tokens, image)
 
     @staticmethod
     def estimate_bytes(card: ModelCard, allow_download: bool = True, device: str = "cpu") -> int:
@@ -300,6 +321,16 @@ class TorchBackend:
 
     def estimate_bytes(self, card: ModelCard) -> int:
         return ModelRunner.estimate_bytes(card, self.allow_download, self.device)
+
+
+def _similarity(model: torch.nn.Module) -> Similarity:
+    """A dual encoder's score: CLIP's scaled cosine, SigLIP's sigmoid of it plus a bias."""
+    scale, bias = model.get_parameter("logit_scale"), getattr(model, "logit_bias", None)
+    return Similarity(
+        scale=float(scale.exp()),
+        bias=0.0 if bias is None else float(bias),
+        sigmoid=bias is not None,
+    )
 
 
 def _nothing() -> None:

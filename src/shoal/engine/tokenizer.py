@@ -10,6 +10,7 @@ say) it is tokenized again from a longer cut, so cutting never changes which tok
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -31,6 +32,23 @@ WIDEN_LIMIT = 256
 # Texts per tokenizer job: a bulk request is tokenized in turns with the others, and stops when
 # its caller goes away.
 TEXTS_PER_JOB = 64
+
+
+def _pad_id(directory: Path, tokenizer: Tokenizer) -> int:
+    """The pad token's id: tokenizer_config.json's `pad_token`, else a `<pad>` or `[PAD]` token."""
+    names = []
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("pad_token")
+        names.append(named["content"] if isinstance(named, dict) else named)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass  # no config, or no pad_token in it: the usual names below
+    for name in [*names, "<pad>", "[PAD]"]:
+        if isinstance(name, str) and (token_id := tokenizer.token_to_id(name)) is not None:
+            return token_id
+    raise ModelLoadError(
+        f"{directory}: the model pads its texts, and its tokenizer has no pad token",
+        details={"directory": str(directory)},
+    )
 
 
 class TextTokenizer:
@@ -67,9 +85,15 @@ class TextTokenizer:
         self._pair_lock = threading.Lock()
 
     @classmethod
-    def from_dir(cls, directory: Path, max_length: int) -> TextTokenizer:
-        """The folder's tokenizer.json, or one built from its vocab.txt (`tokenizer_files`)."""
-        return cls(load_tokenizer(directory), max_length)
+    def from_dir(cls, directory: Path, max_length: int, *, pad: bool = False) -> TextTokenizer:
+        """The folder's tokenizer.json, or one built from its vocab.txt (`tokenizer_files`).
+        `pad`: every sequence is padded with the pad token to `max_length`, attended to (SigLIP's
+        text tower was trained on texts padded so, as its processor pads them)."""
+        tokenizer = load_tokenizer(directory)
+        if not pad:
+            return cls(tokenizer, max_length)
+        pad_id = _pad_id(directory, tokenizer)
+        return cls(tokenizer, max_length, expand_to=max_length, expand_id=pad_id, attend_to_expansion=True)
 
     def variant(
         self,

@@ -57,7 +57,7 @@ __all__ = [
 class Hidden:
     """One forward's output, as every head sees it."""
 
-    states: torch.Tensor  # [T, hidden]
+    states: torch.Tensor  # [T, hidden]; [n, dim] from a model that pools itself (card pooling: model)
     input_ids: torch.Tensor  # [T]
     meta: AttentionMeta
 

@@ -38,7 +38,8 @@ def pool(
     skip: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`[T, hidden]` -> `[n, hidden]`, one vector per sequence, in `dtype` (default: hidden's).
+    """`[T, hidden]` -> `[n, hidden]`, one vector per sequence, in `dtype` (default: hidden's);
+    `model`: the model pooled already (`hidden` is `[n, dim]`).
 
     `skip` `[n]`: leading tokens of each sequence left out of pooling (a prompt, with
     sentence-transformers' `include_prompt: false`): mean averages the rest (zeros when nothing is
@@ -54,6 +55,8 @@ def pool(
         return hidden[first].to(dtype)
     if method == "last":
         return hidden[ends - 1].to(dtype)
+    if method == "model":
+        return hidden.to(dtype)
     if method == "mean":
         acc = torch.float32 if hidden.dtype in _HALF else hidden.dtype
         counts, seq_index, states = ends - starts, meta.seq_index, hidden

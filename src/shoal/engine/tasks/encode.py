@@ -9,7 +9,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, replace
 
-from ...calls import EncodeCall, EncodeResult, Item, Modality
+from ...calls import EncodeCall, EncodeResult, Modality
 from ...catalog import ModelCard
 from ...errors import InvalidRequest, ResultTooLarge
 from ...verbs import estimate_tokens
@@ -17,7 +17,7 @@ from ..backend import ModelInfo
 from ..tokenizer import TextTokenizer
 from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, EncodeSpec
-from .inputs import check_inputs
+from .inputs import check_inputs, prepare, value_of
 
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}
 TOKEN_STATES = "token_states"
@@ -51,22 +51,14 @@ class EncodeTask:
         modalities = check_inputs(call.items, card)
         spec = _spec(card, call)
         prefix = prompt_of(card, call.prompt_name, call.is_query)
-        values = [_value(item, prefix) for item in call.items]
+        values = [value_of(item, prefix) for item in call.items]
         return EncodePlan(card, call, spec, values, modalities, estimate_tokens(call, card), prefix)
 
     async def tokenize(self, plan: EncodePlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
+        seqs = await prepare(
+            pool, model, plan.values, plan.modalities, is_query=plan.spec.is_query, truncate=plan.call.truncate
+        )
         tokenizer = model.tokenizer_for(plan.spec.is_query)
-        truncate = plan.call.truncate
-        if all(m == "text" for m in plan.modalities):
-            seqs = await pool.encode(tokenizer, plan.values, truncate)
-        else:  # each modality through its preprocessor, back in item order
-            by_index: dict[int, Encoded] = {}
-            for modality in dict.fromkeys(plan.modalities):
-                indices = [i for i, m in enumerate(plan.modalities) if m == modality]
-                preprocessor = model.preprocessor(modality, plan.spec.is_query)
-                prepared = await pool.prepare(preprocessor, [plan.values[i] for i in indices], indices, truncate)
-                by_index.update(zip(indices, prepared))
-            seqs = [by_index[i] for i in range(len(plan.values))]
         if plan.prompt and "dense" in plan.spec.outputs:
             plan.spec = replace(plan.spec, prompt_tokens=self._prompt_tokens.count(tokenizer, plan.prompt))
         return seqs
@@ -117,16 +109,6 @@ class PromptTokens:
         return counts[prompt]
 
 
-def _value(item: str | Item, prefix: str) -> str | bytes:
-    """What the item's preprocessor takes (the call's items are checked already)."""
-    if isinstance(item, Item):
-        if item.image is not None:
-            return item.image
-        assert item.text is not None
-        item = item.text
-    return prefix + item if prefix else item
-
-
 def _item_bytes(card: ModelCard, spec: EncodeSpec, num_tokens: int) -> float:
     """Raw array bytes of one item's outputs (sparse: a bound from its length, as the exact count
     of non-zero terms is only known after the forward)."""
@@ -162,8 +144,9 @@ def _spec(card: ModelCard, call: EncodeCall) -> EncodeSpec:
         if value is not None and (not isinstance(value, int) or value < 1):
             raise InvalidRequest(f"{option} must be an integer >= 1, not {value!r}", details={"option": option})
     outputs = tuple(dict.fromkeys(call.outputs)) if call.outputs else card.outputs[:1]
-    # Every encoder has its token states (TEI's /embed_all), whatever heads its card lists.
-    unsupported = [o for o in outputs if o not in card.outputs and o != TOKEN_STATES]
+    # Every encoder has its token states (TEI's /embed_all), whatever heads its card lists, but
+    # for one that pools itself (a dual encoder: one embedding per sequence).
+    unsupported = [o for o in outputs if o not in card.outputs and (o != TOKEN_STATES or card.pooling == "model")]
     if unsupported:
         raise InvalidRequest(
             f"model {card.id} cannot produce {', '.join(unsupported)} output; "

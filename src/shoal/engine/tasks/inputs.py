@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from ...calls import Input, Item, Modality, modality_of
 from ...catalog import ModelCard
 from ...errors import InvalidRequest
+from ..backend import ModelInfo
+from ..tokenizer_pool import TokenizerPool
+from ..types import Encoded
 
 
 def check_inputs(values: Sequence[Input], card: ModelCard, what: str = "items", indexed: bool = True) -> list[Modality]:
@@ -50,6 +53,40 @@ def texts_of(
                 details={"index": index, "model": card.id},
             )
     return [_text(value) for value in values]
+
+
+def value_of(item: Input, prefix: str = "") -> str | bytes:
+    """What a checked input's preprocessor takes: its text (after `prefix`, a prompt), or its image's bytes."""
+    if isinstance(item, Item):
+        if item.image is not None:
+            return item.image
+        assert item.text is not None
+        item = item.text
+    return prefix + item if prefix else item
+
+
+async def prepare(
+    pool: TokenizerPool,
+    model: ModelInfo,
+    values: list,
+    modalities: Sequence[Modality],
+    *,
+    is_query: bool,
+    truncate: bool,
+    what: str = "items",
+) -> list[Encoded]:
+    """One sequence per value (`value_of` each input), each through its modality's preprocessor,
+    in the values' order; texts alone go to the tokenizer in one piece."""
+    if all(m == "text" for m in modalities):
+        return await pool.encode(model.tokenizer_for(is_query), values, truncate, what=what)
+    by_index: dict[int, Encoded] = {}
+    for modality in dict.fromkeys(modalities):
+        indices = [i for i, m in enumerate(modalities) if m == modality]
+        preprocessor = model.preprocessor(modality, is_query)
+        by_index.update(
+            zip(indices, await pool.prepare(preprocessor, [values[i] for i in indices], indices, truncate, what))
+        )
+    return [by_index[i] for i in range(len(values))]
 
 
 def _text(value: Input) -> str:

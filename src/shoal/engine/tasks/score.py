@@ -7,7 +7,8 @@ llm            one sequence per pair: prefix + template(instruction, query, docu
                only the templated part is truncated (from its end: the document)
 encoder        the query (as a query) and each document (as a document) through the card's
                first output: cosine of dense vectors, dot product of sparse ones, MaxSim of
-               multi-vectors
+               multi-vectors; a dual encoder (CLIP, SigLIP) scores with its own similarity,
+               and its query and documents may be texts or images
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ...calls import ScoreCall, ScoredItem, ScoreResult, SparseVector
+from ...calls import Modality, ScoreCall, ScoredItem, ScoreResult, SparseVector, text_of
 from ...catalog import ModelCard
 from ...errors import InputTooLong, InvalidRequest
-from ...head_info import LlmFrame
+from ...head_info import LlmFrame, Similarity
 from ...vectors import maxsim
 from ...verbs import MAX_WINDOWS, estimate_tokens
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, EncodeSpec, ScoreSpec
 from .encode import PromptTokens
-from .inputs import texts_of
+from .inputs import check_inputs, prepare, texts_of, value_of
 
 _PAIRED = ("cross_encoder", "llm")
 
@@ -37,8 +38,11 @@ class ScorePlan:
     call: ScoreCall
     mode: str  # cross_encoder | llm | dense | sparse | multivector
     estimated_tokens: int
-    query: str
-    documents: list[str]
+    query: str  # "" for an image query (an encoder card that reads images)
+    documents: list[str]  # texts; an image document's entry is ""
+    # The query then the documents: their modalities (all "text" but on a card that reads images).
+    modalities: list[Modality] = field(default_factory=list)
+    similarity: Similarity | None = None  # a dual encoder's own score (filled by tokenize)
     # Filled by tokenize: the document each sequence belongs to (-1: the query), which documents
     # were cut to fit, and (encoders) the prompt tokens of the query and of each document.
     owners: list[int] = field(default_factory=list)
@@ -62,19 +66,29 @@ class ScoreTask:
                 f"model {card.id} does not score; it serves: {', '.join(card.tasks)}",
                 details={"model": card.id, "tasks": list(card.tasks)},
             )
-        (query,) = texts_of([call.query], card, "query", indexed=False, task="scores")
-        if not query.strip():
+        mode = card.score.kind if card.score is not None else card.outputs[0]
+        if mode in _PAIRED:  # rerankers read text pairs
+            (query,) = texts_of([call.query], card, "query", indexed=False, task="scores")
+            query_modality: Modality = "text"
+        else:
+            (query_modality,) = check_inputs([call.query], card, "query", indexed=False)
+            query = text_of(call.query) or ""
+        if query_modality == "text" and not query.strip():
             raise InvalidRequest(
                 "the query is empty: send the text to score the documents against", details={"option": "query"}
             )
         if not call.documents:
             raise InvalidRequest("no documents to score", details={"option": "documents"})
-        documents = texts_of(call.documents, card, "documents", task="scores")
+        if mode in _PAIRED:
+            documents = texts_of(call.documents, card, "documents", task="scores")
+            modalities: list[Modality] = ["text"] * (len(documents) + 1)
+        else:
+            modalities = [query_modality, *check_inputs(call.documents, card, "documents")]
+            documents = [text_of(d) or "" for d in call.documents]
         for option in ("top_k", "max_tokens_per_doc"):
             value = getattr(call, option)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidRequest(f"{option} must be an integer >= 1, not {value!r}", details={"option": option})
-        mode = card.score.kind if card.score is not None else card.outputs[0]
         overlap = call.window_overlap_tokens
         if overlap is not None:
             if mode != "cross_encoder":
@@ -92,7 +106,7 @@ class ScoreTask:
                 f"instruction applies to LLM rerankers; model {card.id} scores by {_HOW[mode]}",
                 details={"option": "instruction"},
             )
-        return ScorePlan(card, call, mode, estimate_tokens(call, card), query, documents)
+        return ScorePlan(card, call, mode, estimate_tokens(call, card), query, documents, modalities)
 
     async def tokenize(self, plan: ScorePlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
         call = plan.call
@@ -100,7 +114,8 @@ class ScoreTask:
         if call.max_tokens_per_doc is not None:
             tok = model.tokenizer_for(False)
             cuts = await pool.map(
-                lambda chunk, _: [tok.cut_to_tokens(d, call.max_tokens_per_doc) for d in chunk], documents
+                lambda chunk, _: [tok.cut_to_tokens(d, call.max_tokens_per_doc) if d else (d, False) for d in chunk],
+                documents,
             )
             documents = [text for text, _ in cuts]
             cut = [was_cut for _, was_cut in cuts]
@@ -116,13 +131,28 @@ class ScoreTask:
         else:
             card = plan.card
             query_prompt, document_prompt = card.prompt_for(None, True), card.prompt_for(None, False)
-            seqs = await pool.encode(
-                model.tokenizer_for(True), [query_prompt + plan.query], call.truncate, what="the query", indexed=False
-            )
-            seqs += await pool.encode(
-                model.tokenizer_for(False), [document_prompt + d for d in documents], call.truncate, what="documents"
+            query_modality, *modalities = plan.modalities
+            if query_modality == "text":
+                seqs = await pool.encode(
+                    model.tokenizer_for(True),
+                    [query_prompt + plan.query],
+                    call.truncate,
+                    what="the query",
+                    indexed=False,
+                )
+            else:
+                seqs = await prepare(
+                    pool, model, [value_of(call.query)], [query_modality], is_query=True, truncate=True, what="query"
+                )
+            values = [
+                document_prompt + text if m == "text" else value_of(item)
+                for text, item, m in zip(documents, call.documents, modalities)
+            ]
+            seqs += await prepare(
+                pool, model, values, modalities, is_query=False, truncate=call.truncate, what="documents"
             )
             owners = [-1, *range(len(documents))]
+            plan.similarity = next((h for h in model.heads if isinstance(h, Similarity)), None)
             if plan.mode == "dense":  # a pooling that leaves prompts out needs their lengths
                 count = self._prompt_tokens.count
                 plan.prompt_tokens = (
@@ -163,6 +193,9 @@ class ScoreTask:
         else:
             query, documents = outputs[0], outputs[1:]
             scores = np.array([_similarity(plan.mode, query, d) for d in documents])
+            if plan.similarity is not None:  # the cosines, as the dual encoder scores them
+                raw, similarity = plan.call.raw_scores, plan.similarity
+                scores = np.array([similarity.score(float(cosine), raw) for cosine in scores])
             windows = np.ones(n, dtype=np.int64)
         order = sorted(range(n), key=lambda i: -scores[i])[: plan.call.top_k]
         items = [
