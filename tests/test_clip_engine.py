@@ -1,0 +1,215 @@
+"""CLIP and SigLIP served by the engine, against transformers on the same random-weight folders:
+images sent as PNG and JPEG bytes of real photos (scikit-image's), through shoal's decode and
+preprocessing, give transformers' image processor + `get_image_features`, normalised; texts give
+`get_text_features` on the tokenizer's ids (SigLIP's padded to its length as SiglipProcessor
+pads them); a mixed call keeps its order; score ranks images for a text (and texts for an image)
+by the model's own logits (CLIP's scaled cosine, SigLIP's sigmoid)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+from skimage import data as photos
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from shoal.calls import EncodeCall, Item, ScoreCall
+from shoal.catalog import Catalog, parse_card
+from shoal.config import EngineSettings
+from shoal.errors import InvalidRequest, ModelLoadError
+from vision_models import EOS, IMAGE, MAX_TEXT, PAD, PATCH, TEXT_SHAPE, VISION_SHAPE, VOCAB, save_random
+
+BOS, SIGLIP_EOS = VOCAB - 2, VOCAB - 1
+WORDS = ["a", "photo", "of", "cat", "dog", "coffee", "cup", "woman", "astronaut", "red", "on", "the", "table"]
+TEXTS = ["a photo of a cat", "a red coffee cup on the table", "the astronaut", "dog"]
+MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+ATOL = 1e-4
+
+
+def write_tokenizer(directory, siglip: bool) -> None:
+    """A word-level tokenizer.json whose special ids are the config's: CLIP wraps a text in
+    <|startoftext|> ... <|endoftext|>, SigLIP ends it in </s>; pads are <pad>."""
+    vocab = {"<unk>": 0, "<pad>": PAD, "<|endoftext|>": EOS, "<|startoftext|>": BOS, "</s>": SIGLIP_EOS}
+    vocab.update({word: 10 + i for i, word in enumerate(WORDS)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if siglip:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="$A </s>", special_tokens=[("</s>", SIGLIP_EOS)]
+        )
+    else:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", BOS), ("<|endoftext|>", EOS)]
+        )
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def served(request, tmp_path_factory):
+    """(kind, transformers model, image processor, tokenizer, card) for a random checkpoint."""
+    kind = request.param
+    directory = tmp_path_factory.mktemp(kind)
+    if kind == "clip":
+        config = transformers.CLIPConfig(
+            text_config=dict(TEXT_SHAPE, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD),
+            vision_config=VISION_SHAPE,
+            projection_dim=24,
+        )
+        reference = save_random(transformers.CLIPModel, config, directory)
+        processor_config = {
+            "image_processor_type": "CLIPImageProcessor",
+            "size": {"shortest_edge": IMAGE},
+            "crop_size": {"height": IMAGE, "width": IMAGE},
+            "image_mean": MEAN,
+            "image_std": STD,
+        }
+        processor = transformers.CLIPImageProcessorPil(**processor_config)
+        tokens, dims = (IMAGE // PATCH) ** 2 + 1, 24
+    else:
+        config = transformers.SiglipConfig(
+            text_config=dict(TEXT_SHAPE, projection_size=48, eos_token_id=SIGLIP_EOS, pad_token_id=PAD),
+            vision_config=VISION_SHAPE,
+        )
+        reference = save_random(transformers.SiglipModel, config, directory)
+        processor_config = {"image_processor_type": "SiglipImageProcessor", "size": {"height": IMAGE, "width": IMAGE}}
+        processor = transformers.SiglipImageProcessorPil(**processor_config)
+        tokens, dims = (IMAGE // PATCH) ** 2, 48
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor_config))
+    write_tokenizer(directory, siglip=kind == "siglip")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), pad_token="<pad>"
+    )
+    card = parse_card(
+        {
+            "id": f"test/{kind}",
+            "architecture": kind,
+            "source": {"path": str(directory)},
+            "max_length": MAX_TEXT,
+            "modalities": ["text", "image"],
+            "image_tokens": tokens,
+            "pooling": "model",
+            "dimensions": dims,
+            "outputs": ["dense"],
+        },
+        "<test>",
+    )
+    return kind, reference, processor, tokenizer, card
+
+
+def run(card, *calls):
+    from shoal.engine import Engine
+    from shoal.engine.runner import TorchBackend
+
+    engine = Engine(EngineSettings(), Catalog([card]), backend=TorchBackend("cpu", allow_download=False))
+
+    async def main():
+        await engine.start()
+        try:
+            return [await engine.run(call) for call in calls]
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
+def photo_bytes() -> list[bytes]:
+    """The photos as a client sends them: PNG and JPEG files."""
+    out = []
+    for image, fmt in ((photos.astronaut(), "PNG"), (photos.coffee(), "JPEG"), (photos.chelsea(), "PNG")):
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format=fmt)
+        out.append(buffer.getvalue())
+    return out
+
+
+def reference_images(reference, processor, files: list[bytes]) -> np.ndarray:
+    images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
+    pixel_values = torch.from_numpy(np.asarray(processor(images, return_tensors="np")["pixel_values"]))
+    with torch.no_grad():
+        out = reference.get_image_features(pixel_values=pixel_values).pooler_output
+    return torch.nn.functional.normalize(out, dim=-1).numpy()
+
+
+def reference_texts(kind, reference, tokenizer, texts: list[str]) -> np.ndarray:
+    rows = []
+    for text in texts:  # one at a time: CLIP's causal tower reads no padding
+        if kind == "siglip":
+            ids = tokenizer(text, padding="max_length", max_length=MAX_TEXT, return_tensors="pt")["input_ids"]
+        else:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            rows.append(reference.get_text_features(input_ids=ids).pooler_output)
+    return torch.nn.functional.normalize(torch.cat(rows), dim=-1).numpy()
+
+
+def test_images_and_texts_encode_as_transformers_embeds_them_and_a_mixed_call_keeps_its_order(served):
+    kind, reference, processor, tokenizer, card = served
+    files = photo_bytes()
+    images, texts, mixed = run(
+        card,
+        EncodeCall(card.id, [Item(image=f) for f in files]),
+        EncodeCall(card.id, TEXTS),
+        EncodeCall(card.id, [TEXTS[0], Item(image=files[1]), Item(text=TEXTS[1]), Item(image=files[0])]),
+    )
+    want_images = reference_images(reference, processor, files)
+    want_texts = reference_texts(kind, reference, tokenizer, TEXTS)
+    np.testing.assert_allclose(np.stack(images.vectors), want_images, atol=ATOL)
+    np.testing.assert_allclose(np.stack(texts.vectors), want_texts, atol=ATOL)
+    want_mixed = [want_texts[0], want_images[1], want_texts[1], want_images[0]]
+    np.testing.assert_allclose(np.stack(mixed.vectors), np.stack(want_mixed), atol=ATOL)
+    assert images.num_tokens == 3 * card.image_tokens  # an image costs its patches (+ a class token)
+
+
+def test_score_ranks_images_for_a_text_and_texts_for_an_image_by_the_models_own_logits(served):
+    kind, reference, processor, tokenizer, card = served
+    files = photo_bytes()
+    by_text, by_image, raw = run(
+        card,
+        ScoreCall(card.id, TEXTS[0], [Item(image=f) for f in files]),
+        ScoreCall(card.id, Item(image=files[2]), TEXTS),
+        ScoreCall(card.id, TEXTS[0], [Item(image=f) for f in files], raw_scores=True),
+    )
+    with torch.no_grad():
+        pixel_values = torch.from_numpy(
+            np.asarray(
+                processor([Image.open(io.BytesIO(f)).convert("RGB") for f in files], return_tensors="np")[
+                    "pixel_values"
+                ]
+            )
+        )
+        for_text = []
+        for text in TEXTS:
+            if kind == "siglip":
+                ids = tokenizer(text, padding="max_length", max_length=MAX_TEXT, return_tensors="pt")["input_ids"]
+            else:
+                ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            for_text.append(reference(input_ids=ids, pixel_values=pixel_values).logits_per_text[0])
+        logits = torch.stack(for_text).numpy()  # [texts, images]
+    activate = (lambda x: 1 / (1 + np.exp(-x))) if kind == "siglip" else (lambda x: x)
+
+    got = {item.index: item.score for item in by_text.items}
+    np.testing.assert_allclose([got[i] for i in range(3)], activate(logits[0]), rtol=1e-4, atol=1e-4)
+    assert [item.index for item in by_text.items] == list(np.argsort(-logits[0]))
+    got = {item.index: item.score for item in by_image.items}
+    np.testing.assert_allclose([got[i] for i in range(len(TEXTS))], activate(logits[:, 2]), rtol=1e-4, atol=1e-4)
+    got = {item.index: item.score for item in raw.items}
+    np.testing.assert_allclose([got[i] for i in range(3)], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_bad_image_is_refused_naming_it_and_the_card_must_say_what_an_image_costs(served):
+    kind, reference, processor, tokenizer, card = served
+    files = photo_bytes()
+    with pytest.raises(InvalidRequest, match=r"items\[1\]"):
+        run(card, EncodeCall(card.id, [Item(image=files[0]), Item(image=b"\x89PNG\r\n\x1a\nnot a png")]))
+    import msgspec
+
+    wrong = msgspec.structs.replace(card, image_tokens=card.image_tokens + 1)
+    with pytest.raises(ModelLoadError, match="image_tokens"):
+        run(wrong, EncodeCall(card.id, [Item(image=files[0])]))
