@@ -1,8 +1,8 @@
 """CLIP and SigLIP served by the engine, against transformers on the same random-weight folders:
 images sent as PNG and JPEG bytes of real photos (scikit-image's), through shoal's decode and
 preprocessing, give transformers' image processor + `get_image_features`, normalised; texts give
-`get_text_features` on the tokenizer's ids (SigLIP's padded to its length as SiglipProcessor
-pads them); a mixed call keeps its order; score ranks images for a text (and texts for an image)
+`get_text_features` on the tokenizer's ids and mask (SigLIP's padded to its length as
+SiglipProcessor pads them); a mixed call keeps its order; score ranks images for a text (and texts for an image)
 by the model's own logits (CLIP's scaled cosine, SigLIP's sigmoid)."""
 
 from __future__ import annotations
@@ -19,17 +19,39 @@ from PIL import Image
 from skimage import data as photos
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from shoal.calls import EncodeCall, Item, ScoreCall
+from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
 from shoal.catalog import Catalog, parse_card
 from shoal.config import EngineSettings
 from shoal.errors import InvalidRequest, ModelLoadError
-from vision_models import EOS, IMAGE, MAX_TEXT, PAD, PATCH, TEXT_SHAPE, VISION_SHAPE, VOCAB, save_random
+from vision_models import EOS, IMAGE, PAD, PATCH, TEXT_SHAPE, VISION_SHAPE, VOCAB, save_random
 
 BOS, SIGLIP_EOS = VOCAB - 2, VOCAB - 1
-WORDS = ["a", "photo", "of", "cat", "dog", "coffee", "cup", "woman", "astronaut", "red", "on", "the", "table"]
+WORDS = [
+    "this",
+    "is",
+    ".",
+    "a",
+    "photo",
+    "of",
+    "cat",
+    "dog",
+    "coffee",
+    "cup",
+    "woman",
+    "astronaut",
+    "red",
+    "on",
+    "the",
+    "table",
+]
 TEXTS = ["a photo of a cat", "a red coffee cup on the table", "the astronaut", "dog"]
 MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 ATOL = 1e-4
+# Text positions: CLIP's as the shared shape has them; SigLIP's 64, the length its processor (and
+# transformers' zero-shot-image-classification pipeline) pads every text to.
+MAX_TEXT = {"clip": TEXT_SHAPE["max_position_embeddings"], "siglip": 64}
+TEMPLATE = "This is a photo of {}."
+LABELS = ["cat", "coffee cup", "astronaut", "dog"]
 
 
 def write_tokenizer(directory, siglip: bool) -> None:
@@ -74,7 +96,13 @@ def served(request, tmp_path_factory):
         tokens, dims = (IMAGE // PATCH) ** 2 + 1, 24
     else:
         config = transformers.SiglipConfig(
-            text_config=dict(TEXT_SHAPE, projection_size=48, eos_token_id=SIGLIP_EOS, pad_token_id=PAD),
+            text_config=dict(
+                TEXT_SHAPE,
+                max_position_embeddings=MAX_TEXT["siglip"],
+                projection_size=48,
+                eos_token_id=SIGLIP_EOS,
+                pad_token_id=PAD,
+            ),
             vision_config=VISION_SHAPE,
         )
         reference = save_random(transformers.SiglipModel, config, directory)
@@ -91,12 +119,14 @@ def served(request, tmp_path_factory):
             "id": f"test/{kind}",
             "architecture": kind,
             "source": {"path": str(directory)},
-            "max_length": MAX_TEXT,
+            "max_length": MAX_TEXT[kind],
             "modalities": ["text", "image"],
             "image_tokens": tokens,
             "pooling": "model",
             "dimensions": dims,
             "outputs": ["dense"],
+            "tasks": ["encode", "score", "extract"],
+            "extract": {"kind": "image_labels", "hypothesis_template": TEMPLATE},
         },
         "<test>",
     )
@@ -137,15 +167,16 @@ def reference_images(reference, processor, files: list[bytes]) -> np.ndarray:
     return torch.nn.functional.normalize(out, dim=-1).numpy()
 
 
+def tokenized(kind, tokenizer, text: str) -> dict:
+    """A text as its processor gives it, ids and attention mask: SigLIP's padded to max_length."""
+    if kind == "siglip":
+        return tokenizer(text, padding="max_length", max_length=MAX_TEXT["siglip"], return_tensors="pt")
+    return tokenizer(text, return_tensors="pt")
+
+
 def reference_texts(kind, reference, tokenizer, texts: list[str]) -> np.ndarray:
-    rows = []
-    for text in texts:  # one at a time: CLIP's causal tower reads no padding
-        if kind == "siglip":
-            ids = tokenizer(text, padding="max_length", max_length=MAX_TEXT, return_tensors="pt")["input_ids"]
-        else:
-            ids = tokenizer(text, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            rows.append(reference.get_text_features(input_ids=ids).pooler_output)
+    with torch.no_grad():
+        rows = [reference.get_text_features(**tokenized(kind, tokenizer, text)).pooler_output for text in texts]
     return torch.nn.functional.normalize(torch.cat(rows), dim=-1).numpy()
 
 
@@ -184,13 +215,10 @@ def test_score_ranks_images_for_a_text_and_texts_for_an_image_by_the_models_own_
                 ]
             )
         )
-        for_text = []
-        for text in TEXTS:
-            if kind == "siglip":
-                ids = tokenizer(text, padding="max_length", max_length=MAX_TEXT, return_tensors="pt")["input_ids"]
-            else:
-                ids = tokenizer(text, return_tensors="pt")["input_ids"]
-            for_text.append(reference(input_ids=ids, pixel_values=pixel_values).logits_per_text[0])
+        for_text = [
+            reference(**tokenized(kind, tokenizer, text), pixel_values=pixel_values).logits_per_text[0]
+            for text in TEXTS
+        ]
         logits = torch.stack(for_text).numpy()  # [texts, images]
     activate = (lambda x: 1 / (1 + np.exp(-x))) if kind == "siglip" else (lambda x: x)
 
@@ -213,3 +241,28 @@ def test_a_bad_image_is_refused_naming_it_and_the_card_must_say_what_an_image_co
     wrong = msgspec.structs.replace(card, image_tokens=card.image_tokens + 1)
     with pytest.raises(ModelLoadError, match="image_tokens"):
         run(wrong, EncodeCall(card.id, [Item(image=files[0])]))
+
+
+def test_image_labels_equal_transformers_zero_shot_image_classification_pipeline(served):
+    kind, reference, processor, tokenizer, card = served
+    files = photo_bytes()
+    classify = transformers.pipeline(
+        "zero-shot-image-classification", model=reference, tokenizer=tokenizer, image_processor=processor
+    )
+    (labels, custom) = run(
+        card,
+        ExtractCall(card.id, [Item(image=f) for f in files], labels=LABELS),
+        ExtractCall(card.id, [Item(image=files[0])], labels=LABELS[:2], hypothesis_template="a {}"),
+    )
+    for item, file in zip(labels.items, files):
+        want = classify(
+            Image.open(io.BytesIO(file)).convert("RGB"), candidate_labels=LABELS, hypothesis_template=TEMPLATE
+        )
+        assert [s.label for s in item.labels] == [w["label"] for w in want]
+        np.testing.assert_allclose([s.score for s in item.labels], [w["score"] for w in want], atol=1e-5)
+    want = classify(
+        Image.open(io.BytesIO(files[0])).convert("RGB"), candidate_labels=LABELS[:2], hypothesis_template="a {}"
+    )
+    np.testing.assert_allclose([s.score for s in custom.items[0].labels], [w["score"] for w in want], atol=1e-5)
+    with pytest.raises(InvalidRequest, match=r"items\[0\] is a text; model .* labels images only"):
+        run(card, ExtractCall(card.id, ["a text"], labels=LABELS))

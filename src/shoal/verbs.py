@@ -6,6 +6,7 @@ serves it, and its cost in tokens. Torch-free: the gateway and the worker read i
     extract:gliner       ExtractCall -> ExtractResult  engine/tasks/extract_gliner.py
     extract:token_class  ExtractCall -> ExtractResult  engine/tasks/extract_token_class.py
     extract:zero_shot    ExtractCall -> ExtractResult  engine/tasks/extract_zero_shot.py
+    extract:image_labels ExtractCall -> ExtractResult  engine/tasks/extract_image_labels.py
 
 `estimate_tokens(call, card)` is the one cost function: engine admission, the gateway's token
 header (what workers size their pulls by) and the worker all count a call with it. It runs before
@@ -143,6 +144,14 @@ def _zero_shot(call: AnyCall, card: ModelCard) -> int:
     return sum(min(card.max_length, raw_tokens(t, card) + 12) for t in call.items) * labels
 
 
+def _image_labels(call: AnyCall, card: ModelCard) -> int:
+    """Each image once, and one prompt (the template around the label) per label."""
+    assert isinstance(call, ExtractCall)
+    around = len(card.extract.hypothesis_template) if card.extract is not None else 0
+    prompts = sum(min(card.max_length, raw_tokens(label, card, around)) for label in _labels(call, card))
+    return sum(raw_tokens(item, card) for item in call.items) + prompts
+
+
 KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
@@ -151,6 +160,7 @@ KINDS: dict[str, Kind] = {
         Kind("extract:gliner", ExtractCall, ExtractResult, "extract_gliner:GlinerTask", _gliner),
         Kind("extract:token_class", ExtractCall, ExtractResult, "extract_token_class:TokenClassTask", _token_class),
         Kind("extract:zero_shot", ExtractCall, ExtractResult, "extract_zero_shot:ZeroShotTask", _zero_shot),
+        Kind("extract:image_labels", ExtractCall, ExtractResult, "extract_image_labels:ImageLabelsTask", _image_labels),
     )
 }
 

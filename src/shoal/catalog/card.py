@@ -244,7 +244,10 @@ def _check(card: ModelCard, origin: str) -> None:
         )
     if card.extract is not None:
         ex = card.extract
-        if "encode" in card.tasks or "score" in card.tasks:
+        if ex.kind == "image_labels":  # a dual encoder that also encodes and scores
+            if "image" not in card.modalities or "dense" not in card.outputs:
+                fail("extract.kind", "image_labels needs a card that reads images into dense vectors")
+        elif "encode" in card.tasks or "score" in card.tasks:
             fail("tasks", "of an extraction model is [extract]")
         if ex.threshold is not None and not 0.0 <= ex.threshold <= 1.0:
             fail("extract.threshold", "must be between 0 and 1")

@@ -126,12 +126,17 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     "entail"), softmaxed across labels, or against the contradiction logit per label when
     multi-label (transformers' zero-shot-classification pipeline).
 
+    image_labels: zero-shot image classification by a dual encoder (CLIP, SigLIP): each image
+    against `hypothesis_template` filled with each label ("This is a photo of {}."), the model's
+    logits softmaxed across labels (CLIP) or each one's sigmoid (SigLIP), as transformers'
+    zero-shot-image-classification pipeline scores them. The card also encodes and scores.
+
     `threshold`: the default minimum score of what is returned. `backbone` (gliner): where the
     backbone's config.json and tokenizer come from when the GLiNER folder lacks them (the
     published v2.1 checkpoints name their backbone only as `model_name`).
     """
 
-    kind: Literal["gliner", "token_class", "zero_shot"]
+    kind: Literal["gliner", "token_class", "zero_shot", "image_labels"]
     backbone: Source | None = None
     threshold: float | None = None  # unset: 0.5 for gliner, none otherwise
     max_words: int | None = None

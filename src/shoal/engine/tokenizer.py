@@ -87,13 +87,14 @@ class TextTokenizer:
     @classmethod
     def from_dir(cls, directory: Path, max_length: int, *, pad: bool = False) -> TextTokenizer:
         """The folder's tokenizer.json, or one built from its vocab.txt (`tokenizer_files`).
-        `pad`: every sequence is padded with the pad token to `max_length`, attended to (SigLIP's
-        text tower was trained on texts padded so, as its processor pads them)."""
+        `pad`: every sequence is padded with the pad token to `max_length`, as SigLIP's processor
+        pads its texts; the pads get outputs (SigLIP pools the last position) but are attended to
+        by none, as transformers masks them."""
         tokenizer = load_tokenizer(directory)
         if not pad:
             return cls(tokenizer, max_length)
         pad_id = _pad_id(directory, tokenizer)
-        return cls(tokenizer, max_length, expand_to=max_length, expand_id=pad_id, attend_to_expansion=True)
+        return cls(tokenizer, max_length, expand_to=max_length, expand_id=pad_id)
 
     def variant(
         self,

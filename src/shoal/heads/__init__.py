@@ -106,7 +106,7 @@ def build_heads(ctx: BuildContext) -> dict[str, Any]:
     )
     if card.score is not None:
         heads["score"] = _REGISTRY[f"score:{card.score.kind}"].build(ctx)
-    if card.extract is not None:
+    if card.extract is not None and f"extract:{card.extract.kind}" in _REGISTRY:  # image_labels: the dense head
         head = _REGISTRY[f"extract:{card.extract.kind}"].build(ctx)
         heads[head.output] = head
     return heads

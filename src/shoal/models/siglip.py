@@ -127,8 +127,10 @@ class SiglipModel(DualEncoder):
         (r"logit_(scale|bias)", r"logit_\1", None),
     ]
     ignored_weights = [r".*position_ids"]
-    # Texts are padded with the pad token to the text tower's length and attended to, as
-    # SiglipProcessor pads them (`padding="max_length"`): the engine's tokenizer pads for it.
+    # Texts are padded with the pad token to the text tower's length, as SiglipProcessor pads them
+    # (`padding="max_length"`), and the last position (a pad, for a short text) is pooled; the pads
+    # are no token's keys, as transformers applies the attention mask its tokenizer gives. The
+    # engine's tokenizer pads for it.
     pads_texts = True
 
     def __init__(self, cfg: SiglipConfig) -> None:

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...calls import ExtractCall, ExtractedItem, ExtractResult
+from ...calls import ExtractCall, ExtractedItem, ExtractResult, Modality
 from ...catalog import ModelCard
 from ...errors import InvalidRequest
 from ...verbs import KINDS, estimate_tokens, unique_labels
 from ..backend import ModelInfo
 from ..types import Encoded, ExtractSpec
-from .inputs import texts_of
+from .inputs import images_of, texts_of
 
 MAX_LABELS = 100
 MAX_LABEL_CHARS = 200
@@ -34,7 +34,8 @@ class ExtractPlan:
     labels: list[str]  # de-duplicated, in request order
     threshold: float | None
     estimated_tokens: int
-    texts: list[str]  # the call's items (extract reads texts only)
+    texts: list[str]  # the call's items, for the kinds that read texts
+    images: list[bytes] = field(default_factory=list)  # or their images' bytes (image_labels)
     # Filled by tokenize, one entry per sequence: the text it reads and what collect needs of it.
     owners: list[int] = field(default_factory=list)
     windows: list[tuple] = field(default_factory=list)
@@ -45,7 +46,7 @@ class ExtractPlan:
 
     @property
     def num_items(self) -> int:
-        return len(self.texts)
+        return len(self.texts) or len(self.images)
 
 
 def plan_extract(
@@ -57,11 +58,16 @@ def plan_extract(
     labels_required: bool,
     fold_labels: bool = False,
     default_threshold: float | None = None,
+    reads: Modality = "text",
 ) -> ExtractPlan:
     """The checks every kind makes, then the plan: texts, labels, threshold, the kind's options."""
     if not call.items:
         raise InvalidRequest("no items to extract from", details={"option": "items"})
-    texts = texts_of(call.items, card, task="extracts from")
+    texts, images = [], []
+    if reads == "text":
+        texts = texts_of(call.items, card, task="extracts from")
+    else:
+        images = images_of(call.items, card, task="labels")
     labels = check_labels(call.labels, required=labels_required, fold=fold_labels)
     threshold = call.threshold if call.threshold is not None else card.extract.threshold if card.extract else None
     if threshold is None:
@@ -74,7 +80,7 @@ def plan_extract(
                 f"{option} applies to {' and '.join(_kinds_taking(option))} models; model {card.id} is {kind}",
                 details={"option": option},
             )
-    return ExtractPlan(card, call, kind, labels, threshold, estimate_tokens(call, card), texts)
+    return ExtractPlan(card, call, kind, labels, threshold, estimate_tokens(call, card), texts, images)
 
 
 def _kinds_taking(option: str) -> list[str]:
@@ -105,7 +111,7 @@ def result(
 
 def windows_per_text(plan: ExtractPlan) -> np.ndarray:
     """Sequences read per text (0: a text without words)."""
-    return np.bincount(np.asarray(plan.owners, dtype=np.int64), minlength=len(plan.texts))
+    return np.bincount(np.asarray(plan.owners, dtype=np.int64), minlength=plan.num_items)
 
 
 def check_labels(labels: list, required: bool, fold: bool = False) -> list[str]:

@@ -24,14 +24,14 @@ class ZeroShotTask:
 
     def plan(self, card: ModelCard, call: ExtractCall) -> ExtractPlan:
         plan = plan_extract(card, call, "zero_shot", self.options, labels_required=True)
-        _hypotheses(_template(card, call), plan.labels[:1])
+        hypotheses_of(card, call, plan.labels[:1])
         return plan
 
     async def tokenize(self, plan: ExtractPlan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
         call, tok = plan.call, model.text
         plan.model = model
         model.head(NliLabels)  # a model without entailment labels fails here, not after its forward
-        hypotheses = _hypotheses(_template(plan.card, call), plan.labels)
+        hypotheses = hypotheses_of(plan.card, call, plan.labels)
         texts = [t for t in plan.texts for _ in hypotheses]
         seqs = await pool.encode(tok, texts, True, pairs=hypotheses * len(plan.texts), cut_first=True, what="items")
         k = len(hypotheses)
@@ -79,14 +79,11 @@ class ZeroShotTask:
         return items
 
 
-def _template(card: ModelCard, call: ExtractCall) -> str:
+def hypotheses_of(card: ModelCard, call: ExtractCall, labels: list[str]) -> list[str]:
+    """The call's (else the card's) `hypothesis_template` filled with each label (as transformers'
+    pipelines fill it), once the template is known to place the label exactly once."""
     assert card.extract is not None
-    return call.hypothesis_template or card.extract.hypothesis_template
-
-
-def _hypotheses(template: str, labels: list[str]) -> list[str]:
-    """`template.format(label)` per label (as transformers' pipeline fills it), once the template is
-    known to place the label exactly once."""
+    template = call.hypothesis_template or card.extract.hypothesis_template
     sentinel = "\x00label\x00"
     try:
         placed = template.format(sentinel).count(sentinel) if isinstance(template, str) else 0

@@ -55,6 +55,18 @@ def texts_of(
     return [_text(value) for value in values]
 
 
+def images_of(values: Sequence[Input], card: ModelCard, what: str = "items", task: str = "") -> list[bytes]:
+    """The image bytes of `values`, for a task that reads images only (`task` names it)."""
+    modalities = check_inputs(values, card, what)
+    for index, modality in enumerate(modalities):
+        if modality != "image":
+            raise InvalidRequest(
+                f"{what}[{index}] is {_A[modality]}; model {card.id} {task or 'takes'} images only",
+                details={"index": index, "model": card.id},
+            )
+    return [value.image for value in values if isinstance(value, Item) and value.image is not None]
+
+
 def value_of(item: Input, prefix: str = "") -> str | bytes:
     """What a checked input's preprocessor takes: its text (after `prefix`, a prompt), or its image's bytes."""
     if isinstance(item, Item):
