@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from shoal.calls import EncodeCall, ExtractCall, ScoreCall
+from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
 from shoal.catalog import Catalog
 from shoal.engine.tasks import task_for
+from shoal import verbs
 from shoal.verbs import KINDS, estimate_tokens, kind_of
 
 TEXTS = [
@@ -20,6 +21,7 @@ TEXTS = [
     "A much longer text about the river Thames, " * 40,
 ]
 LABELS = ["person", "place", "machine", "Person"]
+IMAGES = [Item(image=b"\x89PNG..."), Item(image=b"\xff\xd8\xff...")]  # planning reads no pixel
 
 
 def calls_for(card):
@@ -27,13 +29,18 @@ def calls_for(card):
     out = []
     if "encode" in card.tasks:
         out.append(EncodeCall(card.id, TEXTS, is_query=True))
+        if "image" in card.modalities:
+            out.append(EncodeCall(card.id, [*TEXTS, *IMAGES]))
     if "score" in card.tasks:
         out.append(ScoreCall(card.id, "who wrote the first program?", TEXTS))
+        if "image" in card.modalities:
+            out.append(ScoreCall(card.id, "a photo of a cat", IMAGES))
         if card.score is not None and card.score.kind == "cross_encoder":
             out.append(ScoreCall(card.id, "who wrote it?", TEXTS, window_overlap_tokens=16))
     if "extract" in card.tasks and card.extract is not None:
         labels = [] if card.extract.kind == "token_class" else LABELS
-        out.append(ExtractCall(card.id, TEXTS, labels=labels))
+        items = IMAGES if card.extract.kind == "image_labels" else TEXTS
+        out.append(ExtractCall(card.id, items, labels=labels))
     return out
 
 
@@ -49,6 +56,15 @@ def test_the_engine_plan_and_the_gateways_header_count_a_call_alike(model_id, ca
     planned = task_for(call, card).plan(card, call).estimated_tokens
     assert planned == estimate_tokens(call, card)
     assert planned > 0
+
+
+def test_an_image_costs_its_cards_image_tokens_wherever_it_is_sent():
+    clip = CATALOG.get("openai/clip-vit-base-patch16")
+    assert clip.image_tokens == 197
+    assert estimate_tokens(EncodeCall(clip.id, IMAGES), clip) == 2 * 197
+    assert estimate_tokens(ScoreCall(clip.id, IMAGES[0], IMAGES), clip) == 3 * 197
+    labels = estimate_tokens(ExtractCall(clip.id, IMAGES, labels=["cat"]), clip)
+    assert labels == 2 * 197 + estimate_tokens(ExtractCall(clip.id, [], labels=["cat"]), clip)
 
 
 def test_a_zero_shot_call_costs_a_pair_per_label_and_a_gliner_call_a_prompt_per_window():
@@ -71,7 +87,7 @@ def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_ver
         for card in CATALOG
         if card.extract is not None
     }
-    assert tasks == {"GlinerTask", "TokenClassTask", "ZeroShotTask"}
+    assert tasks == {"GlinerTask", "TokenClassTask", "ZeroShotTask", "ImageLabelsTask"}
     embedder = CATALOG.get("sentence-transformers/all-MiniLM-L6-v2")
     with pytest.raises(InvalidRequest, match="does not extract"):
         kind_of(ExtractCall(embedder.id, ["x"], labels=["y"]), embedder)
@@ -112,3 +128,12 @@ def test_a_batch_packs_feature_slots_per_sequence_and_refuses_mixed_rows():
     assert Batch.pack([b, b]).features == {}
     with pytest.raises(ValueError, match="one dtype and row shape"):
         Batch.pack([a, Encoded(ids, features={"pixels": np.ones((1, 5), np.float32)})])
+
+
+def test_every_verb_of_the_registry_has_routes_and_every_routes_verb_is_in_the_registry():
+    from shoal.api.table import ROUTES
+
+    served = {route.verb for route in ROUTES if route.verb is not None}
+    assert served == set(verbs.VERB_OF_CALL.values())
+    # a route that makes a call reads a body, and a probe makes none
+    assert all(route.request is not None for route in ROUTES if route.verb is not None)

@@ -14,7 +14,11 @@ any tokenizer, from characters (~4 a token) and the card's `image_tokens` an ima
 the task will really run: prompts, label prompts repeated per window, one pair per label, the frame
 around every LLM-reranked pair.
 
-A new verb or kind is a registry line here, its task file, and its estimate below.
+The routes that make each verb's call, and the wire translation each reads, are rows of the route
+table (api/table.py, `RouteSpec.verb`), which the app and the OpenAPI document are built from.
+
+A new verb or kind is a registry line here, its task file, and its estimate below (a new verb also
+its call and result types in calls.py, and its routes' rows).
 """
 
 from __future__ import annotations
@@ -64,9 +68,11 @@ def raw_tokens(value: Input, card: ModelCard | None = None, prefix: int = 0) -> 
     return (prefix + len(text)) // 4 + 2
 
 
-def text_tokens(value: Input, max_length: int, card: ModelCard | None = None) -> int:
-    """`raw_tokens`, cut to what one sequence of `max_length` keeps."""
-    return min(max_length, raw_tokens(value, card))
+def text_tokens(value: Input, max_length: int, card: ModelCard | None = None, prefix: int = 0) -> int:
+    """`raw_tokens`, a text's cut to what one sequence of `max_length` keeps (an image is never cut:
+    it is resized to the tower's resolution)."""
+    tokens = raw_tokens(value, card, prefix)
+    return tokens if text_of(value) is None else min(max_length, tokens)
 
 
 # A GLiNER window keeps at least this many tokens for text next to the label prompt.
@@ -80,7 +86,7 @@ def _encode(call: AnyCall, card: ModelCard) -> int:
     prefix = (
         card.prompts.get(call.prompt_name, "") if call.prompt_name is not None else card.prompt_for(None, call.is_query)
     )
-    return sum(min(card.max_length, raw_tokens(item, card, len(prefix))) for item in call.items)
+    return sum(text_tokens(item, card.max_length, card, len(prefix)) for item in call.items)
 
 
 def _score(call: AnyCall, card: ModelCard) -> int:

@@ -15,6 +15,8 @@ document from it, so the two cannot disagree. A row is one operation, a path and
     response   the 200 body's type (a tuple: any one of them); None: not JSON, or empty
     media      the 200 body's media type when `response` is None
     admin      needs a token with the admin scope
+    verb       the verb of the call it makes (a `verbs.KINDS` verb); None for the routes that make
+               none (models, probes, /tokenize) and TEI's root, which makes either of two
 
 The order is the app's match order (Starlette takes the first route whose path and method match)
 and the document's.
@@ -57,6 +59,7 @@ class RouteSpec:
     response: Schema | None = None
     media: str = "application/json"
     admin: bool = False
+    verb: Literal["encode", "score", "extract"] | None = None
 
     def __post_init__(self) -> None:
         if (self.handler is None) == (self.plain is None):
@@ -77,36 +80,38 @@ _TEI_ROOT_RESPONSE = (list[list[float]], list[float], list[wire.tei.Rank])
 ROUTES: tuple[RouteSpec, ...] = (
     # Native verbs (wire/native.py).
     RouteSpec("/v1/encode", "POST", "encode", "Encode texts: dense, sparse and multi-vector outputs",
-              routes.encode, request=wire.EncodeRequest, response=wire.EncodeResponse),
+              routes.encode, request=wire.EncodeRequest, response=wire.EncodeResponse, verb="encode"),
     RouteSpec("/v1/score", "POST", "score", "Score documents against a query (rerank)",
-              routes.score, request=wire.ScoreRequest, response=wire.ScoreResponse),
+              routes.score, request=wire.ScoreRequest, response=wire.ScoreResponse, verb="score"),
     RouteSpec("/v1/extract", "POST", "extract", "Extract entities or zero-shot labels",
-              routes.extract, request=wire.ExtractRequest, response=wire.ExtractResponse),
+              routes.extract, request=wire.ExtractRequest, response=wire.ExtractResponse, verb="extract"),
     # OpenAI (wire/openai.py), Cohere and Jina (wire/cohere.py).
     RouteSpec("/v1/embeddings", "POST", "embeddings", "OpenAI-compatible embeddings",
-              routes.embeddings, request=wire.EmbeddingsRequest, response=wire.EmbeddingsResponse),
+              routes.embeddings, request=wire.EmbeddingsRequest, response=wire.EmbeddingsResponse, verb="encode"),
     RouteSpec("/v1/rerank", "POST", "rerank", "Cohere v1 (and Jina) rerank",
-              routes.rerank, request=wire.cohere.RerankRequest, response=wire.cohere.RerankResponse),
+              routes.rerank, request=wire.cohere.RerankRequest, response=wire.cohere.RerankResponse, verb="score"),
     RouteSpec("/v2/rerank", "POST", "rerank_v2", "Cohere v2 rerank",
-              routes.rerank_v2, request=wire.cohere.RerankV2Request, response=wire.cohere.RerankV2Response),
+              routes.rerank_v2, request=wire.cohere.RerankV2Request, response=wire.cohere.RerankV2Response,
+              verb="score"),
     RouteSpec("/v1/embed", "POST", "cohere_embed_v1", "Cohere v1 embed",
               routes.cohere_embed_v1, request=wire.cohere.EmbedRequest,
-              response=(wire.cohere.EmbedFloatsResponse, wire.cohere.EmbedByTypeResponse)),
+              response=(wire.cohere.EmbedFloatsResponse, wire.cohere.EmbedByTypeResponse), verb="encode"),
     RouteSpec("/v2/embed", "POST", "embed_v2", "Cohere v2 embed",
-              routes.embed_v2, request=wire.cohere.EmbedV2Request, response=wire.cohere.EmbedByTypeResponse),
+              routes.embed_v2, request=wire.cohere.EmbedV2Request, response=wire.cohere.EmbedByTypeResponse,
+              verb="encode"),
     # TEI, text-embeddings-inference (wire/tei.py): bodies name no model (api/tei.py).
     RouteSpec("/rerank", "POST", "tei_rerank", "TEI rerank",
-              routes.tei_rerank, request=wire.tei.RerankRequest, response=list[wire.tei.Rank]),
+              routes.tei_rerank, request=wire.tei.RerankRequest, response=list[wire.tei.Rank], verb="score"),
     RouteSpec("/embed", "POST", "tei_embed", "TEI embed",
-              tei.embed, request=wire.tei.EmbedRequest, response=list[list[float]]),
+              tei.embed, request=wire.tei.EmbedRequest, response=list[list[float]], verb="encode"),
     RouteSpec("/embed_all", "POST", "tei_embed_all", "TEI token states (unpooled)",
-              tei.embed_all, request=wire.tei.EmbedSparseRequest, response=list[list[list[float]]]),
+              tei.embed_all, request=wire.tei.EmbedSparseRequest, response=list[list[list[float]]], verb="encode"),
     RouteSpec("/tokenize", "POST", "tei_tokenize", "TEI tokenize",
               tei.tokenize, request=wire.tei.TokenizeRequest, response=list[list[Token]]),
     RouteSpec("/embed_sparse", "POST", "tei_embed_sparse", "TEI sparse embed",
-              tei.embed_sparse, request=wire.tei.EmbedSparseRequest, response=list[list[wire.tei.SparseValue]]),
+              tei.embed_sparse, request=wire.tei.EmbedSparseRequest, response=list[list[wire.tei.SparseValue]], verb="encode"),
     RouteSpec("/similarity", "POST", "tei_similarity", "TEI sentence similarity",
-              tei.similarity, request=wire.tei.SimilarityRequest, response=list[float]),
+              tei.similarity, request=wire.tei.SimilarityRequest, response=list[float], verb="encode"),
     RouteSpec("/", "POST", "tei_root", "TEI's root: embed, similarity or rerank, by the body",
               tei.root, request=_TEI_ROOT_REQUEST, response=_TEI_ROOT_RESPONSE),
     RouteSpec("/info", "GET", "tei_info", "TEI model info", tei.info, response=OPEN_OBJECT),
