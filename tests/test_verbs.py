@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from shoal import verbs
 from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
 from shoal.catalog import Catalog
 from shoal.engine.tasks import task_for
-from shoal import verbs
 from shoal.verbs import KINDS, estimate_tokens, kind_of
 
 TEXTS = [
