@@ -201,16 +201,16 @@ def test_v2_refusals_reach_the_client_as_400_saying_what_to_fix(co, card):
     base = {"model": card.id, "texts": TEXTS[:1], "input_type": "search_document"}
     cases = [
         ({"embedding_types": ["float16"]}, "unknown embedding type 'float16': `embedding_types` takes float, int8"),
-        ({"input_type": "image"}, "input_type 'image' is not supported: shoal embeds text only"),
+        ({"input_type": "image"}, "input_type 'image' is for `images` (data: URLs), not texts"),
         ({"input_type": "search"}, "unknown input_type 'search': send one of search_query, search_document"),
         ({"truncate": "START"}, "truncate START is not supported: shoal cuts long texts at the end"),
         ({"truncate": "LEFT"}, "unknown truncate 'LEFT': send NONE, START or END"),
         ({"max_tokens": 64}, "max_tokens 64 is below model sentence-transformers/all-MiniLM-L6-v2's max_length of 256"),
         ({"output_dimension": 1024}, "dimensions 1024 is larger than the model's 384"),
-        ({"images": ["data:image/png;base64,AAAA"]}, "`images` is not supported: shoal embeds text only"),
+        ({"images": ["data:image/png;base64,AAAA"]}, "send either `texts` or `images`, not both"),
         (
             {"texts": None, "inputs": [{"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-            "inputs[0].content[0] is an image: shoal embeds text only",
+            "inputs[0].content[0].image_url.url is a data: URL of type 'text/plain', not an image",
         ),
         ({"texts": []}, "`texts` is empty: send at least one string"),
     ]

@@ -270,25 +270,25 @@ async def embed_v2(ctx: Context) -> wire.cohere.EmbedByTypeResponse:
     """Cohere v2: every requested embedding type, derived from one float32 forward."""
     req: wire.cohere.EmbedV2Request = ctx.decode(wire.cohere.EmbedV2Request)
     ctx.model = req.model
-    texts = req.texts_of()
-    ctx.check_count(len(texts))
-    call = wire.cohere.encode_call(req, req.model, texts, ctx.request_id)
+    inputs = req.inputs_of()
+    ctx.check_count(len(inputs))
+    call = wire.cohere.encode_call(req, req.model, inputs, ctx.request_id)
     if req.max_tokens is not None:
         req.check_max_tokens(ctx.status(req.model).max_length)
     result = await _cohere_encode(ctx, call)
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
-    return wire.cohere.embed_by_type_response(req, "2", texts, result, ctx.request_id)
+    return wire.cohere.embed_by_type_response(req, "2", wire.cohere.texts_in(inputs), result, ctx.request_id)
 
 
 async def cohere_embed_v1(ctx: Context) -> wire.cohere.EmbedByTypeResponse | wire.cohere.EmbedFloatsResponse:
     """Cohere v1: floats by default, by type when `embedding_types` is sent."""
     req: wire.cohere.EmbedRequest = ctx.decode(wire.cohere.EmbedRequest)
     ctx.model = model = req.model_of()
-    texts = req.texts_of()
-    ctx.check_count(len(texts))
-    result = await _cohere_encode(ctx, wire.cohere.encode_call(req, model, texts, ctx.request_id))
+    inputs = req.inputs_of()
+    ctx.check_count(len(inputs))
+    result = await _cohere_encode(ctx, wire.cohere.encode_call(req, model, inputs, ctx.request_id))
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
-    return wire.cohere.embed_response(req, "1", texts, result, ctx.request_id)
+    return wire.cohere.embed_response(req, "1", wire.cohere.texts_in(inputs), result, ctx.request_id)
 
 
 async def _cohere_encode(ctx: Context, call: EncodeCall) -> EncodeResult:

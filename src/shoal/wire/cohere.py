@@ -22,9 +22,10 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
-from ..calls import EncodeCall, EncodeResult, ScoreCall, ScoreResult
+from ..calls import EncodeCall, EncodeResult, Input, Item, ScoreCall, ScoreResult
 from ..errors import InputTooLong, InvalidRequest
 from ..vectors import finish
+from .native import image_bytes
 
 Document = str | dict[str, str]
 DOCUMENTS_PER_SEARCH_UNIT = 100  # Cohere bills one search unit per query and up to 100 documents
@@ -170,10 +171,14 @@ def rerank_v2_response(req: RerankV2Request, result: ScoreResult, request_id: st
 
 # --- embed ---------------------------------------------------------------------------------------
 #
-# `/v2/embed` and `/v1/embed`: text only. `input_type` picks the card's prompt (search_query: the
-# query prompt, search_document: the document prompt, classification and clustering: none). Every
-# embedding type is derived from one float32 forward (the card's normalisation, `output_dimension`
-# applied), so the types of one request agree with each other:
+# `/v2/embed` and `/v1/embed` embed one of `texts`, `images` (data: URLs, with input_type "image",
+# as Cohere requires; texts may not take it) or, v2, `inputs`: an input's text parts are one text,
+# or an input is one image part (any input_type, as Cohere's embed-v4 takes them). Text and image
+# parts in one input are refused: Cohere fuses them into one vector, shoal's image models embed a
+# text or an image. The engine reads the images (and refuses them for a text-only model).
+# `input_type` picks the card's prompt for texts (search_query: the query prompt, search_document:
+# the document prompt, the others: none). Every embedding type is derived from one float32 forward
+# (the card's normalisation, `output_dimension` applied), so the types of one request agree:
 #
 #     float    the float32 vector
 #     int8     scaled per vector so its largest component is ±127 (shoal's int8; Cohere calibrates
@@ -195,16 +200,37 @@ INPUT_TYPES: dict[str, bool | None] = {
     "search_document": False,
     "classification": None,
     "clustering": None,
+    "image": None,  # `images` (or image inputs): an image has no prompt
 }
+TEXT_INPUT_TYPES = [kind for kind in INPUT_TYPES if kind != "image"]
 TRUNCATE_MODES = ("NONE", "START", "END")
+# What each source of inputs holds, and what an empty one lacks.
+_SOURCES = {
+    "texts": ("`texts` (strings)", "one string"),
+    "inputs": ("`inputs` (content parts)", "one input"),
+    "images": ("`images` (image data: URLs)", "one image"),
+}
+# An image as Cohere sends it (`native.image_bytes` reads it).
+DataUrl = Annotated[
+    str,
+    msgspec.Meta(
+        description="An image file as a data:image/...;base64,... URL (bare base64 is accepted too). "
+        "URLs are not fetched."
+    ),
+]
+
+
+class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
+    url: DataUrl
+    detail: str | None = None  # accepted, ignored
 
 
 class EmbedContent(msgspec.Struct, forbid_unknown_fields=True):
-    """One part of a v2 input: `{"type": "text", "text"}` (an `image_url` part is refused)."""
+    """One part of a v2 input: `{"type": "text", "text"}` or `{"type": "image_url", "image_url": {"url"}}`."""
 
     type: str
     text: str | None = None
-    image_url: dict[str, Any] | str | None = None
+    image_url: ImageUrl | DataUrl | None = None
 
 
 class EmbedInput(msgspec.Struct, forbid_unknown_fields=True):
@@ -213,22 +239,47 @@ class EmbedInput(msgspec.Struct, forbid_unknown_fields=True):
 
 class _EmbedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     texts: list[str] | None = None
-    images: list[str] | None = None  # the clients send it; non-empty is refused
+    images: list[DataUrl] | None = None
     input_type: str | None = None  # None: no prompt
     embedding_types: list[str] | None = None  # None: ["float"]
     truncate: str | None = None  # None: END
 
-    def texts_of(self) -> list[str]:
-        """The texts to embed; refuses images and an empty request."""
-        if self.images:
+    def inputs_of(self) -> list[Input]:
+        """What to embed, in order: texts as strings, images as `Item(image=...)`."""
+        source = self._source({"texts": self.texts, "images": self.images})
+        return self._images() if source == "images" else list(self.texts or [])
+
+    def _source(self, sources: dict[str, list[Any] | None]) -> str:
+        """The one source of inputs sent (an empty list beside a non-empty one counts as unsent);
+        an InvalidRequest for none, an empty one, two, or an input_type that does not fit it."""
+        given = [name for name, values in sources.items() if values]
+        if len(given) > 1:
             raise InvalidRequest(
-                "`images` is not supported: shoal embeds text only; send `texts`", details={"path": "$.images"}
+                f"send either `{given[0]}` or `{given[1]}`, not both", details={"path": f"$.{given[1]}"}
             )
-        if self.texts is None:
-            raise InvalidRequest("no `texts`: send a non-empty list of strings", details={"path": "$.texts"})
-        if not self.texts:
-            raise InvalidRequest("`texts` is empty: send at least one string", details={"path": "$.texts"})
-        return self.texts
+        if not given:
+            sent = [name for name, values in sources.items() if values is not None]
+            if not sent:
+                wanted = " or ".join(_SOURCES[name][0] for name in sources)
+                raise InvalidRequest(f"nothing to embed: send {wanted}", details={"path": "$.texts"})
+            raise InvalidRequest(
+                f"`{sent[0]}` is empty: send at least {_SOURCES[sent[0]][1]}", details={"path": f"$.{sent[0]}"}
+            )
+        if given[0] == "images" and self.input_type != "image":
+            raise InvalidRequest(
+                f"`images` needs input_type 'image', not {self.input_type!r}: Cohere embeds `images` with it",
+                details={"path": "$.input_type"},
+            )
+        if given[0] == "texts" and self.input_type == "image":
+            raise InvalidRequest(
+                "input_type 'image' is for `images` (data: URLs), not texts: send the images there, or send "
+                f"texts with input_type one of {', '.join(TEXT_INPUT_TYPES)}",
+                details={"path": "$.input_type"},
+            )
+        return given[0]
+
+    def _images(self) -> list[Input]:
+        return [Item(image=image_bytes(url, f"images[{i}]")) for i, url in enumerate(self.images or [])]
 
     def types(self) -> tuple[str, ...]:
         """The requested embedding types, in order, without repeats."""
@@ -253,12 +304,6 @@ class _EmbedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return None
         if kind in INPUT_TYPES:
             return INPUT_TYPES[kind]
-        if kind == "image":
-            raise InvalidRequest(
-                "input_type 'image' is not supported: shoal embeds text only; send texts with "
-                f"input_type one of {', '.join(INPUT_TYPES)}",
-                details={"path": "$.input_type"},
-            )
         raise InvalidRequest(
             f"unknown input_type {kind!r}: send one of {', '.join(INPUT_TYPES)}",
             details={"path": "$.input_type", "allowed": list(INPUT_TYPES)},
@@ -300,19 +345,12 @@ class EmbedV2Request(_EmbedRequest, kw_only=True):
     output_dimension: Annotated[int, msgspec.Meta(ge=1)] | None = None
     priority: int | None = None  # accepted, ignored
 
-    def texts_of(self) -> list[str]:
-        """`texts`, or each of `inputs` as its text parts joined by newlines."""
-        if self.inputs is None and self.texts is None and not self.images:
-            raise InvalidRequest(
-                "nothing to embed: send `texts` (strings) or `inputs` (text content)", details={"path": "$.texts"}
-            )
-        if self.inputs is None or self.images:
-            return super().texts_of()  # refuses images
-        if self.texts is not None:
-            raise InvalidRequest("send either `texts` or `inputs`, not both", details={"path": "$.inputs"})
-        if not self.inputs:
-            raise InvalidRequest("`inputs` is empty: send at least one input", details={"path": "$.inputs"})
-        return [_input_text(i, item) for i, item in enumerate(self.inputs)]
+    def inputs_of(self) -> list[Input]:
+        """`texts`, `images`, or each of `inputs` as its text parts joined by newlines or its one image part."""
+        source = self._source({"texts": self.texts, "inputs": self.inputs, "images": self.images})
+        if source == "inputs":
+            return [_input_of(i, item) for i, item in enumerate(self.inputs or [])]
+        return self._images() if source == "images" else list(self.texts or [])
 
     def check_max_tokens(self, max_length: int) -> None:
         """`max_tokens` is met by the model's own cut when it is at least `max_length`; shorter is refused."""
@@ -325,34 +363,56 @@ class EmbedV2Request(_EmbedRequest, kw_only=True):
             )
 
 
-def _input_text(index: int, item: EmbedInput) -> str:
+def _input_of(index: int, item: EmbedInput) -> Input:
+    name = f"inputs[{index}]"
     if not item.content:
         raise InvalidRequest(
-            f"inputs[{index}] has no content: send at least one text part",
-            details={"path": f"$.inputs[{index}].content"},
+            f"{name} has no content: send at least one text part or one image part",
+            details={"path": f"$.{name}.content"},
         )
-    parts = []
+    texts: list[str] = []
+    images: list[bytes] = []
     for j, part in enumerate(item.content):
-        path = f"$.inputs[{index}].content[{j}]"
-        if part.type == "image_url":
+        where = f"{name}.content[{j}]"
+        if part.type == "text" and part.text is not None:
+            texts.append(part.text)
+        elif part.type == "image_url" and part.image_url is not None:
+            if isinstance(part.image_url, str):  # the URL itself, as some clients send it
+                images.append(image_bytes(part.image_url, f"{where}.image_url"))
+            else:
+                images.append(image_bytes(part.image_url.url, f"{where}.image_url.url"))
+        else:
             raise InvalidRequest(
-                f"inputs[{index}].content[{j}] is an image: shoal embeds text only", details={"path": path}
+                f'{where} must be {{"type": "text", "text": "..."}} or '
+                f'{{"type": "image_url", "image_url": {{"url": "data:image/...;base64,..."}}}}',
+                details={"path": f"$.{where}"},
             )
-        if part.type != "text" or part.text is None:
-            raise InvalidRequest(
-                f'inputs[{index}].content[{j}] must be {{"type": "text", "text": "..."}}', details={"path": path}
-            )
-        parts.append(part.text)
-    return "\n".join(parts)
+    if texts and images:
+        raise InvalidRequest(
+            f"{name} has text and image parts: Cohere fuses them into one embedding, and shoal embeds a text "
+            "or an image per input; send them as separate inputs",
+            details={"path": f"$.{name}.content"},
+        )
+    if len(images) > 1:
+        raise InvalidRequest(
+            f"{name} has {len(images)} image parts: shoal embeds one image per input; send each as its own input",
+            details={"path": f"$.{name}.content"},
+        )
+    return Item(image=images[0]) if images else "\n".join(texts)
 
 
-def encode_call(req: _EmbedRequest, model: str, texts: list[str], request_id: str | None = None) -> EncodeCall:
+def texts_in(inputs: list[Input]) -> list[str]:
+    """The texts among `inputs` (what a response's `texts` echoes)."""
+    return [value for value in inputs if isinstance(value, str)]
+
+
+def encode_call(req: _EmbedRequest, model: str, inputs: list[Input], request_id: str | None = None) -> EncodeCall:
     """One float32 dense forward; every embedding type is derived from it (`embeddings_by_type`).
     Checks every option first, so a bad one costs no forward."""
     req.types()
     return EncodeCall(
         model=model,
-        items=texts,
+        items=inputs,
         is_query=req.is_query(),
         truncate=req.truncates(),
         dimensions=getattr(req, "output_dimension", None),
