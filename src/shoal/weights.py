@@ -1,18 +1,25 @@
-"""Checkpoints (config.json + safetensors) -> a model on a device, via the model's weight map.
+"""Checkpoints (a config file + weights) -> a model on a device, via the model's weight map.
 
-Checkpoints are safetensors (read lazily) or, failing that, `pytorch_model*.bin` read with
-`torch.load(weights_only=True)`. The model class declares, as data, how checkpoint names become its parameter names
-(`weight_map`: pattern, replacement, shard) and which checkpoint tensors it ignores. Fused
-projections (q, k, v into one `FusedLinear`) are filled shard by shard. Every parameter must be
-filled exactly; anything else is a ModelLoadError that names the tensors.
+A folder holds its checkpoint in one of the `LAYOUTS`: transformers' (config.json with
+`*.safetensors`, or `pytorch_model*.bin`) or open_clip's (open_clip_config.json with
+`open_clip_model.safetensors`, or `open_clip_pytorch_model.bin`); `checkpoint_layout` decides
+which. Safetensors are read lazily, torch pickles with `torch.load(weights_only=True)`. The model
+class declares, as data, how checkpoint names become its parameter names (`weight_map`: pattern,
+replacement, shard), which checkpoint tensors it ignores and which it stores transposed
+(`transposed_weights`: `[in, out]` where the parameter, an nn.Linear's weight, is `[out, in]`).
+Fused projections (q, k, v into one `FusedLinear`) are filled shard by shard (shard i), or whole
+from a checkpoint that fuses them too (shard None). Every parameter must be filled exactly;
+anything else is a ModelLoadError that names the tensors.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,11 +38,74 @@ _LEGACY = ((".gamma", ".weight"), (".beta", ".bias"))
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a folder holds a checkpoint: the config file that names the layout, and its weights
+    (`safetensors`, else `pickles`: file patterns in the folder)."""
+
+    config_file: str
+    safetensors: str
+    pickles: str
+    # "module:function" turning the config file's JSON into config.json's keys; None: it is config.json
+    convert: str | None = None
+
+    def weight_files(self, directory: Path) -> list[Path]:
+        """The folder's weight files in this layout: its safetensors, or failing those its pickles.
+        A file that another layout names outright is that layout's, not a match of a pattern here
+        (open_clip_model.safetensors is no transformers shard)."""
+        named = {p for other in LAYOUTS if other != self for p in (other.safetensors, other.pickles) if "*" not in p}
+        for pattern in (self.safetensors, self.pickles):
+            files = sorted(path for path in directory.glob(pattern) if path.name not in named)
+            if files:
+                return files
+        return []
+
+
+# In order of preference, for a folder that holds several (the LAION hub repos ship both).
+LAYOUTS = (
+    Layout("config.json", "*.safetensors", "pytorch_model*.bin"),
+    Layout(
+        "open_clip_config.json",
+        "open_clip_model.safetensors",
+        "open_clip_pytorch_model.bin",
+        convert="shoal.models.clip:config_from_open_clip",
+    ),
+)
+_READ = ", or ".join(f"{lay.config_file} with {lay.safetensors} (or {lay.pickles})" for lay in LAYOUTS)
+
+
+def checkpoint_layout(directory: Path) -> tuple[Layout, list[Path]]:
+    """The layout of the folder's checkpoint and its weight files: the first of `LAYOUTS` whose
+    config file and weights the folder holds both of; for a folder that holds weights beside none
+    of those config files (a GLiNER folder, whose caller reads its config), the first whose weights
+    it holds. A ModelLoadError, naming the layouts shoal reads, where it holds no weights."""
+    found = [(layout, files) for layout in LAYOUTS if (files := layout.weight_files(directory))]
+    if not found:
+        raise ModelLoadError(f"{directory}: no checkpoint shoal reads; it reads {_READ}")
+    return next(((layout, files) for layout, files in found if (directory / layout.config_file).is_file()), found[0])
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     try:
         return json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{directory}/config.json: {exc}") from None
+
+
+def read_model_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's config in config.json's keys, from its layout's config file."""
+    layout, _ = checkpoint_layout(directory)
+    path = directory / layout.config_file
+    if not path.is_file():
+        raise ModelLoadError(f"{directory}: weights with no config file beside them; shoal reads {_READ}")
+    if layout.convert is None:
+        return read_config(directory)
+    try:
+        raw = json.loads(path.read_text())
+        module, _, name = layout.convert.partition(":")
+        return cast("dict[str, Any]", getattr(importlib.import_module(module), name)(raw))
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # unreadable, or a model shoal does not implement
+        raise ModelLoadError(f"{path}: {exc}", details={"file": layout.config_file}) from None
 
 
 def build_model(
@@ -47,17 +117,18 @@ def build_model(
     config: dict[str, Any] | None = None,
     prefixes: tuple[str, ...] | None = None,
 ) -> nn.Module:
-    """Instantiate the architecture from config.json (or `config`) and load its weights, ready for
-    inference. `prefixes`: what the checkpoint puts before the encoder's names, when it is not
-    what the model class declares (a GLiNER checkpoint nests its backbone)."""
+    """Instantiate the architecture from the checkpoint's config (or `config`) and load its
+    weights, ready for inference. `prefixes`: what the checkpoint puts before the encoder's names,
+    when it is not what the model class declares (a GLiNER checkpoint nests its backbone)."""
     model = _meta_model(directory, architecture, config).to_empty(device=device)
     load_weights(model, directory, prefixes)
     return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
 
 
 def _meta_model(directory: Path, architecture: str | None, config: dict[str, Any] | None = None) -> nn.Module:
-    """The architecture built from config.json (or `config`) on the meta device: shapes, no memory."""
-    config = read_config(directory) if config is None else config
+    """The architecture built from the checkpoint's config (or `config`) on the meta device:
+    shapes, no memory."""
+    config = read_model_config(directory) if config is None else config
     arch = architecture or config.get("model_type")
     try:
         cls = model_class(str(arch))
@@ -69,10 +140,7 @@ def _meta_model(directory: Path, architecture: str | None, config: dict[str, Any
 
 
 def _checkpoint_files(directory: Path) -> list[Path]:
-    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin"))
-    if not files:
-        raise ModelLoadError(f"{directory}: no *.safetensors (or pytorch_model*.bin) weights")
-    return files
+    return checkpoint_layout(directory)[1]
 
 
 def _tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor], tuple[int, ...]]]:
@@ -118,6 +186,7 @@ def load_weights(model: nn.Module, directory: Path, prefixes: tuple[str, ...] | 
     weight_map = cast("Iterable[tuple[str, str, int | None]]", model.weight_map)
     rules = [(re.compile(p), repl, shard) for p, repl, shard in weight_map]
     ignored = [re.compile(p) for p in cast("Iterable[str]", model.ignored_weights)]
+    transposed = [re.compile(p) for p in cast("Iterable[str]", getattr(model, "transposed_weights", ()))]
     prefixes = tuple(getattr(model, "checkpoint_prefixes", _PREFIXES)) if prefixes is None else prefixes
     params = dict(model.named_parameters())
     filled: Counter[str] = Counter()
@@ -135,21 +204,26 @@ def load_weights(model: nn.Module, directory: Path, prefixes: tuple[str, ...] | 
             if param_name not in params:  # e.g. an MLM head the model was built without
                 unknown.append(key)
                 continue
-            _copy(model, params[param_name], param_name, shard, load(), key)
-            filled[param_name] += 1
+            tensor = load()
+            if any(p.fullmatch(name) for p in transposed):
+                tensor = tensor.T
+            _copy(model, params[param_name], param_name, shard, tensor, key)
+            # A shard fills one of the parameter's shards; a whole tensor fills them all.
+            filled[param_name] += 1 if shard is not None else _num_shards(model, param_name)
 
-    missing = []
-    for name in params:
-        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        expected = len(getattr(module, "shard_sizes", (0,)))
-        if filled[name] != expected:
-            missing.append(name)
+    missing = [name for name in params if filled[name] != _num_shards(model, name)]
     if missing:
         raise ModelLoadError(
             f"{directory}: checkpoint lacks tensors for {', '.join(missing[:8])}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""),
             details={"missing": missing, "unused": unknown},
         )
+
+
+def _num_shards(model: nn.Module, param_name: str) -> int:
+    """How many checkpoint shards fill the parameter: a FusedLinear's parts, else 1."""
+    module = model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
+    return len(getattr(module, "shard_sizes", (0,)))
 
 
 def _route(rules, name: str) -> tuple[str, int | None] | None:
@@ -187,9 +261,9 @@ def estimate_bytes(
     directory: Path, dtype: str = "float32", *, quantize: str | None = None, architecture: str | None = None
 ) -> int:
     """Bytes the weights take once loaded in `dtype`: from safetensors headers, or from the shapes
-    of a memory-mapped `pytorch_model*.bin`. With `quantize` "int8", the encoder's Linear weights
-    (of `architecture`, default config.json's) take one byte per element plus a float32 scale per
-    output row, as layers/int8.py stores them."""
+    of memory-mapped torch pickles (the files of the folder's layout). With `quantize` "int8", the
+    encoder's Linear weights (of `architecture`, default the config's) take one byte per element
+    plus a float32 scale per output row, as layers/int8.py stores them."""
     itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
     total = 0
     for path in _checkpoint_files(directory):
