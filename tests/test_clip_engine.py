@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
 from shoal.catalog import Catalog, parse_card
 from shoal.config import EngineSettings
-from shoal.errors import InvalidRequest, ModelLoadError
+from shoal.errors import InvalidRequest, ModelLoadError, PayloadTooLarge
 from vision_models import EOS, IMAGE, PAD, PATCH, TEXT_SHAPE, VISION_SHAPE, VOCAB, save_random
 
 BOS, SIGLIP_EOS = VOCAB - 2, VOCAB - 1
@@ -133,11 +133,10 @@ def served(request, tmp_path_factory):
     return kind, reference, processor, tokenizer, card
 
 
-def run(card, *calls):
+def run(card, *calls, settings: EngineSettings | None = None):
     from shoal.engine import Engine
-    from shoal.engine.runner import TorchBackend
 
-    engine = Engine(EngineSettings(), Catalog([card]), backend=TorchBackend("cpu", allow_download=False))
+    engine = Engine(settings or EngineSettings(), Catalog([card]), allow_download=False)
 
     async def main():
         await engine.start()
@@ -266,3 +265,13 @@ def test_image_labels_equal_transformers_zero_shot_image_classification_pipeline
     np.testing.assert_allclose([s.score for s in custom.items[0].labels], [w["score"] for w in want], atol=1e-5)
     with pytest.raises(InvalidRequest, match=r"items\[0\] is a text; model .* labels images only"):
         run(card, ExtractCall(card.id, ["a text"], labels=LABELS))
+
+
+def test_the_engines_image_limits_refuse_a_file_before_decoding_it(served):
+    kind, reference, processor, tokenizer, card = served
+    files = photo_bytes()  # the astronaut is 512 x 512
+    small = EngineSettings(max_image_pixels=512 * 512 - 1)
+    with pytest.raises(PayloadTooLarge, match=r"items\[1\]"):
+        run(card, EncodeCall(card.id, [Item(image=files[2]), Item(image=files[0])]), settings=small)
+    with pytest.raises(PayloadTooLarge, match=r"items\[0\]"):
+        run(card, EncodeCall(card.id, [Item(image=files[0])]), settings=EngineSettings(max_image_bytes=1000))

@@ -61,6 +61,11 @@ class EngineSettings:
     max_result_bytes: int = setting(
         64 * 1024 * 1024, "largest result one call may produce (raw array bytes, estimated before compute)"
     )
+    # engine/image_inputs.py: what a client's image file may be, checked before its pixels are decoded.
+    max_image_bytes: int = setting(20 * 1024 * 1024, "largest image file an item may carry; a larger one gets 413")
+    max_image_pixels: int = setting(
+        36_000_000, "most pixels an image's header may declare (width x height); more gets 413, before decoding"
+    )
     device_restart_delay_s: float = setting(1.0, "pause before a dead device thread is restarted")
     # dev-cluster has a --stop-timeout-s of its own (how long each process has to stop).
     stop_timeout_s: float = setting(

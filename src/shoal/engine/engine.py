@@ -78,6 +78,7 @@ class Engine:
                 allow_download=allow_download,
                 max_batch_tokens_of=max_batch_tokens,
                 pack=settings.onednn_linear,
+                image_limits=(settings.max_image_bytes, settings.max_image_pixels),
             )
             if allow_download:  # a download happens outside the lock that materializes weights
                 from ..catalog import resolve_weights

@@ -47,10 +47,17 @@ class ImageInputs:
 
 
 def load_image_inputs(
-    card: ModelCard, directory: Path, *, patch_size: int, num_patches: int, tokens_per_image: int
+    card: ModelCard,
+    directory: Path,
+    *,
+    patch_size: int,
+    num_patches: int,
+    tokens_per_image: int,
+    limits: tuple[int, int] | None = None,
 ) -> ImageInputs:
     """The image preprocessor of the model in `directory`, checked against the tower and the card
-    (see the module's docstring); a ModelLoadError names what disagrees."""
+    (see the module's docstring); a ModelLoadError names what disagrees. `limits`: the bytes and
+    pixels a client's file may have (the engine's settings); None: MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS."""
 
     def fail(message: str) -> ModelLoadError:
         return ModelLoadError(f"model {card.id}: {message}", details={"model": card.id, "directory": str(directory)})
@@ -69,4 +76,5 @@ def load_image_inputs(
         )
     if card.image_tokens != tokens_per_image:
         raise fail(f"the card's image_tokens is {card.image_tokens}; an image is {tokens_per_image} tokens on it")
-    return ImageInputs(images)
+    max_bytes, max_pixels = limits or (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS)
+    return ImageInputs(images, max_bytes, max_pixels)

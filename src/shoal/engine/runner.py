@@ -127,10 +127,16 @@ class ModelRunner:
 
     @classmethod
     def load(
-        cls, card: ModelCard, device: str, allow_download: bool = True, max_batch_tokens: int = 16384, pack: bool = True
+        cls,
+        card: ModelCard,
+        device: str,
+        allow_download: bool = True,
+        max_batch_tokens: int = 16384,
+        pack: bool = True,
+        image_limits: tuple[int, int] | None = None,
     ) -> ModelRunner:
         directory = resolve_weights(card, allow_download=allow_download)
-        return cls.from_dir(card, directory, device, allow_download, max_batch_tokens, pack)
+        return cls.from_dir(card, directory, device, allow_download, max_batch_tokens, pack, image_limits)
 
     @classmethod
     def from_dir(
@@ -141,6 +147,7 @@ class ModelRunner:
         allow_download: bool = True,
         max_batch_tokens: int = 16384,
         pack: bool = True,
+        image_limits: tuple[int, int] | None = None,
     ) -> ModelRunner:
         card = _quantize_here(card, device)
         _check_quantize(card, device)
@@ -170,6 +177,7 @@ class ModelRunner:
                 patch_size=vision.patch_size,
                 num_patches=vision.num_patches,
                 tokens_per_image=model.tokens_per_image,
+                limits=image_limits,
             )
         if card.quantize == "int8":  # the encoder's Linears; embeddings, norms and heads stay float32
             _quantize_int8(model, tokenizer)
@@ -308,8 +316,10 @@ class TorchBackend:
         max_batch_tokens: int = 16384,
         max_batch_tokens_of: Callable[[ModelCard], int] | None = None,
         pack: bool = True,
+        image_limits: tuple[int, int] | None = None,
     ) -> None:
         self.device = device
+        self.image_limits = image_limits  # (bytes, pixels) of a client's image file; None: image_inputs' defaults
         self.allow_download = allow_download
         self._max_batch_tokens = max_batch_tokens
         self._max_batch_tokens_of = max_batch_tokens_of
@@ -317,7 +327,7 @@ class TorchBackend:
 
     def load(self, card: ModelCard) -> ModelRunner:
         max_batch_tokens = self._max_batch_tokens_of(card) if self._max_batch_tokens_of else self._max_batch_tokens
-        return ModelRunner.load(card, self.device, self.allow_download, max_batch_tokens, self.pack)
+        return ModelRunner.load(card, self.device, self.allow_download, max_batch_tokens, self.pack, self.image_limits)
 
     def estimate_bytes(self, card: ModelCard) -> int:
         return ModelRunner.estimate_bytes(card, self.allow_download, self.device)
