@@ -46,10 +46,10 @@ from shoal.calls import EncodeCall, Item
 from shoal.catalog import Catalog, parse_card
 from shoal.config import EngineSettings
 from shoal.engine.images import decode_image
+from shoal.engine.open_clip_images import from_open_clip, preprocessor_config
 from shoal.engine.tokenizer import TextTokenizer
 from shoal.errors import ModelLoadError
 from shoal.models.clip import config_from_open_clip
-from shoal.open_clip_images import from_open_clip, preprocessor_config
 from shoal.weights import build_model, checkpoint_layout, estimate_bytes
 from test_clip_parity import max_diff, packed, run
 

@@ -254,3 +254,15 @@ def test_a_sentence_transformers_folder_cut_to_the_download_patterns_loads_the_s
     np.testing.assert_allclose(
         np.stack([i.dense for i in cut_items]), np.stack([i.dense for i in full_items]), rtol=1e-5, atol=1e-6
     )
+
+
+def test_download_patterns_take_an_open_clip_checkpoint_only_where_no_transformers_one_is():
+    laion = ["config.json", "model.safetensors", "pytorch_model.bin", "open_clip_config.json",
+             "open_clip_model.safetensors", "open_clip_pytorch_model.bin", "tokenizer.json"]  # fmt: skip
+    selected = set(filter_repo_objects(laion, allow_patterns=download_patterns(laion)))
+    assert selected == {"config.json", "model.safetensors", "open_clip_config.json", "tokenizer.json"}
+    pure = ["open_clip_config.json", "open_clip_pytorch_model.bin", "README.md"]
+    assert set(filter_repo_objects(pure, allow_patterns=download_patterns(pure))) == {
+        "open_clip_config.json",
+        "open_clip_pytorch_model.bin",
+    }

@@ -122,7 +122,7 @@ def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
 
 
 def _is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() or (path / "gliner_config.json").is_file()
+    return any((path / name).is_file() for name in ("config.json", "gliner_config.json", "open_clip_config.json"))
 
 
 def resolve_source(source, what: str, card_path: str | None, allow_download: bool = True) -> Path:
@@ -182,12 +182,27 @@ _READ_FILES = ("*.json", "*.txt", "*.model", "*.pt")
 def download_patterns(files: list[str]) -> list[str]:
     """Hub allow-patterns for a repo holding `files` (paths as the Hub lists them): what the loader
     reads, and the weights of each folder (the encoder's, a Dense module's): its safetensors, or
-    its `pytorch_model*.bin` where that folder has no safetensors (a repo often ships both)."""
-    with_safetensors = {f.rpartition("/")[0] for f in files if f.endswith(".safetensors")}
-    torch_bins = [
+    its `pytorch_model*.bin` where that folder has no safetensors (a repo often ships both). An
+    OpenCLIP checkpoint (`open_clip_*`) is taken only where the folder has no transformers one
+    (the LAION CLIP repos ship both; the loader reads transformers' first)."""
+
+    def folder(f: str) -> str:
+        return f.rpartition("/")[0]
+
+    def open_clip(f: str) -> bool:
+        return f.rpartition("/")[2].startswith("open_clip_")
+
+    def torch_bin(f: str) -> bool:
+        return fnmatch.fnmatchcase(f.rpartition("/")[2], "pytorch_model*.bin")
+
+    transformers = {folder(f) for f in files if not open_clip(f) and (f.endswith(".safetensors") or torch_bin(f))}
+    weights = [f for f in files if not (open_clip(f) and folder(f) in transformers)]
+    with_safetensors = {folder(f) for f in weights if f.endswith(".safetensors")}
+    chosen = [
         f
-        for f in files
-        if fnmatch.fnmatchcase(f.rpartition("/")[2], "pytorch_model*.bin")
-        and f.rpartition("/")[0] not in with_safetensors
+        for f in weights
+        if f.endswith(".safetensors")
+        or (torch_bin(f) or f.endswith("open_clip_pytorch_model.bin"))
+        and folder(f) not in with_safetensors
     ]
-    return [*_READ_FILES, "*.safetensors", *torch_bins]
+    return [*_READ_FILES, *chosen]

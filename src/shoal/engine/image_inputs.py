@@ -3,7 +3,8 @@ decoded and checked (engine/images.py `decode_image`), then cut into the vision 
 (`ImagePreprocessor`), one sequence per image, `tokens_per_image` long. Runs on the tokenizer
 pool's threads (Pillow releases the GIL while it decodes and resizes).
 
-What a load checks: the folder has the model's preprocessor_config.json, the image size it makes
+What a load checks: the folder has the model's preprocessor_config.json (an OpenCLIP folder: its
+open_clip_config.json's `preprocess_cfg`, as open_clip preprocesses), the image size it makes
 holds the tower's patch grid, and the card's `image_tokens` (what admission and the gateway count
 an image as) is what one image really costs on this model.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from ..catalog import ModelCard
 from ..errors import ModelLoadError
 from .images import ImagePreprocessor, decode_image
+from .open_clip_images import preprocessor_config
 from .types import Encoded
 
 # A client's image file: at most this many bytes, and this many pixels as its header declares
@@ -62,9 +64,14 @@ def load_image_inputs(
     def fail(message: str) -> ModelLoadError:
         return ModelLoadError(f"model {card.id}: {message}", details={"model": card.id, "directory": str(directory)})
 
+    # transformers' preprocessor_config.json, else an OpenCLIP folder's open_clip_config.json
     path = directory / "preprocessor_config.json"
+    if not path.is_file() and (directory / "open_clip_config.json").is_file():
+        path = directory / "open_clip_config.json"
     try:
         config = json.loads(path.read_text())
+        if path.name == "open_clip_config.json":
+            config = preprocessor_config(config)
     except (OSError, ValueError) as exc:
         raise fail(f"cannot read its image preprocessing from {path.name}: {exc}") from None
     images = ImagePreprocessor.from_config(config, patch_size, tokens_per_image - num_patches)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .engine.images import ImagePreprocessor
+from .images import ImagePreprocessor
 
 # open_clip's OPENAI_DATASET_MEAN / STD: PreprocessCfg's defaults.
 _MEAN = (0.48145466, 0.4578275, 0.40821073)
