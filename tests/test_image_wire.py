@@ -1,10 +1,11 @@
-"""Image inputs on the wire: native `/v1/encode` and `/v1/score` items (and a score's query) carry an
-`image` (base64 or a data: URL in JSON; also raw bytes in msgpack), Cohere's `/v2/embed` and
-`/v1/embed` take `images` and `image_url` input parts. Each translates to `calls.Item(image=...)`
-with the file's bytes intact; every malformed image is a 400 naming its field; over HTTP an image
-sent to the text-only MiniLM reaches the engine and comes back a 400 naming the item (not a 500),
-from the real `cohere` client too; and a small random CLIP served over HTTP embeds an image sent
-in every encoding as the engine embeds its bytes in process.
+"""Image inputs on the wire: native `/v1/encode`, `/v1/score` and `/v1/extract` items (and a score's
+query) carry an `image` (base64 or a data: URL in JSON; also raw bytes in msgpack), Cohere's
+`/v2/embed` and `/v1/embed` take `images` and `image_url` input parts. Each translates to
+`calls.Item(image=...)` with the file's bytes intact; every malformed image is a 400 naming its
+field; over HTTP an image sent to the text-only MiniLM reaches the engine and comes back a 400
+naming the item (not a 500), from the real `cohere` client too; and a small random CLIP served over
+HTTP embeds an image sent in every encoding as the engine embeds its bytes in process, and labels
+it (`/v1/extract`, kind image_labels) as the engine labels them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from PIL import Image
 
 from conftest import MODEL_ID
 from shoal import wire
-from shoal.calls import EncodeCall, Item
+from shoal.calls import EncodeCall, ExtractCall, ExtractedItem, ExtractResult, Item, LabelScore
 from shoal.errors import InvalidRequest
-from shoal.wire import cohere, native
+from shoal.wire import cohere_embed, native
 
 
 def png_bytes(color: tuple[int, int, int] = (200, 30, 60)) -> bytes:
@@ -50,6 +51,11 @@ def decoded(body: dict, typ: type, fmt: wire.Format = wire.Format.JSON):
 
 def encode_items(items: list[dict], fmt: wire.Format = wire.Format.JSON) -> list:
     return list(native.encode_call(decoded({"model": "m", "items": items}, wire.EncodeRequest, fmt)).items)
+
+
+def extract_items(items: list[dict], fmt: wire.Format = wire.Format.JSON) -> list:
+    body = {"model": "m", "items": items, "labels": ["cat"]}
+    return list(native.extract_call(decoded(body, wire.ExtractRequest, fmt)).items)
 
 
 def refusal(run) -> InvalidRequest:
@@ -97,9 +103,35 @@ def test_score_query_and_items_may_be_images_and_item_ids_are_kept():
     assert native.score_call(decoded({**body, "query": "q"}, wire.ScoreRequest)).query == "q"
 
 
+def test_extract_items_carry_the_image_file_bytes_in_json_and_msgpack_texts_stay_strings():
+    as_json = extract_items([{"image": B64, "id": "b"}, {"image": DATA_URL, "id": 2}, {"text": "a cat"}])
+    assert as_json == [Item(image=PNG), Item(image=PNG), "a cat"]
+    as_msgpack = extract_items([{"image": PNG}, {"image": DATA_URL}, {"image": B64}], wire.Format.MSGPACK)
+    assert as_msgpack == [Item(image=PNG)] * 3
+
+
+def test_an_extract_response_echoes_each_image_items_id_and_index_with_its_labels():
+    other = png_bytes((10, 200, 10))
+    items = [{"image": B64, "id": "b"}, {"image": base64.b64encode(other).decode(), "id": 2}, {"image": DATA_URL}]
+    req = decoded({"model": "m", "items": items, "labels": ["cat", "dog"]}, wire.ExtractRequest)
+    labels = [[LabelScore("cat", 0.75), LabelScore("dog", 0.25)], [LabelScore("dog", 0.6), LabelScore("cat", 0.4)]]
+    labels.append(labels[0])
+    result = ExtractResult(items=[ExtractedItem(labels=each) for each in labels], num_tokens=9)
+    body = msgspec.json.decode(msgspec.json.encode(native.extract_response(req, result)))
+    assert [(item["id"], item["index"]) for item in body["items"]] == [("b", 0), (2, 1), (None, 2)]
+    assert [[(s["label"], s["score"]) for s in item["labels"]] for item in body["items"]] == [
+        [("cat", 0.75), ("dog", 0.25)],
+        [("dog", 0.6), ("cat", 0.4)],
+        [("cat", 0.75), ("dog", 0.25)],
+    ]
+    assert "entities" not in body["items"][0] and body["usage"] == {"tokens": 9}
+
+
 def test_a_text_item_the_sdk_encodes_carries_no_image_field():
     body = msgspec.json.decode(msgspec.json.encode(wire.EncodeRequest(model="m", items=[wire.EncodeItem(text="a")])))
     assert body["items"] == [{"text": "a", "id": None}]
+    extract = wire.ExtractRequest(model="m", items=[native.ExtractItem(text="a")], labels=["x"])
+    assert msgspec.json.decode(msgspec.json.encode(extract))["items"] == [{"text": "a", "id": None}]
 
 
 # --- native: refusals ------------------------------------------------------------------------------
@@ -129,8 +161,9 @@ def test_a_text_item_the_sdk_encodes_carries_no_image_field():
         ({"image": [1, 2]}, "items[1].image", "is an array, not a string"),
     ],
 )
-def test_each_malformed_item_is_a_400_naming_it_and_saying_what_to_send(item, name, fragment):
-    error = refusal(lambda: encode_items([{"text": "fine"}, item]))
+@pytest.mark.parametrize("translate", [encode_items, extract_items], ids=["encode", "extract"])
+def test_each_malformed_item_is_a_400_naming_it_and_saying_what_to_send(translate, item, name, fragment):
+    error = refusal(lambda: translate([{"text": "fine"}, item]))
     assert type(error) is InvalidRequest  # 400 (api/errors.py)
     assert error.message.startswith(f"{name} ") and fragment in error.message, error.message
     assert error.details["path"] == f"$.{name}"
@@ -156,7 +189,7 @@ def test_a_score_query_and_item_refusals_name_them():
 
 
 def cohere_inputs(body: dict, version: str = "v2") -> list:
-    typ = cohere.EmbedV2Request if version == "v2" else cohere.EmbedRequest
+    typ = cohere_embed.EmbedV2Request if version == "v2" else cohere_embed.EmbedRequest
     return decoded({"model": "m", **body}, typ).inputs_of()
 
 
@@ -170,9 +203,9 @@ def test_cohere_images_with_input_type_image_are_items_of_the_file_bytes(version
     images = [DATA_URL, f"data:image/jpeg;base64,{base64.b64encode(other).decode()}"]
     inputs = cohere_inputs({"images": images, "input_type": "image", "texts": []}, version)  # texts: [] is unsent
     assert inputs == [Item(image=PNG), Item(image=other)]
-    assert cohere.texts_in(inputs) == []
-    call = cohere.encode_call(
-        decoded({"model": "m", "images": images, "input_type": "image"}, cohere.EmbedRequest), "m", inputs
+    assert cohere_embed.texts_in(inputs) == []
+    call = cohere_embed.encode_call(
+        decoded({"model": "m", "images": images, "input_type": "image"}, cohere_embed.EmbedRequest), "m", inputs
     )
     assert list(call.items) == inputs and call.is_query is None
 
@@ -189,7 +222,7 @@ def test_cohere_v2_inputs_take_one_image_part_each_beside_text_inputs_in_order()
         }
     )
     assert inputs == ["a\nb", Item(image=PNG), Item(image=PNG)]
-    assert cohere.texts_in(inputs) == ["a\nb"]
+    assert cohere_embed.texts_in(inputs) == ["a\nb"]
 
 
 @pytest.mark.parametrize(
@@ -231,7 +264,7 @@ def test_the_openapi_schemas_describe_the_image_fields_and_accept_image_bodies()
 
     document = openapi.describe()
     schemas = document["components"]["schemas"]
-    for name in ("EncodeItem", "ScoreItem", "ScoreQuery"):
+    for name in ("EncodeItem", "ScoreItem", "ScoreQuery", "ExtractItem"):
         image = schemas[name]["properties"]["image"]
         assert image["type"] == "string" and "base64" in image["description"] and "not fetched" in image["description"]
     assert "data:image/" in schemas["ImageUrl"]["properties"]["url"]["description"]
@@ -243,6 +276,8 @@ def test_the_openapi_schemas_describe_the_image_fields_and_accept_image_bodies()
 
     jsonschema.validate({"model": "m", "items": [{"image": DATA_URL}, {"text": "a"}]}, request_schema("/v1/encode"))
     jsonschema.validate({"model": "m", "query": {"image": B64}, "items": [{"image": B64}]}, request_schema("/v1/score"))
+    extract = {"model": "m", "items": [{"image": DATA_URL, "id": 1}, {"text": "a"}], "labels": ["cat"]}
+    jsonschema.validate(extract, request_schema("/v1/extract"))
     body = {"model": "m", "input_type": "image", "inputs": [{"content": [image_part()]}], "images": [DATA_URL]}
     jsonschema.validate(body, request_schema("/v2/embed"))
     with pytest.raises(jsonschema.ValidationError):
@@ -300,11 +335,13 @@ def test_the_cohere_client_sends_images_that_reach_the_engine(base_url):
 # --- over HTTP, against a small random CLIP -------------------------------------------------------
 
 CLIP_ID = "test/clip-wire"
+LABELS = ["cat", "dog", "bird"]  # words of the tokenizer's vocabulary, so each label prompt differs
 
 
 @pytest.fixture(scope="module")
 def clip(serve, tmp_path_factory):
-    """(base URL, card) of a server of a tiny random-weight CLIP (tests/vision_models.py)."""
+    """(base URL, card) of a server of a tiny random-weight CLIP (tests/vision_models.py) that encodes,
+    scores and labels images (extract kind image_labels)."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
@@ -325,7 +362,8 @@ def clip(serve, tmp_path_factory):
         "crop_size": {"height": IMAGE, "width": IMAGE},
     }
     (directory / "preprocessor_config.json").write_text(json.dumps(processor))
-    vocab = {"<unk>": 0, "<pad>": PAD, "<|endoftext|>": EOS, "<|startoftext|>": bos, "cat": 10}
+    vocab = {"<unk>": 0, "<pad>": PAD, "<|endoftext|>": EOS, "<|startoftext|>": bos}
+    vocab.update({label: 10 + i for i, label in enumerate(LABELS)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -343,7 +381,8 @@ def clip(serve, tmp_path_factory):
         "pooling": "model",
         "dimensions": 24,
         "outputs": ["dense"],
-        "tasks": ["encode", "score"],
+        "tasks": ["encode", "score", "extract"],
+        "extract": {"kind": "image_labels", "hypothesis_template": "This is a photo of {}."},
     }
     (cards / "clip-wire.yaml").write_text(json.dumps(fields))  # JSON is YAML
     return serve(preload=(CLIP_ID,), cards_dirs=(cards,)), parse_card(fields, "<test>")
@@ -352,25 +391,29 @@ def clip(serve, tmp_path_factory):
 OTHER = png_bytes((20, 220, 90))
 
 
-@pytest.fixture(scope="module")
-def engine_vectors(clip) -> np.ndarray:
-    """`[PNG, OTHER]` through an in-process engine of the same card: what the wire must deliver."""
+def in_process(card, call):
+    """The call's result from an in-process engine of `card`: what the wire must deliver."""
     from shoal.catalog import Catalog
     from shoal.config import EngineSettings
     from shoal.engine import Engine
     from shoal.engine.runner import TorchBackend
 
-    card = clip[1]
     engine = Engine(EngineSettings(), Catalog([card]), backend=TorchBackend("cpu", allow_download=False))
 
     async def main():
         await engine.start()
         try:
-            return await engine.run(EncodeCall(card.id, [Item(image=PNG), Item(image=OTHER)]))
+            return await engine.run(call)
         finally:
             await engine.stop()
 
-    vectors = np.stack(asyncio.run(main()).vectors)
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def engine_vectors(clip) -> np.ndarray:
+    """`[PNG, OTHER]` embedded in process."""
+    vectors = np.stack(in_process(clip[1], EncodeCall(CLIP_ID, [Item(image=PNG), Item(image=OTHER)])).vectors)
     assert not np.allclose(vectors[0], vectors[1], atol=1e-3)  # the two files embed apart: the bytes matter
     return vectors
 
@@ -404,3 +447,41 @@ def test_the_cohere_client_embeds_images_as_the_engine_does(clip, engine_vectors
     response = co.embed(model=CLIP_ID, images=images, input_type="image", embedding_types=["float"])
     np.testing.assert_allclose(np.asarray(response.embeddings.float_), engine_vectors, atol=1e-5)
     assert response.texts == []
+
+
+@pytest.fixture(scope="module")
+def engine_labels(clip) -> list[list[tuple[str, float]]]:
+    """`[PNG, OTHER]` labelled with LABELS in process: (label, probability) per image, best first."""
+    result = in_process(clip[1], ExtractCall(CLIP_ID, [Item(image=PNG), Item(image=OTHER)], labels=LABELS))
+    labels = [[(s.label, s.score) for s in item.labels or []] for item in result.items]
+    assert all(max(p for _, p in row) - min(p for _, p in row) > 1e-4 for row in labels)  # an order to get right
+    return labels
+
+
+def test_image_labels_over_http_come_best_first_summing_to_one_as_the_engine_labels_the_bytes(clip, engine_labels):
+    other = base64.b64encode(OTHER).decode()
+    items = [{"image": B64, "id": "png"}, {"image": f"data:image/png;base64,{other}", "id": 7}]
+    raw = {"model": CLIP_ID, "items": [{"image": PNG}, {"image": OTHER}], "labels": LABELS}
+    with httpx.Client(base_url=clip[0], timeout=60) as http:
+        as_json = http.post("/v1/extract", json={"model": CLIP_ID, "items": items, "labels": LABELS})
+        as_msgpack = http.post(
+            "/v1/extract", content=msgspec.msgpack.encode(raw), headers={"content-type": wire.MSGPACK}
+        )
+        a_text = http.post("/v1/extract", json={"model": CLIP_ID, "items": [{"text": "cat"}], "labels": LABELS})
+    assert as_json.status_code == 200, as_json.text
+    assert as_msgpack.status_code == 200 and as_msgpack.headers["content-type"] == wire.MSGPACK
+    bodies = [as_json.json(), msgspec.msgpack.decode(as_msgpack.content)]
+    assert [(item["id"], item["index"]) for item in bodies[0]["items"]] == [("png", 0), (7, 1)]
+    for body in bodies:
+        got = [[(s["label"], s["score"]) for s in item["labels"]] for item in body["items"]]
+        for row in got:
+            scores = [score for _, score in row]
+            assert sorted(label for label, _ in row) == sorted(LABELS)
+            assert scores == sorted(scores, reverse=True)  # best first
+            assert abs(sum(scores) - 1.0) < 1e-6  # CLIP: a softmax across the labels
+        assert [[label for label, _ in row] for row in got] == [[label for label, _ in row] for row in engine_labels]
+        np.testing.assert_allclose(
+            [[score for _, score in row] for row in got], [[p for _, p in row] for row in engine_labels], atol=1e-6
+        )
+    assert a_text.status_code == 400, a_text.text
+    assert a_text.json()["error"]["message"].startswith(f"items[0] is a text; model {CLIP_ID} labels images only")

@@ -266,33 +266,37 @@ def _item(item_id: wire.ItemId, out: CallEncodedItem) -> wire.EncodedItem:
     return wire.EncodedItem(id=item_id, dense=out.dense, sparse=sparse, multivector=out.multivector)
 
 
-async def embed_v2(ctx: Context) -> wire.cohere.EmbedByTypeResponse:
+async def embed_v2(ctx: Context) -> wire.cohere_embed.EmbedByTypeResponse:
     """Cohere v2: every requested embedding type, derived from one float32 forward."""
-    req: wire.cohere.EmbedV2Request = ctx.decode(wire.cohere.EmbedV2Request)
+    req: wire.cohere_embed.EmbedV2Request = ctx.decode(wire.cohere_embed.EmbedV2Request)
     ctx.model = req.model
     inputs = req.inputs_of()
     ctx.check_count(len(inputs))
-    call = wire.cohere.encode_call(req, req.model, inputs, ctx.request_id)
+    call = wire.cohere_embed.encode_call(req, req.model, inputs, ctx.request_id)
     if req.max_tokens is not None:
         req.check_max_tokens(ctx.status(req.model).max_length)
     result = await _cohere_encode(ctx, call)
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
-    return wire.cohere.embed_by_type_response(req, "2", wire.cohere.texts_in(inputs), result, ctx.request_id)
+    return wire.cohere_embed.embed_by_type_response(
+        req, "2", wire.cohere_embed.texts_in(inputs), result, ctx.request_id
+    )
 
 
-async def cohere_embed_v1(ctx: Context) -> wire.cohere.EmbedByTypeResponse | wire.cohere.EmbedFloatsResponse:
+async def cohere_embed_v1(
+    ctx: Context,
+) -> wire.cohere_embed.EmbedByTypeResponse | wire.cohere_embed.EmbedFloatsResponse:
     """Cohere v1: floats by default, by type when `embedding_types` is sent."""
-    req: wire.cohere.EmbedRequest = ctx.decode(wire.cohere.EmbedRequest)
+    req: wire.cohere_embed.EmbedRequest = ctx.decode(wire.cohere_embed.EmbedRequest)
     ctx.model = model = req.model_of()
     inputs = req.inputs_of()
     ctx.check_count(len(inputs))
-    result = await _cohere_encode(ctx, wire.cohere.encode_call(req, model, inputs, ctx.request_id))
+    result = await _cohere_encode(ctx, wire.cohere_embed.encode_call(req, model, inputs, ctx.request_id))
     ctx.result_bytes = _array_bytes(result) * 4 * len(req.types())
-    return wire.cohere.embed_response(req, "1", wire.cohere.texts_in(inputs), result, ctx.request_id)
+    return wire.cohere_embed.embed_response(req, "1", wire.cohere_embed.texts_in(inputs), result, ctx.request_id)
 
 
 async def _cohere_encode(ctx: Context, call: EncodeCall) -> EncodeResult:
     try:
         return await ctx.run(call)
     except InputTooLong as exc:  # the engine's words name its options; say it in Cohere's
-        raise wire.cohere.too_long(exc) from None
+        raise wire.cohere_embed.too_long(exc) from None

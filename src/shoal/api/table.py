@@ -85,7 +85,7 @@ ROUTES: tuple[RouteSpec, ...] = (
               routes.score, request=wire.ScoreRequest, response=wire.ScoreResponse, verb="score"),
     RouteSpec("/v1/extract", "POST", "extract", "Extract entities or zero-shot labels",
               routes.extract, request=wire.ExtractRequest, response=wire.ExtractResponse, verb="extract"),
-    # OpenAI (wire/openai.py), Cohere and Jina (wire/cohere.py).
+    # OpenAI (wire/openai.py), Cohere and Jina (wire/cohere.py, wire/cohere_embed.py).
     RouteSpec("/v1/embeddings", "POST", "embeddings", "OpenAI-compatible embeddings",
               routes.embeddings, request=wire.EmbeddingsRequest, response=wire.EmbeddingsResponse, verb="encode"),
     RouteSpec("/v1/rerank", "POST", "rerank", "Cohere v1 (and Jina) rerank",
@@ -94,11 +94,12 @@ ROUTES: tuple[RouteSpec, ...] = (
               routes.rerank_v2, request=wire.cohere.RerankV2Request, response=wire.cohere.RerankV2Response,
               verb="score"),
     RouteSpec("/v1/embed", "POST", "cohere_embed_v1", "Cohere v1 embed",
-              routes.cohere_embed_v1, request=wire.cohere.EmbedRequest,
-              response=(wire.cohere.EmbedFloatsResponse, wire.cohere.EmbedByTypeResponse), verb="encode"),
-    RouteSpec("/v2/embed", "POST", "embed_v2", "Cohere v2 embed",
-              routes.embed_v2, request=wire.cohere.EmbedV2Request, response=wire.cohere.EmbedByTypeResponse,
+              routes.cohere_embed_v1, request=wire.cohere_embed.EmbedRequest,
+              response=(wire.cohere_embed.EmbedFloatsResponse, wire.cohere_embed.EmbedByTypeResponse),
               verb="encode"),
+    RouteSpec("/v2/embed", "POST", "embed_v2", "Cohere v2 embed",
+              routes.embed_v2, request=wire.cohere_embed.EmbedV2Request,
+              response=wire.cohere_embed.EmbedByTypeResponse, verb="encode"),
     # TEI, text-embeddings-inference (wire/tei.py): bodies name no model (api/tei.py).
     RouteSpec("/rerank", "POST", "tei_rerank", "TEI rerank",
               routes.tei_rerank, request=wire.tei.RerankRequest, response=list[wire.tei.Rank], verb="score"),

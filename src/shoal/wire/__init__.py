@@ -1,11 +1,13 @@
 """Wire types: what crosses the HTTP boundary, one module per route family, in JSON or msgpack.
 
-    codec     formats (Content-Type, Accept), encode/decode, array encoding, error bodies
-    native    shoal's own verbs: encode, score, extract
-    models    the model list and model objects (OpenAI's shape, shoal's fields)
-    openai    OpenAI's embeddings
-    cohere    Cohere's (and Jina's) rerank and embed, v1 and v2
-    tei       Hugging Face text-embeddings-inference's routes
+    codec         formats (Content-Type, Accept), encode/decode, array encoding, error bodies
+    native        shoal's own verbs: encode, score, extract
+    images        an image field, and its reading into the file's bytes (native's and Cohere's)
+    models        the model list and model objects (OpenAI's shape, shoal's fields)
+    openai        OpenAI's embeddings
+    cohere        Cohere's (and Jina's) rerank, v1 and v2
+    cohere_embed  Cohere's embed, v1 and v2
+    tei           Hugging Face text-embeddings-inference's routes
 
 Which route takes which type is the route table's to say (`shoal.api.table`).
 
@@ -15,7 +17,7 @@ here. The names below are re-exported so `wire.EncodeRequest`, `wire.decode` and
 
 from __future__ import annotations
 
-from . import codec, cohere, models, native, openai, tei
+from . import codec, cohere, cohere_embed, images, models, native, openai, tei
 from .codec import (
     JSON,
     MSGPACK,
@@ -92,10 +94,12 @@ __all__ = [
     "array_to_msgpack",
     "codec",
     "cohere",
+    "cohere_embed",
     "decode",
     "encode",
     "format_of_accept",
     "format_of_content_type",
+    "images",
     "models",
     "native",
     "openai",
