@@ -3,9 +3,11 @@ or an in-process engine, write results, show progress and one summary line.
 
 Inputs: `.txt` (one text per line), `.jsonl` (one object per line with a `text` field — `--field`
 names another — and an optional `id`), `.parquet` (a `text` column, or `--field`, and `id` if
-present). Outputs: `.jsonl` (one object per input, its `id` kept), `.npy` (encode: the dense
-vectors as one `[n, d]` array), `.parquet` (a row per input). A malformed input names the file and
-the line. Both the SDK path and the in-process path send chunks of `--batch-size` texts,
+present); for `encode`, `--images DIR` instead: every image file in DIR and its subfolders
+(`image_files`), sorted by its path under DIR, which names its row (`{"image": "cats/01.png"}`).
+Outputs: `.jsonl` (one object per input, its `id` kept), `.npy` (encode: the dense vectors as one
+`[n, d]` array, in input order), `.parquet` (a row per input). A malformed input names the file and
+the line. Both the SDK path and the in-process path send chunks of `--batch-size` inputs,
 `--concurrency` at once, and keep the input order.
 """
 
@@ -15,16 +17,17 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .errors import ConfigError, InvalidRequest
 
 READ_SUFFIXES = (".txt", ".jsonl", ".parquet")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")  # any case
 WRITE_SUFFIXES = {
     "encode": (".jsonl", ".npy", ".parquet"),
     "score": (".jsonl", ".parquet"),
@@ -32,10 +35,20 @@ WRITE_SUFFIXES = {
 }
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
 @dataclass
 class Record:
     text: str
     id: Any = None
+
+
+@dataclass
+class ImageFile:
+    name: str  # its path under the --images folder, with '/': the row's `image`
+    path: Path
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -51,6 +64,23 @@ def read(path: Path, field: str = "text") -> list[Record]:
     if path.suffix == ".jsonl":
         return list(_jsonl(path, field))
     return _parquet(path, field)
+
+
+def image_files(directory: Path) -> list[ImageFile]:
+    """Every image file (IMAGE_SUFFIXES) in `directory` and its subfolders, hidden ones skipped,
+    sorted by its path under `directory`; none is a ConfigError."""
+    if not directory.is_dir():
+        raise ConfigError(f"{directory}: no such folder (--images takes a folder of image files)")
+    names = sorted(
+        path.relative_to(directory).as_posix()
+        for path in directory.rglob("*")
+        if path.suffix.lower() in IMAGE_SUFFIXES
+        and path.is_file()
+        and not any(part.startswith(".") for part in path.relative_to(directory).parts)
+    )
+    if not names:
+        raise ConfigError(f"{directory}: no image files ({', '.join(IMAGE_SUFFIXES)}) in it or its subfolders")
+    return [ImageFile(name, directory / name) for name in names]
 
 
 def _lines(path: Path) -> Iterator[str]:
@@ -123,17 +153,23 @@ def check_output(path: Path | None, verb: str) -> None:
 
 
 async def in_chunks(
-    records: list[Record], batch_size: int, concurrency: int, run: Callable[[list[str]], Awaitable[Any]], progress: bool
-) -> list[Any]:
-    """`run` on chunks of `batch_size` texts, `concurrency` at once; results in input order."""
-    chunks = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
+    inputs: Sequence[T],
+    batch_size: int,
+    concurrency: int,
+    run: Callable[[list[T]], Awaitable[R]],
+    progress: bool,
+    unit: str = "text",
+) -> list[R]:
+    """`run` on chunks of `batch_size` inputs (texts, image paths), `concurrency` at once; results
+    in input order."""
+    chunks = [list(inputs[i : i + batch_size]) for i in range(0, len(inputs), batch_size)]
     results: list[Any] = [None] * len(chunks)
     gate = asyncio.Semaphore(concurrency)
-    bar = _bar(len(records), progress)
+    bar = _bar(len(inputs), progress, unit)
 
     async def one(index: int) -> None:
         async with gate:
-            results[index] = await run([r.text for r in chunks[index]])
+            results[index] = await run(chunks[index])
         if bar is not None:
             bar.update(len(chunks[index]))
 
@@ -145,14 +181,14 @@ async def in_chunks(
     return results
 
 
-def _bar(total: int, enabled: bool):
+def _bar(total: int, enabled: bool, unit: str):
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, unit="text", file=sys.stderr)
+    return tqdm(total=total, unit=unit, file=sys.stderr)
 
 
 def summary(verb: str, num_items: int, num_tokens: int, seconds: float) -> str:

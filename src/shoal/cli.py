@@ -118,6 +118,19 @@ class _Backend:
         )
         return np.stack(result.vectors), result.num_tokens
 
+    async def encode_images(self, paths: list[Path]) -> tuple[np.ndarray, int]:
+        a = self.args
+        if self.engine is None:
+            got = await self.client.encode(a.model, images=paths, dimensions=a.dimensions, batch_size=len(paths))
+            return got.dense_rows(), got.num_tokens
+        from .calls import EncodeCall, Item
+
+        files = await asyncio.to_thread(lambda: [path.read_bytes() for path in paths])
+        result = await self.engine.run(
+            EncodeCall(model=a.model, items=[Item(image=data) for data in files], dimensions=a.dimensions)
+        )
+        return np.stack(result.vectors), result.num_tokens
+
     async def score(self, documents: list[str]) -> tuple[list[tuple[int, float]], int]:
         a = self.args
         if self.engine is None:
@@ -159,8 +172,15 @@ class _Backend:
 def _run_batch(args: argparse.Namespace, verb: str, work) -> int:
     """Read the inputs, run `work(backend, records)` in chunks, write or print, and summarise."""
     from . import batch
+    from .errors import ConfigError
 
-    records = batch.records_of(args.text, args.input, args.field)
+    images = getattr(args, "images", None)  # encode's --images DIR
+    if images is None:
+        records: list = batch.records_of(args.text, args.input, args.field)
+    elif args.text or args.input or getattr(args, "query_prompt", False):
+        raise ConfigError("--images DIR encodes the image files in DIR: give no texts, --input or --query-prompt too")
+    else:
+        records = batch.image_files(images)
     batch.check_output(args.output, verb)
 
     async def main():
@@ -186,11 +206,19 @@ def cmd_encode(args: argparse.Namespace) -> int:
     from . import batch
 
     async def work(backend: _Backend, records):
-        chunks = await batch.in_chunks(
-            records, args.batch_size, args.concurrency, backend.encode, args.output is not None
-        )
+        progress = args.output is not None
+        if args.images is None:
+            named = [_with_id(r, {"text": r.text}) for r in records]
+            texts = [r.text for r in records]
+            chunks = await batch.in_chunks(texts, args.batch_size, args.concurrency, backend.encode, progress)
+        else:  # batch.ImageFile records
+            named = [{"image": r.name} for r in records]
+            paths = [r.path for r in records]
+            chunks = await batch.in_chunks(
+                paths, args.batch_size, args.concurrency, backend.encode_images, progress, unit="image"
+            )
         dense = np.concatenate([vectors for vectors, _ in chunks])
-        rows = [_with_id(r, {"text": r.text, "dense": [round(float(x), 6) for x in v]}) for r, v in zip(records, dense)]
+        rows = [{**row, "dense": [round(float(x), 6) for x in v]} for row, v in zip(named, dense)]
         return rows, dense, sum(tokens for _, tokens in chunks)
 
     return _run_batch(args, "encode", work)
@@ -202,7 +230,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     async def work(backend: _Backend, records):
         offsets = list(range(0, len(records), args.batch_size))
         chunks = await batch.in_chunks(
-            records, args.batch_size, args.concurrency, backend.score, args.output is not None
+            [r.text for r in records], args.batch_size, args.concurrency, backend.score, args.output is not None
         )
         scored = sorted(
             ((offset + index, score) for offset, (pairs, _) in zip(offsets, chunks) for index, score in pairs),
@@ -224,7 +252,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     async def work(backend: _Backend, records):
         chunks = await batch.in_chunks(
-            records, args.batch_size, args.concurrency, backend.extract, args.output is not None
+            [r.text for r in records], args.batch_size, args.concurrency, backend.extract, args.output is not None
         )
         items = [item for chunk, _ in chunks for item in chunk]
         rows = []
@@ -282,15 +310,24 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help=f"write {writes} instead of printing JSON lines (with a progress bar)",
         )
-        p.add_argument("--batch-size", type=_positive, default=64, help="texts per request (default 64)")
+        p.add_argument("--batch-size", type=_positive, default=64, help="inputs per request (default 64)")
         p.add_argument("--concurrency", type=_positive, default=4, help="requests at once (default 4)")
 
     encode = sub.add_parser(
-        "encode", allow_abbrev=False, help="embed texts (arguments or --input FILE); print JSON lines or write a file"
+        "encode",
+        allow_abbrev=False,
+        help="embed texts (arguments or --input FILE) or images (--images DIR); print JSON lines or write a file",
     )
     batch_io(encode, ".jsonl, .npy or .parquet")
     encode.add_argument("model")
     encode.add_argument("text", nargs="*")
+    encode.add_argument(
+        "--images",
+        type=Path,
+        metavar="DIR",
+        help="embed every image file in DIR and its subfolders instead of texts (a model that reads images: "
+        'CLIP, SigLIP), sorted by path under DIR; each row names its file: {"image": "cats/01.png", ...}',
+    )
     encode.add_argument("--dimensions", type=int)
     encode.add_argument("--query-prompt", action="store_true", help="encode as queries (the card's query prompt)")
     settings(encode, "encode")  # the in-process engine's (ignored with --url)

@@ -1,10 +1,13 @@
-"""LangChain: `ShoalEmbeddings` (an `Embeddings`: documents and queries with the card's prompts) and
-`ShoalRerank` (a `BaseDocumentCompressor` that reorders documents by shoal's `score`).
+"""LangChain: `ShoalEmbeddings` (an `Embeddings`: documents and queries with the card's prompts, and
+image files with `embed_image` for a model that reads images) and `ShoalRerank` (a
+`BaseDocumentCompressor` that reorders documents by shoal's `score`).
 
     from shoal.integrations.langchain import ShoalEmbeddings, ShoalRerank
     embeddings = ShoalEmbeddings(url="http://127.0.0.1:8080", model="BAAI/bge-small-en-v1.5")
     store = InMemoryVectorStore.from_texts(texts, embeddings)
     rerank = ShoalRerank(url="http://127.0.0.1:8080", model="BAAI/bge-reranker-base", top_n=3)
+    clip = ShoalEmbeddings(url="http://127.0.0.1:8080", model="openai/clip-vit-base-patch32")
+    clip.embed_image(["cat.jpg", "dog.png"])   # the text side: clip.embed_query("a photo of a cat")
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from ..sdk import AsyncClient, Client
 
 class ShoalEmbeddings(Embeddings):
     """Dense vectors from a shoal server: `embed_documents` sends `is_query=False` and `embed_query`
-    `is_query=True`, so a card's document and query prompts (E5, BGE, Nomic...) apply."""
+    `is_query=True`, so a card's document and query prompts (E5, BGE, Nomic...) apply.
+
+    `embed_image(uris)` embeds image files (local paths, as langchain_experimental's
+    `OpenCLIPEmbeddings` takes them, and as LangChain's Chroma `add_images` passes them) with a
+    model that reads images (CLIP, SigLIP); a text-only model answers an InvalidRequest."""
 
     def __init__(
         self,
@@ -42,26 +49,22 @@ class ShoalEmbeddings(Embeddings):
             batch_size,
             adapter,
         )
-        self._options = dict(api_key=api_key, **client)
+        self._client_options = dict(api_key=api_key, **client)
         self._client: Client | None = None
 
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.url, **self._options)
+            self._client = Client(self.url, **self._client_options)
         return self._client
+
+    def _options(self) -> dict[str, Any]:
+        return dict(dimensions=self.dimensions, batch_size=self.batch_size, adapter=self.adapter)
 
     def _encode(self, texts: Sequence[str], is_query: bool) -> list[list[float]]:
         if not texts:
             return []
-        result = self.client.encode(
-            self.model,
-            list(texts),
-            is_query=is_query,
-            dimensions=self.dimensions,
-            batch_size=self.batch_size,
-            adapter=self.adapter,
-        )
+        result = self.client.encode(self.model, list(texts), is_query=is_query, **self._options())
         return result.dense_rows().astype(float).tolist()
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -76,18 +79,25 @@ class ShoalEmbeddings(Embeddings):
     async def aembed_query(self, text: str) -> list[float]:
         return (await self._aencode([text], is_query=True))[0]
 
+    def embed_image(self, uris: list[str]) -> list[list[float]]:
+        """One vector per image file in `uris` (local paths), in order."""
+        if not uris:
+            return []
+        result = self.client.encode(self.model, images=list(uris), **self._options())
+        return result.dense_rows().astype(float).tolist()
+
+    async def aembed_image(self, uris: list[str]) -> list[list[float]]:
+        if not uris:
+            return []
+        async with AsyncClient(self.url, **self._client_options) as client:  # one per event loop
+            result = await client.encode(self.model, images=list(uris), **self._options())
+        return result.dense_rows().astype(float).tolist()
+
     async def _aencode(self, texts: Sequence[str], is_query: bool) -> list[list[float]]:
         if not texts:
             return []
-        async with AsyncClient(self.url, **self._options) as client:  # one per event loop
-            result = await client.encode(
-                self.model,
-                list(texts),
-                is_query=is_query,
-                dimensions=self.dimensions,
-                batch_size=self.batch_size,
-                adapter=self.adapter,
-            )
+        async with AsyncClient(self.url, **self._client_options) as client:  # one per event loop
+            result = await client.encode(self.model, list(texts), is_query=is_query, **self._options())
         return result.dense_rows().astype(float).tolist()
 
 

@@ -1,5 +1,7 @@
-"""LlamaIndex: `ShoalEmbedding` (a `BaseEmbedding`: texts and queries with the card's prompts) and
-`ShoalRerank` (a `BaseNodePostprocessor` that reorders nodes by shoal's `score`).
+"""LlamaIndex: `ShoalEmbedding` (a `BaseEmbedding`: texts and queries with the card's prompts),
+`ShoalMultiModalEmbedding` (a `MultiModalEmbedding`: the same texts, and images, for a model that
+reads them: CLIP, SigLIP) and `ShoalRerank` (a `BaseNodePostprocessor` that reorders nodes by
+shoal's `score`).
 
     from llama_index.core import Settings, VectorStoreIndex
     from shoal.integrations.llamaindex import ShoalEmbedding, ShoalRerank
@@ -7,6 +9,9 @@
     index = VectorStoreIndex.from_documents(documents)
     rerank = ShoalRerank(url="http://127.0.0.1:8080", model="BAAI/bge-reranker-base", top_n=3)
     nodes = rerank.postprocess_nodes(index.as_retriever(similarity_top_k=10).retrieve(query), query_str=query)
+
+    clip = ShoalMultiModalEmbedding(url="http://127.0.0.1:8080", model="openai/clip-vit-base-patch32")
+    index = MultiModalVectorStoreIndex(nodes_and_image_nodes, embed_model=clip, image_embed_model=clip)
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any
 
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
+from llama_index.core.embeddings import MultiModalEmbedding
+from llama_index.core.embeddings.multi_modal_base import ImageType
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
@@ -76,6 +83,43 @@ class ShoalEmbedding(BaseEmbedding):
 
     async def _aget_text_embeddings(self, texts: list[str]) -> list[Embedding]:
         return await self._aencode(texts, is_query=False) if texts else []
+
+
+class ShoalMultiModalEmbedding(ShoalEmbedding, MultiModalEmbedding):
+    """`ShoalEmbedding`'s texts and queries, and images (`ImageType`: a file path or a BytesIO, as
+    `ImageNode`s and `MultiModalVectorStoreIndex` pass them), from a model that reads images (CLIP,
+    SigLIP). `get_image_embedding_batch` sends `embed_batch_size` images a request."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ShoalMultiModalEmbedding"
+
+    def _encode_images(self, images: list[ImageType]) -> list[Embedding]:
+        if not images:
+            return []
+        if self._client is None:
+            self._client = Client(self.url, api_key=_secret(self.api_key))
+        result = self._client.encode(self.model_name, images=images, **self._options())
+        return result.dense_rows().astype(float).tolist()
+
+    async def _aencode_images(self, images: list[ImageType]) -> list[Embedding]:
+        if not images:
+            return []
+        async with AsyncClient(self.url, api_key=_secret(self.api_key)) as client:  # one per event loop
+            result = await client.encode(self.model_name, images=images, **self._options())
+        return result.dense_rows().astype(float).tolist()
+
+    def _get_image_embedding(self, img_file_path: ImageType) -> Embedding:
+        return self._encode_images([img_file_path])[0]
+
+    async def _aget_image_embedding(self, img_file_path: ImageType) -> Embedding:
+        return (await self._aencode_images([img_file_path]))[0]
+
+    def _get_image_embeddings(self, img_file_paths: list[ImageType]) -> list[Embedding]:
+        return self._encode_images(img_file_paths)
+
+    async def _aget_image_embeddings(self, img_file_paths: list[ImageType]) -> list[Embedding]:
+        return await self._aencode_images(img_file_paths)
 
 
 class ShoalRerank(BaseNodePostprocessor):

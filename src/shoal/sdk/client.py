@@ -1,16 +1,20 @@
 """`AsyncClient`: encode, score and extract on a shoal server over one pooled HTTP connection.
 
-Requests are the wire's own Structs (`shoal.wire.native`), sent in msgpack (arrays as raw
-little-endian bytes) or JSON; answers come back as numpy arrays and small records
-(`shoal.sdk.results`). `deadline_s` bounds one method call, retries and chunks included: each
+Requests are the wire's own Structs (`shoal.wire.native`), sent in msgpack (arrays and image files
+as raw bytes) or JSON (image files in base64); answers come back as numpy arrays and small records
+(`shoal.sdk.results`). Images are `shoal.sdk.Image`s (`shoal.sdk.images`), read when their
+request is built. `deadline_s` bounds one method call, retries and chunks included: each
 request tells the server what is left of it (`options.timeout_s`), so the server drops work the
 caller no longer waits for.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, cast
 from urllib.parse import quote
@@ -19,6 +23,7 @@ from .. import wire
 from ..calls import ExtractedItem
 from . import bulk, results
 from .http import Http
+from .images import Image, ImageSource, image_of
 from .results import Encoded, Ranking
 
 if TYPE_CHECKING:
@@ -76,8 +81,9 @@ class AsyncClient:
     async def encode(
         self,
         model: str,
-        texts: Sequence[str],
+        texts: Sequence[str] | None = None,
         *,
+        images: Iterable[ImageSource] | None = None,
         adapter: str | None = None,
         normalize: bool | None = None,
         dimensions: int | None = None,
@@ -92,16 +98,27 @@ class AsyncClient:
         concurrency: int = 4,
         show_progress: bool = False,
     ) -> Encoded:
-        """Vectors for `texts`, one row each in the order sent (`docs/api.md`, `POST /v1/encode`,
-        says what each option does; None: the server's default).
+        """Vectors for `texts`, or for `images`, one row each in the order sent (`docs/api.md`,
+        `POST /v1/encode`, says what each option does; None: the server's default).
 
-        More than `batch_size` texts (default 256) go as several requests, `concurrency` at once;
-        `show_progress` draws a tqdm bar of the texts done.
+        `images` are for a model whose card reads them (CLIP, SigLIP): file paths, the files' bytes,
+        binary file objects, PIL images or uint8 arrays, bare or as `Image`s (`shoal.sdk.Image`
+        says how each is sent), or one `[n, H, W, C]` uint8 array of n images. One call encodes
+        texts or images: both at once is a ValueError (encode each in its own call; each call's
+        rows keep its order).
+
+        More than `batch_size` items (default 256) go as several requests, `concurrency` at once; a
+        request of images also ends before 4 MiB of image files (`bulk.IMAGE_BYTES_PER_REQUEST`),
+        and each image is read only when its request is built. `show_progress` draws a tqdm bar of
+        the items done.
         """
+        inputs, unit = _encode_inputs(texts, images)
         deadline = self._deadline()
         dtype: wire.OutputDtype = output_dtype or "float32"
 
-        async def send(chunk: list[str]) -> wire.EncodeResponse:
+        async def send(chunk: list[str | Image]) -> wire.EncodeResponse:
+            payloads = await _payloads(chunk)
+
             def body(timeout_s: float | None) -> wire.EncodeRequest:
                 options = wire.EncodeOptions(
                     normalize=normalize,
@@ -115,26 +132,27 @@ class AsyncClient:
                     return_tokens=return_tokens,
                     timeout_s=timeout_s,
                 )
-                return wire.EncodeRequest(
-                    model=model, items=[wire.EncodeItem(text=t) for t in chunk], options=options, adapter=adapter
-                )
+                items = [_encode_item(payload) for payload in payloads]
+                return wire.EncodeRequest(model=model, items=items, options=options, adapter=adapter)
 
             return await self._http.post("/v1/encode", body, wire.EncodeResponse, deadline)
 
+        if unit == "image":
+            chunks = bulk.chunks_of(
+                inputs, batch_size, max_chunk_bytes=bulk.IMAGE_BYTES_PER_REQUEST, num_bytes=_num_bytes
+            )
+        else:
+            chunks = bulk.chunks_of(inputs, batch_size)
         answers = await bulk.map_chunks(
-            bulk.chunks_of(_texts(texts), batch_size),
-            send,
-            concurrency=concurrency,
-            show_progress=show_progress,
-            desc="encode",
+            chunks, send, concurrency=concurrency, show_progress=show_progress, desc="encode", unit=unit
         )
         return results.encoded(answers, dtype)
 
     async def score(
         self,
         model: str,
-        query: str,
-        documents: Sequence[str],
+        query: str | Image,
+        documents: Sequence[str | Image],
         *,
         top_k: int | None = None,
         adapter: str | None = None,
@@ -145,8 +163,15 @@ class AsyncClient:
         instruction: str | None = None,
     ) -> Ranking:
         """`documents` ranked for `query`: `Scored(index, score)` best first, cut to `top_k`.
-        Cross-encoders and LLM rerankers score pairs; an embedder scores by cosine (`POST /v1/score`)."""
+        Cross-encoders and LLM rerankers score pairs; an embedder scores by cosine (`POST /v1/score`).
+
+        The query and each document are a text (`str`) or an `Image` (`Image("cat.png")`: a bare
+        `str` is always a text), for a model whose card reads images (CLIP, SigLIP score by cosine).
+        """
+        inputs = _score_inputs(query, documents)
         deadline = self._deadline()
+        query_payload, *document_payloads = await _payloads(inputs)
+        wire_query = query_payload if isinstance(query_payload, str) else wire.ScoreQuery(image=query_payload)
 
         def body(timeout_s: float | None) -> wire.ScoreRequest:
             options = wire.ScoreOptions(
@@ -157,9 +182,9 @@ class AsyncClient:
                 instruction=instruction,
                 timeout_s=timeout_s,
             )
-            items = [wire.ScoreItem(text=d) for d in _texts(documents)]
+            items = [_score_item(payload) for payload in document_payloads]
             return wire.ScoreRequest(
-                model=model, query=query, items=items, top_k=top_k, options=options, adapter=adapter
+                model=model, query=wire_query, items=items, top_k=top_k, options=options, adapter=adapter
             )
 
         return results.ranking(await self._http.post("/v1/score", body, wire.ScoreResponse, deadline))
@@ -234,3 +259,64 @@ def _texts(texts: Sequence[str]) -> Sequence[str]:
     if isinstance(texts, str):  # iterating a str would send one request item per character
         raise TypeError("texts must be a sequence of strings, not one str: pass [text]")
     return texts
+
+
+def _encode_inputs(texts: Sequence[str] | None, images: Iterable[ImageSource] | None) -> tuple[list[str | Image], str]:
+    """An encode call's inputs, each a text or an `Image`, and the unit its progress counts."""
+    if texts is not None and images is not None:
+        raise ValueError(
+            "encode takes texts or images, not both in one call: encode each in its own call "
+            "(each call's rows keep the order sent)"
+        )
+    if images is None:
+        if texts is None:
+            raise TypeError("encode needs texts (a list of strings) or images=[...]")
+        return list(_texts(texts)), "text"
+    one = (str, bytes, bytearray, memoryview, os.PathLike, io.IOBase, Image)  # an image, not a sequence of them
+    if isinstance(images, one) or getattr(images, "ndim", 4) != 4 or not isinstance(images, Iterable):
+        raise TypeError(f"images must be a sequence of images, not one {type(images).__name__}: pass [image]")
+    return [_image_at(f"images[{i}]", source) for i, source in enumerate(images)], "image"
+
+
+def _score_inputs(query: str | Image, documents: Sequence[str | Image]) -> list[str | Image]:
+    """`[query, *documents]`, each a text or an `Image`; anything else a TypeError naming it."""
+    if isinstance(documents, str):
+        raise TypeError("documents must be a sequence, not one str: pass [document]")
+    inputs: list[str | Image] = []
+    for name, value in [("query", query), *((f"documents[{i}]", d) for i, d in enumerate(documents))]:
+        if not isinstance(value, (str, Image)):
+            raise TypeError(
+                f"{name} is {type(value).__name__}: score takes a text (str) or an image wrapped in "
+                "shoal.sdk.Image (Image(path), Image(file_bytes), ...)"
+            )
+        inputs.append(value)
+    return inputs
+
+
+def _image_at(name: str, source: ImageSource) -> Image:
+    try:
+        return image_of(source)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+
+
+def _num_bytes(value: str | Image) -> int:
+    return value.num_bytes() if isinstance(value, Image) else len(value)
+
+
+async def _payloads(inputs: list[str | Image]) -> list[str | bytes]:
+    """Texts as they are, images read into their files' bytes: in a worker thread when there are
+    any, since reading a file and writing a PNG block."""
+
+    def read() -> list[str | bytes]:
+        return [value if isinstance(value, str) else value.read() for value in inputs]
+
+    return await asyncio.to_thread(read) if any(isinstance(value, Image) for value in inputs) else read()
+
+
+def _encode_item(payload: str | bytes) -> wire.EncodeItem:
+    return wire.EncodeItem(text=payload) if isinstance(payload, str) else wire.EncodeItem(image=payload)
+
+
+def _score_item(payload: str | bytes) -> wire.ScoreItem:
+    return wire.ScoreItem(text=payload) if isinstance(payload, str) else wire.ScoreItem(image=payload)
