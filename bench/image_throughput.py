@@ -4,7 +4,8 @@ process, on the same JPEG files, outputs checked equal, measured in the same run
 The model is a random-initialised CLIP of ViT-B/32's shape (vision: 224 px, 32-px patches, 12
 layers of 768; text: 12 layers of 512; 512-dim projection; no CLIP weights ship on PyPI), saved
 once to a temporary folder that both sides read. The images are scikit-image's colour photos
-(astronaut, coffee, chelsea, rocket, ...) saved as JPEG files, cycled.
+(astronaut, coffee, chelsea, rocket, ...) saved as JPEG files, cycled (`shoal bench`'s images
+workload draws its calls from the same files).
 
 What is timed, per image: from the JPEG bytes to the embedding. shoal: `EncodeCall`s of
 --images-per-request images from --clients concurrent callers through `Engine.run` (decode,
@@ -19,6 +20,12 @@ cost per image on one thread (shoal's `ImageInputs.prepare`), and the share of t
 GEMM peak the forward reaches (its FLOPs over the measured time).
 
     python bench/image_throughput.py --duration-s 20 --rounds 3
+
+`--save DIR` writes the model instead (DIR/clip-b32/, and its card DIR/clip-b32.yaml, id
+bench/clip-b32), for the same figure over HTTP (docs/bench.md):
+
+    python bench/image_throughput.py --save models
+    shoal bench bench/clip-b32 --models-dir models --workload images --against transformers
 """
 
 from __future__ import annotations
@@ -35,15 +42,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+import yaml
 from PIL import Image
-from skimage import data as photos
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from shoal.bench.machine import vision_flops_per_image
+from shoal.bench.workloads import photos
 from shoal.calls import EncodeCall, Item
 from shoal.catalog import Catalog, parse_card
 from shoal.config import EngineSettings
 
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "retina", "hubble_deep_field")
 MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 PROCESSOR = {
     "image_processor_type": "CLIPImageProcessor",
@@ -54,16 +62,20 @@ PROCESSOR = {
 }
 
 
-def jpeg_files() -> list[bytes]:
-    out = []
-    for name in PHOTOS:
-        array = getattr(photos, name)()
-        if array.ndim == 2:
-            array = np.stack([array] * 3, axis=-1)
-        buffer = io.BytesIO()
-        Image.fromarray(array[..., :3]).save(buffer, format="JPEG", quality=90)
-        out.append(buffer.getvalue())
-    return out
+# The card of the saved folder (its source is added where it is used).
+CARD = {
+    "id": "bench/clip-b32",
+    "description": "A random-weight CLIP of ViT-B/32's shape (bench/image_throughput.py): for throughput only.",
+    "architecture": "clip",
+    "max_length": 77,
+    "modalities": ["text", "image"],
+    "image_tokens": 50,  # 7x7 patches of 32 pixels at 224, and the class token
+    "pooling": "model",
+    "normalize": True,
+    "dimensions": 512,
+    "outputs": ["dense"],
+    "tasks": ["encode", "score"],
+}
 
 
 def save_model(directory: Path) -> transformers.CLIPModel:
@@ -87,14 +99,12 @@ def save_model(directory: Path) -> transformers.CLIPModel:
     return model
 
 
-def vision_flops_per_image(model: transformers.CLIPModel) -> float:
-    """Multiply-adds x 2 of the vision tower's Linears and attention for one image."""
-    v = model.config.vision_config
-    tokens = (v.image_size // v.patch_size) ** 2 + 1
-    h, inter, layers = v.hidden_size, v.intermediate_size, v.num_hidden_layers
-    per_layer = tokens * (4 * h * h + 2 * h * inter) + 2 * tokens * tokens * h
-    patch = (tokens - 1) * 3 * v.patch_size**2 * h
-    return 2.0 * (layers * per_layer + patch + h * model.config.projection_dim)
+def save(directory: Path) -> None:
+    """The model in DIR/clip-b32/ and its card in DIR/clip-b32.yaml (source: that folder)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_model(directory / "clip-b32")
+    card = {**CARD, "source": {"path": "clip-b32"}}  # relative to the card's file
+    (directory / "clip-b32.yaml").write_text(yaml.safe_dump(card, sort_keys=False))
 
 
 class Shoal:
@@ -102,20 +112,7 @@ class Shoal:
         from shoal.engine import Engine
         from shoal.engine.runner import TorchBackend
 
-        card = parse_card(
-            {
-                "id": "bench/clip-b32",
-                "architecture": "clip",
-                "source": {"path": str(directory)},
-                "max_length": 77,
-                "modalities": ["text", "image"],
-                "image_tokens": 50,
-                "pooling": "model",
-                "dimensions": 512,
-                "outputs": ["dense"],
-            },
-            "<bench>",
-        )
+        card = parse_card({**CARD, "source": {"path": str(directory)}}, "<bench>")
         self.card, self.clients, self.per_request = card, clients, per_request
         self.engine = Engine(EngineSettings(), Catalog([card]), backend=TorchBackend("cpu", allow_download=False))
 
@@ -168,18 +165,7 @@ def decode_cost(directory: Path, files: list[bytes]) -> float:
     """Seconds per image of shoal's decode + preprocessing on this thread."""
     from shoal.engine.image_inputs import load_image_inputs
 
-    card = parse_card(
-        {
-            "id": "x",
-            "source": {"path": str(directory)},
-            "max_length": 77,
-            "modalities": ["text", "image"],
-            "image_tokens": 50,
-            "pooling": "model",
-            "dimensions": 512,
-        },
-        "<bench>",
-    )
+    card = parse_card({**CARD, "source": {"path": str(directory)}}, "<bench>")
     inputs = load_image_inputs(card, directory, patch_size=32, num_patches=49, tokens_per_image=50)
     start, n = time.perf_counter(), 0
     while time.perf_counter() - start < 2.0:
@@ -189,7 +175,11 @@ def decode_cost(directory: Path, files: list[bytes]) -> float:
 
 
 async def main(args: argparse.Namespace) -> int:
-    files = jpeg_files()
+    if args.save:
+        save(Path(args.save))
+        print(f"wrote {args.save}/clip-b32/ and its card {args.save}/clip-b32.yaml (id {CARD['id']})")
+        return 0
+    files = photos()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         reference = Reference(save_model(directory))
@@ -204,7 +194,7 @@ async def main(args: argparse.Namespace) -> int:
                 return 1
             per_image = decode_cost(directory, files)
             print(f"decode + preprocess: {per_image * 1000:.1f} ms per image on one thread")
-            flops = vision_flops_per_image(reference.model)
+            flops = vision_flops_per_image(directory, CARD["image_tokens"])
             ours, theirs = [], {b: [] for b in args.batch_sizes}
             for round_ in range(args.rounds):
                 n, s = await shoal.run_for(files, args.duration_s)
@@ -237,4 +227,5 @@ if __name__ == "__main__":
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--images-per-request", type=int, default=16)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--save", metavar="DIR", help="write the model folder and its card to DIR, then exit")
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -66,7 +66,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .workloads import WORKLOADS
+    from .workloads import MODALITIES, WORKLOADS
 
     def models_dir(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -83,9 +83,10 @@ def register(sub) -> None:
         "--workload",
         choices=WORKLOADS,
         default="queries",
-        help="queries (1 sentence), passages (32 docs), bulk (256), rerank, extract (default queries)",
+        help="queries (1 sentence), passages (32 docs), bulk (256), rerank, extract, images (16 photos; "
+        "image models) (default queries)",
     )
-    bench.add_argument("--items", type=_count, help="texts per call (overrides the workload's)")
+    bench.add_argument("--items", type=_count, help="texts (images) per call (overrides the workload's)")
     bench.add_argument("--url", help="a running shoal server (default: start `shoal serve --preload MODEL`)")
     bench.add_argument("--api-key", help="bearer token for --url")
     bench.add_argument(
@@ -114,8 +115,9 @@ def register(sub) -> None:
     bench.add_argument(
         "--against",
         action="append",
-        metavar="st,infinity",
-        help="also measure sentence-transformers in-process and/or Infinity on the same texts",
+        metavar="st,infinity|transformers",
+        help="also measure sentence-transformers in-process and/or Infinity on the same texts; "
+        "images: transformers' CLIPModel in-process on the same photos",
     )
     bench.add_argument(
         "--infinity", metavar="PATH", help="the infinity_emb script of a venv with infinity-emb[server,torch]"
@@ -133,7 +135,11 @@ def register(sub) -> None:
         "--out", metavar="DIR", help="write DIR/tuned/<model>@<hardware>.yaml (default: the first --models-dir)"
     )
     tune.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    tune.add_argument("--workload", choices=WORKLOADS, help="default: passages (encode), rerank (score), extract")
+    tune.add_argument(
+        "--workload",
+        choices=[w for w in WORKLOADS if w not in MODALITIES],  # texts: the quality gate compares text vectors
+        help="default: passages (encode), rerank (score), extract",
+    )
     tune.add_argument(
         "--clients",
         type=_clients,

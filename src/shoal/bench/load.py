@@ -9,6 +9,7 @@ target gets the same sequence. Bodies are encoded once, before the clock starts.
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 import random
 import ssl
@@ -117,8 +118,9 @@ class _Reply(msgspec.Struct):
 
 class HttpTarget:
     """A server driven over HTTP. `wire`: "native" (shoal's /v1/encode|score|extract, JSON or
-    msgpack) or "openai" (/v1/embeddings, or `openai_path` for servers that mount it elsewhere:
-    Infinity serves /embeddings). Tokens are read from each response's usage."""
+    msgpack; image files as base64 in JSON, raw bytes in msgpack) or "openai" (/v1/embeddings, or
+    `openai_path` for servers that mount it elsewhere: Infinity serves /embeddings; texts only).
+    Tokens are read from each response's usage."""
 
     def __init__(
         self,
@@ -136,6 +138,8 @@ class HttpTarget:
     ) -> None:
         if wire == "openai" and workload.verb != "encode":
             raise ValueError(f"the OpenAI route only embeds; workload {workload.name!r} is {workload.verb}")
+        if wire == "openai" and workload.modality != "text":
+            raise ValueError(f"the OpenAI route embeds texts; workload {workload.name!r} sends {workload.item_noun}")
         self.name, self.url, self.model, self.workload = name, url.rstrip("/"), model, workload
         # Tokens per call counted here (the model's tokenizer): used instead of the response's usage
         # when given (Infinity's usage counts characters).
@@ -152,12 +156,12 @@ class HttpTarget:
         self._pool = _Pool(self.url)
         # Each call's whole request (head and body), built before the clock starts.
         self._requests = [
-            self._pool.request(path, headers, encode(_body(wire, model, workload.verb, call)))
+            self._pool.request(path, headers, encode(_body(wire, model, workload.verb, call, raw_bytes=self.msgpack)))
             for call in workload.calls
         ]
 
     def items_of(self, k: int) -> int:
-        return len(self.workload.calls[k % len(self.workload.calls)].texts)
+        return self.workload.calls[k % len(self.workload.calls)].num_items
 
     async def send(self, k: int) -> Outcome:
         try:
@@ -316,10 +320,12 @@ class _Pool:
         self._idle.clear()
 
 
-def _body(wire: str, model: str, verb: str, call: Call) -> dict:
+def _body(wire: str, model: str, verb: str, call: Call, *, raw_bytes: bool = False) -> dict:
+    """A call's request body; `raw_bytes`: image files as they are (msgpack `bin`), else base64."""
     if wire == "openai":
         return {"model": model, "input": list(call.texts)}
-    items = [{"text": t} for t in call.texts]
+    items: list[dict] = [{"text": t} for t in call.texts]
+    items += [{"image": f if raw_bytes else base64.b64encode(f).decode("ascii")} for f in call.images]
     if verb == "score":
         return {"model": model, "query": call.query, "items": items}
     if verb == "extract" and call.labels:

@@ -1,11 +1,14 @@
-"""What the machine could do: FLOPs per token from a model's architecture, and the fp32 GEMM peak
-measured here, so a throughput can be read as a share of the bound the hardware sets.
+"""What the machine could do: FLOPs per token (text) or per image (a vision tower) from a model's
+config.json, and the fp32 GEMM peak measured here, so a throughput can be read as a share of the
+bound the hardware sets.
 
 FLOPs per token counts the matmuls of the transformer layers (2 FLOPs per multiply-add): the
 projections (q, k, v, output; two matrices for a plain MLP, three for a gated one) and attention's
 two products over the token's own sequence (QK^T and AV: 4 x seq_len x heads x head_dim).
 Embeddings, norms, activations and heads are left out, and local attention (ModernBERT's) is counted
-as global: an approximation, good to ~10 % for the encoders shoal serves.
+as global: an approximation, good to ~10 % for the encoders shoal serves. FLOPs per image are the
+vision tower's layers counted the same way over the image's tokens, plus the patch embedding (a
+matmul over each patch's pixels) and CLIP's projection to the embedding.
 """
 
 from __future__ import annotations
@@ -69,6 +72,37 @@ def shape_of(model_dir: Path, architecture: str) -> Shape:
         architecture in _GATED,
         int(config.get("head_dim") or 0),
     )
+
+
+def vision_flops_per_image(model_dir: Path, tokens_per_image: int) -> float:
+    """Forward FLOPs of the vision tower of `model_dir`'s config.json (`vision_config`) for one image
+    of `tokens_per_image` tokens (the card's `image_tokens`: the patches, and a class token where
+    the model has one). SigLIP's attention-pooling head is left out (about a sixth of one layer)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    # Older CLIP configs also carry `vision_config_dict`, whose values win, as transformers reads them.
+    vision = {**(config.get("vision_config") or {}), **(config.get("vision_config_dict") or {})}
+
+    def key(name: str) -> int:
+        value = vision.get(name)
+        if isinstance(value, (list, tuple)):  # a square written as a pair
+            value = value[0]
+        if not value:
+            raise KeyError(f"{model_dir}/config.json has no vision_config.{name}")
+        return int(value)
+
+    hidden, patch = key("hidden_size"), key("patch_size")
+    shape = Shape(
+        hidden,
+        key("num_hidden_layers"),
+        key("intermediate_size"),
+        key("num_attention_heads"),
+        key("num_attention_heads"),
+        gated=False,
+    )
+    num_patches = (key("image_size") // patch) ** 2
+    patch_embedding = 2.0 * num_patches * int(vision.get("num_channels") or 3) * patch * patch * hidden
+    projection = 2.0 * hidden * int(config.get("projection_dim") or 0)
+    return tokens_per_image * shape.flops_per_token(tokens_per_image) + patch_embedding + projection
 
 
 def effective_seq_len(lengths: list[int]) -> float:

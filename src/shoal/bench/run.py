@@ -1,9 +1,11 @@
 """`shoal bench`: ramp the load on a server, find its knee, and put it next to what users run today.
 
-One run measures, one after the other on the same machine and the same texts: shoal (a spawned
+One run measures, one after the other on the same machine and the same calls: shoal (a spawned
 `shoal serve`, or `--url`), optionally Infinity (`--against infinity`, spawned from its own
-virtualenv) and sentence-transformers in this process (`--against st`), plus the machine's fp32
-GEMM peak; it prints every level, each knee and the ratios, and writes JSON and a PNG.
+virtualenv) and sentence-transformers in this process (`--against st`) on texts, or transformers'
+CLIPModel in this process (`--against transformers`, its outputs checked equal to shoal's first) on
+images, plus the machine's fp32 GEMM peak; it prints every level, each knee and the ratios, and
+writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, ModelLoadError
 from . import machine, report, workloads
 from .knee import CLOSED_CLIENTS, OPEN_SHARES, Bounds, knee, probe, ramp
 from .load import HttpTarget, Step, closed_loop
+
+if TYPE_CHECKING:
+    from ..catalog.card import ModelCard
+    from .targets import InProcess
 
 
 @dataclass
@@ -89,14 +96,63 @@ def call_tokens(
     return per_call, lengths
 
 
-def _knee_line(name: str, found: Step | None, bound_ms: float) -> str:
+def _knee_line(name: str, found: Step | None, bound_ms: float, noun: str) -> str:
     if found is None:
         return f"knee {name}: none (no level had p99 <= {bound_ms:g} ms with the rate followed)"
     offered = f"offered {found.offered:g} req/s" if found.mode == "open" else f"{int(found.offered)} clients"
     return (
-        f"knee {name}: {found.achieved_rps:.1f} req/s, {found.tokens_per_s:,.0f} tokens/s ({offered}; "
+        f"knee {name}: {found.achieved_rps:.1f} req/s, {found.items_per_s:,.1f} {noun}/s, "
+        f"{found.tokens_per_s:,.0f} tokens/s ({offered}; "
         f"p50 {found.percentile_ms(50):.1f} ms, p99 {found.percentile_ms(99):.1f} ms)"
     )
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Forward FLOPs per unit of the work a workload sends: a token of text, or an image."""
+
+    unit: str  # token | image
+    flops: float
+    detail: dict  # how it was counted (JSON fields)
+    note: str  # the same, printed
+
+    def rate(self, step: Step) -> float:
+        """The step's units per second."""
+        return step.tokens_per_s if self.unit == "token" else step.items_per_s
+
+
+def cost_of(card: ModelCard, model_dir: Path | None, workload: workloads.Workload, lengths: list[int]) -> Cost | None:
+    """FLOPs per token (text: the model's config.json, the workload's sequence lengths) or per image
+    (the vision_config of its config.json, the card's image_tokens); None without a local folder.
+    Raises OSError, KeyError or ValueError for a config.json it cannot read the shapes from."""
+    if model_dir is None or card.architecture is None:
+        return None
+    if workload.modality == "image":
+        tokens = card.image_tokens
+        assert tokens is not None  # a card that reads images says what one costs
+        note = f"{tokens} tokens an image"
+        return Cost("image", machine.vision_flops_per_image(model_dir, tokens), {"tokens_per_image": tokens}, note)
+    if not lengths:
+        return None
+    seq = machine.effective_seq_len(lengths)
+    per_token = machine.shape_of(model_dir, card.architecture).flops_per_token(seq)
+    return Cost("token", per_token, {"effective_seq_len": round(seq, 1)}, f"effective sequence {seq:.0f} tokens")
+
+
+def _figure(base: InProcess) -> dict:
+    """An in-process baseline's figure, as the JSON records it."""
+    record: dict[str, object] = dict(
+        calls=base.calls,
+        items=base.items,
+        tokens=base.tokens,
+        wall_s=round(base.wall_s, 3),
+        tokens_per_s=round(base.tokens_per_s, 1),
+        items_per_s=round(base.items_per_s, 1),
+    )
+    if base.batch_size is not None:
+        by_size = {size: round(rate, 2) for size, rate in base.items_per_s_by_batch_size.items()}
+        record.update(batch_size=base.batch_size, items_per_s_by_batch_size=by_size)
+    return record
 
 
 def run(args) -> int:
@@ -104,15 +160,24 @@ def run(args) -> int:
 
     catalog = Catalog.load(tuple(Path(d) for d in args.models_dir or ()), strict=False)
     card = catalog.get(args.model)
+    modality = workloads.MODALITIES.get(args.workload, "text")
     against = [a for spec in args.against or [] for a in spec.split(",") if a]
     for name in against:
-        if name not in ("st", "infinity"):
-            raise ConfigError(f"--against {name}: use st, infinity or both (st,infinity)")
+        if name not in workloads.BASELINES[modality]:
+            raise ConfigError(
+                f"--against {name}: workload {args.workload} ({modality}) is compared with "
+                f"{' and/or '.join(workloads.BASELINES[modality])}"
+            )
     if "infinity" in against and not args.infinity:
         raise ConfigError("--against infinity needs --infinity PATH (the infinity_emb script of its virtualenv)")
     verb = workloads.VERBS[args.workload]
     if verb not in card.tasks:
         raise ConfigError(f"{card.id} serves {', '.join(sorted(card.tasks))}; workload {args.workload} needs {verb}")
+    if modality not in card.modalities:
+        raise ConfigError(
+            f"{card.id} reads {', '.join(card.modalities)}; workload {args.workload} sends {modality}s "
+            "(a card with `modalities: [text, image]` reads both)"
+        )
     if args.mode == "closed" and any(level != int(level) for level in args.levels or ()):
         raise ConfigError(f"--levels {args.levels}: closed-loop levels are client counts (whole numbers)")
     if against and verb != "encode":
@@ -123,12 +188,19 @@ def run(args) -> int:
         model_dir = resolve_weights(card, allow_download=False)
     except ModelLoadError:
         model_dir = None  # a remote model: no local tokenizer, FLOPs or baseline
-    per_call, lengths = call_tokens(model_dir, card.max_length, workload)
-    if against and per_call is None:
+    if against and model_dir is None:
+        raise ConfigError(f"--against {','.join(against)} needs the model's local folder (the baseline loads it)")
+    # Texts only: an image's tokens are the card's image_tokens, which shoal's usage counts.
+    per_call, lengths = call_tokens(model_dir, card.max_length, workload) if modality == "text" else (None, [])
+    if against and modality == "text" and per_call is None:
         raise ConfigError(
             f"--against {','.join(against)} needs the model's local folder with its tokenizer.json "
             "(tokens are counted with it for the baselines)"
         )
+    try:
+        cost, no_cost = cost_of(card, model_dir, workload, lengths), None
+    except (OSError, KeyError, ValueError) as exc:  # a folder without a usable config.json
+        cost, no_cost = None, f"no FLOPs/{'image' if modality == 'image' else 'token'}: {exc}"
     bounds = Bounds(p99_ms=args.p99_ms or workloads.DEFAULT_P99_MS[workload.name])
     plan = Plan(
         mode=args.mode,
@@ -141,7 +213,7 @@ def run(args) -> int:
     load0 = machine.load_average()
     # The GEMM peak is probed before the load and again after it, and the better probe counts: on a
     # shared host one slow probe would lower the bound and flatter shoal's share of it.
-    probes = [_gemm_probe()] if model_dir is not None and lengths and card.architecture else []
+    probes = [_gemm_probe()] if cost else []
     print(f"shoal bench: {card.id}, workload {workload.name} ({workload.description}), {plan.mode} loop")
     if load0:
         print(
@@ -151,6 +223,7 @@ def run(args) -> int:
     print(report.HEADER)
     results: dict[str, dict] = {}
     ramps: dict[str, tuple[list[Step], Step | None]] = {}
+    served: list[list[float]] = []  # shoal's vectors for the first call, for a baseline to equal
     with tempfile.TemporaryDirectory() as tmp:
         targets = [("shoal", None)] + [("infinity", None)] * ("infinity" in against)
         for name, _ in targets:
@@ -171,6 +244,10 @@ def run(args) -> int:
                             args.infinity, model_dir, Path(tmp) / "infinity.log", batch_size=args.infinity_batch_size
                         )
                     )
+                if name == "shoal" and "transformers" in against:
+                    from .targets import served_vectors
+
+                    served = served_vectors(url, card.id, workload.calls[0], token=args.api_key)
                 target = (
                     HttpTarget(name, url, card.id, workload, msgpack=args.msgpack, token=args.api_key)
                     if name == "shoal"
@@ -183,27 +260,21 @@ def run(args) -> int:
             results[name] = dict(
                 url=url, probe_rps=capacity, steps=[s.summary() for s in steps], knee=found.summary() if found else None
             )
-    lines = [_knee_line(name, found, bounds.p99_ms) for name, (_, found) in ramps.items()]
+    noun = workload.item_noun
+    lines = [_knee_line(name, found, bounds.p99_ms, noun) for name, (_, found) in ramps.items()]
     ratios: dict[str, float] = {}
     shoal_knee = ramps["shoal"][1]
     inf_knee = ramps.get("infinity", (None, None))[1]
     if shoal_knee and inf_knee:
         ratios["shoal_over_infinity_rps"] = shoal_knee.achieved_rps / inf_knee.achieved_rps
         lines.append(f"shoal / infinity at the knee: {ratios['shoal_over_infinity_rps']:.2f}x req/s")
-    baseline = None
+    baseline, equality, refused = None, None, False
     if "st" in against:
         from .targets import sentence_transformers_baseline
 
         assert model_dir is not None  # --against needs the local folder (checked above)
         base = sentence_transformers_baseline(model_dir, workload, duration_s=args.step_s)
-        baseline = dict(
-            calls=base.calls,
-            items=base.items,
-            tokens=base.tokens,
-            wall_s=round(base.wall_s, 3),
-            tokens_per_s=round(base.tokens_per_s, 1),
-            items_per_s=round(base.items_per_s, 1),
-        )
+        baseline = _figure(base)
         lines.append(
             f"sentence-transformers in-process (one encode per call): {base.tokens_per_s:,.0f} tokens/s, "
             f"{base.items_per_s:.1f} texts/s"
@@ -211,36 +282,55 @@ def run(args) -> int:
         if shoal_knee:
             ratios["shoal_over_st_tokens"] = shoal_knee.tokens_per_s / base.tokens_per_s
             lines.append(f"shoal knee / sentence-transformers: {ratios['shoal_over_st_tokens']:.2f}x tokens/s")
+    if "transformers" in against:
+        from .targets import MIN_COSINE, TRANSFORMERS_BATCH_SIZES, transformers_clip_baseline
+
+        assert model_dir is not None and card.image_tokens is not None  # checked above
+        cosine, clip = transformers_clip_baseline(
+            model_dir, workload, duration_s=args.step_s, served=served, tokens_per_image=card.image_tokens
+        )
+        equality = dict(min_cosine=round(cosine, 6), bar=MIN_COSINE, images=len(served))
+        lines.append(f"equality: min cosine of transformers' vectors to shoal's over {len(served)} images {cosine:.6f}")
+        if clip is None:
+            refused = True
+            lines.append(f"outputs differ (min cosine {cosine:.6f} < {MIN_COSINE}): no transformers figure, no ratio")
+        else:
+            baseline = _figure(clip)
+            tried = ", ".join(f"b{b} {rate:.1f}" for b, rate in clip.items_per_s_by_batch_size.items())
+            lines.append(
+                f"transformers CLIPModel in-process (best of batch {', '.join(map(str, TRANSFORMERS_BATCH_SIZES))}): "
+                f"{clip.items_per_s:.1f} images/s at batch {clip.batch_size} ({tried})"
+            )
+            if shoal_knee:
+                ratios["shoal_over_transformers_images"] = shoal_knee.items_per_s / clip.items_per_s
+                lines.append(f"shoal knee / transformers: {ratios['shoal_over_transformers_images']:.2f}x images/s")
     flops = None
-    if probes:
+    if no_cost:
+        lines.append(no_cost)
+    if cost and probes:
         probes.append(_gemm_probe())
         peak, threads = max(probes, key=lambda probe: probe[0] or 0.0)
         if peak:
-            assert model_dir is not None and card.architecture is not None  # probes are taken only then
-            seq = machine.effective_seq_len(lengths)
-            try:
-                per_token = machine.shape_of(model_dir, card.architecture).flops_per_token(seq)
-            except (OSError, KeyError, ValueError) as exc:  # a folder without a usable config.json
-                per_token = None
-                lines.append(f"no FLOPs/token: {exc}")
-        if peak and per_token:
-            bound = peak / per_token
-            flops = dict(
-                flops_per_token=per_token,
-                effective_seq_len=round(seq, 1),
-                fp32_gemm_peak_flops=peak,
-                fp32_gemm_probes_flops=[probe[0] for probe in probes],
-                torch_threads=threads,
-                bound_tokens_per_s=round(bound, 1),
-            )
+            unit = cost.unit
+            bound = peak / cost.flops
+            flops = {
+                f"flops_per_{unit}": cost.flops,
+                **cost.detail,
+                "fp32_gemm_peak_flops": peak,
+                "fp32_gemm_probes_flops": [probe[0] for probe in probes],
+                "torch_threads": threads,
+                f"bound_{unit}s_per_s": round(bound, 1),
+            }
             probed = " and ".join(f"{(probe[0] or 0) / 1e9:.0f}" for probe in probes)
+            per_unit = f"{cost.flops / 1e9:,.2f} G" if cost.flops >= 1e9 else f"{cost.flops / 1e6:,.1f} M"
+            rate = f"{bound:,.0f}" if bound >= 100 else f"{bound:.1f}"
             lines.append(
-                f"FLOPs/token {per_token / 1e6:.1f} M (effective sequence {seq:.0f} tokens); fp32 GEMM peak "
+                f"FLOPs/{unit} {per_unit} ({cost.note}); fp32 GEMM peak "
                 f"{peak / 1e9:.0f} GFLOP/s ({threads} threads; probed {probed} before and after the load): "
-                f"bound {bound:,.0f} tokens/s"
+                f"bound {rate} {unit}s/s"
             )
             if shoal_knee:
-                ratios["shoal_share_of_bound"] = shoal_knee.tokens_per_s / bound
+                ratios["shoal_share_of_bound"] = cost.rate(shoal_knee) / bound
                 lines.append(f"shoal knee at {100 * ratios['shoal_share_of_bound']:.0f} % of the fp32-peak bound")
     print("\n".join(lines))
     record = dict(
@@ -254,6 +344,7 @@ def run(args) -> int:
         date=time.strftime("%Y-%m-%dT%H:%M:%S"),
         targets=results,
         baseline=baseline,
+        equality=equality,
         flops=flops,
         ratios={k: round(v, 4) for k, v in ratios.items()},
     )
@@ -263,7 +354,7 @@ def run(args) -> int:
     if args.png:
         why = report.plot(Path(args.png), ramps, f"{card.id}: {workload.description}", bounds.p99_ms)
         print(why or f"wrote {args.png}")
-    return 0 if shoal_knee else 1
+    return 0 if shoal_knee and not refused else 1
 
 
 def _gemm_probe() -> tuple[float | None, int | None]:

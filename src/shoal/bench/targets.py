@@ -1,9 +1,12 @@
-"""What `shoal bench` measures: servers it starts (shoal serve, Infinity) and the in-process
-sentence-transformers baseline on the same texts."""
+"""What `shoal bench` measures: servers it starts (shoal serve, Infinity), and the in-process
+baselines on the same calls: sentence-transformers on texts, transformers' CLIPModel on images."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
+import json
 import os
 import shutil
 import socket
@@ -11,13 +14,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from ..errors import ConfigError
-from .workloads import Workload
+from .tune_gate import min_cosine
+from .workloads import Call, Workload
+
+# transformers' CLIPModel is measured at each of these batch sizes; its best counts.
+TRANSFORMERS_BATCH_SIZES = (8, 16, 32)
+# A baseline's vectors must be this close to shoal's for a ratio to be printed.
+MIN_COSINE = 0.9999
 
 _NOT_INHERITED = {
     "SHOAL_AUTH_TOKENS",
@@ -164,6 +173,8 @@ class InProcess:
     items: int
     tokens: int
     wall_s: float
+    batch_size: int | None = None  # the batch it was measured at, when the call's size is not it
+    items_per_s_by_batch_size: dict[int, float] = field(default_factory=dict)  # each batch size tried
 
     @property
     def tokens_per_s(self) -> float:
@@ -203,3 +214,86 @@ def sentence_transformers_baseline(
         texts = list(calls[k % len(calls)].texts)
         tokens += sum(len(ids) for ids in tokenizer(texts, truncation=True, max_length=limit)["input_ids"])
     return InProcess(num_calls, items, tokens, wall_s)
+
+
+def served_vectors(url: str, model: str, call: Call, *, token: str | None = None) -> list[list[float]]:
+    """The server's dense vectors for `call`'s items (JSON, images as base64), in order."""
+    items = [{"text": t} for t in call.texts] + [{"image": base64.b64encode(f).decode("ascii")} for f in call.images]
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    answer = httpx.post(f"{url}/v1/encode", json={"model": model, "items": items}, headers=headers, timeout=600)
+    if answer.status_code != 200:
+        raise ConfigError(f"{url}/v1/encode answered {answer.status_code} to the first call: {answer.text[:500]}")
+    return [[float(x) for x in item["dense"]] for item in answer.json()["items"]]
+
+
+def transformers_clip_baseline(
+    model_dir: Path,
+    workload: Workload,
+    *,
+    duration_s: float,
+    served: list[list[float]],
+    tokens_per_image: int,
+    batch_sizes: Sequence[int] = TRANSFORMERS_BATCH_SIZES,
+    bar: float = MIN_COSINE,
+) -> tuple[float, InProcess | None]:
+    """transformers' CLIPModel in this process on the workload's image files: `PIL.Image.open` +
+    `CLIPImageProcessorPil` + `get_image_features` under `torch.inference_mode`, from the bytes to
+    normalised vectors, each of `batch_sizes` for `duration_s` (the files in call order), its best
+    kept. First its vectors for the first call's images are compared with `served` (shoal's for the
+    same files): (the smallest cosine, the best figure), or (that cosine, None) when it is under
+    `bar`: outputs that differ get no figure to compare."""
+    if workload.modality != "image":
+        raise ConfigError(f"the CLIPModel baseline embeds images; workload {workload.name!r} sends texts")
+    config_path = model_dir / "config.json"
+    model_type = json.loads(config_path.read_text()).get("model_type") if config_path.is_file() else None
+    if model_type != "clip":
+        raise ConfigError(
+            f"--against transformers runs transformers' CLIPModel: {model_dir} is not a transformers CLIP "
+            f"folder (config.json's model_type: {model_type!r})"
+        )
+    try:
+        import numpy as np
+        import torch
+        import transformers
+        from PIL import Image
+    except ImportError as exc:
+        raise ConfigError(
+            "--against transformers needs transformers and pillow: pip install transformers pillow"
+        ) from exc
+    transformers.utils.logging.disable_progress_bar()  # its weight-loading bar, between the bench's lines
+    model = transformers.CLIPModel.from_pretrained(str(model_dir)).eval()
+    processor = transformers.CLIPImageProcessorPil.from_pretrained(str(model_dir))
+
+    @torch.inference_mode()
+    def embed(files: Sequence[bytes]) -> np.ndarray:
+        images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
+        pixel_values = torch.from_numpy(np.asarray(processor(images, return_tensors="np")["pixel_values"]))
+        features = model.get_image_features(pixel_values=pixel_values)
+        if not isinstance(features, torch.Tensor):  # transformers 5 returns the tower's output
+            features = features.pooler_output
+        return torch.nn.functional.normalize(features, dim=-1).numpy()
+
+    cosine = min_cosine(served, embed(workload.calls[0].images).tolist())
+    if not cosine >= bar:  # NaN included
+        return cosine, None
+    files = [f for call in workload.calls for f in call.images]
+
+    def batch(first: int, size: int) -> list[bytes]:
+        return [files[(first + i) % len(files)] for i in range(size)]
+
+    best, rates = None, {}
+    for batch_size in batch_sizes:
+        embed(batch(0, batch_size))  # warm-up at this batch's shapes
+        num_batches = items = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < duration_s:
+            embed(batch(items, batch_size))
+            num_batches += 1
+            items += batch_size
+        figure = InProcess(num_batches, items, items * tokens_per_image, time.perf_counter() - start, batch_size)
+        rates[batch_size] = figure.items_per_s
+        if best is None or figure.items_per_s > best.items_per_s:
+            best = figure
+    assert best is not None  # batch_sizes is not empty
+    best.items_per_s_by_batch_size = rates
+    return cosine, best
