@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 
 import numpy as np
 import pytest
@@ -17,15 +16,13 @@ import torch
 import transformers
 from PIL import Image
 from skimage import data as photos
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
 from shoal.catalog import Catalog, parse_card
 from shoal.config import EngineSettings
 from shoal.errors import InvalidRequest, ModelLoadError, PayloadTooLarge
-from vision_models import EOS, IMAGE, PAD, PATCH, TEXT_SHAPE, VISION_SHAPE, VOCAB, save_random
+from vision_models import TEMPLATE, TEXT_SHAPE, tiny_clip
 
-BOS, SIGLIP_EOS = VOCAB - 2, VOCAB - 1
 WORDS = [
     "this",
     "is",
@@ -45,92 +42,26 @@ WORDS = [
     "table",
 ]
 TEXTS = ["a photo of a cat", "a red coffee cup on the table", "the astronaut", "dog"]
-MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 ATOL = 1e-4
 # Text positions: CLIP's as the shared shape has them; SigLIP's 64, the length its processor (and
 # transformers' zero-shot-image-classification pipeline) pads every text to.
 MAX_TEXT = {"clip": TEXT_SHAPE["max_position_embeddings"], "siglip": 64}
-TEMPLATE = "This is a photo of {}."
 LABELS = ["cat", "coffee cup", "astronaut", "dog"]
-
-
-def write_tokenizer(directory, siglip: bool) -> None:
-    """A word-level tokenizer.json whose special ids are the config's: CLIP wraps a text in
-    <|startoftext|> ... <|endoftext|>, SigLIP ends it in </s>; pads are <pad>."""
-    vocab = {"<unk>": 0, "<pad>": PAD, "<|endoftext|>": EOS, "<|startoftext|>": BOS, "</s>": SIGLIP_EOS}
-    vocab.update({word: 10 + i for i, word in enumerate(WORDS)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    if siglip:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="$A </s>", special_tokens=[("</s>", SIGLIP_EOS)]
-        )
-    else:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", BOS), ("<|endoftext|>", EOS)]
-        )
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
 
 
 @pytest.fixture(scope="module", params=["clip", "siglip"])
 def served(request, tmp_path_factory):
     """(kind, transformers model, image processor, tokenizer, card) for a random checkpoint."""
     kind = request.param
-    directory = tmp_path_factory.mktemp(kind)
-    if kind == "clip":
-        config = transformers.CLIPConfig(
-            text_config=dict(TEXT_SHAPE, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD),
-            vision_config=VISION_SHAPE,
-            projection_dim=24,
-        )
-        reference = save_random(transformers.CLIPModel, config, directory)
-        processor_config = {
-            "image_processor_type": "CLIPImageProcessor",
-            "size": {"shortest_edge": IMAGE},
-            "crop_size": {"height": IMAGE, "width": IMAGE},
-            "image_mean": MEAN,
-            "image_std": STD,
-        }
-        processor = transformers.CLIPImageProcessorPil(**processor_config)
-        tokens, dims = (IMAGE // PATCH) ** 2 + 1, 24
-    else:
-        config = transformers.SiglipConfig(
-            text_config=dict(
-                TEXT_SHAPE,
-                max_position_embeddings=MAX_TEXT["siglip"],
-                projection_size=48,
-                eos_token_id=SIGLIP_EOS,
-                pad_token_id=PAD,
-            ),
-            vision_config=VISION_SHAPE,
-        )
-        reference = save_random(transformers.SiglipModel, config, directory)
-        processor_config = {"image_processor_type": "SiglipImageProcessor", "size": {"height": IMAGE, "width": IMAGE}}
-        processor = transformers.SiglipImageProcessorPil(**processor_config)
-        tokens, dims = (IMAGE // PATCH) ** 2, 48
-    (directory / "preprocessor_config.json").write_text(json.dumps(processor_config))
-    write_tokenizer(directory, siglip=kind == "siglip")
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(directory / "tokenizer.json"), pad_token="<pad>"
+    tiny = tiny_clip(
+        tmp_path_factory.mktemp(kind),
+        kind,
+        model_id=f"test/{kind}",
+        words=WORDS,
+        extract=True,
+        max_text=MAX_TEXT[kind],
     )
-    card = parse_card(
-        {
-            "id": f"test/{kind}",
-            "architecture": kind,
-            "source": {"path": str(directory)},
-            "max_length": MAX_TEXT[kind],
-            "modalities": ["text", "image"],
-            "image_tokens": tokens,
-            "pooling": "model",
-            "dimensions": dims,
-            "outputs": ["dense"],
-            "tasks": ["encode", "score", "extract"],
-            "extract": {"kind": "image_labels", "hypothesis_template": TEMPLATE},
-        },
-        "<test>",
-    )
-    return kind, reference, processor, tokenizer, card
+    return kind, tiny.reference, tiny.processor, tiny.tokenizer, parse_card(tiny.card, "<test>")
 
 
 def run(card, *calls, settings: EngineSettings | None = None):

@@ -39,45 +39,11 @@ NAMES = ["a.jpg", "b.png", "c.bmp", "g.gif", "sub/d.png", "sub/deep/f.png", "sub
 @pytest.fixture(scope="module")
 def clip(serve, tmp_path_factory) -> tuple[str, Path]:
     """(base URL, cards folder) of one server of a tiny random-weight CLIP (tests/vision_models.py)."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    pytest.importorskip("transformers")
+    from vision_models import tiny_clip
 
-    from vision_models import EOS, IMAGE, PAD, PATCH, TEXT_SHAPE, VISION_SHAPE, VOCAB, save_random
-
-    bos = VOCAB - 2
     directory, cards = tmp_path_factory.mktemp("clip-clients"), tmp_path_factory.mktemp("clip-clients-cards")
-    config = transformers.CLIPConfig(
-        text_config=dict(TEXT_SHAPE, eos_token_id=EOS, bos_token_id=bos, pad_token_id=PAD),
-        vision_config=VISION_SHAPE,
-        projection_dim=24,
-    )
-    save_random(transformers.CLIPModel, config, directory)
-    processor = {
-        "image_processor_type": "CLIPImageProcessor",
-        "size": {"shortest_edge": IMAGE},
-        "crop_size": {"height": IMAGE, "width": IMAGE},
-    }
-    (directory / "preprocessor_config.json").write_text(json.dumps(processor))
-    vocab = {"<unk>": 0, "<pad>": PAD, "<|endoftext|>": EOS, "<|startoftext|>": bos, "cat": 10, "dog": 11}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", bos), ("<|endoftext|>", EOS)]
-    )
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
-    card = {
-        "id": CLIP_ID,
-        "architecture": "clip",
-        "source": {"path": str(directory)},
-        "max_length": TEXT_SHAPE["max_position_embeddings"],
-        "modalities": ["text", "image"],
-        "image_tokens": (IMAGE // PATCH) ** 2 + 1,
-        "pooling": "model",
-        "dimensions": 24,
-        "outputs": ["dense"],
-        "tasks": ["encode", "score"],
-    }
+    card = tiny_clip(directory, model_id=CLIP_ID, words=["cat", "dog"], extract=True).card
     (cards / "clip-clients.yaml").write_text(json.dumps(card))  # JSON is YAML
     return serve(preload=(CLIP_ID,), cards_dirs=(cards,)), cards
 
