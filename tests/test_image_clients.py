@@ -1,12 +1,13 @@
 """Images through shoal's clients, against one server of a tiny random-weight CLIP over real HTTP:
 the SDK (sync and async, msgpack and JSON, paths, bytes, file objects, PIL images and arrays,
-bulk in chunks with a progress bar, score with image queries and documents), the batch CLI
+bulk in chunks with a progress bar, score with image queries and documents, extract's zero-shot
+image labels), the batch CLI
 (`shoal encode MODEL --images DIR`, against the server and in process), LangChain's
 `embed_image` and LlamaIndex's `MultiModalEmbedding` with the real libraries.
 
-Random weights make "finds the right image" meaningless, so every vector is checked against the
-server's own for the same file, sent by hand as base64 JSON; a retrieval check only asks that an
-image finds itself (cosine 1).
+Random weights make "finds the right image" meaningless, so every vector (and every image's labels)
+is checked against the server's own for the same file, sent by hand as base64 JSON; a retrieval
+check only asks that an image finds itself (cosine 1).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ CLIP_ID = "test/clip-clients"
 ATOL = 1e-5
 # Under --images DIR, sorted by path: subfolders too; notes.txt and .hidden.png are not images of it.
 NAMES = ["a.jpg", "b.png", "c.bmp", "g.gif", "sub/d.png", "sub/deep/f.png", "sub/e.png"]
+LABELS = ["cat", "dog", "bird"]  # words of the tokenizer's vocabulary, so each label's prompt differs
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def clip(serve, tmp_path_factory) -> tuple[str, Path]:
     from vision_models import tiny_clip
 
     directory, cards = tmp_path_factory.mktemp("clip-clients"), tmp_path_factory.mktemp("clip-clients-cards")
-    card = tiny_clip(directory, model_id=CLIP_ID, words=["cat", "dog"], extract=True).card
+    card = tiny_clip(directory, model_id=CLIP_ID, words=LABELS, extract=True).card
     (cards / "clip-clients.yaml").write_text(json.dumps(card))  # JSON is YAML
     return serve(preload=(CLIP_ID,), cards_dirs=(cards,)), cards
 
@@ -203,6 +205,48 @@ def test_score_takes_image_queries_and_documents_and_ranks_as_the_server_does(cl
     ]
 
 
+def labelled(items: list) -> list[list[tuple[str, float]]]:
+    """(label, score) pairs of each item, best first: the server's JSON items or the SDK's."""
+    rows = [item["labels"] if isinstance(item, dict) else item.labels for item in items]
+    return [[(s["label"], s["score"]) if isinstance(s, dict) else (s.label, s.score) for s in row] for row in rows]
+
+
+@pytest.mark.parametrize("format", ["msgpack", "json"])
+def test_extract_labels_images_as_the_server_labels_their_files_sync_and_async_raw_in_msgpack_base64_in_json(
+    clip, pictures, format
+):
+    names = ["a.jpg", "b.png", "c.bmp", "sub/d.png"]
+    files = [(pictures / name).read_bytes() for name in names]
+    by_hand = httpx.post(
+        f"{clip[0]}/v1/extract",
+        json={"model": CLIP_ID, "items": [{"image": b64(f)} for f in files], "labels": LABELS},
+        timeout=60,
+    )
+    assert by_hand.status_code == 200, by_hand.text
+    want = labelled(by_hand.json()["items"])
+    assert len({tuple(np.round([score for _, score in row], 4)) for row in want}) == len(names)  # each file apart
+
+    recording = Recording()
+    with Client(clip[0], format=format, transport=recording) as client:
+        sync = client.extract(CLIP_ID, images=[pictures / name for name in names], labels=LABELS, batch_size=3)
+    sources = [files[0], io.BytesIO(files[1]), PILImage.open(pictures / "c.bmp"), Image(pictures / "sub/d.png")]
+
+    async def main_():
+        async with AsyncClient(clip[0], format=format) as client:
+            return await client.extract(CLIP_ID, images=sources, labels=LABELS)
+
+    for got in (sync, asyncio.run(main_())):
+        assert [[label for label, _ in row] for row in labelled(got)] == [[label for label, _ in row] for row in want]
+        np.testing.assert_allclose(
+            [[score for _, score in row] for row in labelled(got)], [[p for _, p in row] for row in want], atol=ATOL
+        )
+        assert all(item.entities is None for item in got)
+    decode = msgspec.msgpack.decode if format == "msgpack" else json.loads
+    sent = [item["image"] for body in recording.bodies for item in decode(body)["items"]]
+    assert [len(decode(body)["items"]) for body in recording.bodies] == [3, 1]  # batch_size 3, in order
+    assert sent == (files if format == "msgpack" else [b64(f) for f in files])
+
+
 def refuses_without_sending():
     def handler(request: httpx.Request) -> httpx.Response:
         raise AssertionError(f"a request was sent: {request.url}")
@@ -224,6 +268,13 @@ def refuses_without_sending():
         (lambda c, p: c.encode(CLIP_ID, images=[np.zeros((4, 4, 2), np.uint8)]), ValueError, "[H, W, 3]"),
         (lambda c, p: c.score(CLIP_ID, "cat", [p.read_bytes()]), TypeError, "documents[0] is bytes: score takes"),
         (lambda c, p: c.score(CLIP_ID, p, ["cat"]), TypeError, "query is PosixPath"),
+        (lambda c, p: c.extract(CLIP_ID, ["a"], LABELS, images=[p]), ValueError, "extract takes texts or images, not"),
+        (
+            lambda c, p: c.extract(CLIP_ID, labels=LABELS),
+            TypeError,
+            "extract needs texts (a list of strings) or images",
+        ),
+        (lambda c, p: c.extract(CLIP_ID, images=[p, 3], labels=LABELS), TypeError, "images[1]: an image is a file"),
     ],
 )
 def test_unclear_or_broken_image_calls_raise_before_anything_is_sent(pictures, call, error, fragment):

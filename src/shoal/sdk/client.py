@@ -14,9 +14,9 @@ import asyncio
 import io
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 from urllib.parse import quote
 
 from .. import wire
@@ -29,6 +29,8 @@ from .results import Encoded, Ranking
 if TYPE_CHECKING:
     import httpx
     from typing_extensions import Self
+
+ItemT = TypeVar("ItemT", wire.EncodeItem, wire.ScoreItem, wire.native.ExtractItem)
 
 
 class AsyncClient:
@@ -112,7 +114,7 @@ class AsyncClient:
         and each image is read only when its request is built. `show_progress` draws a tqdm bar of
         the items done.
         """
-        inputs, unit = _encode_inputs(texts, images)
+        inputs, unit = _inputs("encode", texts, images)
         deadline = self._deadline()
         dtype: wire.OutputDtype = output_dtype or "float32"
 
@@ -132,17 +134,12 @@ class AsyncClient:
                     return_tokens=return_tokens,
                     timeout_s=timeout_s,
                 )
-                items = [_encode_item(payload) for payload in payloads]
+                items = [_item(wire.EncodeItem, payload) for payload in payloads]
                 return wire.EncodeRequest(model=model, items=items, options=options, adapter=adapter)
 
             return await self._http.post("/v1/encode", body, wire.EncodeResponse, deadline)
 
-        if unit == "image":
-            chunks = bulk.chunks_of(
-                inputs, batch_size, max_chunk_bytes=bulk.IMAGE_BYTES_PER_REQUEST, num_bytes=_num_bytes
-            )
-        else:
-            chunks = bulk.chunks_of(inputs, batch_size)
+        chunks = _chunks(inputs, unit, batch_size)
         answers = await bulk.map_chunks(
             chunks, send, concurrency=concurrency, show_progress=show_progress, desc="encode", unit=unit
         )
@@ -182,7 +179,7 @@ class AsyncClient:
                 instruction=instruction,
                 timeout_s=timeout_s,
             )
-            items = [_score_item(payload) for payload in document_payloads]
+            items = [_item(wire.ScoreItem, payload) for payload in document_payloads]
             return wire.ScoreRequest(
                 model=model, query=wire_query, items=items, top_k=top_k, options=options, adapter=adapter
             )
@@ -192,9 +189,10 @@ class AsyncClient:
     async def extract(
         self,
         model: str,
-        texts: Sequence[str],
+        texts: Sequence[str] | None = None,
         labels: Sequence[str] = (),
         *,
+        images: Iterable[ImageSource] | None = None,
         threshold: float | None = None,
         adapter: str | None = None,
         flat_ner: bool | None = None,
@@ -208,10 +206,17 @@ class AsyncClient:
     ) -> list[ExtractedItem]:
         """Each text's `entities` (span and token-class NER: text, label, score, start, end in
         characters) or `labels` (zero-shot classification, best first), in the order sent;
-        chunked like `encode`. `labels`: the entity types or classes (`POST /v1/extract`)."""
+        chunked like `encode`. `labels`: the entity types or classes (`POST /v1/extract`).
+
+        `images` are for a card whose extract kind is `image_labels` (CLIP, SigLIP zero-shot image
+        classification): each image's `labels`, best first. They are `encode`'s image sources, sent
+        and chunked as `encode` sends them; texts and images in one call are a ValueError."""
+        inputs, unit = _inputs("extract", texts, images)
         deadline = self._deadline()
 
-        async def send(chunk: list[str]) -> wire.ExtractResponse:
+        async def send(chunk: list[str | Image]) -> wire.ExtractResponse:
+            payloads = await _payloads(chunk)
+
             def body(timeout_s: float | None) -> wire.ExtractRequest:
                 options = wire.native.ExtractOptions(
                     threshold=threshold,
@@ -224,7 +229,7 @@ class AsyncClient:
                 )
                 return wire.ExtractRequest(
                     model=model,
-                    items=[wire.native.ExtractItem(text=t) for t in chunk],
+                    items=[_item(wire.native.ExtractItem, payload) for payload in payloads],
                     labels=list(labels),
                     options=options,
                     adapter=adapter,
@@ -232,12 +237,9 @@ class AsyncClient:
 
             return await self._http.post("/v1/extract", body, wire.ExtractResponse, deadline)
 
+        chunks = _chunks(inputs, unit, batch_size)
         answers = await bulk.map_chunks(
-            bulk.chunks_of(_texts(texts), batch_size),
-            send,
-            concurrency=concurrency,
-            show_progress=show_progress,
-            desc="extract",
+            chunks, send, concurrency=concurrency, show_progress=show_progress, desc="extract", unit=unit
         )
         return results.extracted(answers)
 
@@ -261,16 +263,18 @@ def _texts(texts: Sequence[str]) -> Sequence[str]:
     return texts
 
 
-def _encode_inputs(texts: Sequence[str] | None, images: Iterable[ImageSource] | None) -> tuple[list[str | Image], str]:
-    """An encode call's inputs, each a text or an `Image`, and the unit its progress counts."""
+def _inputs(
+    verb: str, texts: Sequence[str] | None, images: Iterable[ImageSource] | None
+) -> tuple[list[str | Image], str]:
+    """An encode or extract call's inputs, each a text or an `Image`, and the unit its progress counts."""
     if texts is not None and images is not None:
         raise ValueError(
-            "encode takes texts or images, not both in one call: encode each in its own call "
-            "(each call's rows keep the order sent)"
+            f"{verb} takes texts or images, not both in one call: {verb} each in its own call "
+            "(each call's answers keep the order sent)"
         )
     if images is None:
         if texts is None:
-            raise TypeError("encode needs texts (a list of strings) or images=[...]")
+            raise TypeError(f"{verb} needs texts (a list of strings) or images=[...]")
         return list(_texts(texts)), "text"
     one = (str, bytes, bytearray, memoryview, os.PathLike, io.IOBase, Image)  # an image, not a sequence of them
     if isinstance(images, one) or getattr(images, "ndim", 4) != 4 or not isinstance(images, Iterable):
@@ -300,6 +304,13 @@ def _image_at(name: str, source: ImageSource) -> Image:
         raise type(exc)(f"{name}: {exc}") from None
 
 
+def _chunks(inputs: list[str | Image], unit: str, batch_size: int | None) -> list[list[str | Image]]:
+    """`batch_size` inputs a request; a request of images also ends before 4 MiB of files."""
+    if unit == "image":
+        return bulk.chunks_of(inputs, batch_size, max_chunk_bytes=bulk.IMAGE_BYTES_PER_REQUEST, num_bytes=_num_bytes)
+    return bulk.chunks_of(inputs, batch_size)
+
+
 def _num_bytes(value: str | Image) -> int:
     return value.num_bytes() if isinstance(value, Image) else len(value)
 
@@ -314,9 +325,6 @@ async def _payloads(inputs: list[str | Image]) -> list[str | bytes]:
     return await asyncio.to_thread(read) if any(isinstance(value, Image) for value in inputs) else read()
 
 
-def _encode_item(payload: str | bytes) -> wire.EncodeItem:
-    return wire.EncodeItem(text=payload) if isinstance(payload, str) else wire.EncodeItem(image=payload)
-
-
-def _score_item(payload: str | bytes) -> wire.ScoreItem:
-    return wire.ScoreItem(text=payload) if isinstance(payload, str) else wire.ScoreItem(image=payload)
+def _item(item_type: Callable[..., ItemT], payload: str | bytes) -> ItemT:
+    """A request item (`wire.EncodeItem`, `ScoreItem`, `ExtractItem`): a text, or an image file's bytes."""
+    return item_type(text=payload) if isinstance(payload, str) else item_type(image=payload)
