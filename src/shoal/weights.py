@@ -93,8 +93,12 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 
 def read_model_config(directory: Path) -> dict[str, Any]:
-    """The checkpoint's config in config.json's keys, from its layout's config file."""
-    layout, _ = checkpoint_layout(directory)
+    """The checkpoint's config in config.json's keys, from its layout's config file (a folder with
+    a config and no weights yet: the first layout whose config it holds, so that a model shoal does
+    not implement is refused by what its config says before the weights are looked for)."""
+    configured = [layout for layout in LAYOUTS if (directory / layout.config_file).is_file()]
+    has_weights = any(layout.weight_files(directory) for layout in LAYOUTS)
+    layout = checkpoint_layout(directory)[0] if has_weights or not configured else configured[0]
     path = directory / layout.config_file
     if not path.is_file():
         raise ModelLoadError(f"{directory}: weights with no config file beside them; shoal reads {_READ}")
