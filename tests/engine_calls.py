@@ -10,12 +10,17 @@ from shoal.config import EngineSettings
 from shoal.engine import Engine
 
 
-def run(catalog: Catalog, *calls, catch: tuple[type[BaseException], ...] = ()):
+def run(
+    catalog: Catalog,
+    *calls,
+    catch: tuple[type[BaseException], ...] = (),
+    settings: EngineSettings | None = None,
+):
     """Each call's result in order, on one engine started for them; an exception of a `catch`
     type is returned in its call's place instead of raised."""
 
     async def go():
-        engine = Engine(EngineSettings(), catalog, allow_download=False)
+        engine = Engine(settings or EngineSettings(), catalog, allow_download=False)
         await engine.start()
         try:
             out = []

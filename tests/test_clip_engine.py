@@ -7,7 +7,6 @@ by the model's own logits (CLIP's scaled cosine, SigLIP's sigmoid)."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 
 import numpy as np
@@ -17,6 +16,7 @@ import transformers
 from PIL import Image
 from skimage import data as photos
 
+import engine_calls
 from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
 from shoal.catalog import Catalog, parse_card
 from shoal.config import EngineSettings
@@ -65,18 +65,7 @@ def served(request, tmp_path_factory):
 
 
 def run(card, *calls, settings: EngineSettings | None = None):
-    from shoal.engine import Engine
-
-    engine = Engine(settings or EngineSettings(), Catalog([card]), allow_download=False)
-
-    async def main():
-        await engine.start()
-        try:
-            return [await engine.run(call) for call in calls]
-        finally:
-            await engine.stop()
-
-    return asyncio.run(main())
+    return engine_calls.run(Catalog([card]), *calls, settings=settings)
 
 
 def photo_bytes() -> list[bytes]:

@@ -10,7 +10,6 @@ it (`/v1/extract`, kind image_labels) as the engine labels them.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import engine_calls
 from conftest import MODEL_ID
 from shoal import wire
 from shoal.calls import EncodeCall, ExtractCall, ExtractedItem, ExtractResult, Item, LabelScore
@@ -358,20 +358,9 @@ OTHER = png_bytes((20, 220, 90))
 def in_process(card, call):
     """The call's result from an in-process engine of `card`: what the wire must deliver."""
     from shoal.catalog import Catalog
-    from shoal.config import EngineSettings
-    from shoal.engine import Engine
-    from shoal.engine.runner import TorchBackend
 
-    engine = Engine(EngineSettings(), Catalog([card]), backend=TorchBackend("cpu", allow_download=False))
-
-    async def main():
-        await engine.start()
-        try:
-            return await engine.run(call)
-        finally:
-            await engine.stop()
-
-    return asyncio.run(main())
+    (result,) = engine_calls.run(Catalog([card]), call)
+    return result
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ real one: the test that compares it with shoal's preprocessing runs where torchv
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import io
 import json
@@ -42,9 +41,9 @@ from PIL import Image
 from skimage import data as photos
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+import engine_calls
 from shoal.calls import EncodeCall, Item
 from shoal.catalog import Catalog, parse_card
-from shoal.config import EngineSettings
 from shoal.engine.images import decode_image
 from shoal.engine.open_clip_images import from_open_clip, preprocessor_config
 from shoal.engine.tokenizer import TextTokenizer
@@ -341,19 +340,7 @@ def served(open_clip, tmp_path_factory):
 
 
 def run_engine(card, *calls):
-    from shoal.engine import Engine
-    from shoal.engine.runner import TorchBackend
-
-    engine = Engine(EngineSettings(), Catalog([card]), backend=TorchBackend("cpu", allow_download=False))
-
-    async def main():
-        await engine.start()
-        try:
-            return [await engine.run(call) for call in calls]
-        finally:
-            await engine.stop()
-
-    return asyncio.run(main())
+    return engine_calls.run(Catalog([card]), *calls)
 
 
 def png(image: np.ndarray) -> bytes:
