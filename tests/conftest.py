@@ -8,6 +8,7 @@ thread of the test process until the session ends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -308,3 +309,26 @@ def openai_client(base_url):
 
     # No retries: a test that provokes an error must see the first answer.
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60.0)
+
+
+def live_objects(nats_url: str) -> list[str]:
+    """The JetStream Object Store's objects not deleted (what a call or a result left behind)."""
+
+    async def main():
+        import nats
+        from nats.js.errors import NotFoundError
+
+        from shoal.cluster import protocol
+
+        nc = await nats.connect(nats_url)
+        try:
+            await asyncio.sleep(0.5)  # the deletes run just after the answer
+            store = await nc.jetstream().object_store(protocol.PAYLOADS)
+            try:
+                return [info.name for info in await store.list(ignore_deletes=True)]
+            except NotFoundError:
+                return []
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())

@@ -7,7 +7,6 @@ the tests that kill, stop and restart its parts (each restores what it broke).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
@@ -22,7 +21,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from conftest import MODEL_ID, metric_total, query_of
+from conftest import MODEL_ID, live_objects, metric_total, query_of
 from extract_models import build_token_classifier, extract_card
 from rerankers import build_minilm_reranker, reranker_card
 from shoal.cluster.cli import free_port, start_nats, wait_for_port
@@ -268,27 +267,6 @@ def test_a_request_over_the_message_limit_round_trips_through_the_object_store(c
     assert gauge(page, "shoal_gateway_object_payloads_total", direction="call") >= 1
     assert gauge(page, "shoal_gateway_object_payloads_total", direction="result") >= 1
     assert live_objects(cluster.nats_url) == []  # deleted once answered
-
-
-def live_objects(nats_url: str) -> list[str]:
-    async def main():
-        import nats
-        from nats.js.errors import NotFoundError
-
-        from shoal.cluster import protocol
-
-        nc = await nats.connect(nats_url)
-        try:
-            await asyncio.sleep(0.5)  # the deletes run just after the answer
-            store = await nc.jetstream().object_store(protocol.PAYLOADS)
-            try:
-                return [info.name for info in await store.list(ignore_deletes=True)]
-            except NotFoundError:
-                return []
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
 
 
 def test_a_call_whose_deadline_passes_in_the_queue_is_never_computed(cluster):

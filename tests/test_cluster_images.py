@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import metric_total
+from conftest import live_objects, metric_total
 from shoal.calls import EncodeCall, Item, ScoreCall
 from shoal.catalog import parse_card
 from shoal.cluster import protocol as p
@@ -207,27 +207,6 @@ def published(nats_url: str, send: Callable[[], httpx.Response]) -> tuple[httpx.
             while not seen and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             return response, seen
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
-
-
-def live_objects(nats_url: str) -> list[str]:
-    """The Object Store's objects not deleted (what a call or a result left behind)."""
-
-    async def main() -> list[str]:
-        import nats
-        from nats.js.errors import NotFoundError
-
-        nc = await nats.connect(nats_url)
-        try:
-            await asyncio.sleep(0.5)  # the deletes run just after the answer
-            store = await nc.jetstream().object_store(p.PAYLOADS)
-            try:
-                return [info.name for info in await store.list(ignore_deletes=True)]
-            except NotFoundError:
-                return []
         finally:
             await nc.close()
 
