@@ -53,6 +53,13 @@ class EngineSettings:
     max_queue_tokens: int = setting(
         1_048_576, "estimated tokens admitted and not yet answered before new requests get 503"
     )
+    # Admission by time: the backlog (admitted, unanswered tokens at each model's measured rate)
+    # plus the request may take at most this long, or the call's own timeout if shorter.
+    max_queue_s: float | None = setting(
+        30.0,
+        "seconds of work (at the measured token rate) admitted and not yet answered before new "
+        "requests get 503 with a Retry-After from that backlog; none: the token and item limits only",
+    )
     request_timeout_s: float = setting(
         300.0,
         "deadline of a call that names none (its options.timeout_s); work past it is dropped and answered 504",
