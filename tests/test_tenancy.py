@@ -94,11 +94,14 @@ def wrapped(serve, request):
 
 @pytest.fixture(scope="module")
 def strict(serve):
-    """A server with a short default deadline, a small token queue and a small result limit."""
+    """A server with a short default deadline, a small token queue and a small result limit (and no
+    bound on admitted time: the runner's sleeps make its measured rate meaningless)."""
     from shoal.config import EngineSettings
 
     url = serve(
-        engine=EngineSettings(request_timeout_s=0.5, max_queue_tokens=1000, max_result_bytes=100_000, device_lanes=1),
+        engine=EngineSettings(
+            request_timeout_s=0.5, max_queue_tokens=1000, max_result_bytes=100_000, device_lanes=1, max_queue_s=None
+        ),
         wrap_runner=Instrumented,
     )
     return url
@@ -244,20 +247,18 @@ def test_admission_counts_tokens_not_items_and_a_full_queue_is_503_with_retry_af
 
 
 def test_retry_after_is_the_token_backlog_over_the_measured_rate():
-    from shoal.catalog import Catalog
-    from shoal.config import EngineSettings
-    from shoal.engine import Engine
+    from shoal.engine.admission import Admission
 
-    engine = Engine(EngineSettings(max_queue_tokens=1000), Catalog.load(), allow_download=False)
-    engine._admitted_tokens, engine._admitted_items = 900, 3
-    engine._device._tokens_per_s = 100.0  # as if measured
+    rate: list[float | None] = [100.0]  # tokens/s, as if measured
+    admission = Admission(8192, 1000, None, lambda model_id: rate[0])
+    admission.add(MODEL_ID, 3, 900)
     with pytest.raises(Exception) as info:
-        engine._admit(MODEL_ID, 1, 500)
+        admission.admit(MODEL_ID, 1, 500, 300.0)
     assert info.value.code == "overloaded"
     assert math.isclose(info.value.retry_after_s, (900 + 500 - 1000) / 100.0)
-    engine._device._tokens_per_s = None  # nothing measured yet: a short default
+    rate[0] = None  # nothing measured yet: a short default
     with pytest.raises(Exception) as info:
-        engine._admit(MODEL_ID, 1, 500)
+        admission.admit(MODEL_ID, 1, 500, 300.0)
     assert info.value.retry_after_s == 1.0
 
 

@@ -4,8 +4,9 @@
                                                                                    (scheduler + lanes)
     every phase runs against the call's deadline; a caller that goes away cancels its call
 
-Admission counts estimated tokens (and items) of everything admitted and not yet answered; a full
-queue answers 503 with a Retry-After computed from that backlog and the measured token rate.
+Admission (engine/admission.py) counts the items, tokens and device seconds of everything admitted
+and not yet answered; what would not finish within `max_queue_s` behind that backlog is answered
+503 at once, with a Retry-After computed from the backlog at the measured rates.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..calls import (
     AnyCall,
@@ -35,8 +36,9 @@ from ..cpuinfo import usable_cores
 from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
-from ..verbs import VERB_OF_CALL
+from ..verbs import VERB_OF_CALL, text_tokens
 from . import memory
+from .admission import Admission
 from .backend import Backend
 from .cache import ModelCache
 from .device import DeviceWorker, Pending
@@ -113,8 +115,9 @@ class Engine:
             min_rate_tokens=settings.min_batch_tokens // 2,
             lanes=lanes,
         )
-        self._admitted_items = 0
-        self._admitted_tokens = 0
+        self._admission = Admission(
+            settings.max_queue_items, settings.max_queue_tokens, settings.max_queue_s, self._rate_of
+        )
         self._started = False
         self._stopping = False
 
@@ -173,24 +176,37 @@ class Engine:
     async def tokenize(
         self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
     ) -> list[list[Token]]:
+        """Admitted like any call (its tokens are bounded: each text is cut at the model's limit
+        before it is tokenized, in the tokenizer pool)."""
         card = self.catalog.get(model_id)
         prefix = prompt_of(card, prompt_name, None)
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        model, _ = await _within(self.fleet.acquire(card, None), deadline, "load")
+        timeout_s = self.settings.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        tokens = sum(text_tokens(t, card.max_length, card, len(prefix)) for t in texts)
+        self._admit(card.id, len(texts), tokens, timeout_s)
         try:
-            tokenizer = model.info.text
-            cut = await self._tokenizers.map(
-                lambda chunk, _: [tokenizer.tokens(prefix + t, add_special_tokens) for t in chunk], texts
-            )
+            model, _ = await _within(self.fleet.acquire(card, None), deadline, "load")
+            try:
+                tokenizer = model.info.text
+                cut = await _within(
+                    self._tokenizers.map(
+                        lambda chunk, _: tokenizer.tokens([prefix + t for t in chunk], add_special_tokens), texts
+                    ),
+                    deadline,
+                    "tokenize",
+                )
+            finally:
+                self.fleet.release(card.id, None)
         finally:
-            self.fleet.release(card.id, None)
+            self._admission.remove(card.id, len(texts), tokens)
+            self._record_queue()
         return [[Token(*token) for token in tokens] for tokens in cut]
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self.catalog
 
     def capacity(self) -> Capacity:
-        return Capacity(self._admitted_tokens, self.settings.max_queue_tokens, self._device.tokens_per_s)
+        return Capacity(self._admission.tokens, self.settings.max_queue_tokens, self._device.tokens_per_s)
 
     async def encode(self, call: EncodeCall) -> EncodeResult:
         """`run` for an encode call (typed for in-process callers)."""
@@ -219,7 +235,8 @@ class Engine:
         task = task_for(call, card)
         plan = task.plan(card, call)
         tokens = plan.estimated_tokens
-        self._admit(card.id, plan.num_items, tokens)
+        timed = self._admission.seconds(card.id, tokens) is not None  # else time is checked once tokenized
+        self._admit(card.id, plan.num_items, tokens, timeout_s)
         try:
             runner, adapter_slot = await _within(self.fleet.acquire(card, call.adapter), deadline, "load")
             handed_over = False  # once submitted, the device releases the model when done with it
@@ -236,18 +253,10 @@ class Engine:
                         f"({self.settings.max_queue_tokens}); split the request",
                         details={"tokens": real, "max_queue_tokens": self.settings.max_queue_tokens},
                     )
-                if real > tokens and self._admitted_tokens + real - tokens > self.settings.max_queue_tokens:
-                    self.metrics.rejected.labels(card.id).inc()  # admitted on an estimate the real count passes
-                    retry_after_s = self._retry_after(
-                        0, self._admitted_tokens + real - tokens - self.settings.max_queue_tokens
-                    )
-                    raise Overloaded(
-                        f"the queue is full (about {self._admitted_tokens} tokens waiting, and this "
-                        f"request has {real}); retry in {retry_after_s:.0f} s",
-                        retry_after_s=retry_after_s,
-                        details={"queued_tokens": self._admitted_tokens},
-                    )
-                self._admitted_tokens += real - tokens
+                try:
+                    self._admission.recount(card.id, tokens, real, timeout_s, timed=timed)
+                except Overloaded as exc:
+                    self._refuse(card.id, exc)
                 tokens = real
                 pending = Pending(
                     card.id,
@@ -271,8 +280,7 @@ class Engine:
             self.metrics.deadline_exceeded.labels(card.id, exc.details.get("phase", "-")).inc()
             raise
         finally:
-            self._admitted_items -= plan.num_items
-            self._admitted_tokens -= tokens
+            self._admission.remove(card.id, plan.num_items, tokens)
             self._record_queue()
         timings = dict(tokenize_s=tokenize_s, queue_s=pending.queue_s, inference_s=pending.inference_s)
         m = self.metrics
@@ -299,44 +307,24 @@ class Engine:
 
     # --- admission ------------------------------------------------------------------------------
 
-    def _admit(self, model_id: str, num_items: int, num_tokens: int) -> None:
+    def _admit(self, model_id: str, num_items: int, num_tokens: int, timeout_s: float) -> None:
         if self._stopping:
             raise Overloaded("the server is shutting down; retry on another replica", retry_after_s=1.0)
-        max_items, max_tokens = self.settings.max_queue_items, self.settings.max_queue_tokens
-        if num_items > max_items:  # could never be admitted: a retry would not help
-            raise InvalidRequest(
-                f"{num_items} items in one request is more than the queue holds ({max_items}); split the request",
-                details={"items": num_items, "max_queue_items": max_items},
-            )
-        if num_tokens > max_tokens:
-            raise InvalidRequest(
-                f"about {num_tokens} tokens in one request is more than the queue holds ({max_tokens}); "
-                "split the request",
-                details={"estimated_tokens": num_tokens, "max_queue_tokens": max_tokens},
-            )
-        over_items = self._admitted_items + num_items - max_items
-        over_tokens = self._admitted_tokens + num_tokens - max_tokens
-        if over_items > 0 or over_tokens > 0:
-            self.metrics.rejected.labels(model_id).inc()
-            retry_after_s = self._retry_after(over_items, over_tokens)
-            raise Overloaded(
-                f"the queue is full ({self._admitted_items} items, about {self._admitted_tokens} tokens waiting; "
-                f"limit {max_items} items, {max_tokens} tokens); retry in {retry_after_s:.0f} s",
-                retry_after_s=retry_after_s,
-                details={"queued_items": self._admitted_items, "queued_tokens": self._admitted_tokens},
-            )
-        self._admitted_items += num_items
-        self._admitted_tokens += num_tokens
+        try:
+            self._admission.admit(model_id, num_items, num_tokens, timeout_s)
+        except Overloaded as exc:
+            self._refuse(model_id, exc)
         self._record_queue()
 
-    def _retry_after(self, over_items: int, over_tokens: int) -> float:
-        """Seconds until enough of the backlog has run to admit the request, at the measured rate."""
-        rate = self._device.tokens_per_s
-        if not rate:
-            return 1.0
-        tokens_per_item = self._admitted_tokens / max(1, self._admitted_items)
-        to_drain = max(over_tokens, over_items * tokens_per_item, 0)
-        return min(60.0, max(1.0, to_drain / rate))
+    def _refuse(self, model_id: str, exc: Overloaded) -> NoReturn:
+        self.metrics.rejected.labels(model_id).inc()
+        raise exc
+
+    def _rate_of(self, model_id: str) -> float | None:
+        """The device's tokens/s for a model: the rate of its batches on one lane times the lanes
+        (they run side by side); before one is measured, the device's over every model."""
+        rate = self._device.tokens_per_s_of(model_id)
+        return rate * self._device.lanes if rate else self._device.tokens_per_s
 
     def _limits_for(self, model_id: str) -> BatchLimits:
         """The card's (or the settings') limits. While small and large requests share the device, the
@@ -358,8 +346,8 @@ class Engine:
         )
 
     def _record_queue(self) -> None:
-        self.metrics.queue_depth.set(self._admitted_items)
-        self.metrics.queue_tokens.set(self._admitted_tokens)
+        self.metrics.queue_depth.set(self._admission.items)
+        self.metrics.queue_tokens.set(self._admission.tokens)
 
 
 def device_lanes(settings: EngineSettings) -> int:

@@ -136,18 +136,24 @@ class TextTokenizer:
     def special_ids(self) -> list[int]:
         return sorted(i for i, tok in self._tokenizer.get_added_tokens_decoder().items() if tok.special)
 
-    def tokens(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, str, bool, int | None, int | None]]:
-        """(id, text, special, start, stop) per token of `text` (TEI's /tokenize): a special token's
-        text is the token itself and it has no offsets; another's text is its slice of `text`."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        out: list[tuple[int, str, bool, int | None, int | None]] = []
-        for token_id, token, special, (start, stop) in zip(
-            encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets
-        ):
-            if special:
-                out.append((int(token_id), token, True, None, None))
-            else:
-                out.append((int(token_id), text[start:stop], False, int(start), int(stop)))
+    def tokens(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[tuple[int, str, bool, int | None, int | None]]]:
+        """(id, text, special, start, stop) per token of each text (TEI's /tokenize), cut at
+        `max_length` as `encode` cuts: a special token's text is the token itself and it has no
+        offsets; another's text is its slice of the text."""
+        _, encodings = self._cut_encode(texts, add_special_tokens)
+        out = []
+        for text, encoding in zip(texts, encodings):
+            rows: list[tuple[int, str, bool, int | None, int | None]] = []
+            for token_id, token, special, (start, stop) in zip(
+                encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets
+            ):
+                if special:
+                    rows.append((int(token_id), token, True, None, None))
+                else:
+                    rows.append((int(token_id), text[start:stop], False, int(start), int(stop)))
+            out.append(rows)
         return out
 
     # --- encoding -------------------------------------------------------------------------------
@@ -175,8 +181,20 @@ class TextTokenizer:
         `first_index`: the index of `texts[0]` in its request, for error messages."""
         if pairs is not None:
             return self._encode_pairs(texts, pairs, truncate, with_offsets, first_index, cut_first)
+        cut, encodings = self._cut_encode(texts, add_special_tokens=True)
+        if not truncate:
+            self._refuse_overflow(encodings, what, first_index)
+        return [
+            self._shape(enc, with_offsets, pair=False, truncated=bool(enc.overflowing) or c is not t)
+            for enc, c, t in zip(encodings, cut, texts)
+        ]
+
+    def _cut_encode(self, texts: list[str], add_special_tokens: bool) -> tuple[list[str], list]:
+        """Each text cut to the character bound (see the module's docstring), and its encoding.
+        Only `encode_batch` lets go of the GIL while it runs, so a long text never holds the
+        event loop's thread."""
         cut = [t if len(t) <= self.max_chars else _cut(t, self.max_chars) for t in texts]
-        encodings = self._tokenizer.encode_batch(cut, add_special_tokens=True)
+        encodings = self._tokenizer.encode_batch(cut, add_special_tokens=add_special_tokens)
         for index, text in enumerate(texts):
             bound = self.max_chars
             # A cut text that kept too few tokens, or whose kept tokens reach into a word the cut
@@ -188,13 +206,8 @@ class TextTokenizer:
             ):
                 bound *= 4
                 cut[index] = text if len(text) <= bound else _cut(text, bound)
-                encodings[index] = self._tokenizer.encode(cut[index])
-        if not truncate:
-            self._refuse_overflow(encodings, what, first_index)
-        return [
-            self._shape(enc, with_offsets, pair=False, truncated=bool(enc.overflowing) or c is not t)
-            for enc, c, t in zip(encodings, cut, texts)
-        ]
+                encodings[index] = _encode(self._tokenizer, cut[index], add_special_tokens=add_special_tokens)
+        return cut, encodings
 
     def _refuse_overflow(self, encodings: list, what: str, first_index: int | None) -> None:
         """InputTooLong naming `what[i]` (or `what` alone, when `first_index` is None)."""
@@ -239,7 +252,7 @@ class TextTokenizer:
                     wider *= 4
                     parts[cut] = whole if len(whole) <= wider else _cut(whole, wider)
                     inputs[index] = (parts[0], parts[1])
-                    encodings[index] = tokenizer.encode(parts[0], parts[1], add_special_tokens=True)
+                    encodings[index] = _encode(tokenizer, (parts[0], parts[1]), add_special_tokens=True)
         except Exception as exc:  # tokenizers refuses when the text kept whole alone is too long
             kept = "hypothesis" if cut_first else "first text"
             raise InputTooLong(
@@ -278,7 +291,7 @@ class TextTokenizer:
         out = []
         for second in seconds:
             second, cut = self.cut_to_tokens(second, longest)
-            enc = tokenizer.encode(first, second, add_special_tokens=True)
+            enc = _encode(tokenizer, (first, second), add_special_tokens=True)
             out.append(([self._shape(e, False, pair=True) for e in (enc, *enc.overflowing)], cut))
         return out
 
@@ -290,7 +303,7 @@ class TextTokenizer:
         bound = max_tokens * CHARS_PER_TOKEN_BOUND + 64
         while True:
             head = text if len(text) <= bound else _cut(text, bound)
-            enc = plain.encode(head, add_special_tokens=False)
+            enc = _encode(plain, head, add_special_tokens=False)
             ends = [end for (_, end), special in zip(enc.offsets, enc.special_tokens_mask) if not special]
             if len(ends) > max_tokens:
                 break
@@ -302,7 +315,7 @@ class TextTokenizer:
         keep = max_tokens
         while keep > 0:
             cut = text[: ends[keep - 1]]
-            if len(plain.encode(cut, add_special_tokens=False).ids) <= max_tokens:
+            if len(_encode(plain, cut, add_special_tokens=False).ids) <= max_tokens:
                 return cut, True
             keep -= 1
         return "", True
@@ -323,7 +336,7 @@ class TextTokenizer:
     def encode_whole(self, text: str) -> tuple[Encoded, int, int]:
         """`text` as one sequence without truncation, with offsets and word ids (the caller reads
         it in windows), and how many special tokens open and close it."""
-        enc = self._plain_tokenizer().encode(text, add_special_tokens=True)
+        enc = _encode(self._plain_tokenizer(), text, add_special_tokens=True)
         mask = enc.special_tokens_mask
         lead = next((i for i, special in enumerate(mask) if not special), len(mask))
         trail = next((i for i, special in enumerate(reversed(mask)) if not special), 0) if lead < len(mask) else 0
@@ -333,13 +346,13 @@ class TextTokenizer:
         """`[w]` tokens each word takes (as `encode_words` tokenizes it, without special tokens)."""
         if not words:
             return np.zeros(0, dtype=np.int64)
-        enc = self._plain_tokenizer().encode(words, is_pretokenized=True, add_special_tokens=False)
+        enc = _encode(self._plain_tokenizer(), words, is_pretokenized=True, add_special_tokens=False)
         ids = np.asarray([w for w in enc.word_ids if w is not None], dtype=np.int64)
         return np.bincount(ids, minlength=len(words))
 
     def plain_ids(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens and without truncation."""
-        return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
+        return _encode(self._plain_tokenizer(), text, add_special_tokens=False).ids
 
     def _plain_tokenizer(self) -> Tokenizer:
         """A clone without truncation (for counting and cutting by tokens)."""
@@ -406,6 +419,13 @@ _NEUTRAL = {"type_ids": 0, "offsets": (0, 0), "word_ids": -1}
 
 
 _TRAILING_WORD = re.compile(r"\S+\Z")
+
+
+def _encode(tokenizer: Tokenizer, value, **options):
+    """`tokenizer.encode` of one text (or pair, or word list) through `encode_batch`, which lets go
+    of the GIL while it runs: `encode` holds it, and a long text would stall the event loop's
+    thread (and every other request) for as long as it takes."""
+    return tokenizer.encode_batch([value], **options)[0]
 
 
 def _cut(text: str, bound: int) -> str:

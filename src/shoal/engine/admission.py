@@ -1,0 +1,152 @@
+"""Admission: what the engine accepts, counted from admit until answered.
+
+Three bounds, each refused with a reason:
+
+    items, tokens  the queue's `max_queue_items` / `max_queue_tokens`   503 (a request alone over
+                                                                        either: 400, split it)
+    time           the backlog's seconds plus the request's own, at     503, Retry-After: the
+                   each model's measured rate, within `max_queue_s`     seconds until the backlog
+                   (or the call's timeout, if shorter)                  has drained enough
+
+Time is what a caller waits for, and tokens are a poor proxy for it: a million tokens is two
+minutes of MiniLM on two cores and hours of a decoder. The backlog is kept in tokens per model and
+turned into seconds when asked, at the rates the device measures (engine/device.py), so it follows
+the device as it speeds up or slows down.
+
+A request longer than the bound by itself is not refused for ever: it is admitted when the backlog
+ahead of it is under a quarter of the bound. One that could not finish within its own deadline
+even with the device to itself (twice its timeout at the measured rate: the estimate is rough) is
+refused at once with a 400 rather than run to a 504. Until a model's first batch has run there is
+no rate for it (the device-wide rate of other models stands in, if any): admission counts tokens
+only, and the engine checks time again once the request is tokenized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequest, Overloaded
+
+# A request longer than the bound may wait behind this share of it.
+LONG_REQUEST_WAIT_SHARE = 0.25
+# Refused at once only when alone it needs more than this many times its timeout.
+HOPELESS_FACTOR = 2.0
+
+
+@dataclass
+class Admission:
+    """The admitted, unanswered work. `rate_of(model_id)` is the device's tokens/s for a model
+    (None before one is measured)."""
+
+    max_items: int
+    max_tokens: int
+    max_seconds: float | None
+    rate_of: Callable[[str], float | None]
+    items: int = 0
+    tokens: int = 0
+    _tokens_of: dict[str, int] = field(default_factory=dict)
+
+    # --- counting --------------------------------------------------------------------------------
+
+    def add(self, model_id: str, items: int, tokens: int) -> None:
+        self.items += items
+        self.tokens += tokens
+        self._tokens_of[model_id] = self._tokens_of.get(model_id, 0) + tokens
+
+    def remove(self, model_id: str, items: int, tokens: int) -> None:
+        self.add(model_id, -items, -tokens)
+        if self._tokens_of.get(model_id) == 0:
+            del self._tokens_of[model_id]
+
+    def seconds(self, model_id: str, tokens: int) -> float | None:
+        """`tokens` of a model in device seconds; None while no rate is known."""
+        rate = self.rate_of(model_id)
+        return tokens / rate if rate else None
+
+    def backlog_s(self) -> float:
+        """Seconds of admitted work (models without a rate yet count nothing)."""
+        return sum(self.seconds(m, t) or 0.0 for m, t in self._tokens_of.items())
+
+    # --- deciding --------------------------------------------------------------------------------
+
+    def admit(self, model_id: str, items: int, tokens: int, timeout_s: float) -> None:
+        """Count a request in, or raise why not (Overloaded with its Retry-After; InvalidRequest
+        for one that can never be admitted)."""
+        if items > self.max_items:  # could never be admitted: a retry would not help
+            raise InvalidRequest(
+                f"{items} items in one request is more than the queue holds ({self.max_items}); split the request",
+                details={"items": items, "max_queue_items": self.max_items},
+            )
+        if tokens > self.max_tokens:
+            raise InvalidRequest(
+                f"about {tokens} tokens in one request is more than the queue holds ({self.max_tokens}); "
+                "split the request",
+                details={"estimated_tokens": tokens, "max_queue_tokens": self.max_tokens},
+            )
+        over_items = self.items + items - self.max_items
+        over_tokens = self.tokens + tokens - self.max_tokens
+        if over_items > 0 or over_tokens > 0:
+            retry_after_s = self._retry_after_full(over_items, over_tokens)
+            raise Overloaded(
+                f"the queue is full ({self.items} items, about {self.tokens} tokens waiting; "
+                f"limit {self.max_items} items, {self.max_tokens} tokens); retry in {retry_after_s:.0f} s",
+                retry_after_s=retry_after_s,
+                details={"queued_items": self.items, "queued_tokens": self.tokens},
+            )
+        self.check_time(model_id, tokens, timeout_s)
+        self.add(model_id, items, tokens)
+
+    def recount(self, model_id: str, estimated: int, real: int, timeout_s: float, *, timed: bool) -> None:
+        """A request's real token count (once tokenized) in place of its estimate: refused if it
+        overflows the queue, or (when it grew, or it was admitted before a rate was known: not
+        `timed`) if it would not finish in time after all."""
+        over_tokens = self.tokens + real - estimated - self.max_tokens
+        if real > estimated and over_tokens > 0:
+            retry_after_s = self._retry_after_full(0, over_tokens)
+            raise Overloaded(
+                f"the queue is full (about {self.tokens} tokens waiting, and this request has {real}); "
+                f"retry in {retry_after_s:.0f} s",
+                retry_after_s=retry_after_s,
+                details={"queued_tokens": self.tokens},
+            )
+        if real > estimated or not timed:
+            self.check_time(model_id, real, timeout_s, counted_tokens=estimated)
+        self.add(model_id, 0, real - estimated)
+
+    def check_time(self, model_id: str, tokens: int, timeout_s: float, *, counted_tokens: int = 0) -> None:
+        """Raise if `tokens` more of the model would not finish within the bound behind the
+        backlog. `counted_tokens`: the request's own, already in the backlog (a second look)."""
+        own_s = self.seconds(model_id, tokens)
+        if self.max_seconds is None or own_s is None:
+            return
+        if own_s > HOPELESS_FACTOR * timeout_s:
+            raise InvalidRequest(
+                f"this request needs about {own_s:.0f} s of the device at its measured rate, more than "
+                f"its deadline allows ({timeout_s:g} s): split it, or give it a longer timeout_s",
+                details={"estimated_s": round(own_s, 1), "timeout_s": timeout_s},
+            )
+        bound_s = min(self.max_seconds, timeout_s)
+        ahead_s = self.backlog_s() - own_s * counted_tokens / max(1, tokens)
+        may_wait_s = max(bound_s - own_s, LONG_REQUEST_WAIT_SHARE * bound_s)
+        if ahead_s <= may_wait_s:
+            return
+        retry_after_s = float(max(1, math.ceil(ahead_s - may_wait_s)))
+        raise Overloaded(
+            f"the server is busy: about {ahead_s:.0f} s of admitted work is ahead of this request, "
+            f"which needs about {own_s:.1f} s, and requests are admitted to finish within "
+            f"{bound_s:g} s; retry in {retry_after_s:.0f} s",
+            retry_after_s=retry_after_s,
+            details={"backlog_s": round(ahead_s, 1), "estimated_s": round(own_s, 1), "max_queue_s": bound_s},
+        )
+
+    def _retry_after_full(self, over_items: int, over_tokens: int) -> float:
+        """Seconds until enough of the backlog has run to admit the request (items or tokens), at
+        the measured rates; 1 while none is measured."""
+        backlog_s = self.backlog_s()
+        if not backlog_s or not self.tokens:
+            return 1.0
+        tokens_per_item = self.tokens / max(1, self.items)
+        to_drain = max(over_tokens, over_items * tokens_per_item, 0)
+        return float(max(1, math.ceil(backlog_s * to_drain / self.tokens)))
