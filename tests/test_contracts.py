@@ -152,6 +152,27 @@ def test_a_cut_that_keeps_too_few_tokens_is_widened_so_the_kept_tokens_never_cha
     assert len(enc) == MAX_LENGTH
 
 
+def test_a_text_whose_widest_cut_still_keeps_too_few_tokens_is_refused_never_embedded_as_the_fragment(ours):
+    from shoal.engine.tokenizer import WIDEN_LIMIT
+
+    hidden = " " * (ours.max_chars * WIDEN_LIMIT + 1000) + "content the model must not lose"
+    for truncate in (True, False):
+        with pytest.raises(InputTooLong, match=r"items\[1\]: its first \d+ characters") as info:
+            ours.encode(["fine", hidden], truncate=truncate)
+        assert info.value.details["index"] == 1
+    with pytest.raises(InputTooLong, match=r"documents\[0\]"):
+        ours.encode(["query"], truncate=True, pairs=[hidden])
+    with pytest.raises(InputTooLong, match=r"inputs\[0\]"):
+        ours.tokens([hidden])
+    with pytest.raises(InputTooLong, match="document"):
+        ours.cut_to_tokens(hidden, MAX_LENGTH)
+    # Within the widest cut the same text is embedded whole (its spaces cost no tokens here).
+    near = " " * (ours.max_chars * 4) + "content the model must not lose"
+    assert (
+        ours.encode([near], truncate=True)[0].ids.tolist() == ours.encode([near.strip()], truncate=True)[0].ids.tolist()
+    )
+
+
 def test_a_batch_packs_ids_positions_segments_and_adapter_slots(ours):
     seqs = ours.encode(["a b c"], truncate=True) + ours.encode(["q"], truncate=True, pairs=["d e"])
     batch = Batch.pack(seqs, adapter_slots=[-1, 2])

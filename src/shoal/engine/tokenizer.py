@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -142,7 +143,7 @@ class TextTokenizer:
         """(id, text, special, start, stop) per token of each text (TEI's /tokenize), cut at
         `max_length` as `encode` cuts: a special token's text is the token itself and it has no
         offsets; another's text is its slice of the text."""
-        _, encodings = self._cut_encode(texts, add_special_tokens)
+        _, encodings = self._cut_encode(texts, add_special_tokens, first_index=0, what="inputs")
         out = []
         for text, encoding in zip(texts, encodings):
             rows: list[tuple[int, str, bool, int | None, int | None]] = []
@@ -181,7 +182,7 @@ class TextTokenizer:
         `first_index`: the index of `texts[0]` in its request, for error messages."""
         if pairs is not None:
             return self._encode_pairs(texts, pairs, truncate, with_offsets, first_index, cut_first)
-        cut, encodings = self._cut_encode(texts, add_special_tokens=True)
+        cut, encodings = self._cut_encode(texts, True, first_index=first_index, what=what)
         if not truncate:
             self._refuse_overflow(encodings, what, first_index)
         return [
@@ -189,10 +190,13 @@ class TextTokenizer:
             for enc, c, t in zip(encodings, cut, texts)
         ]
 
-    def _cut_encode(self, texts: list[str], add_special_tokens: bool) -> tuple[list[str], list]:
+    def _cut_encode(
+        self, texts: list[str], add_special_tokens: bool, *, first_index: int | None, what: str
+    ) -> tuple[list[str], list]:
         """Each text cut to the character bound (see the module's docstring), and its encoding.
         Only `encode_batch` lets go of the GIL while it runs, so a long text never holds the
-        event loop's thread."""
+        event loop's thread. A text whose widest cut still may differ from the whole is refused
+        (`_refuse_uncuttable`)."""
         cut = [t if len(t) <= self.max_chars else _cut(t, self.max_chars) for t in texts]
         encodings = self._tokenizer.encode_batch(cut, add_special_tokens=add_special_tokens)
         for index, text in enumerate(texts):
@@ -207,7 +211,21 @@ class TextTokenizer:
                 bound *= 4
                 cut[index] = text if len(text) <= bound else _cut(text, bound)
                 encodings[index] = _encode(self._tokenizer, cut[index], add_special_tokens=add_special_tokens)
+            if cut[index] is not text and _needs_wider(cut[index], encodings[index]):
+                self._refuse_uncuttable(len(cut[index]), what, index + (first_index or 0), first_index)
         return cut, encodings
+
+    def _refuse_uncuttable(self, kept_chars: int, what: str, index: int, first_index: int | None) -> NoReturn:
+        """InputTooLong for a text whose first `kept_chars` characters (the widest cut) hold fewer
+        than `max_length` tokens: its tokens past them are unknown without tokenizing all of it,
+        and a vector of the fragment would be silently wrong."""
+        name = what if first_index is None else f"{what}[{index}]"
+        raise InputTooLong(
+            f"{name}: its first {kept_chars} characters hold fewer than the model's {self.max_length} "
+            "tokens (long runs of whitespace or of characters the tokenizer drops), so it cannot be cut "
+            "at the model's limit safely; remove them, or send only the part to embed",
+            details={"index": index, "max_length": self.max_length, "kept_characters": kept_chars},
+        )
 
     def _refuse_overflow(self, encodings: list, what: str, first_index: int | None) -> None:
         """InputTooLong naming `what[i]` (or `what` alone, when `first_index` is None)."""
@@ -253,6 +271,12 @@ class TextTokenizer:
                     parts[cut] = whole if len(whole) <= wider else _cut(whole, wider)
                     inputs[index] = (parts[0], parts[1])
                     encodings[index] = _encode(tokenizer, (parts[0], parts[1]), add_special_tokens=True)
+                if parts[cut] is not whole and _needs_wider(parts[cut], encodings[index], sequence=cut):
+                    raise _Uncuttable(index, len(parts[cut]))
+        except _Uncuttable as exc:
+            self._refuse_uncuttable(
+                exc.kept_chars, "texts" if cut_first else "documents", exc.index + (first_index or 0), first_index
+            )
         except Exception as exc:  # tokenizers refuses when the text kept whole alone is too long
             kept = "hypothesis" if cut_first else "first text"
             raise InputTooLong(
@@ -310,7 +334,7 @@ class TextTokenizer:
             if head is text:
                 return text, False
             if bound >= (max_tokens * CHARS_PER_TOKEN_BOUND + 64) * WIDEN_LIMIT:
-                return head, True
+                self._refuse_uncuttable(len(head), "document", 0, None)
             bound *= 4
         keep = max_tokens
         while keep > 0:
@@ -419,6 +443,15 @@ _NEUTRAL = {"type_ids": 0, "offsets": (0, 0), "word_ids": -1}
 
 
 _TRAILING_WORD = re.compile(r"\S+\Z")
+
+
+class _Uncuttable(Exception):
+    """A pair's cut text at the widest bound still may differ from the whole (raised past the
+    tokenizer's own errors, then refused by name)."""
+
+    def __init__(self, index: int, kept_chars: int) -> None:
+        super().__init__(index, kept_chars)
+        self.index, self.kept_chars = index, kept_chars
 
 
 def _encode(tokenizer: Tokenizer, value, **options):
