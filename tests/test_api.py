@@ -162,14 +162,21 @@ def test_int8_output_keeps_cosine_with_the_reference(client, card, embed_referen
         assert cosine(vector, expected) >= 0.999
 
 
-def test_binary_output_is_packed_sign_bits_of_the_reference(client, card, embed_reference):
-    body = post_msgpack(client, card, SENTENCES, output_dtype="binary")
-    json_items = client.post("/v1/encode", json=encode_body(card, SENTENCES, output_dtype="binary")).json()["items"]
+@pytest.mark.parametrize(("precision", "dtype"), [("binary", "int8"), ("ubinary", "uint8")])
+def test_binary_outputs_mean_what_sentence_transformers_quantize_embeddings_means(
+    client, card, embed_reference, precision, dtype
+):
+    from sentence_transformers.quantization import quantize_embeddings
 
-    for item, json_item, expected in zip(body["items"], json_items, embed_reference(SENTENCES)):
-        assert item["dense"]["dtype"] == "uint8" and item["dense"]["shape"] == [DIMS // 8]
-        np.testing.assert_array_equal(array_from_msgpack(item["dense"]), np.packbits(expected > 0))
-        assert json_item["dense"] == np.packbits(expected > 0).tolist()
+    body = post_msgpack(client, card, SENTENCES, output_dtype=precision)
+    json_items = client.post("/v1/encode", json=encode_body(card, SENTENCES, output_dtype=precision)).json()["items"]
+
+    expected = quantize_embeddings(embed_reference(SENTENCES), precision=precision)
+    assert expected.dtype == dtype
+    for item, json_item, want in zip(body["items"], json_items, expected):
+        assert item["dense"]["dtype"] == dtype and item["dense"]["shape"] == [DIMS // 8]
+        np.testing.assert_array_equal(array_from_msgpack(item["dense"]), want)
+        assert json_item["dense"] == want.tolist()
 
 
 # --- OpenAI-compatible /v1/embeddings through the official client -------------------------------

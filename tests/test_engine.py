@@ -171,7 +171,7 @@ def test_smaller_dimensions_truncate_then_normalise(catalog, reference):
 
 
 def test_binary_output_through_the_engine_is_the_packed_sign_of_the_reference(catalog, reference):
-    result = encode(catalog, TEXTS[:3], output_dtype="binary")
+    result = encode(catalog, TEXTS[:3], output_dtype="ubinary")
     for got, want in zip(result.vectors, reference(TEXTS[:3])):
         confident = np.abs(want) > 1e-3  # signs of near-zero components may differ by rounding
         np.testing.assert_array_equal(np.unpackbits(got)[:HIDDEN][confident], (want > 0)[confident])

@@ -107,12 +107,15 @@ def test_int8_output_of_a_zero_vector_is_zero():
 
 
 @pytest.mark.parametrize("dimensions", [None, 16, 13])
-def test_binary_output_packs_the_sign_bits_like_numpy_packbits(vector, dimensions):
-    out = finish(vector, dimensions=dimensions, normalize=True, output_dtype="binary")
+def test_binary_outputs_pack_the_sign_bits_like_numpy_packbits(vector, dimensions):
+    out = finish(vector, dimensions=dimensions, normalize=True, output_dtype="ubinary")
     size = dimensions or vector.shape[0]
     assert out.dtype == np.uint8 and out.shape == ((size + 7) // 8,)
     np.testing.assert_array_equal(out, np.packbits(vector[:size] > 0))
     np.testing.assert_array_equal(np.unpackbits(out)[:size].astype(bool), vector[:size] > 0)
+    signed = finish(vector, dimensions=dimensions, normalize=True, output_dtype="binary")
+    assert signed.dtype == np.int8
+    np.testing.assert_array_equal(signed.astype(np.int16) + 128, out)
 
 
 def test_unknown_output_dtype_is_refused(vector):

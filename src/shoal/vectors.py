@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 
-OUTPUT_DTYPES = ("float32", "float16", "int8", "binary")
+OUTPUT_DTYPES = ("float32", "float16", "int8", "binary", "ubinary")
 
 
 def finish(vector: np.ndarray, *, dimensions: int | None, normalize: bool, output_dtype: str) -> np.ndarray:
     """Truncate (Matryoshka: before normalising), normalise, and cast one float32 vector.
 
     int8 scales each vector symmetrically so its largest component is ±127 (cosine similarity is
-    kept; absolute scale is not). binary packs the sign bits, 8 dimensions a byte, big-endian bit
-    order as numpy's packbits; the last byte is zero-padded.
+    kept; absolute scale is not). ubinary packs the sign bits (> 0), 8 dimensions a byte,
+    big-endian bit order as numpy's packbits, the last byte zero-padded, as uint8; binary is
+    ubinary - 128 as int8. Both mean what sentence-transformers' `quantize_embeddings` precisions
+    of the same names mean (and Cohere's embedding types).
     """
     v = vector[:dimensions] if dimensions else vector
     if normalize:
@@ -28,8 +30,10 @@ def finish(vector: np.ndarray, *, dimensions: int | None, normalize: bool, outpu
     if output_dtype == "int8":
         peak = float(np.abs(v).max()) or 1.0
         return np.clip(np.rint(v * (127.0 / peak)), -127, 127).astype(np.int8)
-    if output_dtype == "binary":
+    if output_dtype == "ubinary":
         return np.packbits(v > 0)
+    if output_dtype == "binary":
+        return (np.packbits(v > 0).astype(np.int16) - 128).astype(np.int8)
     raise ValueError(f"unknown output dtype {output_dtype!r}")
 
 

@@ -15,12 +15,14 @@ from .. import wire
 from ..calls import ExtractedItem
 from ..errors import InvalidRequest
 
-# JSON lists back to arrays: the dtype each `output_dtype` is sent in (binary: packed uint8 bytes).
+# JSON lists back to arrays: the dtype each `output_dtype` is sent in (ubinary: packed sign bits
+# as uint8; binary: the same less 128, as int8).
 JSON_DTYPES: dict[str, type[np.generic]] = {
     "float32": np.float32,
     "float16": np.float16,
     "int8": np.int8,
-    "binary": np.uint8,
+    "binary": np.int8,
+    "ubinary": np.uint8,
 }
 
 
@@ -34,7 +36,7 @@ class Encoded:
     """One `encode` call's outputs, one row per text in the order sent; an output not asked for is None."""
 
     model: str
-    dense: np.ndarray | None  # [n, dims] (binary: [n, dims / 8] uint8)
+    dense: np.ndarray | None  # [n, dims] (binary: [n, dims / 8] int8; ubinary: uint8)
     sparse: list[Sparse] | None
     multivector: list[np.ndarray] | None  # each [tokens kept, dim]
     num_tokens: int

@@ -287,8 +287,7 @@ def embeddings_by_type(vectors: list[np.ndarray], types: tuple[str, ...]) -> dic
             signed = [finish(v, dimensions=None, normalize=False, output_dtype="int8") for v in vectors]
             out[kind] = signed if kind == "int8" else [(s.astype(np.int16) + 128).astype(np.uint8) for s in signed]
         elif kind in ("binary", "ubinary"):
-            packed = [finish(v, dimensions=None, normalize=False, output_dtype="binary") for v in vectors]
-            out[kind] = packed if kind == "ubinary" else [(p.astype(np.int16) - 128).astype(np.int8) for p in packed]
+            out[kind] = [finish(v, dimensions=None, normalize=False, output_dtype=kind) for v in vectors]
         elif kind == "base64":
             out[kind] = [
                 base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii") for v in vectors

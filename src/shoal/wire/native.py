@@ -28,7 +28,7 @@ from ..calls import (
 )
 from .images import ImageData, input_of
 
-OutputDtype = Literal["float32", "float16", "int8", "binary"]
+OutputDtype = Literal["float32", "float16", "int8", "binary", "ubinary"]
 OutputKind = Literal["dense", "sparse", "multivector"]
 
 # Integer ids must survive msgpack and JSON round trips: int64.

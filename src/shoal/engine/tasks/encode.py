@@ -19,7 +19,7 @@ from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, EncodeSpec
 from .inputs import check_inputs, prepare, value_of
 
-_DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8}
+_DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8, "ubinary": 1 / 8}
 TOKEN_STATES = "token_states"
 
 
