@@ -109,6 +109,19 @@ def test_nomic_config_layout_loads_the_same_model_with_nomics_size_rounding(tmp_
     assert diff <= 1e-4, f"hidden states differ by {diff}"
 
 
+def test_a_nomic_config_that_omits_the_rotary_base_and_scaling_gets_nomics_defaults(tmp_path):
+    """nomic's config class defaults `rotary_emb_base` to 10,000 and `rotary_scaling_factor` to
+    none (plain rotary): the model equals the theta-10000 reference."""
+    reference = save_random_nomic_bert(tmp_path, **SHAPES["mini-4l-4h-theta-10000"])
+    config = nomic_layout_config()
+    del config["rotary_emb_base"], config["rotary_scaling_factor"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = build_model(tmp_path, None, "cpu")
+    batch = packed_batch(LENGTHS, VOCAB)
+    diff = max_abs_diff(packed_hidden_states(ours, batch), reference_hidden_states(reference, batch))
+    assert diff <= 1e-4, f"hidden states differ by {diff}"
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

@@ -40,13 +40,18 @@ _NOMIC_FIXED = {
     "rotary_emb_fraction": (1.0, 0.0),  # 0 means learned absolute positions instead of rotary
     "rotary_emb_interleaved": (False, False),
     "rotary_emb_scale_base": (None, None),
-    "rotary_scaling_factor": (None, 1.0),  # any truthy value selects dynamic NTK rotary in nomic's code
+    "rotary_scaling_factor": (None, None),  # any truthy value selects dynamic NTK rotary in nomic's code
     "qkv_proj_bias": (False, True),
     "mlp_fc1_bias": (False, True),
     "mlp_fc2_bias": (False, True),
     "use_rms_norm": (False, False),
     "norm_mlp": (False, False),
 }
+
+
+# nomic's config class's `rotary_emb_base` when config.json leaves it out (transformers' port of the
+# model defaults its `rope_theta` to 1000 instead; each layout keeps its own default).
+NOMIC_ROTARY_BASE = 10_000.0
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -94,7 +99,7 @@ class NomicBertConfig:
             head_dim=h // heads,
             type_vocab_size=cfg.get("type_vocab_size", 2),
             layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-            rope_theta=cfg.get("rotary_emb_base", 1000.0),
+            rope_theta=cfg.get("rotary_emb_base", NOMIC_ROTARY_BASE),
             hidden_act="silu",
         )
 
