@@ -94,6 +94,14 @@ BACKBONES = {
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         first_id=0,
     ),
+    # transformers' port of NomicBERT renames nomic's modules (q_proj... down_proj for Wqkv, fc11...).
+    "nomic_bert": Backbone(
+        transformers.NomicBertConfig,
+        transformers.NomicBertModel,
+        dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128),
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        extra=dict(max_position_embeddings=128),
+    ),
     # DeBERTa-v3's attention (shared q/k position projections): adapters may not target q/k/v there.
     "deberta-v2": Backbone(
         transformers.DebertaV2Config,

@@ -120,8 +120,9 @@ class NomicBertLayer(nn.Module):
         h, inner = cfg.hidden_size, cfg.intermediate_size
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         width = self.num_heads * self.head_dim
-        # The checkpoint stores q, k, v already fused (rows q | k | v), so a plain Linear holds them.
-        self.qkv = nn.Linear(h, 3 * width, bias=False)
+        # nomic's checkpoint stores q, k, v fused (rows q | k | v: loaded whole); transformers' port
+        # names them apart (q_proj...), as its PEFT adapters do: the shards route those.
+        self.qkv = FusedLinear(h, (width, width, width), bias=False)
         self.attn_out = nn.Linear(width, h, bias=False)
         self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.gate_up = FusedLinear(h, (inner, inner), bias=False)  # shards: fc12 (gate) | fc11 (up)
@@ -157,6 +158,18 @@ class NomicBertModel(nn.Module):
         (r"encoder\.layers\.(\d+)\.mlp\.fc11\.weight", r"layers.\1.gate_up.weight", 1),
         (r"encoder\.layers\.(\d+)\.mlp\.fc2\.weight", r"layers.\1.mlp_out.weight", None),
         (r"encoder\.layers\.(\d+)\.norm2\.(weight|bias)", r"layers.\1.mlp_norm.\2", None),
+        # transformers' module names (its conversion mapping renames the above on load; PEFT adapters
+        # trained on transformers' NomicBertModel name these).
+        (r"embeddings\.LayerNorm\.(weight|bias)", r"embed_norm.\1", None),
+        (r"layers\.(\d+)\.self_attn\.q_proj\.weight", r"layers.\1.qkv.weight", 0),
+        (r"layers\.(\d+)\.self_attn\.k_proj\.weight", r"layers.\1.qkv.weight", 1),
+        (r"layers\.(\d+)\.self_attn\.v_proj\.weight", r"layers.\1.qkv.weight", 2),
+        (r"layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attn_out.weight", None),
+        (r"layers\.(\d+)\.post_attention_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2", None),
+        (r"layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.gate_up.weight", 0),
+        (r"layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.gate_up.weight", 1),
+        (r"layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.mlp_out.weight", None),
+        (r"layers\.(\d+)\.post_mlp_layernorm\.(weight|bias)", r"layers.\1.mlp_norm.\2", None),
     ]
     # Masked-LM and pooler heads are not part of the encoder.
     ignored_weights = [r"cls\..*", r"pooler\..*"]
