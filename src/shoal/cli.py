@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import __version__
 from .config import Settings, declared
 from .settings_spec import add_flags, given
 
@@ -273,6 +274,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve small models: encode, score, extract.")
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def settings(p: argparse.ArgumentParser, command: str) -> None:
