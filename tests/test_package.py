@@ -165,6 +165,11 @@ def test_sdist_holds_the_build_inputs_and_every_source_file(dist):
     assert sources - names == set()
 
 
+def test_readme_install_lines_name_the_wheel_of_this_version():
+    wheel = f"dist/shoal-{shoal.__version__}-py3-none-any.whl"
+    assert f"pip install '{wheel}[sdk]'" in (ROOT / "README.md").read_text()
+
+
 # --- the wheel, installed ------------------------------------------------------------------------
 
 SDK_SCRIPT = """
