@@ -36,7 +36,7 @@ import numpy as np
 from spawn import free_port, machine_line, spawned_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from shoal.bench.workloads import lee_documents  # noqa: E402
+from shoal.bench.workloads import lee_documents
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 HUGE_TEXT = "the quick brown fox jumps over the lazy dog and keeps on running " * 110_000

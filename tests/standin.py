@@ -4,7 +4,8 @@ No torch, no tokenizers, no `shoal.engine`: each text's vector is drawn from a g
 a hash of the model id and the text, so it is the same in every process and can be recomputed by
 the test (`StandIn.vector`). Options are honoured as the engine honours them: Matryoshka
 `dimensions` (truncate before normalising), `normalize` (default: the model's), and `output_dtype`
-float32 / float16 / int8 (scaled so the largest component is ±127) / binary and ubinary (sign bits, packbits; binary less 128, as int8).
+float32 / float16 / int8 (scaled so the largest component is ±127) / binary and ubinary
+(sign bits, packbits; binary less 128, as int8).
 Only dense output is served. "Tokens" are whitespace words plus two special tokens per text.
 
 Score calls go to `standin/rerank` (tasks: score only), which scores a (query, document) pair by word
