@@ -9,10 +9,12 @@ limits too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,7 +49,22 @@ def _echo_app() -> Starlette:
     async def ok(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    return Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/readyz", ok), Route("/hello", ok)])
+    async def busy(request: Request) -> Response:
+        BUSY_IN_FLIGHT[0] += 1
+        try:
+            while not BUSY_RELEASE.is_set():
+                await asyncio.sleep(0.01)
+        finally:
+            BUSY_IN_FLIGHT[0] -= 1
+        return JSONResponse({"status": "ok"})
+
+    routes = [Route("/echo", echo, methods=["POST"]), Route("/readyz", ok), Route("/hello", ok), Route("/busy", busy)]
+    return Starlette(routes=routes)
+
+
+# /busy answers once BUSY_RELEASE is set: its connections hold a request in flight until then.
+BUSY_RELEASE = threading.Event()
+BUSY_IN_FLIGHT = [0]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +88,9 @@ class Reply:
 
 
 @contextlib.contextmanager
-def connection(address: tuple[str, int]) -> Iterator[socket.socket]:
-    sock = socket.create_connection(address, timeout=10.0)
+def connection(address: tuple[str, int], source: str = "127.0.0.1") -> Iterator[socket.socket]:
+    """A connection from `source`, an address on loopback (the server shares connections out per peer)."""
+    sock = socket.create_connection(address, timeout=10.0, source_address=(source, 0))
     try:
         yield sock
     finally:
@@ -88,6 +106,8 @@ def request(
 
 
 def read_reply(sock: socket.socket) -> Reply:
+    """The next response on `sock`; bytes past it stay unread in the socket only if it has none
+    (a test reading two pipelined answers uses `read_replies`)."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -100,7 +120,26 @@ def read_reply(sock: socket.socket) -> Reply:
         chunk = sock.recv(65536)
         assert chunk, "connection closed inside a response body"
         body += chunk
+    length = int(headers["content-length"])
+    assert len(body) == length, f"bytes after the response: {body[length:]!r}"
     return Reply(int(status_line.split()[1]), headers, body)
+
+
+def read_replies(sock: socket.socket, timeout_s: float) -> list[Reply]:
+    """Every response on `sock` until the server closes it (within `timeout_s`)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    replies = []
+    while data:
+        head, rest = data.split(b"\r\n\r\n", 1)
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in header_lines)}
+        length = int(headers["content-length"])
+        replies.append(Reply(int(status_line.split()[1]), headers, rest[:length]))
+        data = rest[length:]
+    return replies
 
 
 def closed_by_server(sock: socket.socket, timeout_s: float) -> bool:
@@ -205,14 +244,16 @@ def test_headers_never_completed_get_408_after_header_timeout(address, trickle):
 # --- connection cap and keep-alive --------------------------------------------------------------
 
 
-def _hold_idle_connections(address, count: int, stack: contextlib.ExitStack) -> list[socket.socket]:
-    """`count` connections, each served one request and now idle in keep-alive."""
+def _hold_idle_connections(
+    address, count: int, stack: contextlib.ExitStack, source: str = "127.0.0.1"
+) -> list[socket.socket]:
+    """`count` connections from `source`, each served one request and now idle in keep-alive."""
     deadline_s = time.monotonic() + 3.0
     while True:  # connections of earlier tests may take a moment to be closed on the server side
         with contextlib.ExitStack() as attempt:
             held = []
             for _ in range(count):
-                sock = attempt.enter_context(connection(address))
+                sock = attempt.enter_context(connection(address, source))
                 sock.sendall(request("/hello"))
                 held.append((sock, read_reply(sock).status))
             if all(status == 200 for _, status in held) or time.monotonic() > deadline_s:
@@ -222,30 +263,121 @@ def _hold_idle_connections(address, count: int, stack: contextlib.ExitStack) -> 
         time.sleep(0.1)
 
 
-def test_connection_beyond_max_connections_gets_503_and_the_others_keep_working(address):
+def _hold_busy_connections(
+    address, count: int, stack: contextlib.ExitStack, source: str = "127.0.0.1"
+) -> list[socket.socket]:
+    """`count` connections from `source`, each with a request in flight until BUSY is set."""
+    held = []
+    for _ in range(count):
+        sock = stack.enter_context(connection(address, source))
+        sock.sendall(request("/busy"))
+        held.append(sock)
+    deadline_s = time.monotonic() + 3.0
+    while BUSY_IN_FLIGHT[0] < count and time.monotonic() < deadline_s:
+        time.sleep(0.02)
+    assert BUSY_IN_FLIGHT[0] == count
+    return held
+
+
+def _status(address, source: str = "127.0.0.1") -> int:
+    with connection(address, source) as sock:
+        sock.sendall(request("/hello"))
+        return read_reply(sock).status
+
+
+@pytest.fixture
+def quiet_server(address) -> None:
+    """The module's server with none of the earlier tests' connections left open."""
+    deadline_s = time.monotonic() + 3.0
+    while time.monotonic() < deadline_s:
+        with contextlib.ExitStack() as stack:
+            socks = [stack.enter_context(connection(address)) for _ in range(LIMITS.max_connections)]
+            for sock in socks:
+                sock.sendall(request("/hello"))
+            if all(read_reply(sock).status == 200 for sock in socks):
+                return
+        time.sleep(0.1)
+
+
+def test_at_the_cap_a_new_connection_displaces_the_oldest_idle_one_never_a_busy_one(address, quiet_server):
     with contextlib.ExitStack() as stack:
         held = _hold_idle_connections(address, LIMITS.max_connections, stack)
-
-        with connection(address) as extra:
-            extra.sendall(request("/hello"))  # sent at once, as clients do: the answer must survive it
-            details = assert_refused(read_reply(extra), 503, "too_many_connections")
-            assert details == {"max_connections": LIMITS.max_connections}
-            assert closed_by_server(extra, 1.0 + SLACK_S)
-
-        for sock in held:  # the idle ones were not dropped to make room
+        assert _status(address) == 200  # the server was full, but only of idle connections
+        assert closed_by_server(held[0], 1.0 + SLACK_S)  # the oldest idle one made room
+        for sock in held[2:]:  # the newcomer displaced only one (the next went to the check above)
             sock.sendall(request("/hello"))
             assert read_reply(sock).status == 200
 
-        held.pop().close()  # one released: a new client gets in
-        deadline_s = time.monotonic() + 1.0
-        while True:
-            with connection(address) as newcomer:
-                newcomer.sendall(request("/hello"))
-                status = read_reply(newcomer).status
-            if status == 200 or time.monotonic() > deadline_s:
-                break
-            time.sleep(0.05)
-        assert status == 200
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_gets_503_and_the_busy_ones_are_answered(address, quiet_server):
+    BUSY_RELEASE.clear()
+    with contextlib.ExitStack() as stack:
+        busy = _hold_busy_connections(address, LIMITS.max_connections, stack)
+        try:
+            with connection(address) as extra:
+                extra.sendall(request("/hello"))  # sent at once, as clients do: the answer must survive it
+                details = assert_refused(read_reply(extra), 503, "too_many_connections")
+                assert details == {"max_connections": LIMITS.max_connections}
+                assert closed_by_server(extra, 1.0 + SLACK_S)
+        finally:
+            BUSY_RELEASE.set()
+        for sock in busy:
+            assert read_reply(sock).status == 200
+
+
+def test_a_peer_holding_many_idle_connections_gives_them_up_to_others_but_never_takes_theirs(address, quiet_server):
+    BUSY_RELEASE.clear()
+    with contextlib.ExitStack() as stack:
+        try:
+            busy = _hold_busy_connections(address, 5, stack, source="127.0.0.1")
+            hog = _hold_idle_connections(address, LIMITS.max_connections - 5, stack, source="127.0.0.2")
+            # 127.0.0.1 already holds more than 127.0.0.2: it may not take 127.0.0.2's idle connections.
+            with connection(address, "127.0.0.1") as extra:
+                extra.sendall(request("/hello"))
+                assert_refused(read_reply(extra), 503, "too_many_connections")
+            # A third peer may: the oldest idle connection of the peer holding the most goes.
+            assert _status(address, "127.0.0.3") == 200
+            assert closed_by_server(hog[0], 1.0 + SLACK_S)
+        finally:
+            BUSY_RELEASE.set()
+        for sock in busy:
+            assert read_reply(sock).status == 200
+        hog[1].sendall(request("/hello"))
+        assert read_reply(hog[1]).status == 200
+
+
+def test_an_idle_connection_part_way_through_its_head_is_told_why_it_is_closed(address, quiet_server):
+    with contextlib.ExitStack() as stack:
+        partial = stack.enter_context(connection(address))
+        partial.sendall(b"GET /hello HTTP/1.1\r\nHost: te")
+        time.sleep(0.1)
+        _hold_idle_connections(address, LIMITS.max_connections - 1, stack)
+        assert _status(address) == 200
+        details = assert_refused(read_reply(partial), 503, "connection_evicted")
+        assert details == {"max_connections": LIMITS.max_connections}
+
+
+# --- bytes that are not HTTP ----------------------------------------------------------------------
+
+
+def test_a_request_followed_by_bytes_that_are_not_http_is_answered_before_the_400(address):
+    with connection(address) as sock:
+        body = b'{"hello": "world"}'
+        sock.sendall(
+            request("/echo", "POST", {"Content-Length": str(len(body))}, body) + b"\x16\x03\x01 not http\r\n\r\n"
+        )
+        first, second = read_replies(sock, 2.0 + SLACK_S)
+        assert first.status == 200 and json.loads(first.body)["body"] == body.decode()
+        assert_refused(second, 400, "bad_http")
+
+
+def test_bytes_that_are_not_http_get_400(address):
+    with connection(address) as sock:
+        sock.sendall(b"\x16\x03\x01\x02\x00 hello\r\n\r\n")
+        reply = read_reply(sock)
+        assert_refused(reply, 400, "bad_http")
+        assert "not an HTTP/1.1 request" in reply.error()["message"]
+        assert closed_by_server(sock, 1.0 + SLACK_S)
 
 
 def test_idle_keep_alive_connection_is_closed_after_keep_alive_timeout(address):

@@ -11,9 +11,18 @@ protocol:
     header_read_timeout_s  a head is not complete this long after the connection   408, close
                            opens or after its first byte arrives
     body_read_timeout_s    no body byte arrives for this long, body incomplete     408, close
-    max_connections        a connection opens while this many are open             503, close
-                           (idle keep-alive ones count)
+    max_connections        a connection opens while this many are open, and none   503, close
+                           of them is idle (see below)
     keep_alive_timeout_s   a keep-alive connection idles this long                 closed (uvicorn)
+
+A connection is idle while it has no request in flight: freshly opened, between kept-alive
+requests, or part way through a head. At the cap, a new connection is let in by closing an idle
+one, never a busy one: the oldest idle connection of the peer (client address) that holds the most
+connections. So a peer that opens silent sockets by the thousand only ever displaces its own, and a
+fresh client gets in as soon as any idle connection exists. A peer already holding at least as many
+connections as the one it would displace is refused instead, so no peer grows past another's share
+by taking its connections. An idle connection closed part way through a head is answered 503
+(`connection_evicted`); one with nothing sent is closed.
 
 Refusals carry the one error body, `{"error": {"code", "message", "details"}}`, and
 `Connection: close`. The connection is then half-closed and drained for up to `LINGER_S`, so a
@@ -27,7 +36,8 @@ import functools
 import json
 import logging
 import resource
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -53,6 +63,34 @@ class _Gate:
     max_lingering: int
     lingering: int = 0
     last_warned_s: float = float("-inf")
+    last_evicted_warned_s: float = float("-inf")
+    # Open (accepted) connections per peer address, and each peer's idle ones, oldest first.
+    open_by_peer: Counter[str] = field(default_factory=Counter)
+    idle_by_peer: dict[str, dict[LimitedHttpProtocol, None]] = field(default_factory=dict)
+
+    def set_idle(self, conn: LimitedHttpProtocol, idle: bool) -> None:
+        """Mark `conn` idle (moved to the newest end) or busy."""
+        peers = self.idle_by_peer
+        conns = peers.get(conn.peer)
+        if conns is not None:
+            conns.pop(conn, None)
+        if idle:
+            if conns is None:
+                conns = peers[conn.peer] = {}
+            conns[conn] = None
+        elif conns is not None and not conns:
+            del peers[conn.peer]
+
+    def victim(self, newcomer: str) -> LimitedHttpProtocol | None:
+        """The idle connection to close so that a connection from `newcomer` can open: the oldest
+        idle one of the peer holding the most connections; None when there is no idle connection,
+        or when `newcomer` already holds as many connections as that peer (it takes only its own)."""
+        if not self.idle_by_peer:
+            return None
+        peer = max(self.idle_by_peer, key=lambda p: (self.open_by_peer[p], p == newcomer))
+        if peer != newcomer and self.open_by_peer[newcomer] >= self.open_by_peer[peer]:
+            return None
+        return next(iter(self.idle_by_peer[peer]))
 
 
 def fd_limit() -> int | None:
@@ -128,23 +166,35 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._lingering = False
         self._counted_lingering = False
+        self.peer = "-"  # the client's address: connections are shared out per peer
+        self._counted_open = False  # counted in gate.open_by_peer (an accepted connection)
+        self._unparsable: str | None = None  # why the bytes after the requests in flight could not be parsed
 
     # --- connection ------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peername = transport.get_extra_info("peername")
+        self.peer = str(peername[0]) if isinstance(peername, tuple) and peername else "-"
         num_open = len(self.connections)
         if num_open >= self.gate.max_connections:
-            self.transport = transport  # never joins `connections`: it is refused, not served
-            self._warn_cap(num_open)
-            self._reject(
-                503,
-                "too_many_connections",
-                f"the server has {num_open} open connections, its limit; retry later",
-                {"max_connections": self.gate.max_connections},
-                extra_headers=[(b"retry-after", b"1")],
-            )
-            return
+            victim = self.gate.victim(self.peer)
+            if victim is None:
+                self.transport = transport  # never joins `connections`: it is refused, not served
+                self._warn_cap(num_open)
+                self._reject(
+                    503,
+                    "too_many_connections",
+                    f"the server has {num_open} open connections, its limit, and none of them is idle; retry later",
+                    {"max_connections": self.gate.max_connections},
+                    extra_headers=[(b"retry-after", b"1")],
+                )
+                return
+            self._warn_evicted(victim.peer)
+            victim._evict()
         super().connection_made(transport)
+        self.gate.open_by_peer[self.peer] += 1
+        self._counted_open = True
+        self.gate.set_idle(self, True)
         self._head_timer = self.loop.call_later(self.limits.header_read_timeout_s, self._on_head_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -152,11 +202,34 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._counted_lingering:
             self.gate.lingering -= 1
             self._counted_lingering = False
+        if self._counted_open:
+            self._counted_open = False
+            self.gate.set_idle(self, False)
+            self.gate.open_by_peer[self.peer] -= 1
+            if not self.gate.open_by_peer[self.peer]:
+                del self.gate.open_by_peer[self.peer]
         super().connection_lost(exc)
 
+    def _evict(self) -> None:
+        """Close this idle connection to make room for a new one (the server is at its cap)."""
+        self.gate.set_idle(self, False)
+        if self._head_bytes:
+            self._reject(
+                503,
+                "connection_evicted",
+                "the server is at its connection limit and closed this connection, which had sent only "
+                "part of a request head; retry",
+                {"max_connections": self.gate.max_connections},
+                extra_headers=[(b"retry-after", b"1")],
+            )
+        else:
+            self._cancel_timers()
+            self._unset_keepalive_if_required()
+            self.transport.close()
+
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
-            return  # drained and dropped: the answer is already written
+        if self._lingering or self._unparsable is not None:
+            return  # drained and dropped: the answer is already written, or the stream cannot be parsed
         if not self._in_head:
             super().data_received(data)
         else:
@@ -189,6 +262,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     # --- parser callbacks ------------------------------------------------------------------------
 
     def on_headers_complete(self) -> None:
+        self.gate.set_idle(self, False)
         self._in_head = False
         self._heads_seen += 1
         self._cancel_timer("_head_timer")
@@ -206,6 +280,27 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._cancel_timer("_body_timer")
         self._in_head, self._head_bytes = True, 0
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing() or self._lingering or self.pipeline:
+            return
+        if self._unparsable is not None:
+            self._refuse_unparsable(self._unparsable)
+        else:
+            self.gate.set_idle(self, True)
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser failed (uvicorn calls this). Requests parsed before the bad bytes are answered
+        first; then the 400, and the connection closes."""
+        if (self.cycle is not None and not self.cycle.response_complete) or self.pipeline:
+            self._unparsable = msg
+            self.flow.pause_reading()  # nothing after the bad bytes can be parsed; stop reading it
+            return
+        self._refuse_unparsable(msg)
+
+    def _refuse_unparsable(self, msg: str) -> None:
+        self._reject(400, "bad_http", f"{msg.rstrip('.')}: the bytes sent are not an HTTP/1.1 request", {})
 
     # --- timers ----------------------------------------------------------------------------------
 
@@ -268,6 +363,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """Answer `status` (unless a response has started), then half-close and drain."""
+        self.gate.set_idle(self, False)
         if status != 503:
             log.info("%s: %d %s", _peer(self.client), status, message)
         cycle = self.cycle
@@ -304,6 +400,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.flow.resume_reading()
         self.transport.write_eof()
         self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _warn_evicted(self, peer: str) -> None:
+        now = self.loop.time()
+        if now - self.gate.last_evicted_warned_s >= WARN_INTERVAL_S:
+            self.gate.last_evicted_warned_s = now
+            log.warning(
+                "at the connection limit (max_connections %d): closing idle connections of %s, the peer holding the "
+                "most (%d), to let new ones in",
+                self.gate.max_connections,
+                peer,
+                self.gate.open_by_peer[peer],
+            )
 
     def _warn_cap(self, num_open: int) -> None:
         now = self.loop.time()
