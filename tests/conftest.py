@@ -243,7 +243,8 @@ def _wait_ready(url: str, thread: threading.Thread) -> None:
 def serve():
     """`serve(server=..., engine=..., wrap_runner=..., preload=..., cards_dirs=..., auth=..., models=...)`
     -> base URL of a new server with the MiniLM model preloaded (and the cards in `cards_dirs` added
-    and watched; `auth` an api.auth.Auth; `models` the `--models` patterns);
+    and watched; `auth` an api.auth.Auth; `models` the `--models` patterns; `allow_download` the
+    server's Hub downloads, which HF_HUB_OFFLINE keeps from reaching the network);
     `serve.engines[url]` is its Engine.
 
     Each call builds its own Settings, Engine and app; all of them stop when the session ends.
@@ -266,15 +267,20 @@ def serve():
             auth=None,
             models: tuple[str, ...] = (),
             aliases: dict[str, str] | None = None,
+            allow_download: bool = False,
         ) -> str:
             settings = Settings(
-                server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=False
+                server=server or ServerSettings(), engine=engine or EngineSettings(), allow_download=allow_download
             )
             backend = None
             if wrap_runner is not None:
-                backend = WrappingBackend(TorchBackend(settings.engine.device, allow_download=False), wrap_runner)
+                backend = WrappingBackend(
+                    TorchBackend(settings.engine.device, allow_download=allow_download), wrap_runner
+                )
             catalog = Catalog.load(extra_dirs=cards_dirs, strict=False).restrict(models).with_aliases(aliases or {})
-            eng = Engine(settings.engine, catalog, allow_download=False, backend=backend, models_dirs=cards_dirs)
+            eng = Engine(
+                settings.engine, catalog, allow_download=allow_download, backend=backend, models_dirs=cards_dirs
+            )
             app = create_app(settings, eng, preload=preload, auth=auth)
             url = servers.enter_context(running_server(app))
             start.engines[url] = eng

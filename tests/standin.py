@@ -142,7 +142,13 @@ class StandIn:
         return []
 
     async def tokenize(
-        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+        self,
+        model_id: str,
+        texts: list[str],
+        add_special_tokens: bool = True,
+        prompt_name: str | None = None,
+        *,
+        may_download: bool = True,
     ) -> list[list[Token]]:
         """Whitespace words (the stand-in's "tokens"), ids from the word's hash, [CLS] ... [SEP]."""
         self._status(model_id)

@@ -142,7 +142,7 @@ def test_the_openai_client_retrieves_a_model_whose_id_has_a_slash(fleet):
         client.models.retrieve("fleet/nope")
 
 
-def test_auth_answers_401_without_or_with_a_wrong_token_and_403_off_the_allow_list(fleet):
+def test_auth_answers_401_without_or_with_a_wrong_token_and_404_off_the_allow_list(fleet):
     url, _, _ = fleet
     missing = encode(url, "fleet/a", token=None)
     assert missing.status_code == 401 and missing.headers["www-authenticate"].startswith("Bearer")
@@ -150,12 +150,12 @@ def test_auth_answers_401_without_or_with_a_wrong_token_and_403_off_the_allow_li
     wrong = encode(url, "fleet/a", token="not-a-token-of-this-server")
     assert wrong.status_code == 401 and "not valid" in wrong.json()["error"]["message"]
     assert "not-a-token" not in wrong.text  # a presented token is never echoed
-    off_list = encode(url, "sentence-transformers/all-MiniLM-L6-v2", token=USER)
-    assert off_list.status_code == 403 and off_list.json()["error"]["code"] == "forbidden"
+    off_list = encode(url, "sentence-transformers/all-MiniLM-L6-v2", token=USER)  # answers as if not served
+    assert off_list.status_code == 404 and off_list.json()["error"]["code"] == "unknown_model"
     assert encode(url, "fleet/a", token=USER).status_code == 200
     listed = {m["id"] for m in call(url, "/v1/models", USER, method="GET").json()["data"]}
     assert listed == {"fleet/a", "fleet/b", "fleet/late"}
-    assert call(url, "/v1/models/sentence-transformers/all-MiniLM-L6-v2", USER, method="GET").status_code == 403
+    assert call(url, "/v1/models/sentence-transformers/all-MiniLM-L6-v2", USER, method="GET").status_code == 404
     assert httpx.get(f"{url}/healthz").status_code == 200 and httpx.get(f"{url}/readyz").status_code == 200
 
 
@@ -178,7 +178,7 @@ def test_admin_routes_need_the_admin_scope_and_load_pin_unpin_unload(fleet):
     unloaded = call(url, "/v1/models/fleet/a/unload", ADMIN).json()
     assert unloaded["loaded"] is False and unloaded["state"] == "not_loaded"
     assert metric(url, "shoal_model_evictions_total", model="fleet/a", reason="unload") >= 1
-    assert call(url, "/v1/models/fleet/a/pin", LIMITED_ADMIN).status_code == 403  # its allow-list binds it
+    assert call(url, "/v1/models/fleet/a/pin", LIMITED_ADMIN).status_code == 404  # its allow-list binds it
     bad_action = call(url, "/v1/models/fleet/a/explode", ADMIN)
     assert bad_action.status_code == 404 and "load, unload, pin, unpin" in bad_action.json()["error"]["message"]
 

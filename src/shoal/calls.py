@@ -65,6 +65,9 @@ class Call(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
     request_id: str | None = None
     timeout_s: float | None = None  # None: the server's default deadline
     adapter: str | None = None  # a LoRA adapter of the model (its card's `adapters`); None: the base model
+    # Whether serving it may download the model's weights (where the server allows downloads at
+    # all); the HTTP API sets it from the caller's token (the `download` scope).
+    may_download: bool = True
 
 
 class EncodeCall(Call, frozen=True, tag="encode"):

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .settings_spec import Declared, build, declare, parse, section, setting, text_of
+from .settings_spec import Declared, build, declare, given_text, parse, section, setting, text_of
 
 # The subcommands that take each section's flags (a field may name its own).
 _ONE_SHOT = ("encode", "score", "extract")
@@ -138,6 +138,7 @@ class ServerSettings:
         "bearer tokens, a YAML file (docs/operations.md); more tokens come "
         "from the variables SHOAL_AUTH_TOKENS and SHOAL_ADMIN_TOKENS",
         metavar="FILE",
+        refuse_empty="name the tokens file, or leave the setting out to serve without tokens (loopback only)",
     )
     auth_tokens: str = setting("", "bearer tokens for every model, comma-separated", secret=True)
     admin_tokens: str = setting("", "bearer tokens with the admin scope, comma-separated", secret=True)
@@ -235,12 +236,14 @@ class Settings:
         env = os.environ if environ is None else environ
         values = {}
         for d in declared():
-            if env.get(d.env):
-                values[d.path] = parse(d, env[d.env], d.env)
+            text = given_text(d, env.get(d.env), d.env)
+            if text is not None:
+                values[d.path] = parse(d, text, d.env)
             elif d.name == "allow_download" and _offline(env.get("HF_HUB_OFFLINE", "")):
                 values[d.path] = False  # huggingface_hub's own switch, read by its rule
-            if flags and flags.get(d.name):
-                flagged = parse(d, flags[d.name], "/".join(d.flags))
+            flag_text = given_text(d, (flags or {}).get(d.name), "/".join(d.flags))
+            if flag_text is not None:
+                flagged = parse(d, flag_text, "/".join(d.flags))
                 merged = d.spec.merge and values.get(d.path)
                 values[d.path] = values[d.path] + flagged if merged else flagged
         return build(cls, declared(), values)

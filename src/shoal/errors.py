@@ -2,13 +2,13 @@
 
     ShoalError                      every error shoal raises on purpose
     ├── InvalidRequest              the caller sent something we cannot serve; fix the request
-    │   ├── UnknownModel            the model id is not in the catalog
+    │   ├── UnknownModel            the model id is not in the catalog (or off the token's allow-list)
     │   ├── UnsupportedMediaType    Content-Type is neither JSON nor msgpack
     │   ├── PayloadTooLarge         the body exceeds the server's limit
     │   ├── ResultTooLarge          the response would exceed the server's limit; split the request
     │   └── InputTooLong            an item has more tokens than the model takes (truncate: false)
     ├── Unauthorized                no bearer token, or one this server does not know (401)
-    ├── Forbidden                   the token may not do this: an admin route, a model off its list (403)
+    ├── Forbidden                   the token may not do this: an admin route, a download (403)
     ├── Overloaded                  the queue is full, a model is loading, the device restarts; retry later
     │   ├── NoWorker                no live worker of the cluster serves the model (yet: scale from zero)
     │   └── QueueUnavailable        the cluster's work queue (NATS) is unreachable from the gateway
@@ -28,8 +28,9 @@ status lives in exactly one place: `shoal.api.errors`.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 
 class ShoalError(Exception):
@@ -52,6 +53,18 @@ class InvalidRequest(ShoalError):
 
 class UnknownModel(InvalidRequest):
     code = "unknown_model"
+
+    @classmethod
+    def named(cls, model_id: str, known: Iterable[str]) -> UnknownModel:
+        """The error for `model_id`, echoing at most 200 characters of it and suggesting up to three
+        close ids of `known` (only ids the caller may see: a suggestion tells that a model exists)."""
+        shown = model_id if len(model_id) <= 200 else model_id[:200] + "…"
+        close = difflib.get_close_matches(model_id[:200], list(known), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return cls(
+            f"unknown model {shown!r}{hint} (GET /v1/models lists the models this server serves)",
+            details={"model": shown, **({"suggestions": close} if close else {})},
+        )
 
 
 class UnsupportedMediaType(InvalidRequest):

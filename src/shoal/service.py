@@ -144,9 +144,16 @@ class Service(Protocol):
         ...
 
     async def tokenize(
-        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+        self,
+        model_id: str,
+        texts: list[str],
+        add_special_tokens: bool = True,
+        prompt_name: str | None = None,
+        *,
+        may_download: bool = True,
     ) -> list[list[Token]]:
-        """Each text's tokens as the model's tokenizer cuts it (TEI's /tokenize)."""
+        """Each text's tokens as the model's tokenizer cuts it (TEI's /tokenize); `may_download`
+        as a call's."""
         ...
 
     def has_model(self, model_id: str) -> bool: ...

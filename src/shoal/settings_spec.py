@@ -9,7 +9,8 @@ default are the field's own. From that declaration come, for every field:
                               └─ a row of the table     docs/operations.md (`python -m shoal.settings_spec FILE`)
 
 Precedence: defaults < environment < flags (a `merge` list: the variable's items, then the flag's).
-Empty text (an empty variable) counts as not given; `none` sets an optional field to None. Tuples
+Empty text (an empty variable) counts as not given, except for a field that `refuse_empty` (there it
+is a ConfigError); `none` sets an optional field to None. Tuples
 take items separated by the field's `sep` in a variable, and repeat their flag. This module reads no
 environment: `shoal.config` does."""
 
@@ -53,6 +54,9 @@ class Spec:
     # Tuples: the flag's items come after the variable's instead of replacing them (more card
     # directories and aliases on top of those a deployment sets in its environment).
     merge: bool = False
+    # Why empty text is an error for this field rather than "not given" (its default would turn a
+    # safeguard off: an empty tokens file setting would serve without auth); None: not given.
+    refuse_empty: str | None = None
 
 
 def setting(default: Any, help: str, **spec: Any) -> Any:
@@ -144,6 +148,17 @@ def _shape(hint: Any) -> tuple[type, bool, bool]:
 
 
 # --- text <-> values --------------------------------------------------------------------------------
+
+
+def given_text(d: Declared, text: str | None, source: str) -> str | None:
+    """`text` as given for `d` by `source` (a flag or a variable), None if it counts as not given
+    (absent or empty); ConfigError for empty text where `d` refuses it."""
+    if text is None or text.strip():
+        return text
+    if d.spec.refuse_empty is None:
+        return text or None  # blanks are parsed as before (a number refuses them, text strips them)
+    empty = f"{source} is empty" if source.startswith("-") else f"{source} is set but empty"
+    raise ConfigError(f"{empty}: {d.spec.refuse_empty}", details={"setting": d.path, "source": source})
 
 
 def parse(d: Declared, text: str, source: str) -> Any:

@@ -7,14 +7,25 @@ Tokens come from a file (`--auth-tokens-file`, SHOAL_AUTH_TOKENS_FILE) and/or th
       - token: "a-long-random-secret"      # or sha256: "<hex digest of the token>"
         name: search-team                  # for the log; never the token itself
         models: ["BAAI/*", "intfloat/e5-small-v2"]   # optional allow-list (ids or globs)
+      - token: "a-third-secret"
+        name: indexer
+        scopes: [download]                  # may make the server fetch a model from the Hub
       - token: "another-secret"
         name: ops
         scopes: [admin]                     # may call POST /v1/models/{id}/load|unload|pin|unpin
 
+A model off a token's allow-list answers that token exactly as a model the server does not have
+(404 `unknown_model`, suggesting only ids the token may use), so a token learns nothing of the
+others. A request that would download a model's weights (the server's `allow_download` on, the
+weights in no local source) needs the `download` scope; `admin` includes it (an operator loads
+models), and so does auth off, where `allow_download` alone decides. SHOAL_AUTH_TOKENS' tokens
+have no scope, SHOAL_ADMIN_TOKENS' the `admin` scope.
+
 It fails closed: a file that cannot be read or parsed stops the server with one line (ConfigError).
 Only SHA-256 digests are kept in memory, compared in constant time (`hmac.compare_digest`)
 against every known token. No tokens at all means auth is off, which `shoal serve` allows only
-on a loopback address unless `--no-auth` says so; admin routes are off unless an admin token exists.
+on a host whose every address is loopback, unless `--no-auth` says so; admin routes are off
+unless an admin token exists.
 """
 
 from __future__ import annotations
@@ -22,7 +33,9 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
+import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +44,9 @@ import yaml
 from ..errors import ConfigError, Forbidden, Unauthorized
 
 ADMIN = "admin"
-_SCOPES = (ADMIN,)
+DOWNLOAD = "download"
+_SCOPES = (ADMIN, DOWNLOAD)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -47,15 +60,13 @@ class Principal:
     def may_use(self, model_id: str) -> bool:
         return self.models is None or any(fnmatch.fnmatchcase(model_id, p) for p in self.models)
 
-    def check_model(self, model_id: str) -> None:
-        if not self.may_use(model_id):
-            raise Forbidden(
-                f"this token may not use model {model_id!r} (its models: {', '.join(self.models or ())})",
-                details={"model": model_id},
-            )
+    @property
+    def may_download(self) -> bool:
+        """Whether its requests may make the server download a model (`admin` includes `download`)."""
+        return bool(self.scopes & {DOWNLOAD, ADMIN})
 
 
-ANONYMOUS = Principal("anonymous")  # auth off: every model, no admin scope
+ANONYMOUS = Principal("anonymous", frozenset({DOWNLOAD}))  # auth off: every model, downloads as the server allows
 
 
 @dataclass(frozen=True)
@@ -121,13 +132,24 @@ class Auth:
 
 
 def check_bind(host: str, auth: Auth, no_auth: bool) -> None:
-    """Refuse to serve a non-loopback address without tokens unless `--no-auth` says so."""
-    if auth.enabled or no_auth or host in _LOOPBACK or host.startswith("127."):
+    """Refuse to serve a host without tokens unless every address it resolves to is loopback or
+    `--no-auth` says so; a host that does not resolve is refused either way (it cannot be bound)."""
+    try:
+        addresses = sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(
+            f"--host: cannot resolve host {host!r} ({exc}); give an address or a name that resolves"
+        ) from None
+    if auth.enabled or no_auth:
         return
-    raise ConfigError(
-        f"refusing to serve {host} without auth: give tokens (--auth-tokens-file, SHOAL_AUTH_TOKENS) "
-        "or pass --no-auth to serve it open"
-    )
+    # A scoped IPv6 address (fe80::1%eth0) is not loopback; drop the scope for ip_address.
+    public = [a for a in addresses if not ipaddress.ip_address(a.partition("%")[0]).is_loopback]
+    if public:
+        resolves = f" (it resolves to {', '.join(public)})" if public != [host] else ""
+        raise ConfigError(
+            f"refusing to serve {host}{resolves} without auth: give tokens (--auth-tokens-file, SHOAL_AUTH_TOKENS) "
+            "or pass --no-auth to serve it open"
+        )
 
 
 def _digest(token: str) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar, overload
 
+import msgspec
 from starlette.requests import Request
 
 from .. import wire
@@ -40,11 +41,19 @@ class Context:
         return wire.decode(self.body, self.fmt_in, typ)
 
     def status(self, model_id: str) -> ModelStatus:
-        """The model's status if this caller may use it (UnknownModel, else Forbidden); an alias
-        answers, and is checked, as the model it names."""
-        status = self.service.model(model_id)
-        self.principal.check_model(status.id)
-        return status
+        """The model's status if this caller may use it; an alias answers, and is checked, as the
+        model it names. Else UnknownModel, the same whether the model is not served here or off
+        the caller's allow-list, suggesting only ids the caller may use: a limited token learns
+        nothing of the other models."""
+        if self.principal.models is None:
+            return self.service.model(model_id)
+        try:
+            status: ModelStatus | None = self.service.model(model_id)
+        except UnknownModel:
+            status = None
+        if status is not None and self.principal.may_use(status.id):
+            return status
+        raise UnknownModel.named(model_id, [s.id for s in self.service.models() if self.principal.may_use(s.id)])
 
     @overload
     async def run(self, call: EncodeCall) -> EncodeResult: ...
@@ -55,9 +64,10 @@ class Context:
 
     async def run(self, call: AnyCall) -> AnyResult:
         """The service's answer, if this caller may use the call's model (the result of the call's
-        verb: the service raises the error a call ends in)."""
+        verb: the service raises the error a call ends in). Whether serving it may download the
+        model is the caller's right, whatever the call said."""
         self.status(call.model)
-        return await self.service.run(call)
+        return await self.service.run(msgspec.structs.replace(call, may_download=self.principal.may_download))
 
     def scoring_model(self, named: str | None = None) -> str:
         """The model a score route uses: the body's, else `?model=`, else the `X-Shoal-Model`
@@ -69,11 +79,11 @@ class Context:
         """The model a route whose body may name none uses (TEI's, Cohere v1 rerank): the body's,
         `?model=`, the `X-Shoal-Model` header, the server's `--default-model` if it serves `task`
         (and has `output`), else the first preloaded model that does (for score: a reranker before
-        an embedder)."""
+        an embedder); of the last two, only models this caller may use (and is told of)."""
         model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
         if model:
             return model
-        statuses = {status.id: status for status in self.service.models()}
+        statuses = {status.id: status for status in self.service.models() if self.principal.may_use(status.id)}
         default = (
             self.service.model(self.default).id if self.default and self.service.has_model(self.default) else None
         )  # an alias names its model
@@ -94,7 +104,10 @@ class Context:
             f"this request names no model and no default or preloaded model {verb}: name one with `?model=ID` "
             "or the `X-Shoal-Model: ID` header, or start the server with `--default-model` or `--preload` "
             "(`GET /v1/models` lists each model's tasks)",
-            details={"preloaded": list(self.preload), "default_model": self.default},
+            details={
+                "preloaded": [m for m in self.preload if m in statuses],
+                "default_model": self.default if default in statuses else None,
+            },
         )
 
     def check_count(self, num_items: int) -> None:
@@ -189,11 +202,12 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
 
 
 async def models(ctx: Context) -> wire.ModelList:
-    """OpenAI's list shape; only the models this caller may use; cards that could not be read."""
+    """OpenAI's list shape; only the models this caller may use; cards that could not be read,
+    for a caller of every model (a card's file and error name models a limited token may not see)."""
     data = [_model_entry(status) for status in ctx.service.models() if ctx.principal.may_use(status.id)]
     listed: wire.ModelList = {"object": "list", "data": data}
     problems: list[wire.models.CardProblemEntry] = [{"file": p.file, "error": p.error} for p in ctx.service.problems()]
-    if problems:
+    if problems and ctx.principal.models is None:
         listed["errors"] = problems
     return listed
 

@@ -46,7 +46,9 @@ async def tokenize(ctx: Context) -> list[list[Token]]:
     texts = wire.tei.texts_of(req.inputs)
     ctx.check_count(len(texts))
     ctx.status(model)
-    return await ctx.service.tokenize(model, texts, req.add_special_tokens, req.prompt_name)
+    return await ctx.service.tokenize(
+        model, texts, req.add_special_tokens, req.prompt_name, may_download=ctx.principal.may_download
+    )
 
 
 async def embed_sparse(ctx: Context) -> list[list[wire.tei.SparseValue]]:

@@ -12,7 +12,6 @@ in `broken` (file -> what is wrong) for the log and `/v1/models`. Built-in cards
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import json
 from importlib import resources
@@ -22,9 +21,18 @@ import msgspec
 
 from ..errors import CardError, ConfigError, UnknownModel
 from .card import ModelCard, Tuned, load_card, load_tuned, parse_card
-from .resolve import resolve_weights
+from .resolve import needs_download, resolve_weights
 
-__all__ = ["Catalog", "ModelCard", "Tuned", "load_card", "load_tuned", "parse_card", "resolve_weights"]
+__all__ = [
+    "Catalog",
+    "ModelCard",
+    "Tuned",
+    "load_card",
+    "load_tuned",
+    "needs_download",
+    "parse_card",
+    "resolve_weights",
+]
 
 ADAPTERS_DIR = "adapters"
 TUNED_DIR = "tuned"
@@ -172,13 +180,7 @@ class Catalog:
         try:
             return self._cards[self._aliases.get(model_id, model_id)]
         except KeyError:
-            shown = model_id if len(model_id) <= 200 else model_id[:200] + "…"
-            close = difflib.get_close_matches(model_id[:200], list(self._cards), n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise UnknownModel(
-                f"unknown model {shown!r}{hint} (GET /v1/models lists the models this server serves)",
-                details={"model": shown, **({"suggestions": close} if close else {})},
-            ) from None
+            raise UnknownModel.named(model_id, self._cards) from None
 
     def __iter__(self):
         return iter(self._cards.values())

@@ -76,6 +76,19 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
     )
 
 
+def needs_download(card: ModelCard) -> bool:
+    """Whether `resolve_weights` would go to the Hub for the card: it names a Hub repo and none of
+    the sources before the download (its `path`, the Hugging Face cache, a package) holds the
+    weights. It looks as a load would, so a package's archive may be unpacked (once) on the way."""
+    if not card.source.hub:
+        return False
+    try:
+        resolve_weights(card, allow_download=False)
+    except ModelLoadError:
+        return True
+    return False
+
+
 def _local_path(source, card_path: str | None) -> Path:
     """A source's `path`, relative to the card's file (else to the working directory)."""
     base = Path(card_path).parent if card_path else Path.cwd()

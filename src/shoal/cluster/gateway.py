@@ -218,12 +218,22 @@ class RemoteService:
         )
 
     async def tokenize(
-        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+        self,
+        model_id: str,
+        texts: list[str],
+        add_special_tokens: bool = True,
+        prompt_name: str | None = None,
+        *,
+        may_download: bool = True,
     ) -> list[list[Token]]:
         model_id = self.workers.resolve(model_id)
         pool = self.workers.pool_of(self._holders(model_id))
         request = p.RpcRequest(
-            model=model_id, texts=texts, add_special_tokens=add_special_tokens, prompt_name=prompt_name
+            model=model_id,
+            texts=texts,
+            add_special_tokens=add_special_tokens,
+            prompt_name=prompt_name,
+            may_download=may_download,
         )
         return await rpc.tokenize(self._nc, pool, request, self.cluster.publish_timeout_s * 2)
 

@@ -118,6 +118,7 @@ class RpcRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     texts: list[str] = []
     add_special_tokens: bool = True
     prompt_name: str | None = None
+    may_download: bool = True  # tokenize: as a call's (calls.Call)
 
 
 class RpcReply(msgspec.Struct, frozen=True, omit_defaults=True):

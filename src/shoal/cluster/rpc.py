@@ -121,7 +121,11 @@ class WorkerRpc:
         device = min(self.devices, key=lambda d: d.held_tokens)
         try:
             tokens = await device.service.tokenize(
-                request.model, request.texts, request.add_special_tokens, request.prompt_name
+                request.model,
+                request.texts,
+                request.add_special_tokens,
+                request.prompt_name,
+                may_download=request.may_download,
             )
             reply = p.RpcReply(worker=self.worker_id, tokens=tokens)
         except Exception as exc:  # broad: whatever the engine raises is the caller's answer (a bug: a logged 500)

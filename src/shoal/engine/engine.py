@@ -30,10 +30,10 @@ from ..calls import (
     ScoreResult,
     timeout_of,
 )
-from ..catalog import Catalog, ModelCard
+from ..catalog import Catalog, ModelCard, needs_download
 from ..config import EngineSettings
 from ..cpuinfo import usable_cores
-from ..errors import ConfigError, DeadlineExceeded, InvalidRequest, Overloaded
+from ..errors import ConfigError, DeadlineExceeded, Forbidden, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
 from ..verbs import VERB_OF_CALL, text_tokens
@@ -64,6 +64,7 @@ class Engine:
         models_dirs: tuple[Path, ...] = (),
     ) -> None:
         self.settings = settings
+        self.allow_download = allow_download  # a given backend is built with its own; it says the same
         self.metrics = metrics or Metrics()
         self.metrics.start_models(card.id for card in catalog)
         self._hardware = hardware_class(settings.device)
@@ -174,11 +175,18 @@ class Engine:
         return await self.fleet.admin(model_id, action)
 
     async def tokenize(
-        self, model_id: str, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+        self,
+        model_id: str,
+        texts: list[str],
+        add_special_tokens: bool = True,
+        prompt_name: str | None = None,
+        *,
+        may_download: bool = True,
     ) -> list[list[Token]]:
         """Admitted like any call (its tokens are bounded: each text is cut at the model's limit
         before it is tokenized, in the tokenizer pool)."""
         card = self.catalog.get(model_id)
+        await self._check_download(card, may_download)
         prefix = prompt_of(card, prompt_name, None)
         timeout_s = self.settings.request_timeout_s
         deadline = time.monotonic() + timeout_s
@@ -232,6 +240,7 @@ class Engine:
         timeout_s = timeout_of(call, self.settings.request_timeout_s)
         deadline = time.monotonic() + timeout_s
         card = self.catalog.get(call.model)
+        await self._check_download(card, call.may_download)
         task = task_for(call, card)
         plan = task.plan(card, call)
         tokens = plan.estimated_tokens
@@ -306,6 +315,20 @@ class Engine:
                 self._device.wake()
 
     # --- admission ------------------------------------------------------------------------------
+
+    async def _check_download(self, card: ModelCard, may_download: bool) -> None:
+        """Forbidden if serving `card` would start a download and the caller may not start one:
+        checked before its load, so a refusal neither reaches the network nor counts as a failed
+        load. A model loaded or loading starts none."""
+        if may_download or not self.allow_download or self.cache.is_loaded(card.id) or self.cache.is_loading(card.id):
+            return
+        if await asyncio.to_thread(needs_download, card):
+            raise Forbidden(
+                f"model {card.id!r} is not on this server (its weights would be downloaded from the Hugging "
+                "Face Hub) and downloads are not granted to this token: use a token with the `download` scope, "
+                "or have an operator preload or load it",
+                details={"model": card.id},
+            )
 
     def _admit(self, model_id: str, num_items: int, num_tokens: int, timeout_s: float) -> None:
         if self._stopping:
