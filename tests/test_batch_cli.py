@@ -45,7 +45,7 @@ def test_encode_in_process_from_jsonl_to_npy_and_jsonl_equals_the_reference(tmp_
 
 
 def test_encode_against_a_server_from_txt_to_parquet_keeps_the_order(base_url, tmp_path, embed_reference):
-    (tmp_path / "in.txt").write_text("\n".join(TEXTS) + "\n\n")
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS) + "\n")
     assert (
         main(
             [

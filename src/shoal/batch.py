@@ -1,14 +1,17 @@
 """`shoal encode|score|extract` over files: read texts, run them through a server (`--url`, the SDK)
 or an in-process engine, write results, show progress and one summary line.
 
-Inputs: `.txt` (one text per line), `.jsonl` (one object per line with a `text` field — `--field`
-names another — and an optional `id`), `.parquet` (a `text` column, or `--field`, and `id` if
-present); for `encode`, `--images DIR` instead: every image file in DIR and its subfolders
-(`image_files`), sorted by its path under DIR, which names its row (`{"image": "cats/01.png"}`).
-Outputs: `.jsonl` (one object per input, its `id` kept), `.npy` (encode: the dense vectors as one
-`[n, d]` array, in input order), `.parquet` (a row per input). A malformed input names the file and
-the line. Both the SDK path and the in-process path send chunks of `--batch-size` inputs,
-`--concurrency` at once, and keep the input order.
+Inputs: `.txt` (one text per line, every line a row: a blank line is the empty text, so row i is
+line i + 1), `.jsonl` (one object per line with a `text` field — `--field` names another — and an
+optional `id`; blank lines hold no object and are skipped), `.parquet` (a `text` column, or
+`--field`, and `id` if present); for `encode`, `--images DIR` instead: every image file in DIR and
+its subfolders (`image_files`), sorted by its path under DIR, which names its row
+(`{"image": "cats/01.png"}`). Outputs: `.jsonl` (one object per input, its `id` kept), `.npy`
+(encode: the dense vectors as one `[n, d]` array in the output dtype, in input order), `.parquet` (a
+row per input; `dense` a fixed-size list in the output dtype, `sparse` a struct of `indices` int32
+and `values` float32 lists). A malformed input names the file and the line; an output path the run
+could not write is refused before the run (`check_output`). Both the SDK path and the in-process
+path send chunks of `--batch-size` inputs, `--concurrency` at once, and keep the input order.
 """
 
 from __future__ import annotations
@@ -51,6 +54,38 @@ class ImageFile:
     path: Path
 
 
+@dataclass
+class Vectors:
+    """`encode`'s outputs for some inputs, a row per input; an output the model did not send is None."""
+
+    dense: np.ndarray | None  # [n, d] in the output dtype (binary, ubinary: [n, d / 8] packed bits)
+    sparse: list[tuple[np.ndarray, np.ndarray]] | None  # per row: (indices [k] int32, values [k] float32)
+    num_tokens: int
+
+
+def vectors(
+    model: str, dense: np.ndarray | None, sparse: Sequence[tuple[np.ndarray, np.ndarray]] | None, num_tokens: int
+) -> Vectors:
+    """One chunk's `Vectors`; a model that sent neither dense nor sparse vectors is a ConfigError."""
+    if dense is None and sparse is None:
+        raise ConfigError(
+            f"{model} sent neither dense nor sparse vectors (a multi-vector model?): shoal encode writes "
+            "those two (--outputs); use the SDK or POST /v1/encode for the others"
+        )
+    return Vectors(dense, None if sparse is None else list(sparse), num_tokens)
+
+
+def joined(chunks: Sequence[Vectors]) -> Vectors:
+    """The chunks' rows in order, as one `Vectors`."""
+    dense = [c.dense for c in chunks if c.dense is not None]
+    sparse = [row for c in chunks if c.sparse is not None for row in c.sparse]
+    return Vectors(
+        np.concatenate(dense) if len(dense) == len(chunks) else None,
+        sparse if all(c.sparse is not None for c in chunks) else None,
+        sum(c.num_tokens for c in chunks),
+    )
+
+
 # --- reading ------------------------------------------------------------------------------------
 
 
@@ -60,7 +95,7 @@ def read(path: Path, field: str = "text") -> list[Record]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     if path.suffix == ".txt":
-        return [Record(line) for line in _lines(path) if line.strip()]
+        return [Record(line) for line in _lines(path)]  # a blank line too: rows stay aligned with lines
     if path.suffix == ".jsonl":
         return list(_jsonl(path, field))
     return _parquet(path, field)
@@ -109,9 +144,12 @@ def _jsonl(path: Path, field: str) -> Iterator[Record]:
 
 
 def _parquet(path: Path, field: str) -> list[Record]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
+    pa, pq = _pyarrow(path, "reading")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{path}: not a readable parquet file ({reason})") from None
     if field not in table.column_names:
         raise ConfigError(
             f"{path}: no column {field!r} (its columns: {', '.join(table.column_names)}); pick one with --field"
@@ -124,29 +162,116 @@ def _parquet(path: Path, field: str) -> list[Record]:
     return [Record(t, i) for t, i in zip(texts, ids)]
 
 
+def _pyarrow(path: Path, doing: str) -> tuple[Any, Any]:
+    """(pyarrow, pyarrow.parquet), or a ConfigError that says to install it."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{path}: {doing} .parquet needs pyarrow: pip install pyarrow") from None
+    return pa, pq
+
+
 # --- writing ------------------------------------------------------------------------------------
 
 
-def write(path: Path, verb: str, rows: list[dict], dense: np.ndarray | None = None) -> None:
-    if path.suffix == ".npy":
-        if dense is None:
-            raise ConfigError(f"{path}: .npy holds dense vectors only")
-        np.save(path, dense)
+def check_output(path: Path | None, verb: str, outputs: Sequence[str] = ()) -> None:
+    """Refuse, before the run, an output the run could not write: a folder, a suffix `verb` does not
+    write, sparse `outputs` into .npy, .parquet without pyarrow, a missing or unwritable folder.
+    Writability is tried by opening the file to append (a file that was not there is removed again)."""
+    if path is None:
         return
-    if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), path)
-        return
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def check_output(path: Path | None, verb: str) -> None:
-    if path is not None and path.suffix not in WRITE_SUFFIXES[verb]:
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder: --output names the file to write")
+    if path.suffix not in WRITE_SUFFIXES[verb]:
         raise ConfigError(f"{path}: {verb} writes {', '.join(WRITE_SUFFIXES[verb])}, not {path.suffix or 'no suffix'}")
+    if path.suffix == ".npy" and "sparse" in outputs:
+        raise ConfigError(f"{path}: .npy holds dense vectors only; write sparse ones to .jsonl or .parquet")
+    if path.suffix == ".parquet":
+        _pyarrow(path, "writing")
+    folder = path.parent
+    if not folder.exists():
+        raise ConfigError(f"{path}: no such folder {folder} (create it first)")
+    if not folder.is_dir():
+        raise ConfigError(f"{path}: {folder} is not a folder")
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink()
+
+
+def check_dense(path: Path | None, model: str, got: Vectors) -> None:
+    """A .npy output of a model that sends no dense vectors is refused at its first chunk."""
+    if path is not None and path.suffix == ".npy" and got.dense is None:
+        raise ConfigError(
+            f"{path}: .npy holds dense vectors only and {model} sends sparse ones: write .jsonl or .parquet"
+        )
+
+
+def json_rows(rows: list[dict], got: Vectors | None = None) -> Iterator[dict]:
+    """`rows` with their vectors, as JSON lines carry them: `dense` a list (floats to 6 decimals,
+    ints for int8, binary, ubinary), `sparse` `{"indices": [...], "values": [...]}`."""
+    for i, row in enumerate(rows):
+        if got is None:
+            yield row
+            continue
+        out = dict(row)
+        if got.dense is not None:
+            out["dense"] = _listed(got.dense[i])
+        if got.sparse is not None:
+            indices, values = got.sparse[i]
+            out["sparse"] = {"indices": indices.tolist(), "values": _listed(values)}
+        yield out
+
+
+def _listed(vector: np.ndarray) -> list:
+    if vector.dtype.kind == "f":
+        return np.round(vector.astype(np.float64), 6).tolist()
+    return vector.tolist()
+
+
+def write(path: Path, rows: list[dict], got: Vectors | None = None) -> None:
+    """Write the rows (and their vectors) to `path`, as its suffix says; an OSError is one line."""
+    try:
+        if path.suffix == ".npy":
+            if got is None or got.dense is None:
+                raise ConfigError(f"{path}: .npy holds dense vectors only")
+            np.save(path, got.dense)
+        elif path.suffix == ".parquet":
+            _write_parquet(path, rows, got)
+        else:
+            with path.open("w", encoding="utf-8") as f:
+                for row in json_rows(rows, got):
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write ({exc.strerror or exc})") from None
+
+
+def _write_parquet(path: Path, rows: list[dict], got: Vectors | None) -> None:
+    """A row per input: its fields, `dense` as a fixed-size list in the output dtype, `sparse` as a
+    struct of `indices` (int32) and `values` (float32) lists."""
+    pa, pq = _pyarrow(path, "writing")
+    try:
+        table = pa.Table.from_pylist(rows)
+    except pa.ArrowException as exc:  # e.g. ids of mixed types
+        raise ConfigError(f"{path}: cannot write these rows to parquet ({exc})") from None
+    if got is not None and got.dense is not None:
+        dense = pa.FixedSizeListArray.from_arrays(pa.array(got.dense.reshape(-1)), got.dense.shape[1])
+        table = table.append_column("dense", dense)
+    if got is not None and got.sparse is not None:
+        offsets = pa.array(np.cumsum([0, *(len(indices) for indices, _ in got.sparse)]), pa.int32())
+        indices = np.concatenate([indices for indices, _ in got.sparse]).astype(np.int32)
+        values = np.concatenate([values for _, values in got.sparse]).astype(np.float32)
+        sparse = pa.StructArray.from_arrays(
+            [pa.ListArray.from_arrays(offsets, pa.array(indices)), pa.ListArray.from_arrays(offsets, pa.array(values))],
+            names=["indices", "values"],
+        )
+        table = table.append_column("sparse", sparse)
+    pq.write_table(table, path)
 
 
 # --- running ------------------------------------------------------------------------------------

@@ -7,15 +7,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import __version__
 from .config import Settings, declared
 from .settings_spec import add_flags, given
+from .vectors import OUTPUT_DTYPES
+
+if TYPE_CHECKING:
+    from .batch import Vectors
+    from .calls import EncodeResult
+    from .engine import Engine
+    from .sdk.http import Http
 
 
 def _settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
@@ -83,54 +92,96 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 class _Backend:
     """Where a one-shot command's calls go: a server (`--url`, through the SDK) or an in-process
-    engine started for the command. `run(call)` answers a shoal call either way."""
+    engine started for the command. A missing package (the SDK's httpx, the engine's torch) is a
+    ConfigError that says what to install."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.engine: Engine | None = None
+        self.http: Http | None = None  # extract's connection (`_extract_over_http`), opened at its first chunk
 
     async def __aenter__(self) -> _Backend:
-        if self.args.url:
-            from .sdk import AsyncClient
+        from .errors import ConfigError
 
+        if self.args.url:
+            try:
+                from .sdk import AsyncClient
+            except ImportError as exc:  # the sdk extra's httpx
+                raise ConfigError(str(exc)) from None
             self.client = AsyncClient(self.args.url, api_key=self.args.api_key)
-            self.engine = None
-        else:
-            self.engine = _engine(_settings(self.args))
-            await self.engine.start()
+            return self
+        try:
+            engine = _engine(_settings(self.args))
+            await engine.start()
+        except ImportError as exc:  # a torch-free install: the engine extra is missing
+            raise ConfigError(
+                f"running {self.args.model} in process needs {exc.name or 'the engine extra'}: "
+                "pip install 'shoal[engine]', or send it to a server with --url URL (or SHOAL_URL)"
+            ) from None
+        self.engine = engine
         return self
 
     async def __aexit__(self, *exc) -> None:
         if self.engine is not None:
             await self.engine.stop()
-        else:
-            await self.client.aclose()
+            return
+        await self.client.aclose()
+        if self.http is not None:
+            await self.http.aclose()
 
-    async def encode(self, texts: list[str]) -> tuple[np.ndarray, int]:
+    def _encode_options(self) -> dict[str, Any]:
+        """The EncodeCall fields (and the SDK's encode arguments) the flags set, for texts and images."""
         a = self.args
+        return {
+            "dimensions": a.dimensions,
+            "normalize": a.normalize,
+            "output_dtype": a.output_dtype,
+            "outputs": tuple(a.outputs) if a.outputs else None,
+        }
+
+    async def encode(self, texts: list[str]) -> Vectors:
+        """`batch.Vectors` of `texts`, one row each."""
+        from . import batch
+
+        a = self.args
+        prompts = {"is_query": a.query_prompt or None, "prompt_name": a.prompt_name}
         if self.engine is None:
-            got = await self.client.encode(
-                a.model, texts, dimensions=a.dimensions, is_query=a.query_prompt or None, batch_size=len(texts)
-            )
-            return got.dense_rows(), got.num_tokens
+            got = await self.client.encode(a.model, texts, **self._encode_options(), **prompts, batch_size=len(texts))
+            return batch.vectors(a.model, got.dense, got.sparse, got.num_tokens)
         from .calls import EncodeCall
 
-        result = await self.engine.run(
-            EncodeCall(model=a.model, items=texts, dimensions=a.dimensions, is_query=a.query_prompt or None)
-        )
-        return np.stack(result.vectors), result.num_tokens
+        result = await self.engine.encode(EncodeCall(model=a.model, items=texts, **self._encode_options(), **prompts))
+        return self._vectors(result)
 
-    async def encode_images(self, paths: list[Path]) -> tuple[np.ndarray, int]:
+    async def encode_images(self, paths: list[Path]) -> Vectors:
+        """`batch.Vectors` of the image files, one row each."""
+        from . import batch
+
         a = self.args
         if self.engine is None:
-            got = await self.client.encode(a.model, images=paths, dimensions=a.dimensions, batch_size=len(paths))
-            return got.dense_rows(), got.num_tokens
+            got = await self.client.encode(a.model, images=paths, **self._encode_options(), batch_size=len(paths))
+            return batch.vectors(a.model, got.dense, got.sparse, got.num_tokens)
         from .calls import EncodeCall, Item
 
         files = await asyncio.to_thread(lambda: [path.read_bytes() for path in paths])
-        result = await self.engine.run(
-            EncodeCall(model=a.model, items=[Item(image=data) for data in files], dimensions=a.dimensions)
+        result = await self.engine.encode(
+            EncodeCall(model=a.model, items=[Item(image=data) for data in files], **self._encode_options())
         )
-        return np.stack(result.vectors), result.num_tokens
+        return self._vectors(result)
+
+    def _vectors(self, result: EncodeResult) -> Vectors:
+        """An in-process EncodeResult as `batch.Vectors`."""
+        from . import batch
+
+        dense = [i.dense for i in result.items if i.dense is not None]
+        sparse = [(i.sparse.indices, i.sparse.values) for i in result.items if i.sparse is not None]
+        every = len(result.items)
+        return batch.vectors(
+            self.args.model,
+            np.stack(dense) if len(dense) == every else None,
+            sparse if len(sparse) == every else None,
+            result.num_tokens,
+        )
 
     async def score(self, documents: list[str]) -> tuple[list[tuple[int, float]], int]:
         a = self.args
@@ -139,7 +190,7 @@ class _Backend:
             return [(s.index, s.score) for s in ranking], ranking.num_tokens
         from .calls import ScoreCall
 
-        result = await self.engine.run(
+        result = await self.engine.score(
             ScoreCall(model=a.model, query=a.query, documents=documents, raw_scores=a.raw_scores)
         )
         return [(item.index, item.score) for item in result.items], result.num_tokens
@@ -147,18 +198,10 @@ class _Backend:
     async def extract(self, texts: list[str]) -> tuple[list, int]:
         a = self.args
         if self.engine is None:
-            items = await self.client.extract(
-                a.model,
-                texts,
-                a.label or [],
-                threshold=a.threshold,
-                multi_label=a.multi_label or None,
-                batch_size=len(texts),
-            )
-            return items, 0
+            return await self._extract_over_http(texts)
         from .calls import ExtractCall
 
-        result = await self.engine.run(
+        result = await self.engine.extract(
             ExtractCall(
                 model=a.model,
                 items=texts,
@@ -169,34 +212,72 @@ class _Backend:
         )
         return result.items, result.num_tokens
 
+    async def _extract_over_http(self, texts: list[str]) -> tuple[list, int]:
+        """One POST /v1/extract of `texts`: their items and the tokens the server's usage counts.
+        Sent through the SDK's connection layer (auth, retries, error codes) rather than
+        `AsyncClient.extract`, whose list of items does not carry the usage."""
+        from . import wire
+        from .sdk.http import Http
+        from .sdk.results import extracted
+
+        a = self.args
+        if self.http is None:
+            self.http = Http(
+                a.url, api_key=a.api_key, timeout_s=60.0, max_retries=5, format="msgpack", transport=None, headers=None
+            )
+        http = self.http
+
+        def body(timeout_s: float | None) -> wire.ExtractRequest:
+            options = wire.native.ExtractOptions(
+                threshold=a.threshold, multi_label=a.multi_label or None, timeout_s=timeout_s
+            )
+            items = [wire.native.ExtractItem(text=text) for text in texts]
+            return wire.ExtractRequest(model=a.model, items=items, labels=a.label or [], options=options)
+
+        answer = await http.post("/v1/extract", body, wire.ExtractResponse, None)
+        return extracted([answer]), answer.usage.tokens
+
 
 def _run_batch(args: argparse.Namespace, verb: str, work) -> int:
-    """Read the inputs, run `work(backend, records)` in chunks, write or print, and summarise."""
+    """Check the output path, read the inputs, run `work(backend, records)` in chunks, write or
+    print, and summarise (not with --quiet). `--url` defaults to SHOAL_URL (`--url ''`: in
+    process), `--api-key` to SHOAL_API_KEY."""
     from . import batch
     from .errors import ConfigError
 
+    if args.url is None:
+        args.url = os.environ.get("SHOAL_URL") or None
+    args.api_key = args.api_key or os.environ.get("SHOAL_API_KEY") or None
+    batch.check_output(args.output, verb, getattr(args, "outputs", None) or ())
     images = getattr(args, "images", None)  # encode's --images DIR
     if images is None:
         records: list = batch.records_of(args.text, args.input, args.field)
-    elif args.text or args.input or getattr(args, "query_prompt", False):
-        raise ConfigError("--images DIR encodes the image files in DIR: give no texts, --input or --query-prompt too")
+    elif args.text or args.input or getattr(args, "query_prompt", False) or getattr(args, "prompt_name", None):
+        raise ConfigError(
+            "--images DIR encodes the image files in DIR: give no texts, --input, --query-prompt or --prompt-name too"
+        )
     else:
         records = batch.image_files(images)
-    batch.check_output(args.output, verb)
 
     async def main():
         async with _Backend(args) as backend:
             return await work(backend, records)
 
     with batch.Timer() as timer:
-        rows, dense, num_tokens = asyncio.run(main())
+        rows, got, num_tokens = asyncio.run(main())
     if args.output is None:
-        for row in rows:
+        for row in batch.json_rows(rows, got):
             print(json.dumps(row, ensure_ascii=False))
     else:
-        batch.write(args.output, verb, rows, dense)
-    print(batch.summary(verb, len(records), num_tokens, timer.seconds), file=sys.stderr)
+        batch.write(args.output, rows, got)
+    if not args.quiet:
+        print(batch.summary(verb, len(records), num_tokens, timer.seconds), file=sys.stderr)
     return 0
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """A progress bar while writing a file (printed rows go to stdout instead), unless --quiet."""
+    return args.output is not None and not args.quiet
 
 
 def _with_id(record, row: dict) -> dict:
@@ -206,21 +287,28 @@ def _with_id(record, row: dict) -> dict:
 def cmd_encode(args: argparse.Namespace) -> int:
     from . import batch
 
+    def checked(encode):
+        async def run(inputs: list) -> batch.Vectors:
+            got = await encode(inputs)
+            batch.check_dense(args.output, args.model, got)  # .npy of a sparse model: refused at once
+            return got
+
+        return run
+
     async def work(backend: _Backend, records):
-        progress = args.output is not None
+        progress = _progress(args)
         if args.images is None:
             named = [_with_id(r, {"text": r.text}) for r in records]
             texts = [r.text for r in records]
-            chunks = await batch.in_chunks(texts, args.batch_size, args.concurrency, backend.encode, progress)
+            chunks = await batch.in_chunks(texts, args.batch_size, args.concurrency, checked(backend.encode), progress)
         else:  # batch.ImageFile records
             named = [{"image": r.name} for r in records]
             paths = [r.path for r in records]
             chunks = await batch.in_chunks(
-                paths, args.batch_size, args.concurrency, backend.encode_images, progress, unit="image"
+                paths, args.batch_size, args.concurrency, checked(backend.encode_images), progress, unit="image"
             )
-        dense = np.concatenate([vectors for vectors, _ in chunks])
-        rows = [{**row, "dense": [round(float(x), 6) for x in v]} for row, v in zip(named, dense)]
-        return rows, dense, sum(tokens for _, tokens in chunks)
+        got = batch.joined(chunks)
+        return named, got, got.num_tokens
 
     return _run_batch(args, "encode", work)
 
@@ -231,7 +319,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     async def work(backend: _Backend, records):
         offsets = list(range(0, len(records), args.batch_size))
         chunks = await batch.in_chunks(
-            [r.text for r in records], args.batch_size, args.concurrency, backend.score, args.output is not None
+            [r.text for r in records], args.batch_size, args.concurrency, backend.score, _progress(args)
         )
         scored = sorted(
             ((offset + index, score) for offset, (pairs, _) in zip(offsets, chunks) for index, score in pairs),
@@ -253,7 +341,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     async def work(backend: _Backend, records):
         chunks = await batch.in_chunks(
-            [r.text for r in records], args.batch_size, args.concurrency, backend.extract, args.output is not None
+            [r.text for r in records], args.batch_size, args.concurrency, backend.extract, _progress(args)
         )
         items = [item for chunk, _ in chunks for item in chunk]
         rows = []
@@ -299,8 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     def batch_io(p: argparse.ArgumentParser, writes: str) -> None:
-        p.add_argument("--url", help="send to this shoal server (or gateway) instead of running a model in-process")
-        p.add_argument("--api-key", help="bearer token for --url")
+        p.add_argument(
+            "--url",
+            help="send to this shoal server (or gateway) instead of running a model in-process "
+            "(default: $SHOAL_URL; --url '' runs in process)",
+        )
+        p.add_argument("--api-key", help="bearer token for --url (default: $SHOAL_API_KEY)")
         p.add_argument(
             "--input", "-i", type=Path, metavar="FILE", help="more texts: .txt (a line each), .jsonl, .parquet"
         )
@@ -314,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--batch-size", type=_positive, default=64, help="inputs per request (default 64)")
         p.add_argument("--concurrency", type=_positive, default=4, help="requests at once (default 4)")
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
 
     encode = sub.add_parser(
         "encode",
@@ -330,8 +423,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="embed every image file in DIR and its subfolders instead of texts (a model that reads images: "
         'CLIP, SigLIP), sorted by path under DIR; each row names its file: {"image": "cats/01.png", ...}',
     )
-    encode.add_argument("--dimensions", type=int)
+    encode.add_argument("--dimensions", type=int, help="keep the first N dimensions (Matryoshka)")
     encode.add_argument("--query-prompt", action="store_true", help="encode as queries (the card's query prompt)")
+    encode.add_argument("--prompt-name", metavar="NAME", help="prepend the card's prompt of this name")
+    encode.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        help="L2-normalise each vector (default: as the card says)",
+    )
+    encode.add_argument(
+        "--output-dtype",
+        choices=OUTPUT_DTYPES,
+        default="float32",
+        help="the dense vectors' type: int8 scales each vector to +-127; ubinary packs the sign bits 8 a "
+        "byte (uint8), binary is ubinary - 128 (int8) (default float32)",
+    )
+    encode.add_argument(
+        "--outputs",
+        action="append",
+        choices=("dense", "sparse"),
+        metavar="KIND",
+        help="dense or sparse (repeat for both); default: the card's first output",
+    )
     settings(encode, "encode")  # the in-process engine's (ignored with --url)
     encode.set_defaults(func=cmd_encode)
 
