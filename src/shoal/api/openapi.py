@@ -4,33 +4,260 @@ from the route table (`api/table.py`) and the wire types themselves.
 Each operation names its request and response types (the msgspec types the handlers decode and
 encode); `msgspec.json.schema_components` turns them into JSON Schema, so the description cannot
 drift from what the server parses, and the app and the document read the same table, so no route
-goes undescribed.
+goes undescribed. Operations are grouped by the row's `tag` (the table's `TAGS`, in order).
+
+Two things the types do not carry are written here: what the request fields mean (`FIELDS`, read
+onto the generated schemas; `describe` refuses a field its type does not have, so a rename cannot
+leave a stale line) and a request body to try per route (`EXAMPLES`). An example names its model
+by a placeholder per verb; `with_models` puts in, at request time, a model this server serves.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from .. import __version__, wire
+from ..service import ModelStatus
 from ..wire import JSONObject
-from .table import ROUTES, RouteSpec, Schema
+from .table import ROUTES, TAGS, RouteSpec, Schema
 
 # `{name}` or `{name:converter}` in a Starlette path.
 _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
+
+# --- examples -----------------------------------------------------------------------------------
+
+VERBS = ("encode", "score", "extract")
+# What an example says in place of a model id, until `with_models` names a served one. No JSON
+# escape touches these characters, so the encoded document holds them as written.
+PLACEHOLDERS = {verb: f"{{{verb} model}}" for verb in VERBS}
+# The built-in cards an example names when the server serves no model for the verb.
+FALLBACK_MODELS = {
+    "encode": "sentence-transformers/all-MiniLM-L6-v2",
+    "score": "cross-encoder/ms-marco-MiniLM-L-6-v2",
+    "extract": "urchade/gliner_small-v2.1",
+}
+
+_ENCODER, _SCORER, _EXTRACTOR = (PLACEHOLDERS[verb] for verb in VERBS)
+_TEXTS = ["Shoal serves small models: embedders, rerankers and extractors.", "The quick brown fox jumps."]
+_QUERY = "Which server runs small models?"
+
+# A request body per route name, as a client would send it.
+EXAMPLES: dict[str, JSONObject] = {
+    "encode": {"model": _ENCODER, "items": [{"id": "a", "text": _TEXTS[0]}, {"id": "b", "text": _TEXTS[1]}]},
+    "score": {"model": _SCORER, "query": _QUERY, "items": [{"id": "a", "text": t} for t in _TEXTS], "top_k": 2},
+    "extract": {
+        "model": _EXTRACTOR,
+        "items": [{"id": "a", "text": "Ada Lovelace worked with Charles Babbage in London."}],
+        "labels": ["person", "city"],
+    },
+    "embeddings": {"model": _ENCODER, "input": _TEXTS, "encoding_format": "float"},
+    "rerank": {"model": _SCORER, "query": _QUERY, "documents": _TEXTS, "top_n": 2, "return_documents": True},
+    "rerank_v2": {"model": _SCORER, "query": _QUERY, "documents": _TEXTS, "top_n": 2},
+    "cohere_embed_v1": {"model": _ENCODER, "texts": _TEXTS, "input_type": "search_document"},
+    "embed_v2": {"model": _ENCODER, "texts": _TEXTS, "input_type": "search_document", "embedding_types": ["float"]},
+    "tei_rerank": {"query": _QUERY, "texts": _TEXTS, "return_text": True},
+    "tei_embed": {"inputs": _TEXTS, "normalize": True},
+    "tei_embed_all": {"inputs": _TEXTS[0]},
+    "tei_tokenize": {"inputs": _TEXTS[0], "add_special_tokens": True},
+    "tei_embed_sparse": {"inputs": _TEXTS},
+    "tei_similarity": {"inputs": {"source_sentence": _QUERY, "sentences": _TEXTS}},
+    "tei_root": {"inputs": _TEXTS},
+}
+# A path parameter's example, by route name.
+_PATH_EXAMPLES = {"model": _ENCODER, "model_admin": f"{_ENCODER}/load", "docs_asset": "swagger-ui.css"}
+
+
+def example_models(statuses: Sequence[ModelStatus], default: str | None = None) -> dict[str, str]:
+    """The model each verb's examples name: the server's default model if it serves the verb, else
+    the first loaded model that does, else the first served model that does, else a built-in card."""
+    models: dict[str, str] = {}
+    for verb in VERBS:
+        serving = [s for s in statuses if verb in s.tasks]
+        defaults = [s for s in serving if default is not None and default in (s.id, *s.aliases)]
+        choices = defaults or [s for s in serving if s.loaded] or serving
+        models[verb] = choices[0].id if choices else FALLBACK_MODELS[verb]
+    return models
+
+
+def with_models(document: bytes, models: Mapping[str, str]) -> bytes:
+    """The encoded document with each verb's placeholder replaced by `models[verb]`."""
+    for verb, placeholder in PLACEHOLDERS.items():
+        document = document.replace(placeholder.encode(), msgspec.json.encode(models[verb])[1:-1])
+    return document
+
+
+# --- what the request fields mean ---------------------------------------------------------------
+
+_MODEL = "A model id or alias this server serves (`GET /v1/models` lists them)."
+_ITEM_ID = "Any string or int64, echoed with the item's result (`null` when absent)."
+_TIMEOUT = "This request's deadline in seconds; work still queued then is dropped and the answer is 504."
+_ADAPTER = "A LoRA adapter of the model (`GET /v1/models/{id}` lists them)."
+_TEI_INPUTS = "A text, or a list of texts."
+_TEI_TRUNCATE = "Cut a text longer than the model takes (false, TEI's default: such a text is a 422)."
+_TEI_DIRECTION = "Only right truncation is served: `Left` is a 400."
+_PROMPT_NAME = "Prepend the card's prompt of this name (`GET /v1/models/{id}` lists its `prompts`)."
+_RERANK = {
+    "model": _MODEL,
+    "query": "The query the documents are ranked against.",
+    "documents": "Strings, or objects of string fields ranked by their `text`; echoed whole when returned.",
+    "top_n": "Keep the best n results (default: all, ranked).",
+    "return_documents": "Echo each document in its result (default false, as Cohere; Jina clients send true).",
+    "max_tokens_per_doc": "Cut each document to this many tokens before scoring.",
+}
+_COHERE_EMBED = {
+    "model": _MODEL,
+    "texts": "The texts to embed (or `images`, not both).",
+    "images": "Images as data:image/...;base64,... URLs; needs `input_type: image`.",
+    "input_type": "search_query: the card's query prompt; search_document: its document prompt; "
+    "classification, clustering or none: no prompt; image: for `images`.",
+    "embedding_types": "Any of float, int8, uint8, binary, ubinary, base64, all from one float32 forward "
+    "(default: float).",
+    "truncate": "END (default) cuts a long text at the model's max_length, NONE refuses it (422); START is a 400.",
+}
+
+# Field descriptions by type: a dict of field name (as on the wire) -> what it means.
+FIELDS: dict[type[object], dict[str, str]] = {
+    wire.EncodeRequest: {
+        "model": _MODEL,
+        "items": "What to encode, in order: each a `text` or an `image`.",
+        "options": "How to encode; every option has a default.",
+        "adapter": _ADAPTER,
+    },
+    wire.EncodeItem: {"text": "A text to encode.", "id": _ITEM_ID},
+    wire.EncodeOptions: {
+        "normalize": "L2-normalise each vector, after `dimensions` (default: the card's).",
+        "dimensions": "Keep the first N dimensions (Matryoshka), 1 to the model's size.",
+        "output_dtype": "float32; float16; int8 (scaled per vector to ±127); ubinary (sign bits packed 8 per "
+        "byte); binary (ubinary - 128, as int8).",
+        "is_query": "Prepend the card's query prompt (true) or document prompt (false), if it has them.",
+        "prompt_name": _PROMPT_NAME + " Overrides `is_query`.",
+        "truncate": "Cut a text longer than the model's max_length tokens; false refuses it (422).",
+        "outputs": "Any of the card's outputs (dense, sparse, multivector), all from one forward pass "
+        "(default: the card's first).",
+        "sparse_top_k": "Sparse output: keep the k heaviest terms.",
+        "return_tokens": "Sparse output: also return the vocabulary token of each index.",
+        "timeout_s": _TIMEOUT,
+    },
+    wire.ScoreRequest: {
+        "model": _MODEL,
+        "query": "A text, or `{text}` or `{image}`.",
+        "items": "The documents to rank against the query: each a `text` or an `image`.",
+        "top_k": "Keep the best k (default: every item, ranked).",
+        "options": "How to score; every option has a default.",
+        "adapter": _ADAPTER,
+    },
+    wire.ScoreQuery: {"text": "The query text."},
+    wire.ScoreItem: {"text": "A document's text.", "id": _ITEM_ID},
+    wire.ScoreOptions: {
+        "raw_scores": "Cross-encoders and LLM rerankers: the logit, without the activation.",
+        "truncate": "Cut a (query, item) pair longer than the model takes; false refuses it (422).",
+        "max_tokens_per_doc": "Cut each item to this many tokens first.",
+        "window_overlap_tokens": "Cross-encoders: score a long item as windows overlapping by this many tokens "
+        "and keep its best window (default: truncate).",
+        "instruction": "LLM rerankers: replaces the card's instruction.",
+        "timeout_s": _TIMEOUT,
+    },
+    wire.ExtractRequest: {
+        "model": _MODEL,
+        "items": "What to read: each a `text`, or an `image` for an image_labels model.",
+        "labels": "gliner, zero_shot and image_labels: the entity types or classes (required); token_class: "
+        "keep only these of the model's types.",
+        "options": "How to extract; which options apply depends on the model's extract kind.",
+        "adapter": _ADAPTER,
+    },
+    wire.native.ExtractItem: {"text": "A text to read.", "id": _ITEM_ID},
+    wire.native.ExtractOptions: {
+        "threshold": "The minimum score kept, 0 to 1 (default: the card's; GLiNER 0.5).",
+        "flat_ner": "gliner: no overlapping entities (default true).",
+        "multi_label": "gliner: a span may carry several labels; zero_shot: each class scored on its own.",
+        "max_span_width": "gliner: the widest entity in words, at most the model's.",
+        "hypothesis_template": "zero_shot and image_labels: the hypothesis, with `{}` for the class.",
+        "aggregation": "token_class: simple, first, max or average (default: the card's).",
+        "timeout_s": _TIMEOUT,
+    },
+    wire.EmbeddingsRequest: {
+        "model": _MODEL,
+        "input": "A text or a list of texts (token ids are refused: each model has its own tokenizer).",
+        "encoding_format": "float, or base64 of each vector's float32 little-endian bytes (null: float).",
+        "dimensions": "Keep the first N dimensions (Matryoshka), normalised again when the card normalises.",
+        "user": "Accepted and ignored.",
+        "input_type": "shoal's own: query or search_query prepends the card's query prompt, document or "
+        "search_document its document prompt (default: none).",
+        "prompt_name": "shoal's own: " + _PROMPT_NAME,
+    },
+    wire.cohere.RerankRequest: {
+        **_RERANK,
+        "model": _MODEL + " Optional: the server's default scoring model.",
+        "rank_fields": "Object documents: rank by these fields, as `name: value` lines in this order.",
+        "max_chunks_per_doc": "Accepted and ignored (documents are truncated; /v1/score has windows).",
+    },
+    wire.cohere.RerankV2Request: {
+        **_RERANK,
+        "relevant_spans": "Only `{mode: disabled}`: shoal does not compute spans.",
+        "priority": "Accepted and ignored.",
+    },
+    wire.cohere_embed.EmbedRequest: _COHERE_EMBED,
+    wire.cohere_embed.EmbedV2Request: {
+        **_COHERE_EMBED,
+        "inputs": "Or content parts: an input's text parts are one text, or an input is one image part.",
+        "max_tokens": "At or above the model's max_length: accepted; below it: a 400.",
+        "output_dimension": "Keep the first N dimensions (Matryoshka), normalised again when the card normalises.",
+        "priority": "Accepted and ignored.",
+    },
+    wire.tei.RerankRequest: {
+        "query": "The query the texts are ranked against.",
+        "texts": "The texts to rank.",
+        "raw_scores": "The logit, without the model's activation.",
+        "return_text": "Echo each text in its result.",
+        "truncate": _TEI_TRUNCATE,
+        "truncation_direction": _TEI_DIRECTION,
+    },
+    wire.tei.EmbedRequest: {
+        "inputs": _TEI_INPUTS,
+        "truncate": _TEI_TRUNCATE,
+        "truncation_direction": _TEI_DIRECTION,
+        "prompt_name": _PROMPT_NAME,
+        "normalize": "L2-normalise each vector.",
+        "dimensions": "Keep the first N dimensions (Matryoshka).",
+        "encoding_format": "Only float (what huggingface_hub may send).",
+    },
+    wire.tei.EmbedSparseRequest: {
+        "inputs": _TEI_INPUTS,
+        "truncate": _TEI_TRUNCATE,
+        "truncation_direction": _TEI_DIRECTION,
+        "prompt_name": _PROMPT_NAME,
+    },
+    wire.tei.TokenizeRequest: {
+        "inputs": _TEI_INPUTS,
+        "add_special_tokens": "Add the model's special tokens, as it reads a text.",
+        "prompt_name": _PROMPT_NAME,
+    },
+    wire.tei.SimilarityRequest: {
+        "inputs": "`source_sentence`, and the `sentences` whose cosine with it is answered, in order.",
+        "parameters": "truncate, truncation_direction and prompt_name, as for /embed.",
+    },
+}
+
+
+# --- the document -------------------------------------------------------------------------------
 
 
 def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
     """The OpenAPI 3.1 document of `routes` (by default, the app's table)."""
     types = [m for route in routes for t in (route.request, route.response) if t is not None for m in _members(t)]
+    described = list(FIELDS)
     schemas, components = msgspec.json.schema_components(
-        [*types, wire.ErrorResponse], schema_hook=_array_schema, ref_template="#/components/schemas/{name}"
+        [*types, *described, wire.ErrorResponse], schema_hook=_array_schema, ref_template="#/components/schemas/{name}"
     )
     of_type = dict(zip(map(id, types), schemas))
     error_schema = schemas[-1]
+    for t, ref in zip(described, schemas[len(types) :]):
+        _describe_fields(t, components[ref["$ref"].rsplit("/", 1)[1]])
 
     def schema(t: Schema) -> JSONObject:
         return {"anyOf": [of_type[id(m)] for m in t]} if isinstance(t, tuple) else of_type[id(t)]
@@ -38,18 +265,29 @@ def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
     paths: dict[str, dict[str, JSONObject]] = {}
     for route in routes:
         path, method = _PARAM.sub(r"{\1}", route.path), route.method.lower()
-        entry: JSONObject = {"summary": route.summary, "operationId": _operation_id(path, method)}
-        params = _PARAM.findall(route.path)
+        entry: JSONObject = {
+            "tags": [route.tag],
+            "summary": route.summary,
+            "operationId": _operation_id(path, method),
+        }
+        params: list[JSONObject] = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in _PARAM.findall(route.path)
+        ]
         if params:
-            entry["parameters"] = [
-                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in params
-            ]
+            if route.name in _PATH_EXAMPLES:
+                params[0]["example"] = _PATH_EXAMPLES[route.name]
+            entry["parameters"] = params
         if route.request is not None:
-            body = {"schema": schema(route.request)}
+            body: JSONObject = {"schema": schema(route.request)}
+            if route.name in EXAMPLES:
+                body["example"] = EXAMPLES[route.name]
             entry["requestBody"] = {
                 "required": True,
-                "content": {"application/json": body, "application/msgpack": body},
+                "content": {"application/json": body, "application/msgpack": {"schema": body["schema"]}},
             }
+        if route.plain is None:  # through `app.endpoint`, which checks the bearer token when auth is on
+            entry["security"] = [{"bearer": []}, {}]
         ok: JSONObject = {"description": "OK"}
         if route.response is not None:
             ok["content"] = {"application/json": {"schema": schema(route.response)}}
@@ -68,11 +306,24 @@ def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
         "info": {
             "title": "shoal",
             "version": __version__,
-            "description": "Serve small models: encode, score, extract (docs/api.md).",
+            "description": "Serve small models: encode, score, extract, natively and through the OpenAI, "
+            "Cohere and TEI APIs (docs/api.md). Bodies are JSON, or msgpack with `Content-Type: "
+            "application/msgpack`; `Accept: application/msgpack` answers msgpack. A server with tokens "
+            "takes `Authorization: Bearer <token>` on every route but the probes, metrics and this document.",
         },
+        "tags": [{"name": name, "description": text} for name, text in TAGS.items()],
         "paths": paths,
         "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
+
+
+def _describe_fields(t: type[object], schema: dict[str, Any]) -> None:
+    """Write `FIELDS[t]` onto `t`'s generated schema, refusing a field `t` does not have."""
+    properties = schema["properties"]
+    for field, text in FIELDS[t].items():
+        if field not in properties:
+            raise ValueError(f"openapi.FIELDS describes {t.__qualname__}.{field}, which it does not have")
+        properties[field]["description"] = text
 
 
 def _array_schema(t: type[object]) -> JSONObject:

@@ -6,6 +6,7 @@ document from it, so the two cannot disagree. A row is one operation, a path and
     path       Starlette's pattern; `{name:path}` takes the rest of the path (model ids contain `/`)
     name       the route's name: the `route` label of its request metrics
     summary    the operation's summary in the document
+    tag        the family the document lists it under (a key of `TAGS`)
     handler    a verb's handler (`routes`, `tei`): takes a `routes.Context` and runs inside
                `app.endpoint`, which checks auth, reads the body, picks the formats, maps errors and
                records the metrics and the timing header
@@ -45,6 +46,21 @@ Schema: TypeAlias = type[object] | tuple[type[object], ...]
 OPEN_OBJECT: type[object] = dict[str, Any]
 
 
+# The families the document groups the routes in: its `tags`, in this order, each with what it says.
+TAGS: dict[str, str] = {
+    "native": "shoal's own verbs: encode (dense, sparse and multi-vector outputs), score (rerank) and extract "
+    "(entities, zero-shot labels); in msgpack, arrays travel as their raw little-endian bytes.",
+    "OpenAI": "OpenAI's embeddings API: the `openai` client, LangChain's OpenAIEmbeddings and the like.",
+    "Cohere": "Cohere's embed and rerank APIs, v1 and v2 (`/v1/rerank` also reads Jina's rerank request).",
+    "TEI": "Hugging Face text-embeddings-inference's routes. Their bodies name no model: `?model=ID` or the "
+    "`X-Shoal-Model` header names one, else the server's default model for the verb serves.",
+    "models": "The models this server serves, in OpenAI's list shape with shoal's fields (tasks, outputs, "
+    "dimensions, state).",
+    "admin": "Load, unload, pin and unpin a model: tokens with the admin scope.",
+    "operations": "Probes, metrics, and this document.",
+}
+
+
 @dataclass(frozen=True)
 class RouteSpec:
     """One operation of the HTTP API (the module's docstring says what each field is)."""
@@ -53,6 +69,7 @@ class RouteSpec:
     method: Literal["GET", "POST"]
     name: str
     summary: str
+    tag: str
     handler: Handler | None = None
     plain: Plain | None = None
     request: Schema | None = None
@@ -62,6 +79,8 @@ class RouteSpec:
     verb: Literal["encode", "score", "extract"] | None = None
 
     def __post_init__(self) -> None:
+        if self.tag not in TAGS:
+            raise TypeError(f"route {self.method} {self.path}: tag {self.tag!r} is none of {', '.join(TAGS)}")
         if (self.handler is None) == (self.plain is None):
             raise TypeError(f"route {self.method} {self.path}: give exactly one of `handler` and `plain`")
         if self.plain is not None and (self.request is not None or self.admin):
@@ -79,59 +98,64 @@ _TEI_ROOT_RESPONSE = (list[list[float]], list[float], list[wire.tei.Rank])
 # fmt: off
 ROUTES: tuple[RouteSpec, ...] = (
     # Native verbs (wire/native.py).
-    RouteSpec("/v1/encode", "POST", "encode", "Encode texts: dense, sparse and multi-vector outputs",
+    RouteSpec("/v1/encode", "POST", "encode", "Encode texts: dense, sparse and multi-vector outputs", "native",
               routes.encode, request=wire.EncodeRequest, response=wire.EncodeResponse, verb="encode"),
-    RouteSpec("/v1/score", "POST", "score", "Score documents against a query (rerank)",
+    RouteSpec("/v1/score", "POST", "score", "Score documents against a query (rerank)", "native",
               routes.score, request=wire.ScoreRequest, response=wire.ScoreResponse, verb="score"),
-    RouteSpec("/v1/extract", "POST", "extract", "Extract entities or zero-shot labels",
+    RouteSpec("/v1/extract", "POST", "extract", "Extract entities or zero-shot labels", "native",
               routes.extract, request=wire.ExtractRequest, response=wire.ExtractResponse, verb="extract"),
     # OpenAI (wire/openai.py), Cohere and Jina (wire/cohere.py, wire/cohere_embed.py).
-    RouteSpec("/v1/embeddings", "POST", "embeddings", "OpenAI-compatible embeddings",
+    RouteSpec("/v1/embeddings", "POST", "embeddings", "OpenAI-compatible embeddings", "OpenAI",
               routes.embeddings, request=wire.EmbeddingsRequest, response=wire.EmbeddingsResponse, verb="encode"),
-    RouteSpec("/v1/rerank", "POST", "rerank", "Cohere v1 (and Jina) rerank",
+    RouteSpec("/v1/rerank", "POST", "rerank", "Cohere v1 (and Jina) rerank", "Cohere",
               routes.rerank, request=wire.cohere.RerankRequest, response=wire.cohere.RerankResponse, verb="score"),
-    RouteSpec("/v2/rerank", "POST", "rerank_v2", "Cohere v2 rerank",
+    RouteSpec("/v2/rerank", "POST", "rerank_v2", "Cohere v2 rerank", "Cohere",
               routes.rerank_v2, request=wire.cohere.RerankV2Request, response=wire.cohere.RerankV2Response,
               verb="score"),
-    RouteSpec("/v1/embed", "POST", "cohere_embed_v1", "Cohere v1 embed",
+    RouteSpec("/v1/embed", "POST", "cohere_embed_v1", "Cohere v1 embed", "Cohere",
               routes.cohere_embed_v1, request=wire.cohere_embed.EmbedRequest,
               response=(wire.cohere_embed.EmbedFloatsResponse, wire.cohere_embed.EmbedByTypeResponse),
               verb="encode"),
-    RouteSpec("/v2/embed", "POST", "embed_v2", "Cohere v2 embed",
+    RouteSpec("/v2/embed", "POST", "embed_v2", "Cohere v2 embed", "Cohere",
               routes.embed_v2, request=wire.cohere_embed.EmbedV2Request,
               response=wire.cohere_embed.EmbedByTypeResponse, verb="encode"),
     # TEI, text-embeddings-inference (wire/tei.py): bodies name no model (api/tei.py).
-    RouteSpec("/rerank", "POST", "tei_rerank", "TEI rerank",
+    RouteSpec("/rerank", "POST", "tei_rerank", "TEI rerank", "TEI",
               routes.tei_rerank, request=wire.tei.RerankRequest, response=list[wire.tei.Rank], verb="score"),
-    RouteSpec("/embed", "POST", "tei_embed", "TEI embed",
+    RouteSpec("/embed", "POST", "tei_embed", "TEI embed", "TEI",
               tei.embed, request=wire.tei.EmbedRequest, response=list[list[float]], verb="encode"),
-    RouteSpec("/embed_all", "POST", "tei_embed_all", "TEI token states (unpooled)",
+    RouteSpec("/embed_all", "POST", "tei_embed_all", "TEI token states (unpooled)", "TEI",
               tei.embed_all, request=wire.tei.EmbedSparseRequest, response=list[list[list[float]]], verb="encode"),
-    RouteSpec("/tokenize", "POST", "tei_tokenize", "TEI tokenize",
+    RouteSpec("/tokenize", "POST", "tei_tokenize", "TEI tokenize", "TEI",
               tei.tokenize, request=wire.tei.TokenizeRequest, response=list[list[Token]]),
-    RouteSpec("/embed_sparse", "POST", "tei_embed_sparse", "TEI sparse embed",
+    RouteSpec("/embed_sparse", "POST", "tei_embed_sparse", "TEI sparse embed", "TEI",
               tei.embed_sparse, request=wire.tei.EmbedSparseRequest, response=list[list[wire.tei.SparseValue]],
               verb="encode"),
-    RouteSpec("/similarity", "POST", "tei_similarity", "TEI sentence similarity",
+    RouteSpec("/similarity", "POST", "tei_similarity", "TEI sentence similarity", "TEI",
               tei.similarity, request=wire.tei.SimilarityRequest, response=list[float], verb="encode"),
-    RouteSpec("/", "POST", "tei_root", "TEI's root: embed, similarity or rerank, by the body",
+    RouteSpec("/", "POST", "tei_root", "TEI's root: embed, similarity or rerank, by the body", "TEI",
               tei.root, request=_TEI_ROOT_REQUEST, response=_TEI_ROOT_RESPONSE),
-    RouteSpec("/info", "GET", "tei_info", "TEI model info", tei.info, response=OPEN_OBJECT),
+    RouteSpec("/info", "GET", "tei_info", "TEI model info", "TEI", tei.info, response=OPEN_OBJECT),
     # Models (OpenAI's list shape, and shoal's admin actions).
-    RouteSpec("/v1/models", "GET", "models", "The models this server serves (OpenAI list shape)",
+    RouteSpec("/v1/models", "GET", "models", "The models this server serves (OpenAI list shape)", "models",
               routes.models, response=OPEN_OBJECT),
-    RouteSpec("/v1/models/{model_path:path}", "GET", "model", "One model (ids contain `/`)",
+    RouteSpec("/v1/models/{model_path:path}", "GET", "model", "One model (ids contain `/`)", "models",
               routes.model, response=OPEN_OBJECT),
     RouteSpec("/v1/models/{model_path:path}", "POST", "model_admin",
-              "Admin: `{id}/load`, `/unload`, `/pin`, `/unpin` (admin scope)",
+              "Admin: `{id}/load`, `/unload`, `/pin`, `/unpin` (admin scope)", "admin",
               routes.model_admin, response=OPEN_OBJECT, admin=True),
     # Served as they are (api/plain.py).
-    RouteSpec("/healthz", "GET", "healthz", "Process up", plain=plain.healthz),
-    RouteSpec("/health", "GET", "health", "Process up (TEI's name)", plain=plain.healthz),
-    RouteSpec("/", "GET", "root", "Process up (TEI's root)", plain=plain.healthz),
-    RouteSpec("/readyz", "GET", "readyz", "Engine ready (503 otherwise)", plain=plain.readyz),
-    RouteSpec("/metrics", "GET", "metrics", "Prometheus metrics", plain=plain.metrics, media="text/plain"),
-    RouteSpec("/openapi.json", "GET", "openapi", "This document", plain=plain.openapi_json, response=OPEN_OBJECT),
-    RouteSpec("/docs", "GET", "docs", "This document, rendered", plain=plain.docs, media="text/html"),
+    RouteSpec("/healthz", "GET", "healthz", "Process up", "operations", plain=plain.healthz),
+    RouteSpec("/health", "GET", "health", "Process up (TEI's name)", "TEI", plain=plain.healthz),
+    RouteSpec("/", "GET", "root", "Process up (TEI's root)", "TEI", plain=plain.healthz),
+    RouteSpec("/readyz", "GET", "readyz", "Engine ready (503 otherwise)", "operations", plain=plain.readyz),
+    RouteSpec("/metrics", "GET", "metrics", "Prometheus metrics", "operations", plain=plain.metrics,
+              media="text/plain"),
+    RouteSpec("/openapi.json", "GET", "openapi", "This document", "operations", plain=plain.openapi_json,
+              response=OPEN_OBJECT),
+    RouteSpec("/docs", "GET", "docs", "This document, rendered (Swagger UI, served from this server)",
+              "operations", plain=plain.docs, media="text/html"),
+    RouteSpec("/docs/assets/{name}", "GET", "docs_asset", "Swagger UI's script, stylesheet and icon for /docs",
+              "operations", plain=plain.docs_asset, media="*/*"),
 )
 # fmt: on
