@@ -187,3 +187,31 @@ def test_an_adapter_folder_added_while_serving_is_served_without_a_restart(fleet
         time.sleep(0.05)
     merged = merged_copy(model, MINILM_DIR, cards.parent / "merged-late")
     assert np.abs(encode(url, TEXTS, adapter="ft-late") - st_vectors(merged, TEXTS)).max() <= 1e-5
+
+
+def test_an_adapter_that_cannot_apply_is_a_502_without_retry_after_and_the_sdk_does_not_retry_it(fleet):
+    from shoal.errors import ModelLoadError
+    from shoal.sdk import Client
+
+    url, cards, base, _ = fleet
+    staging = cards.parent / "staging-ft-bad"
+    save_adapter(base, staging, seed=13, r=4, lora_alpha=8, target_modules=["query", "value"])
+    config = json.loads((staging / "adapter_config.json").read_text())
+    config["peft_type"] = "IA3"  # not LoRA: nothing a retry could change
+    (staging / "adapter_config.json").write_text(json.dumps(config))
+    _set_base(staging / "adapter_config.json", MODEL)
+    shutil.move(str(staging), cards / "adapters" / "ft-bad")
+    deadline = time.monotonic() + 10
+    while "ft-bad" not in {a["id"] for a in httpx.get(f"{url}/v1/models/{MODEL}").json()["adapters"]}:
+        assert time.monotonic() < deadline, "the adapter was never listed"
+        time.sleep(0.05)
+    body = {"model": MODEL, "items": [{"text": "hi"}], "adapter": "ft-bad"}
+    for _ in range(2):
+        refused = httpx.post(f"{url}/v1/encode", json=body, timeout=60.0)
+        assert refused.status_code == 502 and "LoRA adapters only" in refused.json()["error"]["message"]
+        assert "retry-after" not in refused.headers
+    with Client(url, max_retries=5) as client:
+        started = time.monotonic()
+        with pytest.raises(ModelLoadError, match="LoRA adapters only"):
+            client.encode(MODEL, ["hi"], adapter="ft-bad")
+        assert time.monotonic() - started < 2.0

@@ -76,7 +76,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    """The catalog, one model a line: id, architecture, tasks, outputs, where its weights are
+    (local, downloadable, unavailable), how it is verified, its adapters."""
     from .catalog import Catalog
+    from .catalog.resolve import weights_state
 
     settings = _settings(args)
     catalog = Catalog.load(settings.models_dirs, strict=False).restrict(settings.models)
@@ -84,7 +87,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         outputs = ",".join(card.outputs) if "encode" in card.tasks else (card.score.kind if card.score else "-")
         adapters = f" adapters: {','.join(sorted(card.adapters))}" if card.adapters else ""
         kind = card.architecture or "-"
-        print(f"{card.id:48} {kind:12} {','.join(card.tasks):13} {outputs:24} {card.verified}{adapters}")
+        weights = weights_state(card, settings.allow_download)
+        print(f"{card.id:48} {kind:12} {','.join(card.tasks):13} {outputs:24} {weights:12} {card.verified}{adapters}")
     for _file, error in sorted(catalog.broken.items()):
         print(f"broken: {error}", file=sys.stderr)
     return 1 if catalog.broken else 0

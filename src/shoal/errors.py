@@ -135,7 +135,10 @@ class CardError(ShoalError):
 
 class ModelLoadError(ShoalError):
     """`public_message` is what a client sees: the message with the server's file paths cut to
-    their last part (the log gets the whole message). `retry_after_s`: when the next attempt is."""
+    their last part (the log gets the whole message). `retry_after_s`: when the next attempt is.
+    `permanent`: trying again cannot help until someone changes the server (installs the weights,
+    allows downloads, fixes the adapter's files): answered without a Retry-After, so clients do
+    not retry it."""
 
     code = "model_load_failed"
 
@@ -146,10 +149,12 @@ class ModelLoadError(ShoalError):
         details: Mapping[str, object] | None = None,
         public_message: str | None = None,
         retry_after_s: float | None = None,
+        permanent: bool = False,
     ) -> None:
         super().__init__(message, details=details)
         self.public_message = public_message or _PATH.sub(lambda m: m.group(0).rsplit("/", 1)[-1], message)
         self._retry_after_s = retry_after_s
+        self.permanent = permanent
 
     @property
     def retry_after_s(self) -> float | None:

@@ -42,6 +42,9 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     adapters_loaded: tuple[str, ...] = ()
     error: str | None = None
     aliases: tuple[str, ...] = ()  # other names a request may use for it
+    # Where its weights are: local (a load needs no network), downloadable (from the Hub, when it
+    # answers) or unavailable (this server cannot load it); None where not known (a gateway).
+    weights: str | None = None
 
 
 def status_of_card(
@@ -55,6 +58,7 @@ def status_of_card(
     adapters_loaded: tuple[str, ...] = (),
     error: str | None = None,
     aliases: tuple[str, ...] = (),
+    weights: str | None = None,
 ) -> ModelStatus:
     """A card's `ModelStatus`; the keywords are the fields the server measures (residency: state,
     bytes...), as `ModelStatus` documents them."""
@@ -79,6 +83,7 @@ def status_of_card(
         adapters_loaded=adapters_loaded,
         error=error,
         aliases=aliases,
+        weights=weights,
     )
 
 

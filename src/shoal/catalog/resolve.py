@@ -12,7 +12,12 @@ import fnmatch
 import importlib.util
 import logging
 import shutil
+import socket
+import threading
+import time
+from importlib import metadata
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..errors import ModelLoadError
 from .card import ModelCard
@@ -56,24 +61,102 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
         except ModelLoadError as exc:
             tried.append(exc.message)
 
+    permanent = True  # unless a download was tried and failed on the way (a retry may get through)
+    why = "Hub downloads are disabled (HF_HUB_OFFLINE or --no-download)"
     if source.hub:
-        if allow_download:
+        if not allow_download:
+            tried.append(why)
+        elif (unreachable := hub_unreachable()) is not None:
+            why = unreachable
+            tried.append(why)
+        else:
             try:
                 downloaded = _hub_snapshot(source.hub, source.revision, local_files_only=False)
             except Exception as exc:  # network, auth, missing repo: all reported the same way
                 tried.append(f"download of {source.hub} failed: {type(exc).__name__}: {exc}")
+                why = f"its download from the Hugging Face Hub failed ({type(exc).__name__})"
+                permanent = _is_missing_repo(exc)
             else:
                 if downloaded is not None:
                     return downloaded
-        else:
-            tried.append("Hub downloads are disabled (HF_HUB_OFFLINE)")
+    else:
+        why = "its card names no Hub repository to download from"
 
     raise ModelLoadError(
         f"no weights found for {card.id}: " + "; ".join(tried),
-        details={"model": card.id, "tried": tried},
+        details={"model": card.id, "tried": tried, "weights": "unavailable"},
         # Clients learn that, not where this server looked (its paths, packages, cache): the log has it.
-        public_message=f"no weights found for {card.id} on this server (its log lists where it looked)",
+        public_message=f"no weights for {card.id} on this server, and {why} (the server log lists where it looked)",
+        permanent=permanent,
     )
+
+
+# How long a probe of the Hub may take, and how long its answer stands.
+HUB_PROBE_TIMEOUT_S = 1.5
+HUB_PROBE_TTL_S = 30.0
+_hub_probe: tuple[float, str | None] | None = None  # (when, why unreachable or None)
+_hub_probe_lock = threading.Lock()
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here (None when it can): a TCP connection to
+    its endpoint within HUB_PROBE_TIMEOUT_S, the answer kept for HUB_PROBE_TTL_S. Without it a
+    download with no network spends ~20 s in the Hub client's retries before it fails."""
+    global _hub_probe
+    with _hub_probe_lock:
+        now = time.monotonic()
+        if _hub_probe is not None and now - _hub_probe[0] < HUB_PROBE_TTL_S:
+            return _hub_probe[1]
+        from huggingface_hub import constants
+
+        endpoint = urlsplit(constants.ENDPOINT)
+        host, port = endpoint.hostname or "huggingface.co", endpoint.port or (443 if endpoint.scheme == "https" else 80)
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+            why = None
+        except OSError as exc:
+            why = f"the Hugging Face Hub ({host}) cannot be reached from this server ({type(exc).__name__})"
+        _hub_probe = (now, why)
+        return why
+
+
+def _is_missing_repo(exc: Exception) -> bool:
+    """A download that failed because the repository or revision does not exist (retrying cannot help)."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    return isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError))
+
+
+WEIGHTS = ("local", "downloadable", "unavailable")
+
+
+def weights_state(card: ModelCard, allow_download: bool) -> str:
+    """Where a load would find the card's weights, looked up without loading, unpacking or the
+    network: `local` (its path, the Hugging Face cache, an installed package or all of its split
+    packages), `downloadable` (a Hub repository, and downloads are allowed: whether the Hub answers
+    is known only when a load tries), else `unavailable`."""
+    source = card.source
+    if source.path and _is_model_dir(_local_path(source, card.card_path)):
+        return "local"
+    if source.hub and _hub_snapshot(source.hub, source.revision, local_files_only=True) is not None:
+        return "local"
+    if source.package:
+        module, _, subdir = source.package.partition("/")
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations:
+            if _is_model_dir(Path(list(spec.submodule_search_locations)[0]) / subdir):
+                return "local"
+    if source.package_parts and all(_installed(name) for name in source.package_parts):
+        return "local"
+    return "downloadable" if source.hub and allow_download else "unavailable"
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def needs_download(card: ModelCard) -> bool:
@@ -159,7 +242,9 @@ def resolve_source(source, what: str, card_path: str | None, allow_download: boo
         except Exception as exc:  # broad: any miss of the local cache (absent, partial, unreadable) is "not cached"
             log.debug("%s not in the Hugging Face cache: %r", source.hub, exc)
             tried.append(f"{source.hub} is not in the Hugging Face cache")
-        if allow_download:
+        if allow_download and (unreachable := hub_unreachable()) is not None:
+            tried.append(unreachable)
+        elif allow_download:
             try:
                 return Path(snapshot_download(source.hub, revision=source.revision, allow_patterns=list(_READ_FILES)))
             except Exception as exc:  # broad: network, auth, missing repo are all reported in the error

@@ -285,11 +285,13 @@ class ModelCache(AdapterResidency):
         else:
             log.exception("loading %s failed (attempt %d; next try in %.1f s)", what, attempts, backoff_s)
             cause = f"{type(exc).__name__} while loading (the server log has the traceback)"
-        numbers = {k: v for k, v in getattr(exc, "details", {}).items() if isinstance(v, (int, float))}
-        details = {**numbers, "model": key if isinstance(key, str) else key[0], "attempts": attempts}
+        # Numbers, and `weights` (whether the load failed for want of them): never the paths tried.
+        kept = {k: v for k, v in getattr(exc, "details", {}).items() if isinstance(v, (int, float)) or k == "weights"}
+        details = {**kept, "model": key if isinstance(key, str) else key[0], "attempts": attempts}
         if not isinstance(key, str):
             details["adapter"] = key[1]
-        error = ModelLoadError(f"{what} could not be loaded: {cause}", details=details)
+        permanent = isinstance(exc, ModelLoadError) and exc.permanent
+        error = ModelLoadError(f"{what} could not be loaded: {cause}", details=details, permanent=permanent)
         failure = store[key] = Failure(error, attempts, time.monotonic() + backoff_s)
         return failure
 

@@ -105,7 +105,12 @@ class Engine:
             side_by_side=lanes,
         )
         self.fleet = Fleet(
-            catalog, cache, device=settings.device, models_dirs=models_dirs, watch_interval_s=settings.watch_interval_s
+            catalog,
+            cache,
+            device=settings.device,
+            models_dirs=models_dirs,
+            watch_interval_s=settings.watch_interval_s,
+            allow_download=allow_download,
         )
         self._tokenizers = TokenizerPool(settings.tokenizer_threads)
         self._device = DeviceWorker(

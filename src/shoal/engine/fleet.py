@@ -14,17 +14,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import msgspec
 
 from ..catalog import ADAPTERS_DIR, TUNED_DIR, Catalog, ModelCard
+from ..catalog.resolve import weights_state
 from ..errors import InvalidRequest, ModelLoadError
 from ..service import ADMIN_ACTIONS, CardProblem, ModelStatus, status_of_card
 from .backend import LoadedModel
 from .cache import ModelCache
 
 log = logging.getLogger("shoal.fleet")
+
+# A model's weights state other than `local` is looked up again after this long.
+WEIGHTS_RECHECK_S = 10.0
 
 
 class Fleet:
@@ -36,9 +41,13 @@ class Fleet:
         device: str,
         models_dirs: tuple[Path, ...] = (),
         watch_interval_s: float | None = None,
+        allow_download: bool = False,
     ) -> None:
         self.catalog = catalog
         self.cache = cache
+        self._allow_download = allow_download
+        # card id -> (the card, when looked, its weights state): `local` stands while the card does.
+        self._weights: dict[str, tuple[ModelCard, float, str]] = {}
         self._aliases = dict(catalog.extra_aliases)  # `--alias`: applied again on every reload
         self._device = device
         self._dirs = models_dirs
@@ -86,7 +95,19 @@ class Fleet:
                     f"GET /v1/models/{card.id} lists them)",
                     details={"model": card.id, "adapter": adapter, "adapters": sorted(card.adapters)},
                 )
-        runner = await self.cache.acquire(card)
+        try:
+            runner = await self.cache.acquire(card)
+        except ModelLoadError as exc:
+            if exc.details.get("weights") != "unavailable":
+                raise
+            servable = [c.id for c in self.catalog if c.id != card.id and self.weights(c) == "local"]
+            raise ModelLoadError(
+                f"{exc.message}; models with their weights on this server: {', '.join(servable) or 'none'} "
+                "(GET /v1/models: `weights`)",
+                details={**exc.details, "servable": servable},
+                permanent=exc.permanent,
+                retry_after_s=exc.retry_after_s,
+            ) from None
         if directory is None:
             return runner, -1
         assert adapter is not None  # its folder was found above
@@ -105,6 +126,17 @@ class Fleet:
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(card) for card in self.catalog]
+
+    def weights(self, card: ModelCard) -> str:
+        """Where the card's weights are (`resolve.weights_state`): looked up again after
+        WEIGHTS_RECHECK_S unless `local`, and whenever the card changes."""
+        known = self._weights.get(card.id)
+        now = time.monotonic()
+        if known is not None and known[0] is card and (known[2] == "local" or now - known[1] < WEIGHTS_RECHECK_S):
+            return known[2]
+        state = "local" if self.cache.is_loaded(card.id) else weights_state(card, self._allow_download)
+        self._weights[card.id] = (card, now, state)
+        return state
 
     def status(self, card: ModelCard) -> ModelStatus:
         cache = self.cache
@@ -129,6 +161,7 @@ class Fleet:
             adapters_loaded=cache.adapters_of(card.id),
             aliases=self.catalog.aliases_of(card.id),
             error=failure.message if failure is not None and not loaded else None,
+            weights=self.weights(card),
         )
 
     def problems(self) -> list[CardProblem]:

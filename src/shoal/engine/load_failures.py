@@ -18,7 +18,10 @@ class Failure:
 
 
 def retry_later(failure: Failure) -> ModelLoadError:
-    """The failure's error again, with the seconds until the next attempt."""
+    """The failure's error again, with the seconds until the next attempt; a permanent one without
+    them (no Retry-After: a client's retry cannot help, and the SDK does not retry it)."""
+    if failure.error.permanent:
+        return failure.error
     wait_s = max(1.0, failure.retry_at - time.monotonic())
     details = {**failure.error.details, "retry_after_s": round(wait_s, 1)}
     return ModelLoadError(

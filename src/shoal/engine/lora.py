@@ -95,21 +95,27 @@ class LoraAdapter:
         return sum(f.num_bytes for f in self.factors.values())
 
 
+def _refused(message: str, details: dict[str, Any] | None = None) -> ModelLoadError:
+    """An adapter this server cannot apply as its files stand: a retry cannot help until they
+    change (then the watcher reloads it), so the error is permanent (no Retry-After)."""
+    return ModelLoadError(message, details=details, permanent=True)
+
+
 def read_adapter_config(directory: Path) -> AdapterConfig:
     """adapter_config.json, with every feature shoal cannot apply refused by name."""
     path = directory / "adapter_config.json"
     try:
         raw: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: cannot read the adapter config: {exc}") from None
+        raise _refused(f"{path}: cannot read the adapter config: {exc}") from None
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
-        raise ModelLoadError(f"{path}: peft_type {peft_type!r}; shoal serves LoRA adapters only")
+        raise _refused(f"{path}: peft_type {peft_type!r}; shoal serves LoRA adapters only")
     for field, why in _REFUSED.items():
         if raw.get(field):
-            raise ModelLoadError(f"{path}: {why}", details={"field": field})
+            raise _refused(f"{path}: {why}", details={"field": field})
     if raw.get("bias", "none") != "none":
-        raise ModelLoadError(
+        raise _refused(
             f"{path}: bias={raw['bias']!r} trains the base model's biases; shoal applies only "
             "low-rank deltas: retrain with bias='none' or merge the adapter",
             details={"field": "bias"},
@@ -174,7 +180,7 @@ def read_adapter(
         _check_shapes(names, a, b, r, linear, shard, ours)
         shards.setdefault(ours, []).append(LoraShard(shard, a, b, scale))
     if unrouted:
-        raise ModelLoadError(
+        raise _refused(
             f"{directory}: LoRA tensors for modules that are not Linears of this model's encoder: "
             f"{', '.join(unrouted[:8])}"
             + (f" and {len(unrouted) - 8} more" if len(unrouted) > 8 else "")
@@ -182,21 +188,21 @@ def read_adapter(
             details={"tensors": unrouted},
         )
     if on_shared:
-        raise ModelLoadError(
+        raise _refused(
             f"{directory}: the adapter targets {', '.join(on_shared[:8])}, which this model also "
             "applies to inputs every sequence of a batch shares (DeBERTa's relative-position "
             "table); a per-sequence adapter cannot adapt them: retrain without them or merge it",
             details={"modules": on_shared},
         )
     if dropped and not drop_head_targets:
-        raise ModelLoadError(
+        raise _refused(
             f"{directory}: the adapter targets {', '.join(dropped[:8])}, outside the encoder, which "
             "this model's heads use; shoal adapts the encoder's Linears only: retrain excluding them "
             "(exclude_modules) or merge the adapter",
             details={"modules": dropped},
         )
     if not shards:
-        raise ModelLoadError(
+        raise _refused(
             f"{directory}: the adapter adapts no Linear of the encoder (target_modules: {config.target_modules})"
         )
     # Each module is one `_linear` accepted: a float Linear, or its int8 or packed form.
@@ -213,7 +219,7 @@ def _read_pairs(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, 
         (p for p in (directory / "adapter_model.safetensors", directory / "adapter_model.bin") if p.is_file()), None
     )
     if path is None:
-        raise ModelLoadError(f"{directory}: no adapter_model.safetensors (or adapter_model.bin)")
+        raise _refused(f"{directory}: no adapter_model.safetensors (or adapter_model.bin)")
     found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     adapters, unexpected = set(), []
     for key, load, _ in _tensors(path):
@@ -222,25 +228,25 @@ def _read_pairs(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, 
             unexpected.append(key)
             continue
         if match["kind"].startswith("embedding"):
-            raise ModelLoadError(f"{path}: {key}: LoRA on embeddings is not supported; retrain targeting Linears only")
+            raise _refused(f"{path}: {key}: LoRA on embeddings is not supported; retrain targeting Linears only")
         adapters.add(match["adapter"])
         module = match["module"].removeprefix(_PEFT_PREFIX)
         found.setdefault(module, {})[match["kind"]] = (key, load())
     if unexpected:
-        raise ModelLoadError(
+        raise _refused(
             f"{path}: tensors that are not LoRA A/B weights: {', '.join(unexpected[:8])}"
             " (LoRA biases, DoRA magnitudes or saved modules are not supported)",
             details={"tensors": unexpected},
         )
     if len(adapters) > 1:
-        raise ModelLoadError(
+        raise _refused(
             f"{path}: holds several adapters ({', '.join(sorted(map(str, adapters)))}); save each to its own folder"
         )
     pairs = {}
     for module, parts in found.items():
         if set(parts) != {"A", "B"}:
             have = next(iter(parts.values()))[0]
-            raise ModelLoadError(f"{path}: {have} has no lora_{'B' if 'A' in parts else 'A'} partner")
+            raise _refused(f"{path}: {have} has no lora_{'B' if 'A' in parts else 'A'} partner")
         (name_a, a), (name_b, b) = parts["A"], parts["B"]
         pairs[module] = (a, b, (name_a, name_b))
     return pairs
@@ -272,12 +278,12 @@ def _check_shapes(
     out = linear.out_features if shard is None else shard_sizes[shard]
     where = ours + ("" if shard is None else f" shard {shard}")
     if tuple(a.shape) != (r, linear.in_features):
-        raise ModelLoadError(
+        raise _refused(
             f"{names[0]}: shape {tuple(a.shape)}, expected (r={r}, in={linear.in_features}) for "
             f"{where}" + (" (r from adapter_config.json's r / rank_pattern)" if a.shape[0] != r else "")
         )
     if tuple(b.shape) != (out, r):
-        raise ModelLoadError(f"{names[1]}: shape {tuple(b.shape)}, expected (out={out}, r={r}) for {where}")
+        raise _refused(f"{names[1]}: shape {tuple(b.shape)}, expected (out={out}, r={r}) for {where}")
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -304,7 +310,7 @@ class AdapterTable:
     def install(self, adapter: LoraAdapter) -> int:
         with self._lock:
             if adapter.name in self._by_name:
-                raise ModelLoadError(f"adapter {adapter.name!r} is already installed; remove it first")
+                raise _refused(f"adapter {adapter.name!r} is already installed; remove it first")
             slot = next(i for i in range(len(self._by_slot) + 1) if i not in self._by_slot)
             self._by_slot = {**self._by_slot, slot: adapter}
             self._by_name = {**self._by_name, adapter.name: slot}

@@ -17,6 +17,7 @@ class AdapterEntry(TypedDict):
 class _ModelEntryIfSet(TypedDict, total=False):
     extract: str  # an extraction model's kind: gliner, token_class or zero_shot
     error: str  # why its last load failed, as a client may see it
+    weights: str  # local, downloadable or unavailable (where a load would find them; a gateway omits it)
 
 
 class ModelEntry(_ModelEntryIfSet):
