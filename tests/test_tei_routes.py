@@ -163,3 +163,41 @@ def test_the_default_model_of_a_sparse_route_is_one_with_sparse_output(base_url)
     response = httpx.post(f"{base_url}/embed_sparse", json={"inputs": "cat"})  # only a dense model is preloaded
     assert response.status_code == 400
     assert "no default or preloaded model encodes sparse vectors" in response.json()["error"]["message"]
+
+
+# --- which model answers a model-less route ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_encoders(serve, tmp_path_factory) -> str:
+    """A server with two dense encoders preloaded and no default: MiniLM, and MiniLM's weights
+    under a second id (a card of its own, 128 tokens)."""
+    from test_fleet import write_card
+
+    cards = tmp_path_factory.mktemp("two-encoders")
+    write_card(cards, "test/second-encoder")
+    return serve(preload=(MODEL_ID, "test/second-encoder"), cards_dirs=(cards,))
+
+
+@pytest.mark.parametrize("path, body", [("/embed", {"inputs": "cat"}), ("/", {"inputs": "cat"})])
+def test_a_model_less_request_with_two_encoders_preloaded_and_no_default_is_a_400_naming_them(two_encoders, path, body):
+    response = httpx.post(f"{two_encoders}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["details"]["candidates"] == [MODEL_ID, "test/second-encoder"]
+    assert "X-Shoal-Model" in error["message"] and "--default-model" in error["message"]
+    picked = httpx.post(f"{two_encoders}{path}", json=body, headers={"x-shoal-model": "test/second-encoder"})
+    assert picked.status_code == 200 and picked.headers["x-shoal-model"] == "test/second-encoder"
+
+
+def test_every_answer_names_the_model_that_served_it(base_url, two_encoders):
+    tei = httpx.post(f"{base_url}/embed", json={"inputs": "cat"}, timeout=60)  # one encoder: it answers
+    assert tei.status_code == 200 and tei.headers["x-shoal-model"] == MODEL_ID
+    native = httpx.post(f"{base_url}/v1/encode", json={"model": MODEL_ID, "items": [{"text": "cat"}]}, timeout=60)
+    assert native.headers["x-shoal-model"] == MODEL_ID and "x-shoal-adapter" not in native.headers
+    openai = httpx.post(
+        f"{two_encoders}/v1/embeddings", json={"model": "test/second-encoder", "input": "cat"}, timeout=60
+    )
+    assert openai.status_code == 200 and openai.headers["x-shoal-model"] == "test/second-encoder"
+    refused = httpx.post(f"{two_encoders}/embed", json={"inputs": "cat"}, timeout=60)
+    assert "x-shoal-model" not in refused.headers  # no model answered

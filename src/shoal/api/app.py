@@ -118,6 +118,11 @@ def create_app(
             model = ctx.model if ctx and ctx.model is not None and service.has_model(ctx.model) else "-"
             metrics.requests.labels(name, model, str(response.status_code)).inc()
             metrics.request_seconds.labels(name, model).observe(elapsed)
+            if ctx is not None and ctx.model is not None and response.status_code < 400:
+                # Which model (and adapter) answered: a model-less route's client can check it got the one it meant.
+                response.headers["x-shoal-model"] = service.model(ctx.model).id if model != "-" else ctx.model
+                if ctx.adapter is not None:
+                    response.headers["x-shoal-adapter"] = ctx.adapter
             response.headers["x-shoal-time-ms"] = f"{elapsed * 1000.0:.3f}"
             response.headers["x-request-id"] = request_id
             return response

@@ -30,7 +30,8 @@ class Context:
     fmt_in: wire.Format
     max_items: int
     request_id: str
-    model: str | None = None  # set once known, for metric labels
+    model: str | None = None  # set once known, for metric labels and the X-Shoal-Model answer header
+    adapter: str | None = None  # the call's adapter, for the X-Shoal-Adapter answer header
     result_bytes: int = 0  # array bytes in the response, to encode large ones off the event loop
     preload: tuple[str, ...] = ()  # the server's preloaded models, in order
     principal: Principal = ANONYMOUS  # who is calling (api/auth.py)
@@ -67,6 +68,7 @@ class Context:
         verb: the service raises the error a call ends in). Whether serving it may download the
         model is the caller's right, whatever the call said."""
         self.status(call.model)
+        self.adapter = call.adapter
         return await self.service.run(msgspec.structs.replace(call, may_download=self.principal.may_download))
 
     def scoring_model(self, named: str | None = None) -> str:
@@ -78,8 +80,10 @@ class Context:
     def default_model(self, task: str, named: str | None = None, output: str | None = None) -> str:
         """The model a route whose body may name none uses (TEI's, Cohere v1 rerank): the body's,
         `?model=`, the `X-Shoal-Model` header, the server's `--default-model` if it serves `task`
-        (and has `output`), else the first preloaded model that does (for score: a reranker before
-        an embedder); of the last two, only models this caller may use (and is told of)."""
+        (and has `output`), else the one preloaded model that does (for score: the one reranker,
+        else the one embedder); of the last two, only models this caller may use (and is told of).
+        Several preloaded models that could serve it and no default: InvalidRequest naming them,
+        rather than an answer from a model the client may not have meant."""
         model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
         if model:
             return model
@@ -92,14 +96,22 @@ class Context:
         def serves(m: str) -> bool:
             return task in tasks.get(m, ()) and (output is None or output in statuses[m].outputs)
 
-        preloaded = [m for m in self.preload if m and serves(m)]
+        if default and serves(default):
+            return default
+        preloaded = list(dict.fromkeys(m for m in self.preload if m and serves(m)))
         if task == "score":  # among preloaded models, a reranker before an embedder that scores by cosine
-            preloaded = [m for m in preloaded if "encode" not in tasks[m]] + preloaded
-        candidates = ([default] if default and serves(default) else []) + preloaded
-        if candidates:
-            return candidates[0]
+            preloaded = [m for m in preloaded if "encode" not in tasks[m]] or preloaded
         verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
         verb += f" {output} vectors" if output else ""
+        if len(preloaded) == 1:
+            return preloaded[0]
+        if preloaded:
+            raise InvalidRequest(
+                f"this request names no model, and {len(preloaded)} preloaded models could serve it "
+                f"({', '.join(preloaded)}) with no default set: name one with `?model=ID` or the "
+                "`X-Shoal-Model: ID` header, or start the server with `--default-model ID`",
+                details={"candidates": preloaded, "default_model": self.default if default in statuses else None},
+            )
         raise InvalidRequest(
             f"this request names no model and no default or preloaded model {verb}: name one with `?model=ID` "
             "or the `X-Shoal-Model: ID` header, or start the server with `--default-model` or `--preload` "
@@ -260,6 +272,8 @@ def _model_entry(status: ModelStatus) -> wire.ModelEntry:
         entry["extract"] = status.extract
     if status.error:
         entry["error"] = status.error
+    if status.weights:
+        entry["weights"] = status.weights
     return entry
 
 
