@@ -12,10 +12,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from ..config import Settings, child_environ
+from . import supervisor
 
 log = logging.getLogger("shoal.cluster")
 
@@ -132,74 +134,73 @@ def wait_for_port(port: int, timeout_s: float, process: subprocess.Popen | None 
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:.0f} s")
 
 
-def start_nats(port: int, store_dir: Path, *, log_file=None) -> subprocess.Popen:
-    """nats-server with JetStream on loopback, its store in `store_dir`."""
+def start_nats(port: int, store_dir: Path, *, log_file=None, die_with_parent: bool = False) -> subprocess.Popen:
+    """nats-server with JetStream on loopback, its store in `store_dir`; with `die_with_parent`, Linux
+    sends it SIGTERM (it flushes its store and exits) when this process dies."""
     # Its own session: a Ctrl-C in the terminal reaches dev-cluster, which stops the parts in order.
     process = subprocess.Popen(
         [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)],
         stdout=log_file or subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=supervisor.die_with_parent(signal.SIGTERM) if die_with_parent else None,
     )
-    wait_for_port(port, 20.0, process)
+    try:
+        wait_for_port(port, 20.0, process)
+    except TimeoutError:
+        process.kill()  # up but not listening: not left running behind the caller
+        process.wait()
+        raise
     return process
 
 
 def cmd_dev_cluster(args: argparse.Namespace, settings: Settings) -> int:
-    """nats-server, a gateway and N workers on this machine, until Ctrl-C. The children run in
-    their own sessions, so the terminal's Ctrl-C reaches only this process, which then stops the
-    gateway, drains the workers (SIGTERM) and stops NATS, in that order. The children get the
-    settings through their SHOAL_* variables, the NATS URL as a flag."""
+    """nats-server, a gateway and N workers on this machine, until Ctrl-C. A part that exits is
+    started again with back-off (supervisor.py); on Linux every part dies with this process, even
+    one killed with SIGKILL. The children run in their own sessions, so the terminal's Ctrl-C
+    reaches only this process, which then stops the gateway, drains the workers (SIGTERM) and stops
+    NATS, in that order. The children get the settings through their SHOAL_* variables, the NATS
+    URL as a flag."""
     nats_port = args.nats_port or free_port()
     store = Path(args.store_dir) if args.store_dir else Path(tempfile.mkdtemp(prefix="shoal-nats-"))
     url = f"nats://127.0.0.1:{nats_port}"
     shoal = [sys.executable, "-m", "shoal.cli"]
-    children: list[tuple[str, subprocess.Popen]] = []
     threads = {"OMP_NUM_THREADS": str(args.threads_per_worker)} if args.threads_per_worker else {}
     env = child_environ(settings, **threads)
+    # SIGKILL: a worker told SIGTERM would drain against a NATS that is going away too; what it held
+    # is redelivered from the store. Every part is forked from this (main) thread, for the kernel
+    # sends the signal when the forking thread exits.
+    preexec = supervisor.die_with_parent(signal.SIGKILL)
+
+    def spawn(cmd: list[str]) -> Callable[[], subprocess.Popen]:
+        return lambda: subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=preexec)
+
+    parts = supervisor.Supervisor(stop_timeout_s=args.stop_timeout_s)
     try:
-        children.append(("nats-server", start_nats(nats_port, store)))
+        parts.start("nats-server", lambda: start_nats(nats_port, store, die_with_parent=True))
         for i in range(args.workers):
             cmd = [*shoal, "worker", "--nats-url", url]
             for m in args.preload or []:
                 cmd += ["--preload", m]
             if args.metrics_port:
                 cmd += ["--metrics-port", str(args.metrics_port + i)]
-            children.append((f"worker {i}", subprocess.Popen(cmd, env=env, start_new_session=True)))
-        gateway = [*shoal, "gateway", "--nats-url", url]
-        children.append(("gateway", subprocess.Popen(gateway, env=env, start_new_session=True)))
+            parts.start(f"worker {i}", spawn(cmd))
+        gateway = parts.start("gateway", spawn([*shoal, "gateway", "--nats-url", url]))
         host, port = settings.server.host, settings.server.port
-        wait_for_port(port, 60.0, children[-1][1])
+        wait_for_port(port, 60.0, gateway)
         print(
             f"shoal dev-cluster: http://{host}:{port} (gateway) · {url} (NATS, store {store}) · "
             f"{args.workers} worker(s); Ctrl-C stops them all",
             flush=True,
         )
-        stop = {"now": False}
-
-        def on_signal(signum, frame):
-            stop["now"] = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        while not stop["now"]:
-            for name, child in children:
-                if child.poll() is not None:
-                    print(f"shoal dev-cluster: {name} exited with {child.returncode}; stopping", file=sys.stderr)
-                    stop["now"] = True
-            time.sleep(0.2)
+        parts.run()
+        if parts.reason:
+            print(f"shoal dev-cluster: {parts.reason}; stopping", file=sys.stderr)
     finally:
-        for _name, child in reversed(children):  # gateway, workers (they drain), then NATS
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-                try:
-                    child.wait(timeout=args.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
+        parts.stop()  # gateway, workers (they drain), then NATS
         if not args.store_dir:
             shutil.rmtree(store, ignore_errors=True)
-    return 0
+    return 1 if parts.reason else 0
 
 
 def register(sub, settings_flags, cli) -> None:
