@@ -247,7 +247,7 @@ def test_admission_counts_tokens_not_items_and_a_full_queue_is_503_with_retry_af
 
 
 def test_retry_after_is_the_token_backlog_over_the_measured_rate():
-    from shoal.engine.admission import Admission
+    from shoal.engine.admission import PROMISE_MARGIN, Admission
 
     rate: list[float | None] = [100.0]  # tokens/s, as if measured
     admission = Admission(8192, 1000, None, lambda model_id: rate[0])
@@ -255,8 +255,10 @@ def test_retry_after_is_the_token_backlog_over_the_measured_rate():
     with pytest.raises(Exception) as info:
         admission.admit(MODEL_ID, 1, 500, 300.0)
     assert info.value.code == "overloaded"
-    assert math.isclose(info.value.retry_after_s, (900 + 500 - 1000) / 100.0)
+    assert info.value.retry_after_s == math.ceil(PROMISE_MARGIN * (900 + 500 - 1000) / 100.0)
     rate[0] = None  # nothing measured yet: a short default
+    admission = Admission(8192, 1000, None, lambda model_id: rate[0])
+    admission.add(MODEL_ID, 3, 900)
     with pytest.raises(Exception) as info:
         admission.admit(MODEL_ID, 1, 500, 300.0)
     assert info.value.retry_after_s == 1.0

@@ -84,6 +84,8 @@ class DeviceWorker:
         self._heap = HeapTrimmer()
         self._tokens_per_s: float | None = None
         self._model_rates: dict[str, float] = {}  # tokens/s per model, from batches of min_rate_tokens+
+        # The same times the lanes busy beside each batch: what the whole device does for the model.
+        self._model_device_rates: dict[str, float] = {}
         self._min_rate_tokens = min_rate_tokens
 
     # --- the event loop's side ------------------------------------------------------------------
@@ -128,8 +130,14 @@ class DeviceWorker:
         return self._large_live > 0 and time.monotonic() - self._small_seen_at < CONTENTION_WINDOW_S
 
     def tokens_per_s_of(self, model_id: str) -> float | None:
-        """The model's measured token rate (batches too small to say are left out)."""
+        """The model's measured token rate on one lane (batches too small to say are left out)."""
         return self._model_rates.get(model_id)
+
+    def device_tokens_per_s_of(self, model_id: str) -> float | None:
+        """The model's measured token rate on the whole device: each batch's rate times the lanes
+        that were busy beside it. Lanes share the cores, so one lane's rate alone times the number
+        of lanes would count cores twice; a model measured only alone counts one lane (cautious)."""
+        return self._model_device_rates.get(model_id)
 
     def submit(self, pending: Pending) -> None:
         """Queue `pending`; from here on the device settles and releases it (raises if it cannot)."""
@@ -352,6 +360,8 @@ class DeviceWorker:
             if num_tokens >= self._min_rate_tokens:
                 old = self._model_rates.get(model_id)
                 self._model_rates[model_id] = rate if old is None else 0.7 * old + 0.3 * rate
+                old = self._model_device_rates.get(model_id)
+                self._model_device_rates[model_id] = device_rate if old is None else 0.7 * old + 0.3 * device_rate
         for (pending, index), output in zip(slots, outputs):
             if isinstance(output, Exception):
                 log.error("request %s: inference failed on item %d", pending.request_id, index, exc_info=output)

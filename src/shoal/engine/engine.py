@@ -349,10 +349,9 @@ class Engine:
         raise exc
 
     def _rate_of(self, model_id: str) -> float | None:
-        """The device's tokens/s for a model: the rate of its batches on one lane times the lanes
-        (they run side by side); before one is measured, the device's over every model."""
-        rate = self._device.tokens_per_s_of(model_id)
-        return rate * self._device.lanes if rate else self._device.tokens_per_s
+        """The device's tokens/s for a model: its batches' rate times the lanes busy beside them;
+        before one is measured, the device's over every model."""
+        return self._device.device_tokens_per_s_of(model_id) or self._device.tokens_per_s
 
     def _limits_for(self, model_id: str) -> BatchLimits:
         """The card's (or the settings') limits. While small and large requests share the device, the
