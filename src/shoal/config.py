@@ -128,8 +128,8 @@ class ServerSettings:
     keep_alive_timeout_s: float = setting(5.0, "an idle kept-alive connection is closed after this long")
     max_connections: int = setting(
         1000,
-        "open connections (idle ones count) before the next gets 503; lowered "
-        "below the process's file-descriptor limit",
+        "open connections; past it a new one displaces an idle one (of the peer holding the most), "
+        "else gets 503; lowered below the process's file-descriptor limit",
     )
     listen_backlog: int = setting(2048, "connections the kernel queues before the server accepts them")
     # Bearer tokens (api/auth.py). None of the three: no auth (loopback only, unless `no_auth`).
