@@ -146,8 +146,15 @@ class ServerSettings:
     default_model: str | None = setting(
         None,
         "the model of routes whose bodies name none (TEI's), unless ?model= "
-        "or X-Shoal-Model says; none: the first preloaded model of the verb",
+        "or X-Shoal-Model says; none: the one preloaded model of the verb (several: 400)",
         metavar="MODEL",
+    )
+    allow_origins: tuple[str, ...] = setting(
+        (),
+        "web origins a browser may call the API from (CORS), e.g. https://app.example; '*' any; "
+        "none: no CORS headers (browsers refuse cross-origin calls)",
+        also=("--allow-origin",),
+        metavar="ORIGIN",
     )
 
 

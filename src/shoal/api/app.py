@@ -21,6 +21,8 @@ from typing import TypeVar
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -38,6 +40,8 @@ log = logging.getLogger("shoal.api")
 
 T = TypeVar("T")
 _REQUEST_ID = re.compile(r"[\w.:/-]{1,128}")
+# Response headers a browser's script may read on a cross-origin answer (`--allow-origin`).
+CORS_EXPOSED = ("x-request-id", "x-shoal-model", "x-shoal-adapter", "x-shoal-time-ms", "retry-after")
 # Responses larger than this are encoded in a worker thread, off the event loop.
 _OFF_LOOP_BYTES = 1 << 20
 
@@ -129,7 +133,21 @@ def create_app(
 
         return run
 
+    middleware = []
+    if server.allow_origins:
+        # Bearer tokens travel in a header, never cookies: no credentials mode is needed.
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(server.allow_origins),
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["authorization", "content-type", "accept", "x-shoal-model", "x-request-id"],
+                expose_headers=[*CORS_EXPOSED],
+                max_age=600,
+            )
+        )
     app = Starlette(
+        middleware=middleware,
         routes=[
             Route(
                 spec.path, endpoint(spec) if spec.plain is None else spec.plain, methods=[spec.method], name=spec.name
