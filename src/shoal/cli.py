@@ -71,8 +71,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for model_id in preload + ((server.default_model,) if server.default_model else ()):
         engine.catalog.get(model_id)  # fail fast on a typo, before binding the port
     app = create_app(settings, engine, preload=preload, auth=auth)
+    _log_to_stderr(args.log_level)
+    print(_startup_summary(settings, engine, preload), file=sys.stderr, flush=True)
     serve(app, settings.server, log_level=args.log_level)
     return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    """shoal's own log lines (loads, failed preloads, refusals) on stderr beside uvicorn's."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)-9s %(name)s: %(message)s"))
+    logger = logging.getLogger("shoal")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def _startup_summary(settings: Settings, engine: Engine, preload: tuple[str, ...]) -> str:
+    """One line: where it serves, on what, within what memory, which models (and how many can load
+    without the network), what it preloads."""
+    import torch
+
+    server = settings.server
+    local = sum(engine.fleet.weights(card) == "local" for card in engine.catalog)
+    budget = engine.cache.budget_bytes
+    parts = [
+        f"http://{server.host}:{server.port}",
+        f"device {settings.engine.device}, {engine.device_lanes} lane(s), {torch.get_num_threads()} torch thread(s)",
+        f"memory budget {budget / 2**30:.1f} GiB" if budget else "no memory budget",
+        f"{len(engine.catalog)} models, {local} with local weights (`shoal models` lists them)",
+        f"preloading {', '.join(preload)} (GET /readyz says when they are ready)" if preload else "nothing preloaded",
+    ]
+    if server.default_model:
+        parts.append(f"default model {server.default_model}")
+    return "shoal serve: " + " · ".join(parts)
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
@@ -49,17 +50,21 @@ _OFF_LOOP_BYTES = 1 << 20
 def create_app(
     settings: Settings, service: Service, *, preload: tuple[str, ...] = (), auth: Auth | None = None
 ) -> Starlette:
-    """The ASGI app; its lifespan starts the service and loads `preload` models before serving.
-    `auth`: the bearer tokens it accepts (None or none: open, as on loopback)."""
+    """The ASGI app; its lifespan starts the service, then loads the `preload` models while it
+    serves (the port is bound at once; `/readyz` answers 200 once they are warm, and says which
+    are loading or failed until then). `auth`: the bearer tokens it accepts (None or none: open,
+    as on loopback)."""
     auth = auth or Auth([])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await service.start()
-        await service.warm(list(preload))
+        preloading = app.state.preloading = Preloading(loading=list(preload))
+        task = asyncio.create_task(_preload(service, preloading))
         try:
             yield
         finally:
+            task.cancel()
             await service.stop()
 
     server = settings.server
@@ -171,6 +176,35 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     message = f"{request.method} {request.url.path}: {exc.detail}"
     fmt = wire.format_of_accept(request.headers.get("accept"), wire.Format.JSON)
     return http_error(code, message, exc.status_code, headers=exc.headers, fmt=fmt)
+
+
+@dataclass
+class Preloading:
+    """The preloads still loading, and those that failed (model id -> why, as a client may see it)."""
+
+    loading: list[str]
+    failed: dict[str, str] = field(default_factory=dict)
+    done: bool = False
+
+
+async def _preload(service: Service, preloading: Preloading) -> None:
+    """Load each preload in turn (then the cards that ask for it): a failure is one line in the log
+    and in /readyz, not a traceback, and the others still load."""
+    for model_id in [*preloading.loading, None]:  # None: the cards' own preloads, once
+        try:
+            await service.warm([model_id] if model_id else [])
+        except ShoalError as exc:
+            why = getattr(exc, "public_message", None) or exc.message
+            preloading.failed[model_id or "cards"] = why
+            log.error("preload of %s failed: %s", model_id or "the cards' preloads", why)
+        finally:
+            if model_id:
+                preloading.loading.remove(model_id)
+    preloading.done = True
+    if preloading.failed:
+        log.error("not ready: %d preload(s) failed (GET /readyz lists them)", len(preloading.failed))
+    else:
+        log.info("ready: preloaded models are loaded")
 
 
 def _encode_large(result: object, fmt: wire.Format) -> bytes:

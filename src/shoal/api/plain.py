@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
@@ -36,11 +37,20 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """200 once the service serves (started, preloaded models warm), else 503."""
+    """200 once the service serves and its preloaded models are warm; else 503, saying which are
+    still loading (`loading`) or failed to load (`failed`: id -> why)."""
     service: Service = request.app.state.service
-    if service.ready:
+    preloading = getattr(request.app.state, "preloading", None)
+    loading = list(preloading.loading) if preloading is not None and not preloading.done else []
+    failed = dict(preloading.failed) if preloading is not None else {}
+    if service.ready and preloading is not None and preloading.done and not failed:
         return Response(b'{"status":"ready"}', media_type=wire.JSON)
-    return Response(b'{"status":"not ready"}', status_code=503, media_type=wire.JSON)
+    body: dict[str, object] = {"status": "preload failed" if failed else "loading" if loading else "not ready"}
+    if loading or (preloading is not None and not preloading.done):
+        body["loading"] = loading
+    if failed:
+        body["failed"] = failed
+    return Response(msgspec.json.encode(body), status_code=503, media_type=wire.JSON)
 
 
 async def metrics(request: Request) -> Response:

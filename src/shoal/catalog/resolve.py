@@ -62,7 +62,7 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
             tried.append(exc.message)
 
     permanent = True  # unless a download was tried and failed on the way (a retry may get through)
-    why = "Hub downloads are disabled (HF_HUB_OFFLINE or --no-download)"
+    why = "Hub downloads are disabled (HF_HUB_OFFLINE or --no-allow-download)"
     if source.hub:
         if not allow_download:
             tried.append(why)
