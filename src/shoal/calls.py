@@ -143,6 +143,7 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     sparse: SparseVector | None = None
     multivector: np.ndarray | None = None  # [tokens kept, dim]
     token_states: np.ndarray | None = None  # [tokens, hidden]: the encoder's last states, unpooled
+    truncated: bool = False  # the text was cut at the model's max_length to fit
 
 
 class Result(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):

@@ -42,7 +42,14 @@ log = logging.getLogger("shoal.api")
 T = TypeVar("T")
 _REQUEST_ID = re.compile(r"[\w.:/-]{1,128}")
 # Response headers a browser's script may read on a cross-origin answer (`--allow-origin`).
-CORS_EXPOSED = ("x-request-id", "x-shoal-model", "x-shoal-adapter", "x-shoal-time-ms", "retry-after")
+CORS_EXPOSED = (
+    "x-request-id",
+    "x-shoal-model",
+    "x-shoal-adapter",
+    "x-shoal-truncated",
+    "x-shoal-time-ms",
+    "retry-after",
+)
 # Responses larger than this are encoded in a worker thread, off the event loop.
 _OFF_LOOP_BYTES = 1 << 20
 
@@ -132,6 +139,8 @@ def create_app(
                 response.headers["x-shoal-model"] = service.model(ctx.model).id if model != "-" else ctx.model
                 if ctx.adapter is not None:
                     response.headers["x-shoal-adapter"] = ctx.adapter
+                if ctx.truncated:  # every route family says which items were cut, whatever its body's shape
+                    response.headers["x-shoal-truncated"] = ",".join(map(str, ctx.truncated))
             response.headers["x-shoal-time-ms"] = f"{elapsed * 1000.0:.3f}"
             response.headers["x-request-id"] = request_id
             return response

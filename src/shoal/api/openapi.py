@@ -189,6 +189,8 @@ FIELDS: dict[type[object], dict[str, str]] = {
         "input_type": "shoal's own: query or search_query prepends the card's query prompt, document or "
         "search_document its document prompt (default: none).",
         "prompt_name": "shoal's own: " + _PROMPT_NAME,
+        "truncate": "shoal's own: false refuses a text longer than the model takes (422) instead of cutting it "
+        "at max_length; the x-shoal-truncated answer header lists the inputs cut either way.",
     },
     wire.cohere.RerankRequest: {
         **_RERANK,

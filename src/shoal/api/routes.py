@@ -6,7 +6,7 @@ Each handler takes the request context and returns the response object; `endpoin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, overload
 
 import msgspec
@@ -32,6 +32,8 @@ class Context:
     request_id: str
     model: str | None = None  # set once known, for metric labels and the X-Shoal-Model answer header
     adapter: str | None = None  # the call's adapter, for the X-Shoal-Adapter answer header
+    # Indices of the items cut to fit, over every call the route made, for the X-Shoal-Truncated header.
+    truncated: list[int] = field(default_factory=list)
     result_bytes: int = 0  # array bytes in the response, to encode large ones off the event loop
     preload: tuple[str, ...] = ()  # the server's preloaded models, in order
     principal: Principal = ANONYMOUS  # who is calling (api/auth.py)
@@ -69,7 +71,9 @@ class Context:
         model is the caller's right, whatever the call said."""
         self.status(call.model)
         self.adapter = call.adapter
-        return await self.service.run(msgspec.structs.replace(call, may_download=self.principal.may_download))
+        result = await self.service.run(msgspec.structs.replace(call, may_download=self.principal.may_download))
+        self.truncated.extend(_truncated(result))
+        return result
 
     def scoring_model(self, named: str | None = None) -> str:
         """The model a score route uses: the body's, else `?model=`, else the `X-Shoal-Model`
@@ -205,6 +209,7 @@ async def embeddings(ctx: Context) -> wire.EmbeddingsResponse:
             request_id=ctx.request_id,
             is_query=req.is_query,
             prompt_name=req.prompt_name,
+            truncate=req.truncate is not False,
         )
     )
     ctx.result_bytes = _array_bytes(result) * (1 if req.format == "base64" else 4)
@@ -287,11 +292,24 @@ def _array_bytes(result: EncodeResult) -> int:
     return per_item * len(result.items)
 
 
+def _truncated(result: AnyResult) -> list[int]:
+    """The indices of the result's items that were cut to fit the model."""
+    if isinstance(result, EncodeResult):
+        return [i for i, item in enumerate(result.items) if item.truncated]
+    if isinstance(result, ScoreResult):
+        return sorted(item.index for item in result.items if item.truncated)
+    if isinstance(result, ExtractResult):
+        return [i for i, item in enumerate(result.items) if item.truncated]
+    return []
+
+
 def _item(item_id: wire.ItemId, out: CallEncodedItem) -> wire.EncodedItem:
     sparse = None
     if out.sparse is not None:
         sparse = wire.SparseOut(indices=out.sparse.indices, values=out.sparse.values, tokens=out.sparse.tokens)
-    return wire.EncodedItem(id=item_id, dense=out.dense, sparse=sparse, multivector=out.multivector)
+    return wire.EncodedItem(
+        id=item_id, dense=out.dense, sparse=sparse, multivector=out.multivector, truncated=out.truncated
+    )
 
 
 async def embed_v2(ctx: Context) -> wire.cohere_embed.EmbedByTypeResponse:

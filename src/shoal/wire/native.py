@@ -106,6 +106,7 @@ class EncodedItem(msgspec.Struct, omit_defaults=True):
     dense: Any = None  # [dims] array
     sparse: SparseOut | None = None
     multivector: Any = None  # [tokens, dim] array
+    truncated: bool = False  # cut at the model's max_length (sent only when true)
 
 
 class EncodeResponse(msgspec.Struct):

@@ -23,6 +23,9 @@ class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
     # prompt by name; OpenAI has no such field, so without them texts go unprefixed.
     input_type: Literal["query", "document", "search_query", "search_document"] | None = None
     prompt_name: str | None = None
+    # shoal's own too: false refuses a text longer than the model takes (422) instead of cutting it;
+    # either way the x-shoal-truncated answer header lists the inputs that were cut.
+    truncate: bool | None = None
 
     @property
     def format(self) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from ...calls import EncodeCall, EncodeResult, Modality
 from ...catalog import ModelCard
 from ...errors import InvalidRequest, ResultTooLarge
@@ -86,8 +88,9 @@ class EncodeTask:
         return False  # vectors and scores: collecting them is cheap
 
     def collect(self, plan: EncodePlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> EncodeResult:
+        items = [msgspec.structs.replace(out, truncated=True) if s.truncated else out for out, s in zip(outputs, seqs)]
         return EncodeResult(
-            items=outputs, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id, **timings
+            items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id, **timings
         )
 
 
