@@ -68,3 +68,14 @@ def test_score_says_which_documents_were_cut(base_url):
     assert answer.status_code == 200, answer.text
     cut = {item["index"] for item in answer.json()["items"] if item.get("truncated")}
     assert cut == {1} and answer.headers["x-shoal-truncated"] == "1"
+
+
+def test_auto_truncate_makes_teis_routes_cut_unless_the_body_says_otherwise(serve):
+    from shoal.config import ServerSettings
+
+    url = serve(server=ServerSettings(auto_truncate=True))
+    cut = httpx.post(f"{url}/embed", json={"inputs": [LONG, SHORT]}, timeout=60)
+    assert cut.status_code == 200 and cut.headers["x-shoal-truncated"] == "0"
+    assert httpx.post(f"{url}/embed", json={"inputs": [LONG], "truncate": False}, timeout=60).status_code == 422
+    ranked = httpx.post(f"{url}/rerank", json={"query": "fox", "texts": [SHORT, LONG]}, timeout=60)
+    assert ranked.status_code == 200 and ranked.headers["x-shoal-truncated"] == "1"

@@ -149,6 +149,11 @@ class ServerSettings:
         "or X-Shoal-Model says; none: the one preloaded model of the verb (several: 400)",
         metavar="MODEL",
     )
+    auto_truncate: bool = setting(
+        False,
+        "TEI's routes cut texts longer than the model takes when the body does not say `truncate` "
+        "(TEI's --auto-truncate); off: they are a 422, as TEI's default",
+    )
     allow_origins: tuple[str, ...] = setting(
         (),
         "web origins a browser may call the API from (CORS), e.g. https://app.example; '*' any; "

@@ -107,6 +107,7 @@ def create_app(
                     preload=preload,
                     principal=principal,
                     default=server.default_model,
+                    auto_truncate=server.auto_truncate,
                 )
                 result = await _unless_disconnected(handler(ctx), request) if reads_body else await handler(ctx)
                 timings = getattr(result, "timings", None)

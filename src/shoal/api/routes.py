@@ -32,6 +32,7 @@ class Context:
     request_id: str
     model: str | None = None  # set once known, for metric labels and the X-Shoal-Model answer header
     adapter: str | None = None  # the call's adapter, for the X-Shoal-Adapter answer header
+    auto_truncate: bool = False  # TEI's routes: cut over-long texts when the body does not say (--auto-truncate)
     # Indices of the items cut to fit, over every call the route made, for the X-Shoal-Truncated header.
     truncated: list[int] = field(default_factory=list)
     result_bytes: int = 0  # array bytes in the response, to encode large ones off the event loop
@@ -190,7 +191,9 @@ async def tei_rerank(ctx: Context) -> list[wire.tei.Rank]:
     req: wire.tei.RerankRequest = ctx.decode(wire.tei.RerankRequest)
     ctx.model = model = ctx.scoring_model()
     ctx.check_count(len(req.texts))
-    result: ScoreResult = await ctx.run(wire.tei.score_call(req, model, ctx.request_id))
+    result: ScoreResult = await ctx.run(
+        wire.tei.score_call(req, model, ctx.request_id, auto_truncate=ctx.auto_truncate)
+    )
     return wire.tei.ranks(req, result)
 
 

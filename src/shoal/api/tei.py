@@ -20,7 +20,7 @@ from .routes import Context
 async def embed(ctx: Context) -> list[np.ndarray]:
     req = ctx.decode(wire.tei.EmbedRequest)
     ctx.model = model = ctx.default_model("encode", output="dense")
-    call = wire.tei.embed_call(req, model, ctx.request_id)
+    call = wire.tei.embed_call(req, model, ctx.request_id, auto_truncate=ctx.auto_truncate)
     ctx.check_count(len(call.items))
     result = await ctx.run(call)
     ctx.result_bytes = sum(v.nbytes for v in result.vectors) * 4  # JSON floats
@@ -30,7 +30,7 @@ async def embed(ctx: Context) -> list[np.ndarray]:
 async def embed_all(ctx: Context) -> list[np.ndarray]:
     req = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode")
-    call = wire.tei.unpooled_call(req, model, "token_states", ctx.request_id)
+    call = wire.tei.unpooled_call(req, model, "token_states", ctx.request_id, auto_truncate=ctx.auto_truncate)
     ctx.check_count(len(call.items))
     result = await ctx.run(call)
     states = [item.token_states for item in result.items if item.token_states is not None]
@@ -54,7 +54,7 @@ async def tokenize(ctx: Context) -> list[list[Token]]:
 async def embed_sparse(ctx: Context) -> list[list[wire.tei.SparseValue]]:
     req = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode", output="sparse")
-    call = wire.tei.unpooled_call(req, model, "sparse", ctx.request_id)
+    call = wire.tei.unpooled_call(req, model, "sparse", ctx.request_id, auto_truncate=ctx.auto_truncate)
     ctx.check_count(len(call.items))
     return wire.tei.sparse_values(await ctx.run(call))
 
@@ -62,7 +62,7 @@ async def embed_sparse(ctx: Context) -> list[list[wire.tei.SparseValue]]:
 async def similarity(ctx: Context) -> list[float]:
     req = ctx.decode(wire.tei.SimilarityRequest)
     ctx.model = model = ctx.default_model("encode", output="dense")
-    call = wire.tei.similarity_call(req, model, ctx.request_id)
+    call = wire.tei.similarity_call(req, model, ctx.request_id, auto_truncate=ctx.auto_truncate)
     ctx.check_count(len(req.inputs.sentences))  # the source sentence rides along, as on TEI
     return wire.tei.similarities(await ctx.run(call))
 

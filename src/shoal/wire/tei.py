@@ -3,8 +3,9 @@
 `shoal.api.tei`).
 
 TEI's bodies name no model: the route picks one (`?model=`, `X-Shoal-Model`, else the server's
-default model for the verb). TEI's defaults hold: `truncate` false (a text longer than the model takes
-is an error), scores through the model's activation unless `raw_scores`. Only right truncation is
+default model for the verb). TEI's defaults hold: `truncate` false (a text longer than the model
+takes is an error) unless the server runs with `--auto-truncate`, as TEI's flag of that name
+does; scores through the model's activation unless `raw_scores`. Only right truncation is
 served; `truncation_direction: "Left"` is refused.
 """
 
@@ -27,7 +28,7 @@ class RerankRequest(msgspec.Struct, forbid_unknown_fields=True):
     texts: Annotated[list[str], msgspec.Meta(min_length=1)]
     raw_scores: bool = False
     return_text: bool = False
-    truncate: bool | None = False  # None: false, as TEI reads it
+    truncate: bool | None = None  # unset or null: the server's --auto-truncate (default false), as TEI reads it
     # TEI's OpenAPI spells them "Left" / "Right"; its own default is written "right".
     truncation_direction: Direction = "Right"
 
@@ -38,14 +39,16 @@ class Rank(msgspec.Struct, omit_defaults=True):
     text: str | None = None  # only with return_text
 
 
-def score_call(req: RerankRequest, model: str, request_id: str | None = None) -> ScoreCall:
+def score_call(
+    req: RerankRequest, model: str, request_id: str | None = None, *, auto_truncate: bool = False
+) -> ScoreCall:
     check_direction(req.truncation_direction)
     return ScoreCall(
         model=model,
         query=req.query,
         documents=req.texts,
         raw_scores=req.raw_scores,
-        truncate=bool(req.truncate),
+        truncate=auto_truncate if req.truncate is None else req.truncate,
         request_id=request_id,
     )
 
@@ -65,7 +68,7 @@ class EmbedRequest(msgspec.Struct, forbid_unknown_fields=True):
     """`/embed` (and `/` on an embedder). `encoding_format` is what huggingface_hub may add."""
 
     inputs: Inputs
-    truncate: bool | None = False  # TEI's default: a text longer than the model takes is an error
+    truncate: bool | None = None  # unset: --auto-truncate's (false: a text longer than the model takes is a 422)
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
     normalize: bool = True
@@ -77,7 +80,7 @@ class EmbedSparseRequest(msgspec.Struct, forbid_unknown_fields=True):
     """`/embed_sparse`, and `/embed_all` (TEI's two requests have the same fields)."""
 
     inputs: Inputs
-    truncate: bool | None = False
+    truncate: bool | None = None  # unset: the server's --auto-truncate
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
 
@@ -99,7 +102,7 @@ class SimilarityInput(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class SimilarityParameters(msgspec.Struct, forbid_unknown_fields=True):
-    truncate: bool | None = False
+    truncate: bool | None = None  # unset: the server's --auto-truncate
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
 
@@ -121,7 +124,9 @@ def check_direction(direction: str) -> None:
         )
 
 
-def embed_call(req: EmbedRequest, model: str, request_id: str | None = None) -> EncodeCall:
+def embed_call(
+    req: EmbedRequest, model: str, request_id: str | None = None, *, auto_truncate: bool = False
+) -> EncodeCall:
     check_direction(req.truncation_direction)
     return EncodeCall(
         model=model,
@@ -129,13 +134,15 @@ def embed_call(req: EmbedRequest, model: str, request_id: str | None = None) -> 
         normalize=req.normalize,
         dimensions=req.dimensions,
         prompt_name=req.prompt_name,
-        truncate=bool(req.truncate),
+        truncate=auto_truncate if req.truncate is None else req.truncate,
         outputs=("dense",),
         request_id=request_id,
     )
 
 
-def unpooled_call(req: EmbedSparseRequest, model: str, output: str, request_id: str | None = None) -> EncodeCall:
+def unpooled_call(
+    req: EmbedSparseRequest, model: str, output: str, request_id: str | None = None, *, auto_truncate: bool = False
+) -> EncodeCall:
     """`/embed_sparse` (`output` "sparse") or `/embed_all` ("token_states": every token's last
     hidden state, unpooled and unnormalised)."""
     check_direction(req.truncation_direction)
@@ -143,13 +150,15 @@ def unpooled_call(req: EmbedSparseRequest, model: str, output: str, request_id: 
         model=model,
         items=texts_of(req.inputs),
         prompt_name=req.prompt_name,
-        truncate=bool(req.truncate),
+        truncate=auto_truncate if req.truncate is None else req.truncate,
         outputs=(output,),
         request_id=request_id,
     )
 
 
-def similarity_call(req: SimilarityRequest, model: str, request_id: str | None = None) -> EncodeCall:
+def similarity_call(
+    req: SimilarityRequest, model: str, request_id: str | None = None, *, auto_truncate: bool = False
+) -> EncodeCall:
     """The source sentence and the others in one call; `similarities` turns the vectors into scores."""
     params = req.parameters or SimilarityParameters()
     check_direction(params.truncation_direction)
@@ -158,7 +167,7 @@ def similarity_call(req: SimilarityRequest, model: str, request_id: str | None =
         items=[req.inputs.source_sentence, *req.inputs.sentences],
         normalize=True,
         prompt_name=params.prompt_name,
-        truncate=bool(params.truncate),
+        truncate=auto_truncate if params.truncate is None else params.truncate,
         outputs=("dense",),
         request_id=request_id,
     )
