@@ -66,7 +66,10 @@ EXAMPLES: dict[str, JSONObject] = {
     "tei_tokenize": {"inputs": _TEXTS[0], "add_special_tokens": True},
     "tei_embed_sparse": {"inputs": _TEXTS},
     "tei_similarity": {"inputs": {"source_sentence": _QUERY, "sentences": _TEXTS}},
+    "tei_decode": {"ids": [101, 7592, 2088, 102], "skip_special_tokens": True},
     "tei_root": {"inputs": _TEXTS},
+    "embeddings_unprefixed": {"model": _ENCODER, "input": _TEXTS},
+    "vllm_score": {"model": _SCORER, "text_1": _QUERY, "text_2": _TEXTS},
 }
 # A path parameter's example, by route name.
 _PATH_EXAMPLES = {"model": _ENCODER, "model_admin": f"{_ENCODER}/load", "docs_asset": "swagger-ui.css"}
@@ -182,7 +185,8 @@ FIELDS: dict[type[object], dict[str, str]] = {
     },
     wire.EmbeddingsRequest: {
         "model": _MODEL,
-        "input": "A text or a list of texts (token ids are refused: each model has its own tokenizer).",
+        "input": "A text or a list of texts; or token ids (cl100k_base or o200k_base: a list of ints, or a list "
+        "of them), decoded to text and tokenized again by the model's own tokenizer.",
         "encoding_format": "float, or base64 of each vector's float32 little-endian bytes (null: float).",
         "dimensions": "Keep the first N dimensions (Matryoshka), normalised again when the card normalises.",
         "user": "Accepted and ignored.",
@@ -242,6 +246,44 @@ FIELDS: dict[type[object], dict[str, str]] = {
     wire.tei.SimilarityRequest: {
         "inputs": "`source_sentence`, and the `sentences` whose cosine with it is answered, in order.",
         "parameters": "truncate, truncation_direction and prompt_name, as for /embed.",
+    },
+    wire.tei.DecodeRequest: {
+        "ids": "One sequence of token ids, or a list of sequences: one text is answered per sequence.",
+        "skip_special_tokens": "Leave the model's special tokens ([CLS], [SEP], padding) out of the text.",
+    },
+    wire.infinity.RerankRequest: {
+        "model": _MODEL + " Optional: the server's default scoring model.",
+        "query": "The query the documents are ranked against.",
+        "documents": "The texts to rank.",
+        "top_n": "Keep the best n results (0 or none: all, ranked).",
+        "return_documents": "Echo each document, as a string (Infinity's shape), in its result.",
+        "raw_scores": "The logit, without the model's activation.",
+    },
+    wire.vllm.ScoreRequest: {
+        "model": _MODEL + " Optional: the server's default scoring model.",
+        "text_1": "A text scored against every text_2, or as many texts as text_2, scored pairwise.",
+        "text_2": "A text or a list of texts; the answer keeps their order.",
+        "use_activation": "false: the logit, without the model's activation (default true).",
+    },
+    wire.hf.TokenClassificationRequest: {
+        "inputs": "The text to tag.",
+        "parameters": "How to group tokens into entities; every parameter has a default.",
+    },
+    wire.hf.TokenClassificationParameters: {
+        "aggregation_strategy": "simple, first, average or max (default: the card's); none is a 400.",
+        "ignore_labels": "Leave entities of these labels out.",
+        "stride": "Accepted and ignored: long texts are read in windows overlapping as the card says.",
+        "labels": "shoal's own: a GLiNER model's entity types (required for one); a tagger keeps only these.",
+    },
+    wire.hf.ZeroShotRequest: {
+        "inputs": "The text to classify.",
+        "parameters": "candidate_labels (required), multi_label, hypothesis_template.",
+    },
+    wire.hf.ZeroShotParameters: {
+        "candidate_labels": "The classes.",
+        "multi_label": "Score each class on its own (entailment against contradiction); default: softmax across "
+        "the classes.",
+        "hypothesis_template": "The hypothesis, with `{}` for the class (default: the card's).",
     },
 }
 
@@ -309,9 +351,10 @@ def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
             "title": "shoal",
             "version": __version__,
             "description": "Serve small models: encode, score, extract, natively and through the OpenAI, "
-            "Cohere and TEI APIs (docs/api.md). Bodies are JSON, or msgpack with `Content-Type: "
-            "application/msgpack`; `Accept: application/msgpack` answers msgpack. A server with tokens "
-            "takes `Authorization: Bearer <token>` on every route but the probes, metrics and this document.",
+            "Cohere, TEI, Infinity, vLLM and Hugging Face Inference APIs (docs/api.md). Bodies are JSON, or "
+            "msgpack with `Content-Type: application/msgpack`; `Accept: application/msgpack` answers msgpack. "
+            "A server with tokens takes `Authorization: Bearer <token>` on every route but the probes, metrics "
+            "and this document.",
         },
         "tags": [{"name": name, "description": text} for name, text in TAGS.items()],
         "paths": paths,

