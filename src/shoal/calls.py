@@ -106,6 +106,9 @@ class ScoreCall(Call, frozen=True, tag="score"):
     # document's best window, instead of truncating. None: truncate.
     window_overlap_tokens: int | None = None
     instruction: str | None = None  # LLM rerankers: replaces the card's default instruction
+    # Each score mapped into 0..1 by its kind's own bound, the order kept (engine/tasks/score.py:
+    # unit_scores), so scores of different kinds of model read alike (Cohere's relevance_score).
+    unit_scores: bool = False
 
 
 class ExtractCall(Call, frozen=True, tag="extract"):

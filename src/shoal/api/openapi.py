@@ -111,6 +111,8 @@ _RERANK = {
     "top_n": "Keep the best n results (default: all, ranked).",
     "return_documents": "Echo each document in its result (default false, as Cohere; Jina clients send true).",
     "max_tokens_per_doc": "Cut each document to this many tokens before scoring.",
+    "unit_scores": "shoal's own: " + "each relevance_score in 0..1 by its model kind's bound, the ranking kept "
+    "(docs/api.md, score scales).",
 }
 _COHERE_EMBED = {
     "model": _MODEL,
@@ -164,6 +166,7 @@ FIELDS: dict[type[object], dict[str, str]] = {
         "and keep its best window (default: truncate).",
         "instruction": "LLM rerankers: replaces the card's instruction.",
         "timeout_s": _TIMEOUT,
+        "unit_scores": "Each score in 0..1 by its model kind's bound, the ranking kept (docs/api.md, score scales).",
     },
     wire.ExtractRequest: {
         "model": _MODEL,

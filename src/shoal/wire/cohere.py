@@ -33,6 +33,9 @@ class _RerankRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_n: Annotated[int, msgspec.Meta(ge=1)] | None = None
     return_documents: bool | None = None  # None: false
     max_tokens_per_doc: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # shoal's own: each relevance_score mapped into 0..1 by its model kind's bound, order kept
+    # (Cohere's own models answer 0..1; a cosine, a SPLADE dot product or a logit do not).
+    unit_scores: bool = False
 
 
 class RerankRequest(_RerankRequest, kw_only=True):
@@ -131,6 +134,7 @@ def score_call(req: _RerankRequest, model: str, texts: list[str], request_id: st
         documents=texts,
         top_k=req.top_n,
         max_tokens_per_doc=req.max_tokens_per_doc,
+        unit_scores=req.unit_scores,
         request_id=request_id,
     )
 

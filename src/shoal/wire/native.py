@@ -141,6 +141,7 @@ class ScoreOptions(msgspec.Struct, forbid_unknown_fields=True):
     window_overlap_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     instruction: str | None = None
     timeout_s: TimeoutS | None = None
+    unit_scores: bool = False  # each score mapped into 0..1 by its model kind's bound, order kept
 
 
 class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -275,6 +276,7 @@ def score_call(req: ScoreRequest, request_id: str | None = None) -> ScoreCall:
         documents=[input_of(item.text, item.image, f"items[{i}]") for i, item in enumerate(req.items)],
         top_k=req.top_k,
         raw_scores=opts.raw_scores,
+        unit_scores=opts.unit_scores,
         truncate=opts.truncate,
         max_tokens_per_doc=opts.max_tokens_per_doc,
         window_overlap_tokens=opts.window_overlap_tokens,

@@ -193,10 +193,15 @@ class ScoreTask:
         else:
             query, documents = outputs[0], outputs[1:]
             scores = np.array([_similarity(plan.mode, query, d) for d in documents])
-            if plan.similarity is not None:  # the cosines, as the dual encoder scores them
+            if plan.call.unit_scores:
+                scores = unit_scores(plan.mode, scores, query)
+            elif plan.similarity is not None:  # the cosines, as the dual encoder scores them
                 raw, similarity = plan.call.raw_scores, plan.similarity
                 scores = np.array([similarity.score(float(cosine), raw) for cosine in scores])
             windows = np.ones(n, dtype=np.int64)
+        if plan.mode in _PAIRED and plan.call.unit_scores:
+            logits = plan.call.raw_scores or (plan.card.score is not None and plan.card.score.activation == "none")
+            scores = unit_scores("logit" if logits else "probability", scores, None)
         order = sorted(range(n), key=lambda i: -scores[i])[: plan.call.top_k]
         items = [
             ScoredItem(index=i, score=float(scores[i]), truncated=plan.truncated[i], num_windows=int(windows[i]))
@@ -249,6 +254,30 @@ async def _framed(plan: ScorePlan, frame: LlmFrame, pool: TokenizerPool, documen
     texts = [frame.text(plan.query, d, call.instruction) for d in documents]
     bodies = await pool.encode(frame.body, texts, call.truncate, what="documents")
     return [Encoded(np.concatenate([prefix, body.ids, suffix]), truncated=body.truncated) for body in bodies]
+
+
+def unit_scores(kind: str, scores: np.ndarray, query) -> np.ndarray:
+    """Scores of one kind mapped into 0..1, each by a fixed increasing function (the ranking
+    is kept, and the same score always maps to the same value, whatever the other documents):
+
+        probability   as it is (a cross-encoder's sigmoid or softmax, an LLM reranker's P(yes))
+        logit         sigmoid (a cross-encoder's raw logit)
+        dense         (cosine + 1) / 2 (a dual encoder's too: its cosine, before its own scale)
+        sparse        s / (1 + s) of the dot product (>= 0; SPLADE weights are not bounded)
+        multivector   (MaxSim / query tokens + 1) / 2: the mean of each query token's best cosine
+    """
+    if kind == "logit":
+        out = 1.0 / (1.0 + np.exp(-scores))
+    elif kind == "dense":
+        out = (scores + 1.0) / 2.0
+    elif kind == "sparse":
+        positive = np.maximum(scores, 0.0)
+        out = positive / (1.0 + positive)
+    elif kind == "multivector":
+        out = (scores / max(1, len(query.multivector)) + 1.0) / 2.0
+    else:
+        out = scores
+    return np.clip(out, 0.0, 1.0)
 
 
 def _similarity(mode: str, query, document) -> float:
