@@ -81,6 +81,10 @@ MODELS = (
 # Whether each model normalises when a call leaves `normalize` unset (a card's `normalize`).
 NORMALIZES = {"standin/dense-16": True, "standin/dense-8-raw": False}
 MAX_QUEUED_TOKENS = 100_000
+# The words any stand-in in this process has tokenized, by id (what `detokenize` reads), and the
+# special tokens' ids.
+WORDS: dict[int, str] = {}
+SPECIAL = {101: "[CLS]", 102: "[SEP]"}
 
 
 def count_tokens(text: str) -> int:
@@ -157,14 +161,34 @@ class StandIn:
             tokens, start = [], 0
             for word in text.split():
                 start = text.index(word, start)
-                tokens.append(
-                    Token(int(hashlib.sha256(word.encode()).hexdigest()[:6], 16), word, False, start, start + len(word))
-                )
+                token_id = int(hashlib.sha256(word.encode()).hexdigest()[:6], 16)
+                WORDS[token_id] = word
+                tokens.append(Token(token_id, word, False, start, start + len(word)))
                 start += len(word)
             if add_special_tokens:
                 tokens = [Token(101, "[CLS]", True, None, None), *tokens, Token(102, "[SEP]", True, None, None)]
             out.append(tokens)
         return out
+
+    async def detokenize(
+        self,
+        model_id: str,
+        ids: list[list[int]],
+        skip_special_tokens: bool = True,
+        *,
+        may_download: bool = True,
+    ) -> list[str]:
+        """The words of ids this process's stand-ins have tokenized, joined by spaces; [CLS] and
+        [SEP] unless skipped; any other id is refused, as the engine refuses one outside the vocabulary."""
+        self._status(model_id)
+        words = {**WORDS} if skip_special_tokens else {**WORDS, **SPECIAL}
+        texts = []
+        for i, sequence in enumerate(ids):
+            unknown = [t for t in sequence if t not in words and t not in SPECIAL]
+            if unknown:
+                raise InvalidRequest(f"token id {unknown[0]} (sequence {i}) is not in the stand-in's vocabulary")
+            texts.append(" ".join(words[t] for t in sequence if t in words))
+        return texts
 
     async def admin(self, model_id: str, action: str) -> ModelStatus:
         self._status(model_id)

@@ -119,13 +119,14 @@ def test_every_verb_round_trips_and_equals_the_service_run_in_process(nats_url):
             with pytest.raises(Exception) as caught:
                 await gateway.run(EncodeCall(model=MODEL, items=["x"], dimensions=10_000))
             assert type(caught.value).__name__ == "InvalidRequest" and "dimensions" in caught.value.message
-            # tokenize and admin travel to the workers too.
-            assert [t.text for t in (await gateway.tokenize(MODEL, ["two words"]))[0]] == [
-                "[CLS]",
-                "two",
-                "words",
-                "[SEP]",
-            ]
+            # tokenize, detokenize and admin travel to the workers too.
+            tokens = (await gateway.tokenize(MODEL, ["two words"]))[0]
+            assert [t.text for t in tokens] == ["[CLS]", "two", "words", "[SEP]"]
+            assert await gateway.detokenize(MODEL, [[t.id for t in tokens]]) == ["two words"]
+            assert await gateway.detokenize(MODEL, [[t.id for t in tokens]], False) == ["[CLS] two words [SEP]"]
+            with pytest.raises(Exception) as caught:
+                await gateway.detokenize(MODEL, [[7]])
+            assert type(caught.value).__name__ == "InvalidRequest" and "token id 7" in caught.value.message
             status = await gateway.admin(MODEL, "load")
             assert status.loaded and status.state == "loaded"
             # The workers' heartbeats carry it within a beat.

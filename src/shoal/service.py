@@ -161,6 +161,18 @@ class Service(Protocol):
         as a call's."""
         ...
 
+    async def detokenize(
+        self,
+        model_id: str,
+        ids: list[list[int]],
+        skip_special_tokens: bool = True,
+        *,
+        may_download: bool = True,
+    ) -> list[str]:
+        """Each sequence of token ids as the model's tokenizer decodes it (TEI's /decode);
+        InvalidRequest for an id outside its vocabulary; `may_download` as a call's."""
+        ...
+
     def has_model(self, model_id: str) -> bool: ...
 
     def capacity(self) -> Capacity: ...

@@ -44,6 +44,16 @@ class Context:
         """The body as `typ` (InvalidRequest, naming the problem, if it is not one)."""
         return wire.decode(self.body, self.fmt_in, typ)
 
+    def fields(self) -> dict[str, object]:
+        """The body's top-level fields, untyped, for a route that picks its request type by them
+        ({} when the body is not an object, or is malformed: the typed decode then says why)."""
+        try:
+            decode = msgspec.json.decode if self.fmt_in is wire.Format.JSON else msgspec.msgpack.decode
+            shape = decode(self.body)
+        except (msgspec.DecodeError, RecursionError):
+            return {}
+        return shape if isinstance(shape, dict) else {}
+
     def status(self, model_id: str) -> ModelStatus:
         """The model's status if this caller may use it; an alias answers, and is checked, as the
         model it names. Else UnknownModel, the same whether the model is not served here or off
@@ -82,11 +92,14 @@ class Context:
         else the first preloaded model that scores."""
         return self.default_model("score", named)
 
-    def default_model(self, task: str, named: str | None = None, output: str | None = None) -> str:
+    def default_model(
+        self, task: str, named: str | None = None, output: str | None = None, kinds: tuple[str, ...] = ()
+    ) -> str:
         """The model a route whose body may name none uses (TEI's, Cohere v1 rerank): the body's,
         `?model=`, the `X-Shoal-Model` header, the server's `--default-model` if it serves `task`
-        (and has `output`), else the one preloaded model that does (for score: the one reranker,
-        else the one embedder); of the last two, only models this caller may use (and is told of).
+        (and has `output`; for extract, is of one of `kinds` when given), else the one preloaded
+        model that does (for score: the one reranker, else the one embedder); of the last two, only
+        models this caller may use (and is told of).
         Several preloaded models that could serve it and no default: InvalidRequest naming them,
         rather than an answer from a model the client may not have meant."""
         model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
@@ -99,7 +112,11 @@ class Context:
         tasks = {m: s.tasks for m, s in statuses.items()}
 
         def serves(m: str) -> bool:
-            return task in tasks.get(m, ()) and (output is None or output in statuses[m].outputs)
+            return (
+                task in tasks.get(m, ())
+                and (output is None or output in statuses[m].outputs)
+                and (not kinds or statuses[m].extract in kinds)
+            )
 
         if default and serves(default):
             return default
@@ -108,6 +125,7 @@ class Context:
             preloaded = [m for m in preloaded if "encode" not in tasks[m]] or preloaded
         verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
         verb += f" {output} vectors" if output else ""
+        verb += f" ({' or '.join(kinds)})" if kinds else ""
         if len(preloaded) == 1:
             return preloaded[0]
         if preloaded:

@@ -17,7 +17,7 @@ document from it, so the two cannot disagree. A row is one operation, a path and
     media      the 200 body's media type when `response` is None
     admin      needs a token with the admin scope
     verb       the verb of the call it makes (a `verbs.KINDS` verb); None for the routes that make
-               none (models, probes, /tokenize) and TEI's root, which makes either of two
+               none (models, probes, /tokenize, /decode) and TEI's root, which makes one of several
 
 The order is the app's match order (Starlette takes the first route whose path and method match)
 and the document's.
@@ -34,7 +34,7 @@ from starlette.responses import Response
 
 from .. import wire
 from ..service import Token
-from . import plain, routes, tei
+from . import peers, plain, routes, tei
 
 # A verb's handler: the decoded request's answer (a wire Struct, or a bare list as TEI answers).
 Handler: TypeAlias = Callable[[routes.Context], Awaitable[object]]
@@ -53,7 +53,11 @@ TAGS: dict[str, str] = {
     "OpenAI": "OpenAI's embeddings API: the `openai` client, LangChain's OpenAIEmbeddings and the like.",
     "Cohere": "Cohere's embed and rerank APIs, v1 and v2 (`/v1/rerank` also reads Jina's rerank request).",
     "TEI": "Hugging Face text-embeddings-inference's routes. Their bodies name no model: `?model=ID` or the "
-    "`X-Shoal-Model` header names one, else the server's default model for the verb serves.",
+    "`X-Shoal-Model` header names one, else the server's default model for the verb serves. `/rerank` also "
+    "reads Infinity's and vLLM's body (`documents`), and `POST /` the Hugging Face Inference API's token and "
+    "zero-shot classification bodies.",
+    "Infinity/vLLM": "Routes of Infinity and vLLM that shoal's others lack: `/embeddings` (OpenAI's body without "
+    "`/v1`) and vLLM's `/score` (vLLM's `/v1/score` is shoal's native score here).",
     "models": "The models this server serves, in OpenAI's list shape with shoal's fields (tasks, outputs, "
     "dimensions, state).",
     "admin": "Load, unload, pin and unpin a model: tokens with the admin scope.",
@@ -91,8 +95,20 @@ class RouteSpec:
         return self.request is not None
 
 
-_TEI_ROOT_REQUEST = (wire.tei.EmbedRequest, wire.tei.SimilarityRequest, wire.tei.RerankRequest)
-_TEI_ROOT_RESPONSE = (list[list[float]], list[float], list[wire.tei.Rank])
+_TEI_ROOT_REQUEST = (
+    wire.tei.EmbedRequest,
+    wire.tei.SimilarityRequest,
+    wire.tei.RerankRequest,
+    wire.hf.TokenClassificationRequest,
+    wire.hf.ZeroShotRequest,
+)
+_TEI_ROOT_RESPONSE = (
+    list[list[float]],
+    list[float],
+    list[wire.tei.Rank],
+    list[wire.hf.TokenEntity],
+    list[wire.hf.LabelScore],
+)
 
 # One row per route, read as a table (the formatter would give each argument its own line).
 # fmt: off
@@ -120,22 +136,32 @@ ROUTES: tuple[RouteSpec, ...] = (
               routes.embed_v2, request=wire.cohere_embed.EmbedV2Request,
               response=wire.cohere_embed.EmbedByTypeResponse, verb="encode"),
     # TEI, text-embeddings-inference (wire/tei.py): bodies name no model (api/tei.py).
-    RouteSpec("/rerank", "POST", "tei_rerank", "TEI rerank", "TEI",
-              routes.tei_rerank, request=wire.tei.RerankRequest, response=list[wire.tei.Rank], verb="score"),
+    RouteSpec("/rerank", "POST", "tei_rerank", "TEI rerank (`texts`), or Infinity's and vLLM's (`documents`)",
+              "TEI", peers.rerank, request=(wire.tei.RerankRequest, wire.infinity.RerankRequest),
+              response=(list[wire.tei.Rank], wire.infinity.RerankResponse), verb="score"),
     RouteSpec("/embed", "POST", "tei_embed", "TEI embed", "TEI",
               tei.embed, request=wire.tei.EmbedRequest, response=list[list[float]], verb="encode"),
     RouteSpec("/embed_all", "POST", "tei_embed_all", "TEI token states (unpooled)", "TEI",
               tei.embed_all, request=wire.tei.EmbedSparseRequest, response=list[list[list[float]]], verb="encode"),
     RouteSpec("/tokenize", "POST", "tei_tokenize", "TEI tokenize", "TEI",
               tei.tokenize, request=wire.tei.TokenizeRequest, response=list[list[Token]]),
+    RouteSpec("/decode", "POST", "tei_decode", "TEI decode: token ids to text", "TEI",
+              tei.decode, request=wire.tei.DecodeRequest, response=list[str]),
     RouteSpec("/embed_sparse", "POST", "tei_embed_sparse", "TEI sparse embed", "TEI",
               tei.embed_sparse, request=wire.tei.EmbedSparseRequest, response=list[list[wire.tei.SparseValue]],
               verb="encode"),
     RouteSpec("/similarity", "POST", "tei_similarity", "TEI sentence similarity", "TEI",
               tei.similarity, request=wire.tei.SimilarityRequest, response=list[float], verb="encode"),
-    RouteSpec("/", "POST", "tei_root", "TEI's root: embed, similarity or rerank, by the body", "TEI",
-              tei.root, request=_TEI_ROOT_REQUEST, response=_TEI_ROOT_RESPONSE),
+    RouteSpec("/", "POST", "tei_root",
+              "TEI's root: embed, similarity or rerank, or a Hugging Face token or zero-shot classification, by "
+              "the body", "TEI", tei.root, request=_TEI_ROOT_REQUEST, response=_TEI_ROOT_RESPONSE),
     RouteSpec("/info", "GET", "tei_info", "TEI model info", "TEI", tei.info, response=OPEN_OBJECT),
+    # Infinity and vLLM (wire/openai.py, wire/vllm.py): the routes the families above lack.
+    RouteSpec("/embeddings", "POST", "embeddings_unprefixed", "OpenAI-compatible embeddings without `/v1` "
+              "(Infinity's path)", "Infinity/vLLM", routes.embeddings, request=wire.EmbeddingsRequest,
+              response=wire.EmbeddingsResponse, verb="encode"),
+    RouteSpec("/score", "POST", "vllm_score", "vLLM's score: text_1 against text_2", "Infinity/vLLM",
+              peers.vllm_score, request=wire.vllm.ScoreRequest, response=wire.vllm.ScoreResponse, verb="score"),
     # Models (OpenAI's list shape, and shoal's admin actions).
     RouteSpec("/v1/models", "GET", "models", "The models this server serves (OpenAI list shape)", "models",
               routes.models, response=OPEN_OBJECT),

@@ -1,19 +1,19 @@
 """Handlers of the TEI-compatible routes (text-embeddings-inference): `/embed`, `/embed_sparse`,
-`/similarity`, `/` (by its body: a similarity, a rerank or an embedding request), `/info`. `/rerank`
-lives with the other rerank routes (`routes.tei_rerank`). Bodies name no model: `?model=`, the
-`X-Shoal-Model` header, `--default-model`, else the first preloaded model that encodes.
+`/similarity`, `/tokenize`, `/decode`, `/` (by its body: a similarity, a rerank or an embedding
+request, or a Hugging Face task body: `peers`), `/info`. `/rerank` lives with the other rerank
+routes (`routes.tei_rerank`). Bodies name no model: `?model=`, the `X-Shoal-Model` header,
+`--default-model`, else the first preloaded model that encodes.
 """
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 
 from .. import __version__, wire
 from ..config import Settings
 from ..errors import InvalidRequest
 from ..service import ModelStatus, Token
-from . import routes
+from . import peers, routes
 from .routes import Context
 
 
@@ -51,6 +51,17 @@ async def tokenize(ctx: Context) -> list[list[Token]]:
     )
 
 
+async def decode(ctx: Context) -> list[str]:
+    req = ctx.decode(wire.tei.DecodeRequest)
+    ctx.model = model = ctx.default_model("encode")
+    sequences = req.sequences()
+    ctx.check_count(len(sequences))
+    ctx.status(model)
+    return await ctx.service.detokenize(
+        model, sequences, req.skip_special_tokens, may_download=ctx.principal.may_download
+    )
+
+
 async def embed_sparse(ctx: Context) -> list[list[wire.tei.SparseValue]]:
     req = ctx.decode(wire.tei.EmbedSparseRequest)
     ctx.model = model = ctx.default_model("encode", output="sparse")
@@ -67,17 +78,22 @@ async def similarity(ctx: Context) -> list[float]:
     return wire.tei.similarities(await ctx.run(call))
 
 
-async def root(ctx: Context) -> list[np.ndarray] | list[float] | list[wire.tei.Rank]:
-    """`POST /`: TEI serves its model's one verb here; shoal reads the body to tell which."""
-    shape: object
-    try:
-        shape = msgspec.json.decode(ctx.body) if ctx.fmt_in is wire.Format.JSON else msgspec.msgpack.decode(ctx.body)
-    except (msgspec.DecodeError, RecursionError):
-        shape = None  # `embed` reports the malformed body
-    if isinstance(shape, dict) and isinstance(shape.get("inputs"), dict):
+async def root(
+    ctx: Context,
+) -> list[np.ndarray] | list[float] | list[wire.tei.Rank] | list[wire.hf.TokenEntity] | list[wire.hf.LabelScore]:
+    """`POST /`: TEI serves its model's one verb here; shoal reads the body to tell which. A body
+    with `parameters` (and not `inputs` an object) is a Hugging Face task's: zero-shot
+    classification with `parameters.candidate_labels`, else token classification."""
+    fields = ctx.fields()
+    parameters = fields.get("parameters")
+    if isinstance(fields.get("inputs"), dict):
         return await similarity(ctx)
-    if isinstance(shape, dict) and "query" in shape and "texts" in shape:
+    if "query" in fields and "texts" in fields:
         return await routes.tei_rerank(ctx)
+    if isinstance(parameters, dict) and "candidate_labels" in parameters:
+        return await peers.zero_shot_classification(ctx)
+    if "parameters" in fields:
+        return await peers.token_classification(ctx)
     return await embed(ctx)
 
 

@@ -16,8 +16,8 @@ JetStream work queue. It then awaits the worker's reply on its own inbox:
 
 Its other jobs each have a module: `publishing` (a call's publish, the wait for its reply, its
 abandonment, and the recheck of lost replies after a reconnect), `directory` (the live workers,
-from their heartbeats: what `models()`, `capacity()` and routing read), `rpc` (admin and tokenize
-on the workers), `payloads` (the Object Store), `dead_letters` (calls no worker answered),
+from their heartbeats: what `models()`, `capacity()` and routing read), `rpc` (admin, tokenize and
+detokenize on the workers), `payloads` (the Object Store), `dead_letters` (calls no worker answered),
 `queue_gauges` (the queue as JetStream sees it, on /metrics).
 """
 
@@ -236,6 +236,21 @@ class RemoteService:
             may_download=may_download,
         )
         return await rpc.tokenize(self._nc, pool, request, self.cluster.publish_timeout_s * 2)
+
+    async def detokenize(
+        self,
+        model_id: str,
+        ids: list[list[int]],
+        skip_special_tokens: bool = True,
+        *,
+        may_download: bool = True,
+    ) -> list[str]:
+        model_id = self.workers.resolve(model_id)
+        pool = self.workers.pool_of(self._holders(model_id))
+        request = p.RpcRequest(
+            model=model_id, ids=ids, skip_special_tokens=skip_special_tokens, may_download=may_download
+        )
+        return await rpc.detokenize(self._nc, pool, request, self.cluster.publish_timeout_s * 2)
 
     # --- Service: calls -------------------------------------------------------------------------
 

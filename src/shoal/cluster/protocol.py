@@ -41,7 +41,7 @@ PAYLOADS = "shoal_payloads"
 HEARTBEAT_PREFIX = "shoal.hb"
 PING_SUBJECT = "shoal.ping"
 CANCEL_SUBJECT = "shoal.cancel"
-RPC_PREFIX = "shoal.rpc"  # shoal.rpc.<action>.<pool>.<model>: tokenize (one worker), admin (each worker)
+RPC_PREFIX = "shoal.rpc"  # shoal.rpc.<action>.<pool>.<model>: (de)tokenize (one worker), admin (each worker)
 
 # Headers of a call's message.
 REQUEST_ID = "Shoal-Request-Id"
@@ -111,20 +111,24 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class RpcRequest(msgspec.Struct, frozen=True, omit_defaults=True):
-    """A control request to the workers serving a model: `admin` (each) or `tokenize` (one)."""
+    """A control request to the workers serving a model: `admin` (each), `tokenize` or
+    `detokenize` (one)."""
 
     model: str
     action: str | None = None
     texts: list[str] = []
     add_special_tokens: bool = True
     prompt_name: str | None = None
-    may_download: bool = True  # tokenize: as a call's (calls.Call)
+    may_download: bool = True  # tokenize, detokenize: as a call's (calls.Call)
+    ids: list[list[int]] = []  # detokenize
+    skip_special_tokens: bool = True
 
 
 class RpcReply(msgspec.Struct, frozen=True, omit_defaults=True):
     worker: str
     status: ModelStatus | None = None
     tokens: list[list[Token]] | None = None
+    texts: list[str] | None = None  # detokenize
     error: dict | None = None  # an ErrorResult's fields
 
 

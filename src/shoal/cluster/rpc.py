@@ -4,8 +4,10 @@
     admin     gateway ─publish to each pool serving the model─▶ every worker (each device's engine)
               ◀─ one inbox collects the replies (up to one per live holder) ─ statuses merged
     tokenize  gateway ─request─▶ one worker (queue group "tokenize"; its least busy device) ─▶ tokens
+    detokenize  the same, token ids ─▶ texts
 
-The gateway's side is `admin` and `tokenize`; the worker's is `WorkerRpc`. Nothing here imports torch.
+The gateway's side is `admin`, `tokenize` and `detokenize`; the worker's is `WorkerRpc`. Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -50,19 +52,29 @@ async def admin(nc: Any, model_id: str, action: str, holders: Holders, timeout_s
 
 async def tokenize(nc: Any, pool: str, request: p.RpcRequest, timeout_s: float) -> list[list[Token]]:
     """`request`'s texts as one worker of `pool` tokenizes them."""
-    subject = p.rpc_subject("tokenize", pool, request.model)
+    return (await _rpc_one(nc, "tokenize", pool, request, timeout_s)).tokens or []
+
+
+async def detokenize(nc: Any, pool: str, request: p.RpcRequest, timeout_s: float) -> list[str]:
+    """`request`'s token ids as one worker of `pool` decodes them."""
+    return (await _rpc_one(nc, "detokenize", pool, request, timeout_s)).texts or []
+
+
+async def _rpc_one(nc: Any, action: str, pool: str, request: p.RpcRequest, timeout_s: float) -> p.RpcReply:
+    """One worker's reply; its error raised as itself."""
+    subject = p.rpc_subject(action, pool, request.model)
     try:
         msg = await nc.request(subject, msgspec.msgpack.encode(request), timeout=timeout_s)
     except Exception as exc:  # broad: no responders, a timeout, cut off, anything: a 503, never a 500
-        p.log_swallowed(log, exc, "gateway: tokenize for %s", request.model)
+        p.log_swallowed(log, exc, "gateway: %s for %s", action, request.model)
         raise NoWorker(
-            f"no worker answered the tokenize request for {request.model} ({type(exc).__name__}); retry",
+            f"no worker answered the {action} request for {request.model} ({type(exc).__name__}); retry",
             retry_after_s=2.0,
         ) from None
     reply = msgspec.msgpack.decode(msg.data, type=p.RpcReply)
     if reply.error:
         raise ErrorResult(**reply.error).error()
-    return reply.tokens or []
+    return reply
 
 
 async def _rpc_all(
@@ -105,6 +117,7 @@ class WorkerRpc:
         for model_id in model_ids:
             await nc.subscribe(p.rpc_subject("admin", pool, model_id), cb=self.on_admin)
             await nc.subscribe(p.rpc_subject("tokenize", pool, model_id), queue="tokenize", cb=self.on_tokenize)
+            await nc.subscribe(p.rpc_subject("detokenize", pool, model_id), queue="tokenize", cb=self.on_detokenize)
 
     async def on_admin(self, msg: Any) -> None:
         request = msgspec.msgpack.decode(msg.data, type=p.RpcRequest)
@@ -130,6 +143,18 @@ class WorkerRpc:
             reply = p.RpcReply(worker=self.worker_id, tokens=tokens)
         except Exception as exc:  # broad: whatever the engine raises is the caller's answer (a bug: a logged 500)
             reply = self._error(exc, "tokenize")
+        await msg.respond(msgspec.msgpack.encode(reply))
+
+    async def on_detokenize(self, msg: Any) -> None:
+        request = msgspec.msgpack.decode(msg.data, type=p.RpcRequest)
+        device = min(self.devices, key=lambda d: d.held_tokens)
+        try:
+            texts = await device.service.detokenize(
+                request.model, request.ids, request.skip_special_tokens, may_download=request.may_download
+            )
+            reply = p.RpcReply(worker=self.worker_id, texts=texts)
+        except Exception as exc:  # broad: whatever the engine raises is the caller's answer (a bug: a logged 500)
+            reply = self._error(exc, "detokenize")
         await msg.respond(msgspec.msgpack.encode(reply))
 
     def _error(self, exc: Exception, action: str) -> p.RpcReply:

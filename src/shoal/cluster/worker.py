@@ -16,7 +16,7 @@ host-local queue they share.
 
 Its other jobs each have a module: `pulling` (a puller per model, sized by the host's room),
 `host_queue` (the calls pulled and not yet on a device; the devices' budgets), `probes`
-(heartbeats, liveness, the HTTP probes), `rpc` (admin and tokenize requests), `payloads` (the
+(heartbeats, liveness, the HTTP probes), `rpc` (admin and (de)tokenize requests), `payloads` (the
 Object Store).
 """
 

@@ -215,6 +215,36 @@ class Engine:
             self._record_queue()
         return [[Token(*token) for token in tokens] for tokens in cut]
 
+    async def detokenize(
+        self,
+        model_id: str,
+        ids: list[list[int]],
+        skip_special_tokens: bool = True,
+        *,
+        may_download: bool = True,
+    ) -> list[str]:
+        """Admitted like `tokenize`, a token per id; decoded in the tokenizer pool."""
+        card = self.catalog.get(model_id)
+        await self._check_download(card, may_download)
+        timeout_s = self.settings.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        tokens = sum(map(len, ids))
+        self._admit(card.id, len(ids), tokens, timeout_s)
+        try:
+            model, _ = await _within(self.fleet.acquire(card, None), deadline, "load")
+            try:
+                tokenizer = model.info.text
+                return await _within(
+                    self._tokenizers.map(lambda chunk, first: tokenizer.decode(chunk, skip_special_tokens, first), ids),
+                    deadline,
+                    "tokenize",
+                )
+            finally:
+                self.fleet.release(card.id, None)
+        finally:
+            self._admission.remove(card.id, len(ids), tokens)
+            self._record_queue()
+
     def has_model(self, model_id: str) -> bool:
         return model_id in self.catalog
 

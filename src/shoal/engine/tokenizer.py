@@ -157,6 +157,20 @@ class TextTokenizer:
             out.append(rows)
         return out
 
+    def decode(self, sequences: list[list[int]], skip_special_tokens: bool = True, first_index: int = 0) -> list[str]:
+        """Each sequence of ids as text (TEI's /decode); an id outside the vocabulary is refused,
+        naming it (`first_index`: the index of `sequences[0]` in its request)."""
+        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        for i, ids in enumerate(sequences, start=first_index):
+            for j, token_id in enumerate(ids):
+                if token_id >= size:
+                    raise InvalidRequest(
+                        f"token id {token_id} (sequence {i}, position {j}) is not in the model's vocabulary "
+                        f"(ids 0 to {size - 1})",
+                        details={"sequence": i, "position": j, "vocab_size": size},
+                    )
+        return self._tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
     # --- encoding -------------------------------------------------------------------------------
 
     modality = "text"

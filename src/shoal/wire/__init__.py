@@ -8,6 +8,9 @@
     cohere        Cohere's (and Jina's) rerank, v1 and v2
     cohere_embed  Cohere's embed, v1 and v2
     tei           Hugging Face text-embeddings-inference's routes
+    hf            Hugging Face Inference API task bodies on `POST /` (token, zero-shot classification)
+    infinity      Infinity's rerank body on `/rerank` (TEI's route; the body picks the shape)
+    vllm          vLLM's score API on `/score`
 
 Which route takes which type is the route table's to say (`shoal.api.table`).
 
@@ -17,7 +20,7 @@ here. The names below are re-exported so `wire.EncodeRequest`, `wire.decode` and
 
 from __future__ import annotations
 
-from . import codec, cohere, cohere_embed, images, models, native, openai, tei
+from . import codec, cohere, cohere_embed, hf, images, infinity, models, native, openai, tei, vllm
 from .codec import (
     JSON,
     MSGPACK,
@@ -99,10 +102,13 @@ __all__ = [
     "encode",
     "format_of_accept",
     "format_of_content_type",
+    "hf",
     "images",
+    "infinity",
     "models",
     "native",
     "openai",
     "openai_embedding",
     "tei",
+    "vllm",
 ]

@@ -1,6 +1,6 @@
 """Hugging Face text-embeddings-inference (TEI): `/rerank`, `/embed`, `/embed_sparse`, `/similarity`,
-`/` — their requests and bare-list responses, as TEI's router defines them (`/info` is built in
-`shoal.api.tei`).
+`/tokenize`, `/decode`, `/` — their requests and bare-list responses, as TEI's router defines them
+(`/info` is built in `shoal.api.tei`).
 
 TEI's bodies name no model: the route picks one (`?model=`, `X-Shoal-Model`, else the server's
 default model for the verb). TEI's defaults hold: `truncate` false (a text longer than the model
@@ -21,6 +21,7 @@ from ..errors import InvalidRequest
 
 Inputs = str | Annotated[list[str], msgspec.Meta(min_length=1)]
 Direction = Literal["Right", "right", "Left", "left"]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class RerankRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -89,6 +90,23 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     inputs: Inputs
     add_special_tokens: bool = True
     prompt_name: str | None = None
+
+
+class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`/decode`: one sequence of token ids, or a list of them."""
+
+    ids: Annotated[list[TokenId | list[TokenId]], msgspec.Meta(min_length=1)]
+    skip_special_tokens: bool = True
+
+    def sequences(self) -> list[list[int]]:
+        if all(isinstance(i, int) for i in self.ids):
+            return [[i for i in self.ids if isinstance(i, int)]]
+        if all(isinstance(i, list) for i in self.ids):
+            return [i for i in self.ids if isinstance(i, list)]
+        raise InvalidRequest(
+            "ids mixes token ids and lists of them: send one sequence ([int]) or a list of sequences ([[int]])",
+            details={"path": "$.ids"},
+        )
 
 
 class SparseValue(msgspec.Struct):
