@@ -102,6 +102,23 @@ BACKBONES = {
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         extra=dict(max_position_embeddings=128),
     ),
+    # transformers' DistilBERT and MPNet name their projections their own way (q_lin... lin2; q, k, v, o).
+    "distilbert": Backbone(
+        transformers.DistilBertConfig,
+        transformers.DistilBertModel,
+        dict(n_layers=2, n_heads=4, dim=64, hidden_dim=128),
+        ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"),
+        extra=dict(max_position_embeddings=128),
+    ),
+    "mpnet": Backbone(
+        transformers.MPNetConfig,
+        transformers.MPNetModel,
+        dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128),
+        ("q", "k", "v", "o", "intermediate.dense", "output.dense"),
+        first_id=2,
+        pad_id=1,
+        extra=dict(max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2),
+    ),
     # DeBERTa-v3's attention (shared q/k position projections): adapters may not target q/k/v there.
     "deberta-v2": Backbone(
         transformers.DebertaV2Config,
@@ -159,9 +176,10 @@ def card(name: str, directory: Path, pooling: str = "mean") -> ModelCard:
     """An encode card for the backbone in `directory`: un-normalised `pooling` vectors."""
     spec = BACKBONES[name]
     architecture = {"xlm-roberta": "xlm-roberta"}.get(name, name)
+    dimensions = spec.shape.get("hidden_size", spec.shape.get("dim"))  # DistilBERT calls it dim
     text = (
         f"id: test/{name}\narchitecture: {architecture}\nsource: {{path: {directory}}}\nmax_length: 128\n"
-        f"tasks: [encode]\npooling: {pooling}\nnormalize: false\ndimensions: {spec.shape['hidden_size']}\n"
+        f"tasks: [encode]\npooling: {pooling}\nnormalize: false\ndimensions: {dimensions}\n"
     )
     return parse_card(yaml.safe_load(text), f"{name}.yaml")
 
