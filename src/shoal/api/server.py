@@ -131,7 +131,7 @@ def build_server(app: ASGIApp, settings: ServerSettings, *, log_level: str | int
         host=settings.host,
         port=settings.port,
         http=functools.partial(LimitedHttpProtocol, limits=settings, gate=gate),  # type: ignore[arg-type]
-        lifespan="on",  # a failing startup (engine, preload) stops the server instead of serving without it
+        lifespan="on",  # a failing engine start stops the server; preloads load after it binds (api/app.py)
         log_level=log_level,
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # call_later takes a float
         backlog=settings.listen_backlog,
