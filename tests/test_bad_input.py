@@ -188,14 +188,15 @@ def test_unknown_prompt_name_is_400_naming_the_prompt(client, card):
     assert_still_serves(client, card)
 
 
-def test_openai_token_id_input_is_400_naming_the_input(openai_client, client, card):
+def test_openai_input_mixing_texts_and_bare_numbers_is_400_naming_the_input(openai_client, client, card):
+    # Token ids are decoded (tests/test_token_ids.py); a bare number among texts is neither form.
     with pytest.raises(openai.BadRequestError) as caught:
-        openai_client.embeddings.create(model=card.id, input=[[101, 7592, 102]])
+        openai_client.embeddings.create(model=card.id, input=["a text", 7592])  # type: ignore[list-item]
 
     assert caught.value.status_code == 400
     assert caught.value.body["code"] == "invalid_request"
-    assert "input[0]" in caught.value.body["message"] and "token ids" in caught.value.body["message"]
-    assert caught.value.body["details"] == {"path": "$.input[0]"}
+    assert "input[1]" in caught.value.body["message"] and "number among other inputs" in caught.value.body["message"]
+    assert caught.value.body["details"] == {"path": "$.input[1]"}
     assert_still_serves(client, card)
 
 
