@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import io
 import json
 import os
@@ -35,6 +36,7 @@ from shoal.verbs import estimate_tokens
 pytestmark = pytest.mark.timeout(180)
 
 CLIP_ID = "test/clip-cluster"
+COLSMOL_ID = "test/colsmol-cluster"
 BAD = b"\x89PNG\r\n\x1a\nnot a png"  # a PNG's signature, then nothing an image decoder reads
 
 
@@ -75,6 +77,11 @@ def clip_cards(tmp_path_factory) -> tuple[Path, dict]:
     directory, cards = tmp_path_factory.mktemp("clip-cluster"), tmp_path_factory.mktemp("clip-cluster-cards")
     fields = tiny_clip(directory, model_id=CLIP_ID, words=["a", "red", "cat"]).card
     (cards / "clip-cluster.yaml").write_text(json.dumps(fields))  # JSON is YAML
+    if importlib.util.find_spec("colpali_engine") is not None:  # the page retriever beside it
+        import page_models
+
+        page = page_models.tiny_colsmol(tmp_path_factory.mktemp("colsmol-cluster"), model_id=COLSMOL_ID).card
+        (cards / "colsmol-cluster.yaml").write_text(json.dumps(page))
     return cards, fields
 
 
@@ -95,7 +102,7 @@ class Cluster:
             "--models-dir",
             str(cards),
             "--models",
-            CLIP_ID,
+            "test/*-cluster",
             "--log-level",
             "warning",
         ]
@@ -165,7 +172,8 @@ def engine_run(clip_cards):
     from shoal.config import EngineSettings
     from shoal.engine import Engine
 
-    engine = Engine(EngineSettings(), Catalog([parse_card(clip_cards[1], "<test>")]), allow_download=False)
+    catalog = Catalog.load(extra_dirs=(clip_cards[0],))
+    engine = Engine(EngineSettings(), catalog, allow_download=False)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(engine.start())
 
@@ -267,3 +275,20 @@ def test_score_ranks_image_documents_for_a_text_query_as_the_engine_does(cluster
     assert [item["index"] for item in got] == [item.index for item in want.items]
     np.testing.assert_allclose([item["score"] for item in got], [item.score for item in want.items], atol=1e-5)
     assert len({round(item.score, 4) for item in want.items}) == len(files)  # a ranking, not a tie
+
+
+def test_page_images_encode_and_rank_through_the_gateway_as_the_engine_does(cluster, clip_cards, engine_run):
+    """ColSmol's tiled pages through gateway -> JetStream -> worker: the same vectors and ranking."""
+    if not (clip_cards[0] / "colsmol-cluster.yaml").is_file():
+        pytest.skip("colpali-engine (requirements/test-references.txt) is not installed")
+    files = [SMALL[0], LARGE[0], SMALL[2]]
+    items = [{"image": b64(f)} for f in files]
+    encoded = post(cluster.url, "/v1/encode", {"model": COLSMOL_ID, "items": items})
+    assert encoded.status_code == 200, encoded.text
+    want = engine_run(EncodeCall(COLSMOL_ID, [Item(image=f) for f in files], outputs=("multivector",)))
+    for got, item in zip(encoded.json()["items"], want.items):
+        np.testing.assert_allclose(np.asarray(got["multivector"], dtype=np.float32), item.multivector, atol=1e-5)
+    ranked = post(cluster.url, "/v1/score", {"model": COLSMOL_ID, "query": "a red cat", "items": items})
+    assert ranked.status_code == 200, ranked.text
+    want_ranking = engine_run(ScoreCall(COLSMOL_ID, "a red cat", [Item(image=f) for f in files]))
+    assert [item["index"] for item in ranked.json()["items"]] == [item.index for item in want_ranking.items]

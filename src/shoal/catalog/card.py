@@ -97,6 +97,9 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Tokens one image costs in every budget (a ViT's patches, plus its class token, if any);
     # cards that read images give it (the gateway and admission count from it).
     image_tokens: int | None = None
+    # A vision-language model's text around an image, one "<image>" where the image's tokens go
+    # (ColIdefics3: "<|im_start|>User:<image>Describe the image.<end_of_utterance>\nAssistant:").
+    image_prompt: str | None = None
     # Required where the model produces dense vectors (`dense` in outputs), else unused.
     pooling: Pooling | None = None
     dimensions: int | None = None
@@ -228,6 +231,8 @@ def _check(card: ModelCard, origin: str) -> None:
         fail("image_tokens", "and `modalities: [..., image]` go together: the tokens one image costs")
     if card.image_tokens is not None and card.image_tokens < 1:
         fail("image_tokens", "must be >= 1")
+    if card.image_prompt is not None and (card.image_prompt.count("<image>") != 1 or "image" not in card.modalities):
+        fail("image_prompt", "must hold exactly one <image>, on a card whose modalities include image")
     if card.score is not None and "encode" in card.tasks:
         fail("score", "is for rerankers, which serve only score: set `tasks: [score]`")
     if "score" in card.tasks and "encode" not in card.tasks and card.score is None:
@@ -240,7 +245,7 @@ def _check(card: ModelCard, origin: str) -> None:
         fail(
             "extract",
             "and `tasks: [extract]` go together: an extraction model needs an extract block "
-            "(kind gliner, token_class or zero_shot)",
+            "(kind gliner, token_class, zero_shot or classify)",
         )
     if card.extract is not None:
         ex = card.extract

@@ -9,9 +9,10 @@ description the tasks, the cache and the device read.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -32,10 +33,21 @@ from .threads import lane_threads, lanes_of_this_thread
 from .tokenizer import TextTokenizer
 from .types import Batch, EncodeSpec, Spec
 
+if TYPE_CHECKING:
+    from ..models.idefics3 import Idefics3Config
+
 # Heads that read only the encoder's states: LoRA targets outside the encoder (a pooler, an MLM head)
 # are never run under them, so an adapter's tensors for those are dropped rather than refused.
 _ENCODER_ONLY_HEADS = frozenset({"dense", "multivector"})
 
+
+# Extract kinds whose folder wraps the backbone in the library's own layout: the loader
+# (module:function, lazily imported) -> (encoder, tokenizer).
+_WRAPPED_BACKBONES = {
+    "gliner": ".gliner_files:load_gliner_backbone",
+    "gliclass": ".gliclass_files:load_gliclass_backbone",
+    "gliner2": ".gliner2_files:load_gliner2_backbone",
+}
 
 # Torch's intra-op thread count when shoal started (before any model set its own).
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -152,17 +164,20 @@ class ModelRunner:
         card = _quantize_here(card, device)
         _check_quantize(card, device)
         _use_default_threads()
-        if card.extract is not None and card.extract.kind == "gliner":
-            from .gliner_files import load_gliner_backbone
-
-            model, tokenizer = load_gliner_backbone(card, directory, device, allow_download)
+        wrapped = _WRAPPED_BACKBONES.get(card.extract.kind) if card.extract is not None else None
+        if wrapped is not None:
+            module, name = wrapped.split(":")
+            load_backbone = getattr(importlib.import_module(module, __package__), name)
+            model, tokenizer = load_backbone(card, directory, device, allow_download)
         else:
             model = build_model(directory, card.architecture, device, card.dtype)
             # Models with a learned position table cannot take more tokens than it has rows.
             max_length = min(card.max_length, getattr(model, "max_positions", None) or card.max_length)
             tokenizer = TextTokenizer.from_dir(directory, max_length, pad=getattr(model, "pads_texts", False))
-        image = None
-        if "image" in card.modalities:
+        image: Preprocessor | None = None
+        if "image" in card.modalities and hasattr(model, "image_token_id"):  # a vision-language model
+            image = _tiled_inputs(card, directory, model, tokenizer, image_limits)
+        elif "image" in card.modalities:
             from .image_inputs import load_image_inputs  # Pillow: the `image` extra
 
             if not hasattr(model, "tokens_per_image"):
@@ -192,10 +207,10 @@ class ModelRunner:
         `device`; the cache measures the loaded model after)."""
         card = _quantize_here(card, device)
         directory = resolve_weights(card, allow_download=allow_download)
-        # A GLiNER folder's backbone config lives in gliner_config.json: counted unquantised (over).
-        gliner = card.extract is not None and card.extract.kind == "gliner"
+        # A GLiNER or GLiClass folder's backbone config lives in its own config: counted unquantised (over).
+        wrapped = card.extract is not None and card.extract.kind in _WRAPPED_BACKBONES
         return estimate_bytes(
-            directory, card.dtype, quantize=None if gliner else card.quantize, architecture=card.architecture
+            directory, card.dtype, quantize=None if wrapped else card.quantize, architecture=card.architecture
         )
 
     def add_adapter(self, name: str, directory: Path) -> int:
@@ -404,3 +419,35 @@ def _check_quantize(card: ModelCard, device: str) -> None:
             f"{card.dtype}: leave dtype unset (float32) or drop quantize",
             details={"model": card.id, "field": "quantize", "dtype": card.dtype},
         )
+
+
+def _tiled_inputs(
+    card: ModelCard, directory: Path, model: torch.nn.Module, tokenizer: TextTokenizer, limits: tuple[int, int] | None
+) -> Preprocessor:
+    """The page-image preprocessor of a vision-language model (Idefics3): tiles, and the card's
+    image prompt expanded to the tiles' `<image>` tokens; a ModelLoadError names what disagrees."""
+    from .tiled_images import load_tiled_inputs  # Pillow: the `image` extra
+
+    config = cast("Idefics3Config", model.config)
+    if card.image_prompt is None:
+        raise ModelLoadError(
+            f"model {card.id}: a vision-language model's card needs image_prompt (its text around an image)",
+            details={"model": card.id},
+        )
+    inputs = load_tiled_inputs(
+        card,
+        directory,
+        tokenizer=tokenizer,
+        patch_size=config.vision.patch_size,
+        tile_size=config.vision.image_size,
+        image_token_id=config.image_token_id,
+        prompt=card.image_prompt,
+        limits=limits,
+    )
+    if inputs.image_seq_len != config.image_seq_len:
+        raise ModelLoadError(
+            f"model {card.id}: its processor puts {inputs.image_seq_len} <image> tokens per tile; the model "
+            f"makes {config.image_seq_len}",
+            details={"model": card.id},
+        )
+    return inputs

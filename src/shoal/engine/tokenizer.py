@@ -70,8 +70,10 @@ class TextTokenizer:
         expand_to: int | None = None,
         expand_id: int | None = None,
         attend_to_expansion: bool = False,
+        text_suffix: str = "",
     ) -> None:
         self.max_length = max_length
+        self.text_suffix = text_suffix  # appended to each single text before it is tokenized
         self.marker_id = marker_id
         self.expand_to = min(expand_to, max_length) if expand_to else None
         self.expand_id = expand_id
@@ -105,8 +107,10 @@ class TextTokenizer:
         expand_to: int | None = None,
         expand_token: str | None = None,
         attend_to_expansion: bool = False,
+        text_suffix: str = "",
     ) -> TextTokenizer:
-        """A copy with its own truncation, marker and expansion (the original is shared by threads)."""
+        """A copy with its own truncation, marker, expansion and text suffix (the original is shared
+        by threads)."""
         clone = Tokenizer.from_str(self._tokenizer.to_str())
         return TextTokenizer(
             clone,
@@ -115,6 +119,7 @@ class TextTokenizer:
             expand_to=expand_to,
             expand_id=self.token_id(expand_token) if expand_token else None,
             attend_to_expansion=attend_to_expansion,
+            text_suffix=text_suffix,
         )
 
     def token_ids(self, tokens) -> list[int]:
@@ -196,6 +201,8 @@ class TextTokenizer:
         `first_index`: the index of `texts[0]` in its request, for error messages."""
         if pairs is not None:
             return self._encode_pairs(texts, pairs, truncate, with_offsets, first_index, cut_first)
+        if self.text_suffix:
+            texts = [text + self.text_suffix for text in texts]
         cut, encodings = self._cut_encode(texts, True, first_index=first_index, what=what)
         if not truncate:
             self._refuse_overflow(encodings, what, first_index)

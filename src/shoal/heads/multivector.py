@@ -2,8 +2,8 @@
 
 It also shapes the tokenizers: queries get a marker after [CLS] and [MASK] augmentation up to the
 query length (tokens that read the query but, unless the card says otherwise, are read by none:
-`Encoded.num_keys`), documents a marker of their own and the checkpoint's document length
-(`tokenizers`).
+`Encoded.num_keys`) or a text suffix (colpali-engine's ten `<end_of_utterance>`, attended to),
+documents a marker of their own and the checkpoint's document length (`tokenizers`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ class ColbertHead:
         mv, base = ctx.card.multivector, ctx.tokenizer
         t = load_tensors(ctx.directory, [n for n in (mv.weight, mv.bias) if n], mv.file)
         query, document = base, base
-        if mv.query_marker or mv.query_length:
+        if mv.query_marker or mv.query_length or mv.query_suffix:
             length = min(mv.query_length or base.max_length, base.max_length)
             query = base.variant(
                 length,
                 marker=mv.query_marker,
                 expand_to=mv.query_length,
-                expand_token=mv.mask_token,
+                expand_token=mv.mask_token if mv.query_length else None,
                 attend_to_expansion=mv.attend_to_expansion_tokens,
+                text_suffix=mv.query_suffix or "",
             )
         if mv.document_marker or mv.document_length:
             length = min(mv.document_length or base.max_length, base.max_length)

@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "deberta-v2": "shoal.models.deberta_v2:DebertaV2Model",
     "clip": "shoal.models.clip:ClipModel",
     "siglip": "shoal.models.siglip:SiglipModel",
+    "idefics3": "shoal.models.idefics3:Idefics3Model",
 }
 
 

@@ -203,8 +203,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, inputs: PackedInputs) -> torch.Tensor:
         # Decoders have no segments: token_type_ids are ignored.
-        x = self.embed_tokens(inputs.input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(inputs.position_ids, x.dtype)  # [T, 1, D] each
+        return self.decode(self.embed_tokens(inputs.input_ids), inputs.position_ids, inputs.meta)
+
+    def decode(self, x: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """The layers and the final norm over input embeddings `x` `[T, hidden]` (a vision-language
+        model puts its image features among the token embeddings first)."""
+        cos, sin = self.rotary.cos_sin(position_ids, x.dtype)  # [T, 1, D] each
         for layer in self.layers:
-            x = layer(x, cos, sin, inputs.meta)
+            x = layer(x, cos, sin, meta)
         return self.norm(x)  # [T, hidden]
