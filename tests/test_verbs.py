@@ -87,7 +87,15 @@ def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_ver
         for card in CATALOG
         if card.extract is not None
     }
-    assert tasks == {"GlinerTask", "TokenClassTask", "ZeroShotTask", "ImageLabelsTask"}
+    assert tasks == {
+        "GlinerTask",
+        "TokenClassTask",
+        "ZeroShotTask",
+        "ImageLabelsTask",
+        "ClassifyTask",
+        "GliclassTask",
+        "Gliner2Task",
+    }
     embedder = CATALOG.get("sentence-transformers/all-MiniLM-L6-v2")
     with pytest.raises(InvalidRequest, match="does not extract"):
         kind_of(ExtractCall(embedder.id, ["x"], labels=["y"]), embedder)

@@ -118,6 +118,8 @@ class ExtractCall(Call, frozen=True, tag="extract"):
         gliner      entities of the requested `labels` (zero-shot span NER)
         token_class entities of the model's own labels (`labels`, if sent, keeps only those)
         zero_shot   a score per requested label for each text (NLI entailment)
+        classify    a score per label of the model's own (text classification)
+        gliner2     entities of the `labels`, the `schema`'s relations and classification tasks (GLiNER2)
 
     Options left None take the card's (or the kind's) default.
     """
@@ -131,6 +133,18 @@ class ExtractCall(Call, frozen=True, tag="extract"):
     max_span_width: int | None = None  # gliner: longest entity in words
     hypothesis_template: str | None = None  # zero_shot: "{}" is replaced by the label
     aggregation: str | None = None  # token_class: simple | first | max | average
+    top_k: int | None = None  # classify: the best this many labels (default: all)
+    raw_scores: bool | None = None  # classify: the logits, no softmax or sigmoid
+    # classify: "softmax", "sigmoid" or "none" in place of the function the model's config implies
+    function_to_apply: str | None = None
+    text_pairs: list[str] | None = None  # classify: each item's second text (a pair classifier)
+    truncate: bool | None = None  # classify (default true): false makes an over-long text a 422
+    # gliner2: what the schema holds beside the entity types (`labels`), a subset of the gliner2
+    # package's schema dict: {"entity_descriptions": {type: text}, "relations": [{name: {"head": "",
+    # "tail": ""}}], "relation_descriptions": {name: text}, "classifications": [{"task": name,
+    # "labels": [label, ...] or {label: description}, "multi_label", "cls_threshold", "top_k",
+    # "class_act"}]} (engine/tasks/gliner2_schema.py)
+    schema: dict[str, Any] | None = None
 
 
 class SparseVector(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -197,11 +211,29 @@ class LabelScore(msgspec.Struct, frozen=True):
     score: float
 
 
+class RelationSpan(msgspec.Struct, frozen=True):
+    text: str  # text[start:end] of the item's text
+    score: float
+    start: int  # character offsets into the item's text
+    end: int
+
+
+class Relation(msgspec.Struct, frozen=True):
+    """One instance of a relation type: the span that is its head and the span that is its tail."""
+
+    head: RelationSpan
+    tail: RelationSpan
+
+
 class ExtractedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     """One text's entities (in order of start) or, for zero-shot classification, its labels (best first)."""
 
     entities: list[Entity] | None = None
     labels: list[LabelScore] | None = None
+    # gliner2: each classification task's labels by task name (`labels` too when there is one task)
+    classifications: dict[str, list[LabelScore]] | None = None
+    # gliner2: each relation type's instances by type name (every type asked for, [] when none)
+    relations: dict[str, list[Relation]] | None = None
     num_windows: int = 1  # windows the text was read in (long texts: overlapping windows, merged)
     truncated: bool = False  # zero_shot: the text was cut to fit next to the hypothesis
 

@@ -28,6 +28,24 @@ class GlinerPrompt:
 
 
 @dataclass(frozen=True)
+class Gliner2Prompt:
+    """A GLiNER2 span model's limits (its config.json)."""
+
+    max_width: int  # widest span, in words
+
+
+@dataclass(frozen=True)
+class GliclassPrompt:
+    """A GLiClass model's prompt (its config.json): each label after `label_token`, then
+    `sep_token`, after the text (before it when `prompt_first`)."""
+
+    label_token: str
+    sep_token: str
+    label_token_id: int
+    prompt_first: bool
+
+
+@dataclass(frozen=True)
 class TokenLabels:
     """A token classifier's labels (config.json's id2label)."""
 
@@ -37,6 +55,16 @@ class TokenLabels:
     def entity_types(self) -> list[str]:
         """The label names less their B-/I- prefixes and O, sorted."""
         return sorted({name.split("-", 1)[-1] for name in self.id2label.values() if name != "O"})
+
+
+@dataclass(frozen=True)
+class ClassLabels:
+    """A text classifier's labels (config.json's id2label, by logit index) and the function its
+    scores take by default (transformers' text-classification pipeline's choice from the config's
+    `problem_type` and label count): "softmax", "sigmoid" or "none"."""
+
+    names: tuple[str, ...]
+    function: str
 
 
 @dataclass(frozen=True)
@@ -87,5 +115,5 @@ class Similarity:
         return 1.0 / (1.0 + math.exp(-logit))
 
 
-HeadInfo = GlinerPrompt | TokenLabels | NliLabels | LlmFrame | Similarity
-H = TypeVar("H", GlinerPrompt, TokenLabels, NliLabels, LlmFrame, Similarity)
+HeadInfo = GlinerPrompt | Gliner2Prompt | GliclassPrompt | TokenLabels | ClassLabels | NliLabels | LlmFrame | Similarity
+H = TypeVar("H", GlinerPrompt, Gliner2Prompt, GliclassPrompt, TokenLabels, ClassLabels, NliLabels, LlmFrame, Similarity)

@@ -6,6 +6,9 @@ serves it, and its cost in tokens. Torch-free: the gateway and the worker read i
     extract:gliner       ExtractCall -> ExtractResult  engine/tasks/extract_gliner.py
     extract:token_class  ExtractCall -> ExtractResult  engine/tasks/extract_token_class.py
     extract:zero_shot    ExtractCall -> ExtractResult  engine/tasks/extract_zero_shot.py
+    extract:gliclass     ExtractCall -> ExtractResult  engine/tasks/extract_gliclass.py
+    extract:gliner2      ExtractCall -> ExtractResult  engine/tasks/extract_gliner2.py
+    extract:classify     ExtractCall -> ExtractResult  engine/tasks/extract_classify.py
     extract:image_labels ExtractCall -> ExtractResult  engine/tasks/extract_image_labels.py
 
 `estimate_tokens(call, card)` is the one cost function: engine admission, the gateway's token
@@ -143,11 +146,26 @@ def _token_class(call: AnyCall, card: ModelCard) -> int:
     return sum(raw_tokens(t, card) for t in call.items)
 
 
+def _classify(call: AnyCall, card: ModelCard) -> int:
+    """Each text (with its pair's second text) once, cut at max_length."""
+    assert isinstance(call, ExtractCall)
+    pairs = call.text_pairs if isinstance(call.text_pairs, list) else []
+    seconds = [raw_tokens(p, card) if isinstance(p, str) else 0 for p in pairs] + [0] * len(call.items)
+    return sum(min(card.max_length, raw_tokens(t, card) + s) for t, s in zip(call.items, seconds))
+
+
 def _zero_shot(call: AnyCall, card: ModelCard) -> int:
     """One (text, hypothesis) pair per label."""
     assert isinstance(call, ExtractCall)
     labels = max(1, len(_labels(call, card)))
     return sum(min(card.max_length, raw_tokens(t, card) + 12) for t in call.items) * labels
+
+
+def _gliclass(call: AnyCall, card: ModelCard) -> int:
+    """Each text once, with the label prompt (<<LABEL>> label ... <<SEP>>), cut at max_length."""
+    assert isinstance(call, ExtractCall)
+    prompt = sum(text_tokens(label, card.max_length) for label in _labels(call, card)) + 1
+    return sum(min(card.max_length, raw_tokens(t, card) + prompt) for t in call.items)
 
 
 def _image_labels(call: AnyCall, card: ModelCard) -> int:
@@ -167,6 +185,9 @@ KINDS: dict[str, Kind] = {
         Kind("extract:token_class", ExtractCall, ExtractResult, "extract_token_class:TokenClassTask", _token_class),
         Kind("extract:zero_shot", ExtractCall, ExtractResult, "extract_zero_shot:ZeroShotTask", _zero_shot),
         Kind("extract:image_labels", ExtractCall, ExtractResult, "extract_image_labels:ImageLabelsTask", _image_labels),
+        Kind("extract:classify", ExtractCall, ExtractResult, "extract_classify:ClassifyTask", _classify),
+        Kind("extract:gliclass", ExtractCall, ExtractResult, "extract_gliclass:GliclassTask", _gliclass),
+        Kind("extract:gliner2", ExtractCall, ExtractResult, "extract_gliner2:Gliner2Task", _gliner),
     )
 }
 

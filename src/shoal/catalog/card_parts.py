@@ -62,6 +62,7 @@ class Multivector(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     `document_marker`, are cut to `document_length` tokens (PyLate's `document_length`, colbert-ir's
     `doc_maxlen`; unset: the card's max_length) and drop punctuation tokens when `skip_punctuation`.
     `skip_first` drops the first ([CLS]) position (BGE-M3). Lengths include [CLS], [SEP] and markers.
+    `query_suffix` is appended to each query's text (colpali-engine's augmentation).
     """
 
     dim: int
@@ -77,6 +78,9 @@ class Multivector(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     mask_token: str = "[MASK]"
     skip_punctuation: bool = False
     skip_first: bool = False
+    # Text appended to every query before it is tokenized (colpali-engine's query augmentation:
+    # ten "<end_of_utterance>"); its tokens are attended to and get vectors.
+    query_suffix: str | None = None
 
 
 class Score(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -131,12 +135,26 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     logits softmaxed across labels (CLIP) or each one's sigmoid (SigLIP), as transformers'
     zero-shot-image-classification pipeline scores them. The card also encodes and scores.
 
+    classify: a text classifier (`*ForSequenceClassification`): the config's labels scored for each
+    text (or text pair), softmax or sigmoid as transformers' text-classification pipeline picks by
+    the config's `problem_type` and label count; all labels best first, or `top_k`.
+
+    gliclass: GLiClass zero-shot classification (uni-encoder): the labels and the text in one
+    sequence, a logit per label from the pooled text and each label's token; sigmoid per label
+    (`multi_label`, the default) or softmax across them, as the `gliclass` pipeline scores them.
+    The folder is GLiClass's `save_pretrained` one (config.json with `encoder_config`, the
+    tokenizer with its <<LABEL>> and <<SEP>> tokens).
+
+    gliner2: GLiNER2 (span architecture) schema extraction: entities of the requested types and the
+    call's `schema` relations and classification tasks from one sequence; the folder is GLiNER2's
+    `save_pretrained` one (config.json, encoder_config/, tokenizer.json with its schema tokens).
+
     `threshold`: the default minimum score of what is returned. `backbone` (gliner): where the
     backbone's config.json and tokenizer come from when the GLiNER folder lacks them (the
     published v2.1 checkpoints name their backbone only as `model_name`).
     """
 
-    kind: Literal["gliner", "token_class", "zero_shot", "image_labels"]
+    kind: Literal["gliner", "token_class", "zero_shot", "image_labels", "classify", "gliclass", "gliner2"]
     backbone: Source | None = None
     threshold: float | None = None  # unset: 0.5 for gliner, none otherwise
     max_words: int | None = None

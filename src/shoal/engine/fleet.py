@@ -31,6 +31,9 @@ log = logging.getLogger("shoal.fleet")
 # A model's weights state other than `local` is looked up again after this long.
 WEIGHTS_RECHECK_S = 10.0
 
+# Extract kinds whose backbone sits inside the library's own layout: no LoRA path for them yet.
+_NO_ADAPTERS = {"gliner": "GLiNER span", "gliclass": "GLiClass", "gliner2": "GLiNER2"}
+
 
 class Fleet:
     def __init__(
@@ -82,9 +85,10 @@ class Fleet:
         """(runner, adapter slot or -1), both counted in flight until `release`."""
         directory = None
         if adapter is not None:
-            if card.extract is not None and card.extract.kind == "gliner":
+            if card.extract is not None and card.extract.kind in _NO_ADAPTERS:
                 raise InvalidRequest(
-                    f"model {card.id} is a GLiNER span model: LoRA adapters are not supported for those yet",
+                    f"model {card.id} is a {_NO_ADAPTERS[card.extract.kind]} model: LoRA adapters are not "
+                    "supported for those yet",
                     details={"model": card.id, "adapter": adapter},
                 )
             directory = card.adapter_dirs().get(adapter)

@@ -11,6 +11,8 @@ class that loads and owns its own tensors. Every head has `output` (the name a s
     score (cross_encoder) ClassifierHead     the checkpoint's sequence-classification head on the pair
     score (llm)           YesNoHead          P(yes) from the last token's yes/no LM-head rows
     extract (gliner)      GlinerHead         span candidates of the requested labels (GLiNER)
+    extract (gliner2)     Gliner2Head        span candidates and label logits of a schema (GLiNER2)
+    extract (gliclass)    GliclassHead       a logit per requested label (GLiClass)
     extract (token_class) TokenClassHead     per-token label logits (BIO/IOB2 NER)
     extract (zero_shot)   NliHead            NLI logits of (text, hypothesis) pairs
 """
@@ -24,10 +26,12 @@ from typing import Any, Protocol
 import torch
 
 from ..layers import AttentionMeta
+from .gliclass import GliclassHead
 from .gliner import GlinerHead
+from .gliner2 import Gliner2Head
 from .multivector import ColbertHead
 from .pooling import PoolingHead, finish, pool
-from .score import ClassifierHead, NliHead, YesNoHead
+from .score import ClassifierHead, NliHead, SequenceClassHead, YesNoHead
 from .sparse import MaskedLMHead, SpladeHead, TokenWeightsHead, sparse_entries, splade, token_weights
 from .token_class import TokenClassHead
 
@@ -48,7 +52,9 @@ __all__ = [
     "ClassifierHead",
     "YesNoHead",
     "GlinerHead",
+    "GliclassHead",
     "NliHead",
+    "SequenceClassHead",
     "TokenClassHead",
 ]
 
@@ -88,8 +94,11 @@ _REGISTRY: dict[str, _HeadClass] = {
     "score:cross_encoder": ClassifierHead,
     "score:llm": YesNoHead,
     "extract:gliner": GlinerHead,
+    "extract:gliclass": GliclassHead,
+    "extract:gliner2": Gliner2Head,
     "extract:token_class": TokenClassHead,
     "extract:zero_shot": NliHead,
+    "extract:classify": SequenceClassHead,
 }
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
-from ..head_info import LlmFrame, NliLabels
+from ..head_info import ClassLabels, LlmFrame, NliLabels
 from ..layers import activation
 from ..weights import load_tensors, read_config
 from .pooling import pool
@@ -114,6 +114,57 @@ class NliHead(ClassifierHead):
     def run(self, hidden, specs) -> list:
         logits = self.logits(hidden).cpu().numpy()
         return [logits[i] if "nli" in s.outputs else None for i, s in enumerate(specs)]
+
+
+class SequenceClassHead(ClassifierHead):
+    """Text classification (`*ForSequenceClassification`: sentiment, toxicity, prompt-injection
+    guards, language ID): the same head on a text (or a text pair); `run` returns its logits
+    `[labels]` (numpy), named and activated by the extract task from `describe()`."""
+
+    output = "class_logits"
+    labels: ClassLabels  # set by `build`
+
+    @classmethod
+    def build(cls, ctx) -> SequenceClassHead:
+        pooling, steps, num_labels = classifier_steps(ctx)
+        head = cls(pooling, steps, "none", num_labels, 0)
+        config = read_config(ctx.directory)
+        raw = config.get("id2label") or {}
+        try:
+            names = {int(k): str(v) for k, v in raw.items()}
+        except (ValueError, AttributeError):
+            raise ModelLoadError(
+                f"{ctx.card.id}: config.json's id2label keys must be integers", details={"file": "config.json"}
+            ) from None
+        if names and sorted(names) != list(range(num_labels)):
+            raise ModelLoadError(
+                f"{ctx.card.id}: config.json's id2label names {len(names)} labels; the classifier has {num_labels}",
+                details={"file": "config.json"},
+            )
+        head.labels = ClassLabels(
+            tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels)),
+            default_function(config.get("problem_type"), num_labels, config.get("function_to_apply")),
+        )
+        return head
+
+    def describe(self) -> ClassLabels:
+        return self.labels
+
+    def run(self, hidden, specs) -> list:
+        logits = self.logits(hidden).cpu().numpy()
+        return [logits[i] if "class_logits" in s.outputs else None for i, s in enumerate(specs)]
+
+
+def default_function(problem_type: str | None, num_labels: int, configured: str | None = None) -> str:
+    """The scores' function when a call names none, as transformers' text-classification pipeline
+    picks it: none for regression, sigmoid for multi-label or one label, else softmax."""
+    if problem_type == "regression":
+        return "none"
+    if problem_type == "multi_label_classification" or num_labels == 1:
+        return "sigmoid"
+    if problem_type == "single_label_classification" or num_labels > 1:
+        return "softmax"
+    return configured if configured in ("softmax", "sigmoid", "none") else "none"
 
 
 def classifier_steps(ctx) -> tuple[str, list[Callable[[torch.Tensor], torch.Tensor]], int]:

@@ -23,7 +23,19 @@ from .inputs import images_of, texts_of
 MAX_LABELS = 100
 MAX_LABEL_CHARS = 200
 # ExtractCall's options that only some kinds take (each kind's task lists its own in `options`).
-KIND_OPTIONS = ("max_span_width", "hypothesis_template", "aggregation", "flat_ner", "multi_label")
+KIND_OPTIONS = (
+    "max_span_width",
+    "hypothesis_template",
+    "aggregation",
+    "flat_ner",
+    "multi_label",
+    "top_k",
+    "raw_scores",
+    "function_to_apply",
+    "text_pairs",
+    "truncate",
+    "schema",
+)
 
 
 @dataclass

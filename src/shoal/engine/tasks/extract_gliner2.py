@@ -1,0 +1,324 @@
+"""extract, kind gliner2: GLiNER2 schema extraction (entities, relations, text classification, one forward).
+
+The schema (`gliner2_schema`) becomes one prompt per task, joined by [SEP_STRUCT], then [SEP_TEXT]
+and the text's words, each tokenized on its own as GLiNER2's processor does: no [CLS] or [SEP],
+the text split by GLiNER2's word pattern and lower-cased, a "." word appended to a text that does
+not end in ".", "!" or "?". A text too long for one sequence is read in word windows, each with
+the whole prompt (entities merge as in the gliner kind; classification needs the text in one
+window, as do relations). Entities: per type, candidates at or above `threshold`, highest first, each
+kept unless its characters overlap one already kept of the same type; an entity that reaches into
+the appended "." ends at the text's end. Relations: per type, as many instances as its count
+gate says; an instance's head and tail are each the best-scoring span for that instance and field
+(the first in (start, width) order on a tie), kept when both reach `threshold` and neither is the
+appended "." alone (the package would report "." past the text's end). Classifications: softmax
+over a task's labels (sigmoid for multi_label, or as its class_act says); single-label gives the
+best, multi-label those at or above its cls_threshold (else the best), top_k of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import unicodedata
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from ...calls import Entity, ExtractCall, ExtractedItem, ExtractResult, LabelScore, Relation, RelationSpan
+from ...catalog import ModelCard
+from ...errors import InvalidRequest
+from ...head_info import Gliner2Prompt
+from ...spans import owned_starts, word_windows
+from ...verbs import MIN_TEXT_TOKENS
+from ..backend import ModelInfo
+from ..tokenizer_pool import TokenizerPool
+from ..types import Encoded, ExtractSpec
+from .extract_common import ExtractPlan, plan_extract, windows_per_text
+from .gliner2_schema import SEP_STRUCT, SEP_TEXT, Classification, Schema, marker_words, parse_schema
+
+
+@functools.cache
+def _word_pattern() -> re.Pattern[str]:
+    """GLiNER2's whitespace word splitter: URLs, e-mail addresses, @handles, runs of word
+    characters (with combining marks and zero-width joiners, joined by - or _), else one symbol."""
+    marks = "".join(chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)).startswith("M"))
+    word = f"[\\w{re.escape(marks)}\u200c\u200d]"
+    return re.compile(
+        rf"(?:https?://[^\s]+|www\.[^\s]+)|[a-z0-9._%+-]+@[a-z0-9.-]+\.[a-z]{{2,}}|@[a-z0-9_]+|{word}+(?:[-_]{word}+)*|\S",
+        re.IGNORECASE,
+    )
+
+
+MAX_WINDOW_WORDS = 384
+# Beyond this many entity candidates, a request's decoding runs in a worker thread; beyond the
+# second, a 400 that says what to change (a low threshold with many types on long texts).
+OFF_LOOP_CANDIDATES = 4096
+MAX_CANDIDATES = 262_144
+
+
+@dataclass(frozen=True)
+class TaskMarks:
+    kind: str  # "entities", "relations" or "classifications"
+    markers: np.ndarray  # [1 + fields] positions of [P] and each field's marker
+
+
+@dataclass(frozen=True)
+class Gliner2Spec(ExtractSpec):
+    tasks: tuple[TaskMarks, ...] = ()
+
+
+@dataclass
+class _Text:
+    text: str
+    starts: np.ndarray  # [w] character offsets of the words (with the appended ".")
+    ends: np.ndarray
+    windows: list = field(default_factory=list)  # (first word, owned (lo, hi)) per window
+
+
+def split_words(text: str) -> tuple[list[str], np.ndarray, np.ndarray]:
+    (
+        """GLiNER2's words of `text` (lower-cased, a "." appended when the text does not end in
+    sentence punctuation) and their character offsets into `text` + that "."""
+        ""
+    )
+    if not text.endswith((".", "!", "?")):
+        text = text + "."
+    words, starts, ends = [], [], []
+    for match in _word_pattern().finditer(text):
+        words.append(match.group().lower())
+        starts.append(match.start())
+        ends.append(match.end())
+    return words, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+
+@dataclass
+class Gliner2Plan(ExtractPlan):
+    schema: Schema | None = None
+    read: list[_Text] = field(default_factory=list)  # per text: its words' offsets and windows
+
+
+class Gliner2Task:
+    verb = "extract"
+    options = frozenset({"schema"})
+
+    def plan(self, card: ModelCard, call: ExtractCall) -> Gliner2Plan:
+        plan = plan_extract(card, call, "gliner2", self.options, labels_required=False, default_threshold=0.5)
+        schema = parse_schema(plan.labels, call.schema)
+        return Gliner2Plan(**{f.name: getattr(plan, f.name) for f in fields(plan)}, schema=schema)
+
+    async def tokenize(self, plan: Gliner2Plan, model: ModelInfo, pool: TokenizerPool) -> list[Encoded]:
+        model.head(Gliner2Prompt)  # a 502 naming the model when its folder gave no GLiNER2 head
+        schema = plan.schema
+        assert schema is not None
+        tok, threshold = model.text, plan.threshold
+        assert threshold is not None
+        prompts = schema.prompts()
+        # The prompt's ids and where each task's markers are in it, once per request.
+        prompt_ids: list[int] = []
+        tasks = []
+        for index, (kind, words) in enumerate(prompts):
+            if index:
+                prompt_ids += tok.plain_ids(SEP_STRUCT)
+            firsts = []
+            for word in words:
+                firsts.append(len(prompt_ids))
+                prompt_ids += tok.plain_ids(word)
+            tasks.append(TaskMarks(kind, np.asarray([firsts[w] for w in marker_words(words)])))
+        prompt_ids += tok.plain_ids(SEP_TEXT)
+        room = tok.max_length - len(prompt_ids)
+        if room < MIN_TEXT_TOKENS:
+            raise InvalidRequest(
+                f"the schema takes {len(prompt_ids)} of the model's {tok.max_length} tokens, leaving too little "
+                "for the text: send fewer or shorter labels and descriptions",
+                details={"option": "schema", "prompt_tokens": len(prompt_ids)},
+            )
+        overlap = plan.card.extract.window_overlap_words if plan.card.extract else 64
+        max_words = (plan.card.extract.max_words if plan.card.extract else None) or MAX_WINDOW_WORDS
+
+        def windows_of(chunk: list[str], start: int) -> list:
+            out = []
+            for text in chunk:
+                words, starts, ends = split_words(text)
+                ids = [tok.plain_ids(w)[:room] for w in words]
+                counts = np.asarray([len(i) for i in ids], dtype=np.int64)
+                spans = word_windows(counts, room, max_words, overlap) if words else []
+                seqs = []
+                for a, b in spans:
+                    seq, firsts = list(prompt_ids), []
+                    for word in ids[a:b]:
+                        firsts.append(len(seq))
+                        seq += word
+                    word_tokens = np.minimum(np.asarray(firsts, dtype=np.int64), len(seq) - 1)
+                    seqs.append((Encoded(np.asarray(seq, dtype=np.int64)), word_tokens))
+                out.append((_Text(text, starts, ends), spans, seqs))
+            return out
+
+        per_text = await pool.map(windows_of, plan.texts)
+        seqs: list[Encoded] = []
+        for index, (info, spans, windows) in enumerate(per_text):
+            if (schema.classifications or schema.relations) and len(windows) > 1:
+                raise InvalidRequest(
+                    f"items[{index}] needs {len(windows)} windows of the model's {tok.max_length} tokens; "
+                    "classification and relations read a text in one: send a shorter text, or only entity types",
+                    details={"option": "items", "index": index},
+                )
+            plan.read.append(info)
+            for (seq, word_tokens), (a, _), own in zip(windows, spans, owned_starts(spans) if spans else []):
+                seqs.append(seq)
+                plan.owners.append(index)
+                info.windows.append((a, own))
+                plan.specs.append(
+                    Gliner2Spec(
+                        ("gliner2",),
+                        word_tokens=word_tokens,
+                        threshold=threshold,
+                        owned=(own[0] - a, own[1] - a),
+                        tasks=tuple(tasks),
+                    )
+                )
+        return seqs
+
+    def specs(self, plan: ExtractPlan, seqs: list[Encoded]) -> list[ExtractSpec]:
+        return plan.specs
+
+    def check_size(self, plan: ExtractPlan, seqs: list[Encoded], max_result_bytes: int) -> None:
+        return None  # entities are bounded by the text's words, labels and relations by the schema
+
+    def collect_off_loop(self, plan: Gliner2Plan, outputs: list) -> bool:
+        return _num_candidates(plan, outputs) > OFF_LOOP_CANDIDATES
+
+    def collect(
+        self, plan: Gliner2Plan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
+    ) -> ExtractResult:
+        schema, texts = plan.schema, plan.read
+        assert schema is not None
+        candidates = _num_candidates(plan, outputs)
+        if candidates > MAX_CANDIDATES:
+            raise InvalidRequest(
+                f"{candidates} candidate spans score at or above threshold {plan.threshold}, more than one "
+                f"request may decode ({MAX_CANDIDATES}): raise the threshold, or send fewer entity types "
+                "or shorter texts",
+                details={"option": "threshold", "candidates": candidates},
+            )
+        kinds = [kind for kind, _ in schema.prompts()]
+        per_text: list[list] = [[] for _ in texts]
+        for owner, out in zip(plan.owners, outputs):
+            per_text[owner].append(out)
+        windows = windows_per_text(plan)
+        items = []
+        for index, info in enumerate(texts):
+            outs = per_text[index]
+            entities = _entities(schema, kinds, info, outs) if schema.entity_types else None
+            classes = None
+            if schema.classifications:
+                classes = {
+                    task.task: _classify(task, values)
+                    for task, values in zip(schema.classifications, _per_task(kinds, outs))
+                }
+            relations = None
+            if schema.relations:
+                found = [outs[0][i] if outs else None for i, kind in enumerate(kinds) if kind == "relations"]
+                relations = {r.name: _relations(info, best) for r, best in zip(schema.relations, found)}
+            labels = next(iter(classes.values())) if classes and len(classes) == 1 else None
+            items.append(
+                ExtractedItem(
+                    entities=entities,
+                    labels=labels,
+                    classifications=classes,
+                    relations=relations,
+                    num_windows=int(windows[index]),
+                )
+            )
+        return ExtractResult(
+            items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id, **timings
+        )
+
+
+def _num_candidates(plan: Gliner2Plan, outputs: list) -> int:
+    if plan.schema is None or not plan.schema.entity_types:
+        return 0
+    return sum(len(out[0][0]) for out in outputs)  # the entities task is the first
+
+
+def _per_task(kinds: list[str], outs: list) -> list[np.ndarray]:
+    """The label logits of each classification task (a text with classifications has one window)."""
+    if not outs:
+        return []
+    return [outs[0][i] for i, kind in enumerate(kinds) if kind == "classifications"]
+
+
+def _entities(schema: Schema, kinds: list[str], info: _Text, outs: list) -> list[Entity]:
+    """Each window's candidates of the entities task, from the window that owns their start, then
+    per type highest first, kept unless overlapping one kept before (in characters)."""
+    task = kinds.index("entities")
+    parts = []
+    for (first, (lo, hi)), out in zip(info.windows, outs):
+        s, k, m, p = out[task]
+        s = s.astype(np.int64) + first
+        keep = (s >= lo) & (s < hi)
+        parts.append((s[keep], k[keep], m[keep], p[keep]))
+    if not parts:
+        return []
+    s, k, m, p = (np.concatenate(column) for column in zip(*parts))
+    order = np.lexsort((k, s))  # (start, width), the order of the reference's candidates
+    s, k, m, p = s[order], k[order], m[order], p[order]
+    size = len(info.text)
+    found: list[tuple[int, int, int, float]] = []
+    for label in range(len(schema.entity_types)):
+        mine = np.nonzero(m == label)[0]
+        kept: list[tuple[int, int]] = []
+        for j in sorted(mine.tolist(), key=lambda j: -float(p[j])):  # stable: ties keep candidate order
+            a, b = int(info.starts[s[j]]), int(info.ends[s[j] + k[j]])
+            if any(a < e and c < b for c, e in kept):
+                continue
+            kept.append((a, b))
+            if a < size:  # not the appended "." alone
+                found.append((a, min(b, size), label, float(p[j])))
+    found.sort(key=lambda e: (e[0], e[1], e[2]))
+    return [
+        Entity(text=info.text[a:b], label=schema.entity_types[label], score=score, start=a, end=b)
+        for a, b, label, score in found
+    ]
+
+
+def _relations(info: _Text, best: tuple[np.ndarray, ...] | None) -> list[Relation]:
+    """A relation type's instances: those whose head and tail spans (`[count, 2]` start, width,
+    score; score -1 when none reaches the threshold) are both found in the text."""
+    if best is None:
+        return []
+    starts, widths, scores = best
+    size = len(info.text)
+    out = []
+    for instance in range(len(scores)):
+        spans = []
+        for f in range(2):  # head, tail
+            s, score = int(starts[instance, f]), float(scores[instance, f])
+            if score < 0:  # no span reaches the threshold
+                break
+            a, b = int(info.starts[s]), int(info.ends[s + int(widths[instance, f])])
+            if a >= size:  # the appended "." alone
+                break
+            b = min(b, size)
+            spans.append(RelationSpan(text=info.text[a:b], score=score, start=a, end=b))
+        if len(spans) == 2:
+            out.append(Relation(head=spans[0], tail=spans[1]))
+    return out
+
+
+def _classify(task: Classification, logits: np.ndarray) -> list[LabelScore]:
+    x = logits.astype(np.float64)
+    if task.sigmoid:
+        probs = 1.0 / (1.0 + np.exp(-x))
+    else:
+        e = np.exp(x - x.max())
+        probs = e / e.sum()
+    best = int(np.argmax(probs))
+    if not task.multi_label:
+        return [LabelScore(task.labels[best], float(probs[best]))]
+    chosen = [LabelScore(label, float(probs[j])) for j, label in enumerate(task.labels) if probs[j] >= task.threshold]
+    if not chosen:
+        chosen = [LabelScore(task.labels[best], float(probs[best]))]
+    if task.top_k is not None:
+        chosen = sorted(chosen, key=lambda ls: -ls.score)[: task.top_k]
+    return chosen
