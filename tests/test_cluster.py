@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 
 RERANKER = "test/minilm-reranker"
 TAGGER = "test/tagger"
+CLASSIFIER = "test/minilm-classifier"
 UNSERVED = "BAAI/bge-small-en-v1.5"  # in the gateway's catalog, served by no worker
 ACK_WAIT_S = 3.0
 
@@ -152,6 +153,8 @@ def cards(tmp_path_factory) -> Path:
     cards.mkdir()
     (cards / "reranker.yaml").write_text(reranker_card(RERANKER, root / "reranker", 256))
     (cards / "tagger.yaml").write_text(extract_card(root / "tagger", TAGGER, "token_class"))
+    # The reranker's one-logit BERT head read as a text classifier (extract kind classify).
+    (cards / "classifier.yaml").write_text(extract_card(root / "reranker", CLASSIFIER, "classify", max_length=256))
     return cards
 
 
@@ -172,7 +175,7 @@ def cluster(tmp_path_factory, cards):
 @pytest.fixture(scope="module")
 def single(serve, cards) -> str:
     """`shoal serve` over the same cards: what the cluster must answer."""
-    return serve(preload=(MODEL_ID, RERANKER, TAGGER), cards_dirs=(cards,))
+    return serve(preload=(MODEL_ID, RERANKER, TAGGER, CLASSIFIER), cards_dirs=(cards,))
 
 
 def post(url: str, path: str, body: dict, msgpack: bool = False, timeout: float = 120, **headers) -> httpx.Response:
@@ -222,6 +225,14 @@ def test_the_gateway_answers_as_shoal_serve_does_for_every_verb(cluster, single,
     assert strip(got) == strip(want) and sum(len(e) for e in strip(got)) > 0
     for a, b in zip(got["items"], want["items"]):
         assert np.allclose([e["score"] for e in a["entities"]], [e["score"] for e in b["entities"]], atol=1e-5)
+
+    classify = {"model": CLASSIFIER, "items": [{"text": t} for t in texts[:4]], "options": {"raw_scores": True}}
+    got, want = (body_of(post(url, "/v1/extract", classify, msgpack), msgpack) for url in (cluster.url, single))
+    labels = lambda out: [[(x["label"], x["score"]) for x in item["labels"]] for item in out["items"]]  # noqa: E731
+    assert [[x for x, _ in row] for row in labels(got)] == [["LABEL_0"]] * 4
+    assert np.allclose(
+        [s for row in labels(got) for _, s in row], [s for row in labels(want) for _, s in row], atol=1e-5
+    )
 
 
 def test_the_same_routes_serve_the_real_clients_and_tokenize_through_the_workers(cluster, single, embed_reference):

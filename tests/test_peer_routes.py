@@ -252,7 +252,7 @@ def test_huggingface_hub_zero_shot_classification_equals_the_transformers_pipeli
         ({"inputs": "x", "parameters": {"aggregation_strategy": "none"}}, 'aggregation_strategy "none"'),
         ({"inputs": "x", "parameters": {"candidate_labels": []}}, "candidate_labels"),
         ({"inputs": ["x"], "parameters": {}}, "inputs"),
-        ({"inputs": "x", "parameters": {"top_k": 3}}, "top_k"),
+        ({"inputs": "x", "parameters": {"top_k": 0}}, "top_k"),
     ],
 )
 def test_a_bad_huggingface_task_body_is_a_400_naming_what_to_fix(engine_url, body, words):

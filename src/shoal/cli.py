@@ -246,6 +246,8 @@ class _Backend:
                 labels=a.label or [],
                 threshold=a.threshold,
                 multi_label=a.multi_label or None,
+                top_k=a.top_k,
+                raw_scores=a.raw_scores or None,
             )
         )
         return result.items, result.num_tokens
@@ -267,7 +269,11 @@ class _Backend:
 
         def body(timeout_s: float | None) -> wire.ExtractRequest:
             options = wire.native.ExtractOptions(
-                threshold=a.threshold, multi_label=a.multi_label or None, timeout_s=timeout_s
+                threshold=a.threshold,
+                multi_label=a.multi_label or None,
+                top_k=a.top_k,
+                raw_scores=a.raw_scores or None,
+                timeout_s=timeout_s,
             )
             items = [wire.native.ExtractItem(text=text) for text in texts]
             return wire.ExtractRequest(model=a.model, items=items, labels=a.label or [], options=options)
@@ -499,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     score.set_defaults(func=cmd_score)
 
     extract = sub.add_parser(
-        "extract", allow_abbrev=False, help="extract entities (or zero-shot labels) from texts (arguments or --input)"
+        "extract",
+        allow_abbrev=False,
+        help="extract entities, zero-shot labels or a classifier's labels from texts (arguments or --input)",
     )
     batch_io(extract, ".jsonl or .parquet")
     extract.add_argument("model")
@@ -512,6 +520,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.add_argument("--threshold", type=float)
     extract.add_argument("--multi-label", action="store_true")
+    extract.add_argument("--top-k", type=_positive, help="text classifiers: the best this many labels (default: all)")
+    extract.add_argument(
+        "--raw-scores", action="store_true", help="text classifiers: the logits, no softmax or sigmoid"
+    )
     settings(extract, "extract")  # the in-process engine's (ignored with --url)
     extract.set_defaults(func=cmd_extract)
     return parser

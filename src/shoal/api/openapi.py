@@ -67,9 +67,12 @@ EXAMPLES: dict[str, JSONObject] = {
     "tei_embed_sparse": {"inputs": _TEXTS},
     "tei_similarity": {"inputs": {"source_sentence": _QUERY, "sentences": _TEXTS}},
     "tei_decode": {"ids": [101, 7592, 2088, 102], "skip_special_tokens": True},
+    "tei_predict": {"inputs": [[_TEXTS[0]], [_QUERY, _TEXTS[0]]], "raw_scores": False},
     "tei_root": {"inputs": _TEXTS},
     "embeddings_unprefixed": {"model": _ENCODER, "input": _TEXTS},
     "vllm_score": {"model": _SCORER, "text_1": _QUERY, "text_2": _TEXTS},
+    # No model: the server's default classifier (the extract example's model may not classify).
+    "infinity_classify": {"input": _TEXTS},
 }
 # A path parameter's example, by route name.
 _PATH_EXAMPLES = {"model": _ENCODER, "model_admin": f"{_ENCODER}/load", "docs_asset": "swagger-ui.css"}
@@ -171,8 +174,14 @@ FIELDS: dict[type[object], dict[str, str]] = {
     wire.ExtractRequest: {
         "model": _MODEL,
         "items": "What to read: each a `text`, or an `image` for an image_labels model.",
-        "labels": "gliner, zero_shot and image_labels: the entity types or classes (required); token_class: "
-        "keep only these of the model's types.",
+        "labels": "gliner, zero_shot and image_labels: the entity types or classes (required); token_class and "
+        "classify: keep only these of the model's labels.",
+        "text_pairs": "classify on a pair classifier: each item's second text, one per item.",
+        "schema": 'gliner2: the schema beside the entity types in `labels`: {"entity_descriptions": {type: '
+        'text}, "relations": [{type: {"head": "", "tail": ""}}], "relation_descriptions": {type: text}, '
+        '"classifications": [{"task", "labels" (a list, or label -> description), "multi_label", '
+        '"cls_threshold", "top_k", "class_act"}]}; each item then answers `relations`: per type, its '
+        "instances as {head, tail}, each {text, score, start, end}.",
         "options": "How to extract; which options apply depends on the model's extract kind.",
         "adapter": _ADAPTER,
     },
@@ -184,6 +193,11 @@ FIELDS: dict[type[object], dict[str, str]] = {
         "max_span_width": "gliner: the widest entity in words, at most the model's.",
         "hypothesis_template": "zero_shot and image_labels: the hypothesis, with `{}` for the class.",
         "aggregation": "token_class: simple, first, max or average (default: the card's).",
+        "top_k": "classify: the best this many labels (default: all, best first).",
+        "raw_scores": "classify: the logits, without the softmax or sigmoid the model's config implies.",
+        "function_to_apply": "classify: softmax, sigmoid or none in place of the function the model's config "
+        "implies (transformers' text-classification pipeline's argument).",
+        "truncate": "classify: false refuses a text longer than the model takes (422) instead of cutting it.",
         "timeout_s": _TIMEOUT,
     },
     wire.EmbeddingsRequest: {
@@ -254,6 +268,18 @@ FIELDS: dict[type[object], dict[str, str]] = {
         "ids": "One sequence of token ids, or a list of sequences: one text is answered per sequence.",
         "skip_special_tokens": "Leave the model's special tokens ([CLS], [SEP], padding) out of the text.",
     },
+    wire.tei.PredictRequest: {
+        "inputs": "A text, a pair [text, text_pair], or a batch: a list of [text] and [text, text_pair] lists. A list "
+        "of strings is one text or pair, never a batch.",
+        "truncate": _TEI_TRUNCATE,
+        "truncation_direction": _TEI_DIRECTION,
+        "raw_scores": "The logits, without the softmax or sigmoid the model's config implies.",
+    },
+    wire.infinity.ClassifyRequest: {
+        "input": "The texts to classify.",
+        "model": _MODEL + " Optional: the server's default text classifier.",
+        "raw_scores": "The logits, without the softmax or sigmoid the model's config implies (Infinity ignores it).",
+    },
     wire.infinity.RerankRequest: {
         "model": _MODEL + " Optional: the server's default scoring model.",
         "query": "The query the documents are ranked against.",
@@ -281,6 +307,14 @@ FIELDS: dict[type[object], dict[str, str]] = {
     wire.hf.ZeroShotRequest: {
         "inputs": "The text to classify.",
         "parameters": "candidate_labels (required), multi_label, hypothesis_template.",
+    },
+    wire.hf.TextClassificationRequest: {
+        "inputs": "The text to classify.",
+        "parameters": "top_k and function_to_apply; each has a default.",
+    },
+    wire.hf.TextClassificationParameters: {
+        "function_to_apply": "softmax, sigmoid or none (the logits); default: what the model's config implies.",
+        "top_k": "Keep the best k labels (default: all, best first).",
     },
     wire.hf.ZeroShotParameters: {
         "candidate_labels": "The classes.",

@@ -96,19 +96,46 @@ class Context:
         self, task: str, named: str | None = None, output: str | None = None, kinds: tuple[str, ...] = ()
     ) -> str:
         """The model a route whose body may name none uses (TEI's, Cohere v1 rerank): the body's,
-        `?model=`, the `X-Shoal-Model` header, the server's `--default-model` if it serves `task`
-        (and has `output`; for extract, is of one of `kinds` when given), else the one preloaded
-        model that does (for score: the one reranker, else the one embedder); of the last two, only
-        models this caller may use (and is told of).
-        Several preloaded models that could serve it and no default: InvalidRequest naming them,
-        rather than an answer from a model the client may not have meant."""
-        model = named or self.request.query_params.get("model") or self.request.headers.get("x-shoal-model")
+        `?model=`, the `X-Shoal-Model` header, else the one of `default_candidates`.
+        Several candidates (preloaded models that could serve it, and no default): InvalidRequest
+        naming them, rather than an answer from a model the client may not have meant."""
+        model = named or self.requested_model()
         if model:
             return model
-        statuses = {status.id: status for status in self.service.models() if self.principal.may_use(status.id)}
+        candidates = self.default_candidates(task, output, kinds)
+        if len(candidates) == 1:
+            return candidates[0]
+        usable = {status.id for status in self.service.models() if self.principal.may_use(status.id)}
         default = (
             self.service.model(self.default).id if self.default and self.service.has_model(self.default) else None
         )  # an alias names its model
+        verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
+        verb += f" {output} vectors" if output else ""
+        verb += f" ({' or '.join(kinds)})" if kinds else ""
+        if candidates:
+            raise InvalidRequest(
+                f"this request names no model, and {len(candidates)} preloaded models could serve it "
+                f"({', '.join(candidates)}) with no default set: name one with `?model=ID` or the "
+                "`X-Shoal-Model: ID` header, or start the server with `--default-model ID`",
+                details={"candidates": candidates, "default_model": self.default if default in usable else None},
+            )
+        raise InvalidRequest(
+            f"this request names no model and no default or preloaded model {verb}: name one with `?model=ID` "
+            "or the `X-Shoal-Model: ID` header, or start the server with `--default-model` or `--preload` "
+            "(`GET /v1/models` lists each model's tasks)",
+            details={
+                "preloaded": [m for m in self.preload if m in usable],
+                "default_model": self.default if default in usable else None,
+            },
+        )
+
+    def default_candidates(self, task: str, output: str | None = None, kinds: tuple[str, ...] = ()) -> list[str]:
+        """The models a request that names none may mean: the server's `--default-model` if it
+        serves `task` (and has `output`; for extract, is of one of `kinds` when given), else the
+        preloaded models that do (for score: the rerankers, else the embedders); of the last two,
+        only models this caller may use (and is told of)."""
+        statuses = {status.id: status for status in self.service.models() if self.principal.may_use(status.id)}
+        default = self.service.model(self.default).id if self.default and self.service.has_model(self.default) else None
         tasks = {m: s.tasks for m, s in statuses.items()}
 
         def serves(m: str) -> bool:
@@ -119,31 +146,15 @@ class Context:
             )
 
         if default and serves(default):
-            return default
+            return [default]
         preloaded = list(dict.fromkeys(m for m in self.preload if m and serves(m)))
         if task == "score":  # among preloaded models, a reranker before an embedder that scores by cosine
             preloaded = [m for m in preloaded if "encode" not in tasks[m]] or preloaded
-        verb = {"score": "scores", "encode": "encodes", "extract": "extracts"}[task]
-        verb += f" {output} vectors" if output else ""
-        verb += f" ({' or '.join(kinds)})" if kinds else ""
-        if len(preloaded) == 1:
-            return preloaded[0]
-        if preloaded:
-            raise InvalidRequest(
-                f"this request names no model, and {len(preloaded)} preloaded models could serve it "
-                f"({', '.join(preloaded)}) with no default set: name one with `?model=ID` or the "
-                "`X-Shoal-Model: ID` header, or start the server with `--default-model ID`",
-                details={"candidates": preloaded, "default_model": self.default if default in statuses else None},
-            )
-        raise InvalidRequest(
-            f"this request names no model and no default or preloaded model {verb}: name one with `?model=ID` "
-            "or the `X-Shoal-Model: ID` header, or start the server with `--default-model` or `--preload` "
-            "(`GET /v1/models` lists each model's tasks)",
-            details={
-                "preloaded": [m for m in self.preload if m in statuses],
-                "default_model": self.default if default in statuses else None,
-            },
-        )
+        return preloaded
+
+    def requested_model(self) -> str | None:
+        """The model the request names outside its body: `?model=`, else the `X-Shoal-Model` header."""
+        return self.request.query_params.get("model") or self.request.headers.get("x-shoal-model") or None
 
     def check_count(self, num_items: int) -> None:
         if num_items > self.max_items:

@@ -54,10 +54,10 @@ TAGS: dict[str, str] = {
     "Cohere": "Cohere's embed and rerank APIs, v1 and v2 (`/v1/rerank` also reads Jina's rerank request).",
     "TEI": "Hugging Face text-embeddings-inference's routes. Their bodies name no model: `?model=ID` or the "
     "`X-Shoal-Model` header names one, else the server's default model for the verb serves. `/rerank` also "
-    "reads Infinity's and vLLM's body (`documents`), and `POST /` the Hugging Face Inference API's token and "
-    "zero-shot classification bodies.",
+    "reads Infinity's and vLLM's body (`documents`), and `POST /` the Hugging Face Inference API's token, "
+    "zero-shot and text classification bodies.",
     "Infinity/vLLM": "Routes of Infinity and vLLM that shoal's others lack: `/embeddings` (OpenAI's body without "
-    "`/v1`) and vLLM's `/score` (vLLM's `/v1/score` is shoal's native score here).",
+    "`/v1`), Infinity's `/classify` and vLLM's `/score` (vLLM's `/v1/score` is shoal's native score here).",
     "models": "The models this server serves, in OpenAI's list shape with shoal's fields (tasks, outputs, "
     "dimensions, state).",
     "admin": "Load, unload, pin and unpin a model: tokens with the admin scope.",
@@ -95,19 +95,24 @@ class RouteSpec:
         return self.request is not None
 
 
+_TEI_PREDICT_RESPONSE = (list[wire.tei.Prediction], list[list[wire.tei.Prediction]])
 _TEI_ROOT_REQUEST = (
     wire.tei.EmbedRequest,
     wire.tei.SimilarityRequest,
     wire.tei.RerankRequest,
+    wire.tei.PredictRequest,
     wire.hf.TokenClassificationRequest,
     wire.hf.ZeroShotRequest,
+    wire.hf.TextClassificationRequest,
 )
 _TEI_ROOT_RESPONSE = (
     list[list[float]],
     list[float],
     list[wire.tei.Rank],
+    *_TEI_PREDICT_RESPONSE,
     list[wire.hf.TokenEntity],
     list[wire.hf.LabelScore],
+    list[list[wire.hf.LabelScore]],
 )
 
 # One row per route, read as a table (the formatter would give each argument its own line).
@@ -152,14 +157,20 @@ ROUTES: tuple[RouteSpec, ...] = (
               verb="encode"),
     RouteSpec("/similarity", "POST", "tei_similarity", "TEI sentence similarity", "TEI",
               tei.similarity, request=wire.tei.SimilarityRequest, response=list[float], verb="encode"),
+    RouteSpec("/predict", "POST", "tei_predict", "TEI predict: a text classifier's labels for a text, a pair or a "
+              "batch", "TEI", tei.predict, request=wire.tei.PredictRequest, response=_TEI_PREDICT_RESPONSE,
+              verb="extract"),
     RouteSpec("/", "POST", "tei_root",
-              "TEI's root: embed, similarity or rerank, or a Hugging Face token or zero-shot classification, by "
-              "the body", "TEI", tei.root, request=_TEI_ROOT_REQUEST, response=_TEI_ROOT_RESPONSE),
+              "TEI's root: embed, similarity, rerank or predict, or a Hugging Face token, zero-shot or text "
+              "classification, by the body", "TEI", tei.root, request=_TEI_ROOT_REQUEST, response=_TEI_ROOT_RESPONSE),
     RouteSpec("/info", "GET", "tei_info", "TEI model info", "TEI", tei.info, response=OPEN_OBJECT),
     # Infinity and vLLM (wire/openai.py, wire/vllm.py): the routes the families above lack.
     RouteSpec("/embeddings", "POST", "embeddings_unprefixed", "OpenAI-compatible embeddings without `/v1` "
               "(Infinity's path)", "Infinity/vLLM", routes.embeddings, request=wire.EmbeddingsRequest,
               response=wire.EmbeddingsResponse, verb="encode"),
+    RouteSpec("/classify", "POST", "infinity_classify", "Infinity's classify: a text classifier's labels for "
+              "each text", "Infinity/vLLM", peers.infinity_classify, request=wire.infinity.ClassifyRequest,
+              response=wire.infinity.ClassifyResponse, verb="extract"),
     RouteSpec("/score", "POST", "vllm_score", "vLLM's score: text_1 against text_2", "Infinity/vLLM",
               peers.vllm_score, request=wire.vllm.ScoreRequest, response=wire.vllm.ScoreResponse, verb="score"),
     # Models (OpenAI's list shape, and shoal's admin actions).

@@ -1,8 +1,9 @@
 """Handlers of the TEI-compatible routes (text-embeddings-inference): `/embed`, `/embed_sparse`,
-`/similarity`, `/tokenize`, `/decode`, `/` (by its body: a similarity, a rerank or an embedding
-request, or a Hugging Face task body: `peers`), `/info`. `/rerank` lives with the other rerank
-routes (`routes.tei_rerank`). Bodies name no model: `?model=`, the `X-Shoal-Model` header,
-`--default-model`, else the first preloaded model that encodes.
+`/similarity`, `/tokenize`, `/decode`, `/predict`, `/` (by its body: a similarity, a rerank, a
+predict or an embedding request, or a Hugging Face task body: `peers`), `/info`. `/rerank` lives
+with the other rerank routes (`routes.tei_rerank`). Bodies name no model: `?model=`, the
+`X-Shoal-Model` header, `--default-model`, else the one preloaded model that serves the route
+(encodes; for `/predict`, classifies).
 """
 
 from __future__ import annotations
@@ -78,23 +79,61 @@ async def similarity(ctx: Context) -> list[float]:
     return wire.tei.similarities(await ctx.run(call))
 
 
+async def predict(ctx: Context) -> list[wire.tei.Prediction] | list[list[wire.tei.Prediction]]:
+    """TEI's `/predict`: one sequence's labels (a text or a pair), or a batch's, each best first.
+    A batch may mix texts and pairs: one call of each, run side by side."""
+    req = ctx.decode(wire.tei.PredictRequest)
+    ctx.model = model = peers.classifier(ctx)
+    sequences, batch = req.sequences()
+    ctx.check_count(len(sequences))
+    parts = wire.tei.predict_calls(req, sequences, model, ctx.request_id, auto_truncate=ctx.auto_truncate)
+    first_cut = len(ctx.truncated)
+    results = await peers.run_together([ctx.run(call) for _, call in parts])
+    labels, cut = wire.tei.predictions(len(sequences), [held for held, _ in parts], results)
+    ctx.truncated[first_cut:] = cut  # by the sequences' indices, not each call's own
+    return labels if batch else labels[0]
+
+
 async def root(
     ctx: Context,
-) -> list[np.ndarray] | list[float] | list[wire.tei.Rank] | list[wire.hf.TokenEntity] | list[wire.hf.LabelScore]:
+) -> (
+    list[np.ndarray]
+    | list[float]
+    | list[wire.tei.Rank]
+    | list[wire.tei.Prediction]
+    | list[list[wire.tei.Prediction]]
+    | list[wire.hf.TokenEntity]
+    | list[wire.hf.LabelScore]
+    | list[list[wire.hf.LabelScore]]
+):
     """`POST /`: TEI serves its model's one verb here; shoal reads the body to tell which. A body
-    with `parameters` (and not `inputs` an object) is a Hugging Face task's: zero-shot
-    classification with `parameters.candidate_labels`, else token classification."""
+    with `parameters` (and not `inputs` an object) is a Hugging Face task's (`peers.hf_task`); one
+    that is `/predict`'s, or meant for a classifier, is classified; else it is embedded."""
     fields = ctx.fields()
-    parameters = fields.get("parameters")
     if isinstance(fields.get("inputs"), dict):
         return await similarity(ctx)
     if "query" in fields and "texts" in fields:
         return await routes.tei_rerank(ctx)
-    if isinstance(parameters, dict) and "candidate_labels" in parameters:
-        return await peers.zero_shot_classification(ctx)
     if "parameters" in fields:
-        return await peers.token_classification(ctx)
+        return await peers.hf_task(ctx, fields["parameters"])
+    if _predicts(ctx, fields):
+        return await predict(ctx)
     return await embed(ctx)
+
+
+def _predicts(ctx: Context, fields: dict[str, object]) -> bool:
+    """Whether a TEI body on `/` is `/predict`'s: it has `raw_scores` or a batch of lists (which
+    `/embed`'s body has not), or the model it names is a classifier, or it names none and the
+    server has a classifier to default to but no embedder (several embedders: still embed's 400)."""
+    inputs = fields.get("inputs")
+    if "raw_scores" in fields or (isinstance(inputs, list) and any(isinstance(i, list) for i in inputs)):
+        return True
+    named = ctx.requested_model()
+    if named:
+        return ctx.status(named).extract in peers.CLASSIFIERS
+    return not ctx.default_candidates("encode", output="dense") and bool(
+        ctx.default_candidates("extract", kinds=peers.CLASSIFIERS)
+    )
 
 
 async def info(ctx: Context) -> wire.JSONObject:

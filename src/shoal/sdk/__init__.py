@@ -19,7 +19,7 @@ Errors raise as the server's own classes from `shoal.errors` (`Overloaded`, `Unk
 
 from __future__ import annotations
 
-from ..calls import Entity, ExtractedItem, LabelScore
+from ..calls import Entity, ExtractedItem, LabelScore, Relation, RelationSpan
 from .client import AsyncClient
 from .images import Image
 from .results import Encoded, Ranking, Scored, Sparse
@@ -34,6 +34,8 @@ __all__ = [
     "Image",
     "LabelScore",
     "Ranking",
+    "Relation",
+    "RelationSpan",
     "Scored",
     "Sparse",
 ]

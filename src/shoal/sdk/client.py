@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import quote
 
 from .. import wire
@@ -200,6 +200,12 @@ class AsyncClient:
         max_span_width: int | None = None,
         hypothesis_template: str | None = None,
         aggregation: str | None = None,
+        top_k: int | None = None,
+        raw_scores: bool | None = None,
+        function_to_apply: wire.native.ClassifyFunction | None = None,
+        truncate: bool | None = None,
+        text_pairs: Sequence[str] | None = None,
+        schema: dict[str, Any] | None = None,
         batch_size: int | None = None,
         concurrency: int = 4,
         show_progress: bool = False,
@@ -210,9 +216,25 @@ class AsyncClient:
 
         `images` are for a card whose extract kind is `image_labels` (CLIP, SigLIP zero-shot image
         classification): each image's `labels`, best first. They are `encode`'s image sources, sent
-        and chunked as `encode` sends them; texts and images in one call are a ValueError."""
+        and chunked as `encode` sends them; texts and images in one call are a ValueError.
+
+        A text classifier (extract kind `classify`) scores its own labels for each text (`labels`,
+        if given, keeps only those): `top_k` best, `raw_scores` (the logits), `truncate=False` (an
+        over-long text is refused), `function_to_apply` (softmax, sigmoid or none in place of the
+        model's), and `text_pairs` (one second text per text, for a pair
+        classifier). A GLiNER2 model (kind `gliner2`) takes the entity types as `labels` and its
+        `schema`'s relations and classification tasks (`ExtractCall.schema` says its form); each
+        item's `relations` holds each relation type's instances (head, tail) and `classifications`
+        the tasks' labels by task."""
         inputs, unit = _inputs("extract", texts, images)
         deadline = self._deadline()
+        chunks = _chunks(inputs, unit, batch_size)
+        pairs_of: dict[int, list[str]] = {}
+        if text_pairs is not None:
+            if len(text_pairs) != len(inputs):
+                raise ValueError(f"text_pairs has {len(text_pairs)} texts for {len(inputs)} texts")
+            pair_chunks = bulk.chunks_of(list(text_pairs), batch_size)  # texts are cut by count alone, alike
+            pairs_of = {id(chunk): pairs for chunk, pairs in zip(chunks, pair_chunks)}
 
         async def send(chunk: list[str | Image]) -> wire.ExtractResponse:
             payloads = await _payloads(chunk)
@@ -225,19 +247,24 @@ class AsyncClient:
                     max_span_width=max_span_width,
                     hypothesis_template=hypothesis_template,
                     aggregation=aggregation,
+                    top_k=top_k,
+                    raw_scores=raw_scores,
+                    function_to_apply=function_to_apply,
+                    truncate=truncate,
                     timeout_s=timeout_s,
                 )
                 return wire.ExtractRequest(
                     model=model,
                     items=[_item(wire.native.ExtractItem, payload) for payload in payloads],
                     labels=list(labels),
+                    text_pairs=pairs_of.get(id(chunk)),
+                    schema=schema,
                     options=options,
                     adapter=adapter,
                 )
 
             return await self._http.post("/v1/extract", body, wire.ExtractResponse, deadline)
 
-        chunks = _chunks(inputs, unit, batch_size)
         answers = await bulk.map_chunks(
             chunks, send, concurrency=concurrency, show_progress=show_progress, desc="extract", unit=unit
         )

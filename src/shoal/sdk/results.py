@@ -109,7 +109,12 @@ def extracted(responses: list[wire.ExtractResponse]) -> list[ExtractedItem]:
     """Each text's entities or labels, in the order sent, across the call's chunks."""
     return [
         ExtractedItem(
-            entities=item.entities, labels=item.labels, num_windows=item.num_windows, truncated=item.truncated
+            entities=item.entities,
+            labels=item.labels,
+            classifications=item.classifications,
+            relations=item.relations,
+            num_windows=item.num_windows,
+            truncated=item.truncated,
         )
         for response in responses
         for item in response.items

@@ -8,8 +8,8 @@
     cohere        Cohere's (and Jina's) rerank, v1 and v2
     cohere_embed  Cohere's embed, v1 and v2
     tei           Hugging Face text-embeddings-inference's routes
-    hf            Hugging Face Inference API task bodies on `POST /` (token, zero-shot classification)
-    infinity      Infinity's rerank body on `/rerank` (TEI's route; the body picks the shape)
+    hf            Hugging Face Inference API task bodies on `POST /` (token, zero-shot, text classification)
+    infinity      Infinity's rerank body on `/rerank` (TEI's route; the body picks the shape), `/classify`
     vllm          vLLM's score API on `/score`
 
 Which route takes which type is the route table's to say (`shoal.api.table`).

@@ -5,9 +5,13 @@
                               → [{"entity_group", "score", "word", "start", "end"}]
     zero-shot classification  parameters: candidate_labels, multi_label, hypothesis_template
                               → [{"label", "score"}], best first
+    text classification       parameters: top_k, function_to_apply
+                              → [[{"label", "score"}]], best first (the list in a list the
+                              Inference API answers and `InferenceClient` unwraps)
 
-`POST /` tells them apart by `parameters.candidate_labels` (`api.tei.root`). Entities come from a
-token classifier's (or a GLiNER model's) grouped spans: `word` is the text's own slice
+`POST /` tells them apart by their parameters (`task_of`), else by the model's extract kind
+(`api.peers.hf_task`): `huggingface_hub` sends `"parameters": {}` when none is set. Entities come
+from a token classifier's (or a GLiNER model's) grouped spans: `word` is the text's own slice
 `inputs[start:end]`. Per-token answers (`aggregation_strategy: "none"`) are not served.
 """
 
@@ -44,6 +48,16 @@ class ZeroShotParameters(msgspec.Struct, forbid_unknown_fields=True):
 class ZeroShotRequest(msgspec.Struct, forbid_unknown_fields=True):
     inputs: str
     parameters: ZeroShotParameters
+
+
+class TextClassificationParameters(msgspec.Struct, forbid_unknown_fields=True):
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None  # None: the model config's
+    top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: every label
+
+
+class TextClassificationRequest(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: str
+    parameters: TextClassificationParameters | None = None
 
 
 class TokenEntity(msgspec.Struct):
@@ -102,3 +116,34 @@ def zero_shot_call(req: ZeroShotRequest, model: str, request_id: str | None = No
 def labels(result: ExtractResult) -> list[LabelScore]:
     """Best first, as the extract result ranks them."""
     return [LabelScore(label=s.label, score=s.score) for s in result.items[0].labels or ()]
+
+
+def text_classification_call(req: TextClassificationRequest, model: str, request_id: str | None = None) -> ExtractCall:
+    params = req.parameters or TextClassificationParameters()
+    return ExtractCall(
+        model=model,
+        items=[req.inputs],
+        top_k=params.top_k,
+        function_to_apply=params.function_to_apply,
+        request_id=request_id,
+    )
+
+
+def _names(t: type[msgspec.Struct]) -> frozenset[str]:
+    return frozenset(f.encode_name for f in msgspec.structs.fields(t))
+
+
+# The parameters only one task's body has, by task.
+_TASK_PARAMETERS = {
+    "zero_shot": _names(ZeroShotParameters),
+    "text_classification": _names(TextClassificationParameters),
+    "token_classification": _names(TokenClassificationParameters),
+}
+
+
+def task_of(parameters: object) -> str | None:
+    """The task a body's `parameters` name by their fields (zero_shot, text_classification or
+    token_classification), or None when they name none (`{}`, null): the model's kind decides."""
+    if not isinstance(parameters, dict):
+        return None
+    return next((task for task, names in _TASK_PARAMETERS.items() if names & parameters.keys()), None)

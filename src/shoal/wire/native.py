@@ -23,6 +23,7 @@ from ..calls import (
     ExtractCall,
     ExtractResult,
     LabelScore,
+    Relation,
     ScoreCall,
     ScoreResult,
 )
@@ -179,6 +180,10 @@ class ExtractItem(msgspec.Struct, forbid_unknown_fields=True):
     id: ItemId = None
 
 
+# A text classifier's function over its logits (transformers' text-classification pipeline's names).
+ClassifyFunction = Literal["softmax", "sigmoid", "none"]
+
+
 class ExtractOptions(msgspec.Struct, forbid_unknown_fields=True):
     threshold: float | None = None  # 0..1; unset: the card's (GLiNER: 0.5)
     flat_ner: bool | None = None  # gliner; default true
@@ -186,6 +191,11 @@ class ExtractOptions(msgspec.Struct, forbid_unknown_fields=True):
     max_span_width: int | None = None
     hypothesis_template: str | None = None
     aggregation: str | None = None
+    top_k: int | None = None  # classify: the best this many labels; unset: all
+    raw_scores: bool | None = None  # classify: the logits, no softmax or sigmoid
+    # classify: in place of the function the model's config implies (transformers' pipeline's argument)
+    function_to_apply: ClassifyFunction | None = None
+    truncate: bool | None = None  # classify (default true): false makes an over-long text a 422
     timeout_s: TimeoutS | None = None
 
 
@@ -193,6 +203,10 @@ class ExtractRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: NonEmpty
     items: Annotated[list[ExtractItem], msgspec.Meta(min_length=1)]
     labels: list[str] = []
+    # classify on a pair classifier: each item's second text (as many as items)
+    text_pairs: list[str] | None = None
+    # gliner2: the schema beside the entity types in `labels` (ExtractCall.schema says its form)
+    schema: dict[str, Any] | None = None
     options: ExtractOptions = msgspec.field(default_factory=ExtractOptions)
     adapter: NonEmpty | None = None
 
@@ -202,6 +216,8 @@ class ExtractedItem(msgspec.Struct, omit_defaults=True):
     index: int
     entities: list[Entity] | None = None
     labels: list[LabelScore] | None = None
+    classifications: dict[str, list[LabelScore]] | None = None  # gliner2: labels by classification task
+    relations: dict[str, list[Relation]] | None = None  # gliner2: instances (head, tail) by relation type
     num_windows: int = 1
     truncated: bool = False
 
@@ -225,6 +241,12 @@ def extract_call(req: ExtractRequest, request_id: str | None = None) -> ExtractC
         max_span_width=opts.max_span_width,
         hypothesis_template=opts.hypothesis_template,
         aggregation=opts.aggregation,
+        top_k=opts.top_k,
+        raw_scores=opts.raw_scores,
+        function_to_apply=opts.function_to_apply,
+        text_pairs=req.text_pairs,
+        schema=req.schema,
+        truncate=opts.truncate,
         request_id=request_id,
         timeout_s=opts.timeout_s,
         adapter=req.adapter,
@@ -238,6 +260,8 @@ def extract_response(req: ExtractRequest, result: ExtractResult) -> ExtractRespo
             index=i,
             entities=out.entities,
             labels=out.labels,
+            classifications=out.classifications,
+            relations=out.relations,
             num_windows=out.num_windows,
             truncated=out.truncated,
         )

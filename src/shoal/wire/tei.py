@@ -1,6 +1,6 @@
 """Hugging Face text-embeddings-inference (TEI): `/rerank`, `/embed`, `/embed_sparse`, `/similarity`,
-`/tokenize`, `/decode`, `/` — their requests and bare-list responses, as TEI's router defines them
-(`/info` is built in `shoal.api.tei`).
+`/tokenize`, `/decode`, `/predict`, `/` — their requests and bare-list responses, as TEI's router
+defines them (`/info` is built in `shoal.api.tei`).
 
 TEI's bodies name no model: the route picks one (`?model=`, `X-Shoal-Model`, else the server's
 default model for the verb). TEI's defaults hold: `truncate` false (a text longer than the model
@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
-from ..calls import EncodeCall, EncodeResult, ScoreCall, ScoreResult
+from ..calls import EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult
 from ..errors import InvalidRequest
 
 Inputs = str | Annotated[list[str], msgspec.Meta(min_length=1)]
@@ -203,3 +203,101 @@ def sparse_values(result: EncodeResult) -> list[list[SparseValue]]:
     if len(sparse) != len(result.items):
         raise ValueError("this result has no sparse vectors: its call asked for other outputs")
     return [[SparseValue(int(i), float(v)) for i, v in zip(s.indices, s.values)] for s in sparse]
+
+
+# --- /predict: a text classifier (extract kind classify) -----------------------------------------
+
+# One text, `[text]`, `[text, text_pair]`, or a batch of those lists (TEI's PredictInput).
+PredictSequence = Annotated[list[str], msgspec.Meta(min_length=1, max_length=2)]
+PredictInputs = str | Annotated[list[str | PredictSequence], msgspec.Meta(min_length=1)]
+
+
+class PredictRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`/predict` (and `/` on a classifier). `inputs` is read as TEI reads it (`sequences`)."""
+
+    inputs: PredictInputs
+    truncate: bool | None = None  # unset: the server's --auto-truncate (default false: too long is a 422)
+    truncation_direction: Direction = "Right"
+    raw_scores: bool = False
+
+    def sequences(self) -> tuple[list[tuple[str, str | None]], bool]:
+        """(each sequence as (text, its pair's second text or None), whether `inputs` is a batch).
+
+        As TEI's PredictInput: a string is one text; a list of strings is one sequence, a text
+        (`[a]`) or a pair (`[a, b]`), never a batch of texts; a list of lists is a batch, each list
+        a text or a pair."""
+        inputs = self.inputs
+        if isinstance(inputs, str):
+            return [(inputs, None)], False
+        texts = [s for s in inputs if isinstance(s, str)]
+        batch = [s for s in inputs if not isinstance(s, str)]
+        if texts and batch:
+            raise InvalidRequest(
+                "inputs mixes strings and lists: send one text or pair as a list of strings ([text] or "
+                "[text, text_pair]), or a batch as a list of lists ([[text], [text, text_pair], ...])",
+                details={"path": "$.inputs"},
+            )
+        if len(texts) > 2:
+            raise InvalidRequest(
+                f"inputs is a list of {len(texts)} strings: a list of strings is one text ([text]) or one "
+                "pair ([text, text_pair]); send a batch as a list of lists: [[text], [text, text_pair], ...]",
+                details={"path": "$.inputs"},
+            )
+        if texts:
+            return [_sequence(texts)], False
+        return [_sequence(s) for s in batch], True
+
+
+class Prediction(msgspec.Struct):
+    score: float
+    label: str
+
+
+def _sequence(texts: list[str]) -> tuple[str, str | None]:
+    return texts[0], texts[1] if len(texts) > 1 else None
+
+
+def predict_calls(
+    req: PredictRequest,
+    sequences: list[tuple[str, str | None]],
+    model: str,
+    request_id: str | None = None,
+    *,
+    auto_truncate: bool = False,
+) -> list[tuple[list[int], ExtractCall]]:
+    """The calls that classify `sequences`, each with the sequences' indices it holds: one call of
+    the single texts and one of the pairs (a call's items are all texts or all pairs)."""
+    check_direction(req.truncation_direction)
+    truncate = auto_truncate if req.truncate is None else req.truncate
+    singles = [i for i, (_, pair) in enumerate(sequences) if pair is None]
+    pairs = [i for i, (_, pair) in enumerate(sequences) if pair is not None]
+    return [
+        (
+            indices,
+            ExtractCall(
+                model=model,
+                items=[sequences[i][0] for i in indices],
+                text_pairs=[sequences[i][1] or "" for i in indices] if indices is pairs else None,
+                raw_scores=req.raw_scores,
+                truncate=truncate,
+                request_id=request_id,
+            ),
+        )
+        for indices in (singles, pairs)
+        if indices
+    ]
+
+
+def predictions(
+    num_sequences: int, held: list[list[int]], results: list[ExtractResult]
+) -> tuple[list[list[Prediction]], list[int]]:
+    """(each sequence's labels, best first, in request order; the indices of the sequences cut to
+    fit) from the results of `predict_calls`' calls, `held[c]` the sequences call c held."""
+    labels: list[list[Prediction]] = [[] for _ in range(num_sequences)]
+    cut = []
+    for indices, result in zip(held, results):
+        for i, item in zip(indices, result.items):
+            labels[i] = [Prediction(score=s.score, label=s.label) for s in item.labels or ()]
+            if item.truncated:
+                cut.append(i)
+    return labels, sorted(cut)
