@@ -182,7 +182,7 @@ def run(args) -> int:
         raise ConfigError(f"--levels {args.levels}: closed-loop levels are client counts (whole numbers)")
     if against and verb != "encode":
         raise ConfigError(f"--against {','.join(against)}: the baselines embed; workload {args.workload} is {verb}")
-    labels = None if card.extract is not None and card.extract.kind == "token_class" else workloads.WNUT_LABELS
+    labels = workloads.labels_for(card)
     workload = workloads.build(args.workload, seed=args.seed, items=args.items, labels=labels)
     try:
         model_dir = resolve_weights(card, allow_download=False)

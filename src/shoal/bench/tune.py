@@ -185,7 +185,7 @@ def tune(args) -> int:
     card = Catalog.load(user_dirs, strict=False).get(args.model)
     hardware = hardware_class(args.device)
     default_workload = {"encode": "passages", "score": "rerank", "extract": "extract"}[card.tasks[0]]
-    labels = None if card.extract is not None and card.extract.kind == "token_class" else workloads.WNUT_LABELS
+    labels = workloads.labels_for(card)
     workload = workloads.build(args.workload or default_workload, seed=args.seed, items=args.items, labels=labels)
     plan = Plan(
         mode="closed",

@@ -74,6 +74,16 @@ WNUT_LABELS = (
     "tv show",
     "other",
 )
+# Extract kinds that read with labels of their own (a tagger's types, a classifier's classes): their
+# extract workload sends none.
+OWN_LABELS = frozenset({"token_class", "classify"})
+
+
+def labels_for(card) -> tuple[str, ...] | None:
+    """The labels the extract workload sends to `card`'s model: none where it has its own."""
+    return None if card.extract is not None and card.extract.kind in OWN_LABELS else WNUT_LABELS
+
+
 WORKLOADS = ("queries", "passages", "bulk", "rerank", "extract", "images")
 VERBS = {
     "queries": "encode",
