@@ -30,6 +30,7 @@ TEXTS = [
 LABEL_SETS = [["person", "city", "organization"], ["company", "date", "money", "product", "location"]]
 DESCRIPTIONS = {"person": "a human being, by name", "organization": "a company or institution"}
 MODEL = "test/gliner2"
+WINDOWED = "test/gliner2-windows"  # the same folder, read in windows of 40 words sharing 10
 
 
 def build_gliner2(directory: Path, seed: int, counting_layer: str, shape: dict | None = None):
@@ -52,11 +53,11 @@ def build_gliner2(directory: Path, seed: int, counting_layer: str, shape: dict |
     return GLiNER2.from_pretrained(str(directory)).eval()
 
 
-def card(directory: Path) -> str:
+def card(directory: Path, model: str = MODEL, extract: str = "") -> str:
     return f"""
-id: {MODEL}
+id: {model}
 tasks: [extract]
-extract: {{kind: gliner2}}
+extract: {{kind: gliner2{extract}}}
 source: {{path: {directory}}}
 max_length: 512
 """
@@ -68,6 +69,21 @@ def model(request, tmp_path_factory):
     reference = build_gliner2(directory, seed=3, counting_layer=request.param)
     catalog = catalog_with(directory.parent, card(directory))
     return catalog, reference
+
+
+@pytest.fixture(scope="module")
+def damped(tmp_path_factory):
+    """A GLiNER2 whose span scorer's last layer is scaled by 0.05 (scores spread below 1), served
+    as WINDOWED."""
+    directory = tmp_path_factory.mktemp("gliner2-damped") / "model"
+    reference = build_gliner2(directory, seed=5, counting_layer="count_lstm_v2")
+    layer = reference.span_rep.span_rep_layer.out_project[3]
+    with torch.no_grad():
+        layer.weight.mul_(0.05)
+        layer.bias.zero_()
+    reference.save_pretrained(str(directory))
+    windowed = card(directory, WINDOWED, ", max_words: 40, window_overlap_words: 10")
+    return catalog_with(directory.parent, windowed), reference
 
 
 def expected_entities(found: dict, text: str) -> list[tuple]:
@@ -337,11 +353,10 @@ def test_options_of_other_kinds_are_refused_and_long_texts_read_in_windows(model
     catalog, reference = model
     long_text = " ".join(TEXTS[:3] * 40)
     labels = LABEL_SETS[0]
-    flat, long_result, long_classify = run(
+    flat, long_result = run(
         catalog,
         ExtractCall(model=MODEL, items=TEXTS[:1], labels=labels, flat_ner=False),
         ExtractCall(model=MODEL, items=[long_text], labels=labels),
-        ExtractCall(model=MODEL, items=[long_text], schema={"classifications": CLASSIFICATIONS[:1]}),
         catch=(InvalidRequest,),
     )
     assert isinstance(flat, InvalidRequest) and flat.details["option"] == "flat_ner"
@@ -349,7 +364,38 @@ def test_options_of_other_kinds_are_refused_and_long_texts_read_in_windows(model
     assert item.num_windows > 1 and len(item.entities) > 10
     for entity in item.entities:
         assert entity.text == long_text[entity.start : entity.end]
-    assert isinstance(long_classify, InvalidRequest) and long_classify.details["option"] == "items"
+
+
+def test_long_texts_relations_and_classifications_equal_gliner2_batch_extract_long(damped):
+    """A text read in windows: each window is the package's chunk (40 words, 10 shared), relations
+    and labels merged across windows as its `batch_extract_long` merges them, so an instance with
+    both ends in an overlap is found once. The span scorer is damped so that scores do not
+    saturate at 1.0, where the best span of an instance would be a tie decided by rounding."""
+    catalog, reference = damped
+    # Windows end inside sentences and at their ends ("?", "."); the text ends in "." as the
+    # package's last chunk does not get one appended.
+    texts = [" ".join(TEXTS[:5] * 4) + " Done.", " ".join(TEXTS[1:4] * 2) + " ok."]
+    types = RELATION_SETS[0]
+    tasks = [CLASSIFICATIONS[0], CLASSIFICATIONS[2]]  # single- and multi-label
+    schema = {**relation_schema(types), "classifications": tasks}
+    (result,) = run(catalog, ExtractCall(model=WINDOWED, items=texts, threshold=0.3, schema=schema))
+    s = reference.create_schema().relations(types)
+    for c in tasks:
+        s = s.classification(
+            c["task"], c["labels"], multi_label=c.get("multi_label", False), cls_threshold=c.get("cls_threshold", 0.5)
+        )
+    wants = reference.batch_extract_long(
+        texts, s, threshold=0.3, include_confidence=True, include_spans=True, chunk_size=40, chunk_overlap=10
+    )
+    found = 0
+    for i, (item, text, want) in enumerate(zip(result.items, texts, wants)):
+        assert item.num_windows > 2, item.num_windows
+        rel = expected_relations(want["relation_extraction"], types, text)
+        assert_same_relations(rel, item, text, f"long text {i}")
+        found += sum(len(v) for v in rel.values())
+        for c in tasks:
+            assert_same_labels(want[c["task"]], item.classifications[c["task"]], f"long text {i} {c['task']}")
+    assert found > 20
 
 
 def test_a_schema_over_http_and_through_the_sdk_answers_as_the_engine_does(model, serve):

@@ -23,10 +23,11 @@ head the out_project layer folds into per-word and per-query parts, so the `[W, 
 tensor is never built.
 
 `run` returns, per sequence, a tuple with one entry per task of the spec's `tasks`: for entities
-the candidates whose sigmoid score reaches the threshold as numpy arrays (start, width, field,
-score); for relations each instance's best span per field as arrays `[count, M]` (start, width,
-score, the score -1 where no span reaches the threshold); for classifications the label logits
-`[C]` (float32).
+the candidates starting in the window's owned words whose sigmoid score reaches the threshold as
+numpy arrays (start, width, field, score); for relations each instance's best span per field over
+the whole window as arrays `[count, M]` (start, width, score, the score -1 where no span reaches
+the threshold); for classifications the label logits `[C]` (float32). Positions are the window's
+words.
 """
 
 from __future__ import annotations
@@ -246,9 +247,9 @@ class Gliner2Head:
             out[i] = tuple(results)
         return out
 
-    def _probs(self, a: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, spec) -> torch.Tensor:
-        """`[W, k, Q]` span probabilities for each query; -1 where no span is (past the text's end,
-        or a start another window answers for)."""
+    def _probs(self, a: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, spec, owned: bool) -> torch.Tensor:
+        """`[W, k, Q]` span probabilities for each query; -1 where no span is (past the window's
+        end, or, when `owned`, a start another window answers for)."""
         num_words = a.shape[0]
         width = min(self.max_width, num_words)
         starts = torch.arange(num_words, device=a.device)[:, None]  # [W, 1]
@@ -257,7 +258,7 @@ class Gliner2Head:
         hidden = F.relu(a[:, None, :] + b[ends.clamp(max=num_words - 1)] + self.out_b1)  # [W, k, 4H]
         rows, bias = queries @ self.out_w2, queries @ self.out_b2  # [Q, 4H], [Q]
         probs = torch.sigmoid((hidden @ rows.T + bias).float()).masked_fill(~inside[:, :, None], -1.0)
-        if spec.owned is not None:
+        if owned and spec.owned is not None:
             lo, hi = spec.owned
             probs[:lo] = -1.0
             probs[hi:] = -1.0
@@ -265,7 +266,7 @@ class Gliner2Head:
 
     def _candidates(self, a: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, spec) -> tuple[np.ndarray, ...]:
         """Spans `(start, width)` of the words whose score for a query `[M, H]` reaches the threshold."""
-        probs = self._probs(a, b, queries, spec)
+        probs = self._probs(a, b, queries, spec, owned=True)
         s, k, m = torch.nonzero(probs >= spec.threshold, as_tuple=True)
         return (s.cpu().numpy(), k.cpu().numpy(), m.cpu().numpy(), probs[s, k, m].cpu().numpy())
 
@@ -274,7 +275,8 @@ class Gliner2Head:
         each `[n, M]`, the first in (start, width) order on a tie; score -1 where none reaches the
         threshold."""
         n, m, h = queries.shape
-        probs = self._probs(a, b, queries.reshape(n * m, h), spec)  # [W, k, n*M]
+        # Every start of the window: instances are merged across windows, not split between them.
+        probs = self._probs(a, b, queries.reshape(n * m, h), spec, owned=False)  # [W, k, n*M]
         width = probs.shape[1]
         best, at = probs.reshape(-1, n * m).max(dim=0)  # first maximum in (start, width) order
         score = best.masked_fill(best < spec.threshold, -1.0).reshape(n, m).cpu().numpy()

@@ -3,16 +3,25 @@
 The schema (`gliner2_schema`) becomes one prompt per task, joined by [SEP_STRUCT], then [SEP_TEXT]
 and the text's words, each tokenized on its own as GLiNER2's processor does: no [CLS] or [SEP],
 the text split by GLiNER2's word pattern and lower-cased, a "." word appended to a text that does
-not end in ".", "!" or "?". A text too long for one sequence is read in word windows, each with
-the whole prompt (entities merge as in the gliner kind; classification needs the text in one
-window, as do relations). Entities: per type, candidates at or above `threshold`, highest first, each
-kept unless its characters overlap one already kept of the same type; an entity that reaches into
-the appended "." ends at the text's end. Relations: per type, as many instances as its count
-gate says; an instance's head and tail are each the best-scoring span for that instance and field
-(the first in (start, width) order on a tie), kept when both reach `threshold` and neither is the
-appended "." alone (the package would report "." past the text's end). Classifications: softmax
-over a task's labels (sigmoid for multi_label, or as its class_act says); single-label gives the
-best, multi-label those at or above its cls_threshold (else the best), top_k of them.
+not end in ".", "!" or "?".
+
+Entities: per type, candidates at or above `threshold`, highest first, each kept unless its
+characters overlap one already kept of the same type; an entity that reaches into the appended "."
+ends at the text's end. Relations: per type, as many instances as its count gate says; an
+instance's head and tail are each the best-scoring span for that instance and field (the first in
+(start, width) order on a tie), kept when both reach `threshold` and neither is the appended "."
+alone (the package would report "." past the text's end). Classifications: softmax over a task's
+labels (sigmoid for multi_label, or as its class_act says); single-label gives the best,
+multi-label those at or above its cls_threshold (else the best), top_k of them.
+
+Long texts: a text too long for one sequence is read in overlapping word windows, each with the
+whole prompt, as the package's `batch_extract_long` reads its chunks (a chunk of `max_words` words
+loses its appended "." to that word cap, so only the last window has one). Entities merge as in
+the gliner kind, each from the window that owns its start. Relations and classifications are read
+in every window and merged as `batch_extract_long` merges chunks: an instance found in several
+windows (both ends in their overlap) once, with the scores of the finding whose better end scored
+higher; a single-label task's best-scoring window; a multi-label task's labels from every window,
+each once at its higher score.
 """
 
 from __future__ import annotations
@@ -68,12 +77,19 @@ class Gliner2Spec(ExtractSpec):
     tasks: tuple[TaskMarks, ...] = ()
 
 
+@dataclass(frozen=True)
+class _Window:
+    first: int  # the text's word the window starts at
+    owned: tuple[int, int]  # the text's words whose entities this window answers for
+    starts: np.ndarray  # character offsets of the window's words
+    ends: np.ndarray
+    limit: int  # where the window's text ends: an end past it is cut there, a start at it is no span
+
+
 @dataclass
 class _Text:
     text: str
-    starts: np.ndarray  # [w] character offsets of the words (with the appended ".")
-    ends: np.ndarray
-    windows: list = field(default_factory=list)  # (first word, owned (lo, hi)) per window
+    windows: list[_Window] = field(default_factory=list)
 
 
 def split_words(text: str) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -143,31 +159,31 @@ class Gliner2Task:
                 ids = [tok.plain_ids(w)[:room] for w in words]
                 counts = np.asarray([len(i) for i in ids], dtype=np.int64)
                 spans = word_windows(counts, room, max_words, overlap) if words else []
-                seqs = []
+                seqs, windows = [], []
                 for a, b in spans:
                     seq, firsts = list(prompt_ids), []
                     for word in ids[a:b]:
                         firsts.append(len(seq))
                         seq += word
+                    # The last window ends with the text (and its appended "."), another with its last word.
+                    limit = len(text) if b == len(words) else int(ends[b - 1])
                     word_tokens = np.minimum(np.asarray(firsts, dtype=np.int64), len(seq) - 1)
                     seqs.append((Encoded(np.asarray(seq, dtype=np.int64)), word_tokens))
-                out.append((_Text(text, starts, ends), spans, seqs))
+                    windows.append((a, starts[a:b], ends[a:b], limit))
+                out.append((text, spans, seqs, windows))
             return out
 
         per_text = await pool.map(windows_of, plan.texts)
         seqs: list[Encoded] = []
-        for index, (info, spans, windows) in enumerate(per_text):
-            if (schema.classifications or schema.relations) and len(windows) > 1:
-                raise InvalidRequest(
-                    f"items[{index}] needs {len(windows)} windows of the model's {tok.max_length} tokens; "
-                    "classification and relations read a text in one: send a shorter text, or only entity types",
-                    details={"option": "items", "index": index},
-                )
+        for index, (text, spans, encoded, windows) in enumerate(per_text):
+            info = _Text(text)
             plan.read.append(info)
-            for (seq, word_tokens), (a, _), own in zip(windows, spans, owned_starts(spans) if spans else []):
+            for (seq, word_tokens), (a, w_starts, w_ends, limit), own in zip(
+                encoded, windows, owned_starts(spans) if spans else []
+            ):
                 seqs.append(seq)
                 plan.owners.append(index)
-                info.windows.append((a, own))
+                info.windows.append(_Window(a, own, w_starts, w_ends, limit))
                 plan.specs.append(
                     Gliner2Spec(
                         ("gliner2",),
@@ -212,14 +228,20 @@ class Gliner2Task:
             entities = _entities(schema, kinds, info, outs) if schema.entity_types else None
             classes = None
             if schema.classifications:
+                at = [i for i, kind in enumerate(kinds) if kind == "classifications"]
                 classes = {
-                    task.task: _classify(task, values)
-                    for task, values in zip(schema.classifications, _per_task(kinds, outs))
+                    task.task: _merge_labels(task, [_classify(task, out[i]) for out in outs])
+                    for task, i in zip(schema.classifications, at)
                 }
             relations = None
             if schema.relations:
-                found = [outs[0][i] if outs else None for i, kind in enumerate(kinds) if kind == "relations"]
-                relations = {r.name: _relations(info, best) for r, best in zip(schema.relations, found)}
+                at = [i for i, kind in enumerate(kinds) if kind == "relations"]
+                relations = {
+                    r.name: _merge_relations(
+                        [_relations(info.text, window, out[i]) for window, out in zip(info.windows, outs)]
+                    )
+                    for r, i in zip(schema.relations, at)
+                }
             labels = next(iter(classes.values())) if classes and len(classes) == 1 else None
             items.append(
                 ExtractedItem(
@@ -241,40 +263,35 @@ def _num_candidates(plan: Gliner2Plan, outputs: list) -> int:
     return sum(len(out[0][0]) for out in outputs)  # the entities task is the first
 
 
-def _per_task(kinds: list[str], outs: list) -> list[np.ndarray]:
-    """The label logits of each classification task (a text with classifications has one window)."""
-    if not outs:
-        return []
-    return [outs[0][i] for i, kind in enumerate(kinds) if kind == "classifications"]
-
-
 def _entities(schema: Schema, kinds: list[str], info: _Text, outs: list) -> list[Entity]:
     """Each window's candidates of the entities task, from the window that owns their start, then
     per type highest first, kept unless overlapping one kept before (in characters)."""
     task = kinds.index("entities")
     parts = []
-    for (first, (lo, hi)), out in zip(info.windows, outs):
+    for window, out in zip(info.windows, outs):
         s, k, m, p = out[task]
-        s = s.astype(np.int64) + first
-        keep = (s >= lo) & (s < hi)
-        parts.append((s[keep], k[keep], m[keep], p[keep]))
+        s = s.astype(np.int64)
+        lo, hi = window.owned
+        keep = (s + window.first >= lo) & (s + window.first < hi)
+        s, k, m, p = s[keep], k[keep], m[keep], p[keep]
+        # (first word, width, type, score, characters from, to, the window's end)
+        parts.append((s + window.first, k, m, p, window.starts[s], window.ends[s + k], np.full(len(s), window.limit)))
     if not parts:
         return []
-    s, k, m, p = (np.concatenate(column) for column in zip(*parts))
+    s, k, m, p, a_of, b_of, limit_of = (np.concatenate(column) for column in zip(*parts))
     order = np.lexsort((k, s))  # (start, width), the order of the reference's candidates
-    s, k, m, p = s[order], k[order], m[order], p[order]
-    size = len(info.text)
+    m, p, a_of, b_of, limit_of = m[order], p[order], a_of[order], b_of[order], limit_of[order]
     found: list[tuple[int, int, int, float]] = []
     for label in range(len(schema.entity_types)):
         mine = np.nonzero(m == label)[0]
         kept: list[tuple[int, int]] = []
         for j in sorted(mine.tolist(), key=lambda j: -float(p[j])):  # stable: ties keep candidate order
-            a, b = int(info.starts[s[j]]), int(info.ends[s[j] + k[j]])
+            a, b, limit = int(a_of[j]), int(b_of[j]), int(limit_of[j])
             if any(a < e and c < b for c, e in kept):
                 continue
             kept.append((a, b))
-            if a < size:  # not the appended "." alone
-                found.append((a, min(b, size), label, float(p[j])))
+            if a < limit:  # not the appended "." alone
+                found.append((a, min(b, limit), label, float(p[j])))
     found.sort(key=lambda e: (e[0], e[1], e[2]))
     return [
         Entity(text=info.text[a:b], label=schema.entity_types[label], score=score, start=a, end=b)
@@ -282,13 +299,11 @@ def _entities(schema: Schema, kinds: list[str], info: _Text, outs: list) -> list
     ]
 
 
-def _relations(info: _Text, best: tuple[np.ndarray, ...] | None) -> list[Relation]:
-    """A relation type's instances: those whose head and tail spans (`[count, 2]` start, width,
-    score; score -1 when none reaches the threshold) are both found in the text."""
-    if best is None:
-        return []
+def _relations(text: str, window: _Window, best: tuple[np.ndarray, ...]) -> list[Relation]:
+    """A relation type's instances in one window: those whose head and tail spans (`[count, 2]`
+    start, width, score over the window's words; score -1 when none reaches the threshold) are
+    both found in the text."""
     starts, widths, scores = best
-    size = len(info.text)
     out = []
     for instance in range(len(scores)):
         spans = []
@@ -296,14 +311,47 @@ def _relations(info: _Text, best: tuple[np.ndarray, ...] | None) -> list[Relatio
             s, score = int(starts[instance, f]), float(scores[instance, f])
             if score < 0:  # no span reaches the threshold
                 break
-            a, b = int(info.starts[s]), int(info.ends[s + int(widths[instance, f])])
-            if a >= size:  # the appended "." alone
+            a, b = int(window.starts[s]), int(window.ends[s + int(widths[instance, f])])
+            if a >= window.limit:  # the appended "." alone
                 break
-            b = min(b, size)
-            spans.append(RelationSpan(text=info.text[a:b], score=score, start=a, end=b))
+            b = min(b, window.limit)
+            spans.append(RelationSpan(text=text[a:b], score=score, start=a, end=b))
         if len(spans) == 2:
             out.append(Relation(head=spans[0], tail=spans[1]))
     return out
+
+
+def _merge_relations(per_window: list[list[Relation]]) -> list[Relation]:
+    """One relation type's instances from every window, in order of first finding: an instance
+    found again (the same head and tail spans) is kept once, with the scores of the finding whose
+    better end scored higher. A text read in one window keeps its instances as they are (the
+    package's `extract`; only its long-text path merges)."""
+    if len(per_window) == 1:
+        return per_window[0]
+    merged: dict[tuple[int, int, int, int], Relation] = {}
+    for relations in per_window:
+        for r in relations:
+            key = (r.head.start, r.head.end, r.tail.start, r.tail.end)
+            kept = merged.get(key)
+            if kept is None or max(r.head.score, r.tail.score) > max(kept.head.score, kept.tail.score):
+                merged[key] = r
+    return list(merged.values())
+
+
+def _merge_labels(task: Classification, per_window: list[list[LabelScore]]) -> list[LabelScore]:
+    """A classification task's labels from every window: single-label, the best-scoring window's
+    label (the first on a tie); multi-label, each label once, in order of first finding, at its
+    higher score."""
+    if len(per_window) <= 1:
+        return per_window[0] if per_window else []
+    if not task.multi_label:
+        return max(per_window, key=lambda labels: labels[0].score)
+    merged: dict[str, LabelScore] = {}
+    for labels in per_window:
+        for ls in labels:
+            if ls.label not in merged or ls.score > merged[ls.label].score:
+                merged[ls.label] = ls
+    return list(merged.values())
 
 
 def _classify(task: Classification, logits: np.ndarray) -> list[LabelScore]:
