@@ -4,14 +4,15 @@ or an in-process engine, write results, show progress and one summary line.
 Inputs: `.txt` (one text per line, every line a row: a blank line is the empty text, so row i is
 line i + 1), `.jsonl` (one object per line with a `text` field — `--field` names another — and an
 optional `id`; blank lines hold no object and are skipped), `.parquet` (a `text` column, or
-`--field`, and `id` if present); for `encode`, `--images DIR` instead: every image file in DIR and
-its subfolders (`image_files`), sorted by its path under DIR, which names its row
-(`{"image": "cats/01.png"}`). Outputs: `.jsonl` (one object per input, its `id` kept), `.npy`
-(encode: the dense vectors as one `[n, d]` array in the output dtype, in input order), `.parquet` (a
-row per input; `dense` a fixed-size list in the output dtype, `sparse` a struct of `indices` int32
-and `values` float32 lists). A malformed input names the file and the line; an output path the run
-could not write is refused before the run (`check_output`). Both the SDK path and the in-process
-path send chunks of `--batch-size` inputs, `--concurrency` at once, and keep the input order.
+`--field`, and `id` if present); for `encode` (and `extract` on an image_labels model), `--images
+DIR` instead: every image file in DIR and its subfolders (`image_files`), sorted by its path under
+DIR, which names its row (`{"image": "cats/01.png"}`). Outputs: `.jsonl` (one object per input, its
+`id` kept), `.npy` (encode: the dense vectors as one `[n, d]` array in the output dtype, in input
+order), `.parquet` (a row per input; `dense` a fixed-size list in the output dtype, `sparse` a
+struct of `indices` int32 and `values` float32 lists; extract: each item's fields,
+`extracted_row`). A malformed input names the file and the line; an output path the run could not
+write is refused before the run (`check_output`). Both the SDK path and the in-process path send
+chunks of `--batch-size` inputs, `--concurrency` at once, and keep the input order.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from .errors import ConfigError, InvalidRequest
+
+if TYPE_CHECKING:
+    from .calls import ExtractedItem
 
 READ_SUFFIXES = (".txt", ".jsonl", ".parquet")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")  # any case
@@ -337,3 +341,47 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.started
+
+
+def extracted_row(item: ExtractedItem) -> dict:
+    """The fields an extracted item carries (entities, labels, a GLiNER2 schema's classifications
+    and relations), as a row writes them: scores to 6 decimals, offsets into the text."""
+
+    def span(s) -> dict:
+        return {"text": s.text, "score": round(s.score, 6), "start": s.start, "end": s.end}
+
+    def labelled(scores) -> list[dict]:
+        return [{"label": s.label, "score": round(s.score, 6)} for s in scores]
+
+    out: dict = {}
+    if item.entities is not None:
+        out["entities"] = [{"text": e.text, "label": e.label, **span(e)} for e in item.entities]
+    if item.labels is not None:
+        out["labels"] = labelled(item.labels)
+    if item.classifications is not None:
+        out["classifications"] = {task: labelled(scores) for task, scores in item.classifications.items()}
+    if item.relations is not None:
+        out["relations"] = {
+            name: [{"head": span(r.head), "tail": span(r.tail)} for r in found]
+            for name, found in item.relations.items()
+        }
+    return out
+
+
+def read_schema(value: str | None) -> dict | None:
+    """`--schema`: inline JSON (an object) or the path of a JSON file holding one."""
+    if value is None:
+        return None
+    inline = value.lstrip()[:1] in ("{", "[")  # JSON; anything else names a file
+    try:
+        text = value if inline else Path(value).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--schema {value}: not inline JSON and not a readable file ({exc.strerror})") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = "" if inline else f" in {value}"
+        raise ConfigError(f"--schema: invalid JSON{where} (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"--schema: a JSON object of relations and classifications, not a {type(schema).__name__}")
+    return schema

@@ -233,29 +233,46 @@ class _Backend:
         )
         return [(item.index, item.score) for item in result.items], result.num_tokens
 
+    async def extract_kind(self) -> str | None:
+        """The extract kind of the model's card (in process: the catalog's; with --url: the
+        server's `GET /v1/models/{id}`); None for a model that does not extract."""
+        if self.engine is None:
+            return (await self.client.model(self.args.model)).get("extract")
+        card = self.engine.catalog.get(self.args.model)
+        return card.extract.kind if card.extract is not None else None
+
     async def extract(self, texts: list[str]) -> tuple[list, int]:
+        """Each text's extracted item, and the tokens they cost."""
+        return await self._extract(texts)
+
+    async def extract_images(self, paths: list[Path]) -> tuple[list, int]:
+        """Each image file's extracted item (an image_labels model's labels), and the tokens they cost."""
+        return await self._extract(await asyncio.to_thread(lambda: [path.read_bytes() for path in paths]))
+
+    async def _extract(self, inputs: list[str] | list[bytes]) -> tuple[list, int]:
         a = self.args
         if self.engine is None:
-            return await self._extract_over_http(texts)
-        from .calls import ExtractCall
+            return await self._extract_over_http(inputs)
+        from .calls import ExtractCall, Item
 
         result = await self.engine.extract(
             ExtractCall(
                 model=a.model,
-                items=texts,
+                items=[x if isinstance(x, str) else Item(image=x) for x in inputs],
                 labels=a.label or [],
                 threshold=a.threshold,
                 multi_label=a.multi_label or None,
                 top_k=a.top_k,
                 raw_scores=a.raw_scores or None,
+                schema=a.schema,
             )
         )
         return result.items, result.num_tokens
 
-    async def _extract_over_http(self, texts: list[str]) -> tuple[list, int]:
-        """One POST /v1/extract of `texts`: their items and the tokens the server's usage counts.
-        Sent through the SDK's connection layer (auth, retries, error codes) rather than
-        `AsyncClient.extract`, whose list of items does not carry the usage."""
+    async def _extract_over_http(self, inputs: list[str] | list[bytes]) -> tuple[list, int]:
+        """One POST /v1/extract of texts or image files' bytes: their items and the tokens the
+        server's usage counts. Sent through the SDK's connection layer (auth, retries, error codes)
+        rather than `AsyncClient.extract`, whose list of items does not carry the usage."""
         from . import wire
         from .sdk.http import Http
         from .sdk.results import extracted
@@ -275,8 +292,13 @@ class _Backend:
                 raw_scores=a.raw_scores or None,
                 timeout_s=timeout_s,
             )
-            items = [wire.native.ExtractItem(text=text) for text in texts]
-            return wire.ExtractRequest(model=a.model, items=items, labels=a.label or [], options=options)
+            items = [
+                wire.native.ExtractItem(text=x) if isinstance(x, str) else wire.native.ExtractItem(image=x)
+                for x in inputs
+            ]
+            return wire.ExtractRequest(
+                model=a.model, items=items, labels=a.label or [], schema=a.schema, options=options
+            )
 
         answer = await http.post("/v1/extract", body, wire.ExtractResponse, None)
         return extracted([answer]), answer.usage.tokens
@@ -297,8 +319,9 @@ def _run_batch(args: argparse.Namespace, verb: str, work) -> int:
     if images is None:
         records: list = batch.records_of(args.text, args.input, args.field)
     elif args.text or args.input or getattr(args, "query_prompt", False) or getattr(args, "prompt_name", None):
+        doing = {"encode": "encodes", "extract": "labels"}[verb]
         raise ConfigError(
-            "--images DIR encodes the image files in DIR: give no texts, --input, --query-prompt or --prompt-name too"
+            f"--images DIR {doing} the image files in DIR: give no texts, --input, --query-prompt or --prompt-name too"
         )
     else:
         records = batch.image_files(images)
@@ -383,25 +406,39 @@ def cmd_score(args: argparse.Namespace) -> int:
 def cmd_extract(args: argparse.Namespace) -> int:
     from . import batch
 
+    args.schema = batch.read_schema(args.schema)
+
     async def work(backend: _Backend, records):
-        chunks = await batch.in_chunks(
-            [r.text for r in records], args.batch_size, args.concurrency, backend.extract, _progress(args)
-        )
+        if args.kind is not None:
+            _check_kind(args, await backend.extract_kind())
+        progress = _progress(args)
+        if args.images is None:
+            named = [_with_id(r, {"text": r.text}) for r in records]
+            chunks = await batch.in_chunks(
+                [r.text for r in records], args.batch_size, args.concurrency, backend.extract, progress
+            )
+        else:  # batch.ImageFile records
+            named = [{"image": r.name} for r in records]
+            chunks = await batch.in_chunks(
+                [r.path for r in records], args.batch_size, args.concurrency, backend.extract_images, progress, "image"
+            )
         items = [item for chunk, _ in chunks for item in chunk]
-        rows = []
-        for record, item in zip(records, items):
-            out: dict = {"text": record.text}
-            if item.entities is not None:
-                out["entities"] = [
-                    {"text": e.text, "label": e.label, "score": round(e.score, 6), "start": e.start, "end": e.end}
-                    for e in item.entities
-                ]
-            if item.labels is not None:
-                out["labels"] = [{"label": s.label, "score": round(s.score, 6)} for s in item.labels]
-            rows.append(_with_id(record, out))
+        rows = [{**row, **batch.extracted_row(item)} for row, item in zip(named, items)]
         return rows, None, sum(tokens for _, tokens in chunks)
 
     return _run_batch(args, "extract", work)
+
+
+def _check_kind(args: argparse.Namespace, served: str | None) -> None:
+    """`--kind` is a check: the model's card decides how it extracts."""
+    from .errors import ConfigError
+
+    if served is None:
+        raise ConfigError(f"--kind {args.kind}: {args.model} does not extract (its card names no extract kind)")
+    if served != args.kind:
+        raise ConfigError(
+            f"--kind {args.kind}: {args.model} extracts as kind {served} (its card decides), not {args.kind}"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -507,16 +544,38 @@ def build_parser() -> argparse.ArgumentParser:
     extract = sub.add_parser(
         "extract",
         allow_abbrev=False,
-        help="extract entities, zero-shot labels or a classifier's labels from texts (arguments or --input)",
+        help="extract entities, relations, zero-shot labels or a classifier's labels from texts (arguments or "
+        "--input) or images (--images DIR)",
     )
     batch_io(extract, ".jsonl or .parquet")
     extract.add_argument("model")
     extract.add_argument("text", nargs="*")
     extract.add_argument(
+        "--kind",
+        metavar="KIND",
+        help="check that the model's card extracts as KIND (gliner, token_class, zero_shot, classify, gliclass, "
+        "gliner2, image_labels) before sending anything; the card decides how it extracts",
+    )
+    extract.add_argument(
+        "--images",
+        type=Path,
+        metavar="DIR",
+        help="label every image file in DIR and its subfolders instead of texts (kind image_labels: CLIP, SigLIP), "
+        'sorted by path under DIR; each row names its file: {"image": "cats/01.png", "labels": [...]}',
+    )
+    extract.add_argument(
+        "--schema",
+        metavar="JSON|FILE",
+        help="gliner2: the schema beside the entity types of --label, inline JSON or a JSON file: "
+        '{"relations": [{"works for": {"head": "", "tail": ""}}], "classifications": [{"task": "sentiment", '
+        '"labels": ["positive", "negative"]}]}',
+    )
+    extract.add_argument(
         "--label",
         action="append",
         metavar="LABEL",
-        help="an entity type or class to look for (repeat; token classifiers need none)",
+        help="an entity type or class to look for (repeat; token and text classifiers need none; gliner2: the "
+        "entity types beside --schema)",
     )
     extract.add_argument("--threshold", type=float)
     extract.add_argument("--multi-label", action="store_true")

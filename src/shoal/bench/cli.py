@@ -83,8 +83,8 @@ def register(sub) -> None:
         "--workload",
         choices=WORKLOADS,
         default="queries",
-        help="queries (1 sentence), passages (32 docs), bulk (256), rerank, extract, images (16 photos; "
-        "image models) (default queries)",
+        help="queries (1 sentence), passages (32 docs), bulk (256), rerank, extract (8 tweets, or photos, "
+        "sent as the card's extract kind reads them), images (16 photos; image models) (default queries)",
     )
     bench.add_argument("--items", type=_count, help="texts (images) per call (overrides the workload's)")
     bench.add_argument("--url", help="a running shoal server (default: start `shoal serve --preload MODEL`)")

@@ -328,9 +328,12 @@ def _body(wire: str, model: str, verb: str, call: Call, *, raw_bytes: bool = Fal
     items += [{"image": f if raw_bytes else base64.b64encode(f).decode("ascii")} for f in call.images]
     if verb == "score":
         return {"model": model, "query": call.query, "items": items}
+    body: dict = {"model": model, "items": items}
     if verb == "extract" and call.labels:
-        return {"model": model, "items": items, "labels": list(call.labels)}
-    return {"model": model, "items": items}
+        body["labels"] = list(call.labels)
+    if verb == "extract" and call.schema:
+        body["schema"] = dict(call.schema)
+    return body
 
 
 async def _timed(target, k: int, step: Step) -> None:

@@ -160,7 +160,9 @@ def run(args) -> int:
 
     catalog = Catalog.load(tuple(Path(d) for d in args.models_dir or ()), strict=False)
     card = catalog.get(args.model)
-    modality = workloads.MODALITIES.get(args.workload, "text")
+    # The workload's calls follow the card: an extract call's shape (labels, a schema, photos) is its kind's.
+    workload = workloads.build(args.workload, seed=args.seed, items=args.items, extract=workloads.extract_shape(card))
+    modality = workload.modality
     against = [a for spec in args.against or [] for a in spec.split(",") if a]
     for name in against:
         if name not in workloads.BASELINES[modality]:
@@ -182,8 +184,6 @@ def run(args) -> int:
         raise ConfigError(f"--levels {args.levels}: closed-loop levels are client counts (whole numbers)")
     if against and verb != "encode":
         raise ConfigError(f"--against {','.join(against)}: the baselines embed; workload {args.workload} is {verb}")
-    labels = workloads.labels_for(card)
-    workload = workloads.build(args.workload, seed=args.seed, items=args.items, labels=labels)
     try:
         model_dir = resolve_weights(card, allow_download=False)
     except ModelLoadError:

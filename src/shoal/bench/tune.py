@@ -185,8 +185,8 @@ def tune(args) -> int:
     card = Catalog.load(user_dirs, strict=False).get(args.model)
     hardware = hardware_class(args.device)
     default_workload = {"encode": "passages", "score": "rerank", "extract": "extract"}[card.tasks[0]]
-    labels = workloads.labels_for(card)
-    workload = workloads.build(args.workload or default_workload, seed=args.seed, items=args.items, labels=labels)
+    shape = workloads.extract_shape(card)
+    workload = workloads.build(args.workload or default_workload, seed=args.seed, items=args.items, extract=shape)
     plan = Plan(
         mode="closed",
         levels=tuple(args.clients),

@@ -10,7 +10,8 @@ k mod len(calls) as its k-th request, so every target and every run sends the sa
     passages  32 mixed-length Lee documents per call
     bulk      256 Lee sentences per call
     rerank    a Lee sentence as the query against 20 Lee documents (score)
-    extract   8 WNUT tweets per call (extract; labels for zero-shot models)
+    extract   8 WNUT tweets per call (extract), shaped by the model's extract kind (EXTRACT_SHAPES);
+              8 photos per call for an image_labels model
     images    16 photos per call, drawn from the 7 JPEG files (encode; image models)
 """
 
@@ -19,8 +20,10 @@ from __future__ import annotations
 import io
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -28,12 +31,13 @@ from ..errors import ConfigError
 @dataclass(frozen=True)
 class Call:
     """One request's content, whatever the wire: texts or image files (their bytes), a query
-    (score) or labels (extract)."""
+    (score) or labels and a schema (extract)."""
 
     texts: tuple[str, ...]
     query: str | None = None
     labels: tuple[str, ...] | None = None
     images: tuple[bytes, ...] = ()
+    schema: Mapping[str, Any] | None = None  # extract, gliner2: relation types and classification tasks
 
     @property
     def num_chars(self) -> int:
@@ -74,14 +78,45 @@ WNUT_LABELS = (
     "tv show",
     "other",
 )
-# Extract kinds that read with labels of their own (a tagger's types, a classifier's classes): their
-# extract workload sends none.
-OWN_LABELS = frozenset({"token_class", "classify"})
 
 
-def labels_for(card) -> tuple[str, ...] | None:
-    """The labels the extract workload sends to `card`'s model: none where it has its own."""
-    return None if card.extract is not None and card.extract.kind in OWN_LABELS else WNUT_LABELS
+@dataclass(frozen=True)
+class ExtractShape:
+    """What an extract call sends beside its texts, by the model's extract kind."""
+
+    labels: tuple[str, ...] | None = WNUT_LABELS  # None: the model reads with labels of its own
+    schema: Mapping[str, Any] | None = None  # gliner2's relation types and classification tasks
+    note: str = "the ten WNUT-16 types as labels"
+    reads: str = "text"  # text: WNUT-16 tweets | image: the photos (PHOTOS)
+
+
+# gliner2: one relation type and one single-label classification task beside the entity types, so
+# that each call runs the three kinds of task GLiNER2 prompts for (engine/tasks/gliner2_schema.py).
+GLINER2_SCHEMA: Mapping[str, Any] = {
+    "relations": [{"works for": {"head": "", "tail": ""}}],
+    "classifications": [{"task": "sentiment", "labels": ["positive", "negative", "neutral"]}],
+}
+# What the photos show, in words: the classes an image_labels model is prompted with.
+PHOTO_LABELS = ("an astronaut", "a cup of coffee", "a cat", "a rocket", "stained tissue", "a retina", "galaxies")
+# A tagger's types and a classifier's classes are its own: their calls send no labels.
+OWN_LABELS = ExtractShape(labels=None, note="the model's own labels")
+EXTRACT_SHAPES: dict[str, ExtractShape] = {
+    "gliner": ExtractShape(),
+    "gliclass": ExtractShape(),
+    "zero_shot": ExtractShape(),
+    "token_class": OWN_LABELS,
+    "classify": OWN_LABELS,
+    "gliner2": ExtractShape(
+        schema=GLINER2_SCHEMA, note="the ten WNUT-16 types, a relation type and a classification task"
+    ),
+    "image_labels": ExtractShape(labels=PHOTO_LABELS, note="what the photos show as labels", reads="image"),
+}
+
+
+def extract_shape(card) -> ExtractShape:
+    """The shape of the extract workload's calls to `card`'s model (labels for a card of no
+    extract kind, or of a kind EXTRACT_SHAPES does not list)."""
+    return EXTRACT_SHAPES.get(card.extract.kind if card.extract is not None else "", ExtractShape())
 
 
 WORKLOADS = ("queries", "passages", "bulk", "rerank", "extract", "images")
@@ -170,10 +205,10 @@ def build(
     seed: int = 0,
     num_calls: int = 512,
     items: int | None = None,
-    labels: tuple[str, ...] | None = WNUT_LABELS,
+    extract: ExtractShape = ExtractShape(),
 ) -> Workload:
-    """The workload `name`; `items` overrides its texts (images) per call; `labels` are sent with
-    extract calls (None: none, for token classifiers that have their own)."""
+    """The workload `name`; `items` overrides its texts (images) per call; `extract` is what extract
+    calls send beside their texts (`extract_shape(card)` of the model)."""
     rng = random.Random(seed)
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}")
@@ -185,11 +220,20 @@ def build(
         files, n = photos(), items or 16
         calls = tuple(Call((), images=tuple(rng.choices(files, k=n))) for _ in range(max(8, num_calls // 32)))
         return Workload(name, "encode", calls, f"{n} JPEG photos per call", modality="image")
+    if name == "extract" and extract.reads == "image":
+        files, n = photos(), items or 8
+        calls = tuple(
+            Call((), labels=extract.labels, images=tuple(rng.choices(files, k=n)))
+            for _ in range(max(8, num_calls // 32))
+        )
+        return Workload(name, "extract", calls, f"{n} JPEG photos per call, {extract.note}", modality="image")
     if name == "extract":
         tweets = _enough(wnut_tweets(), items, "WNUT-16 tweets")
         n = items or 8
-        calls = tuple(Call(tuple(rng.sample(tweets, n)), labels=labels) for _ in range(num_calls))
-        return Workload(name, "extract", calls, f"{n} WNUT-16 tweets per call")
+        calls = tuple(
+            Call(tuple(rng.sample(tweets, n)), labels=extract.labels, schema=extract.schema) for _ in range(num_calls)
+        )
+        return Workload(name, "extract", calls, f"{n} WNUT-16 tweets per call, {extract.note}")
     documents = lee_documents()
     sentences = lee_sentences(documents)
     _enough(documents if name in ("passages", "rerank") else sentences, items, "Lee texts for this workload")
