@@ -178,6 +178,48 @@ def test_root_predicts_as_tei_does_for_a_classifier_and_still_embeds_for_an_embe
     same(scored(only.json()), pipe(TEXTS[3], top_k=None))
 
 
+# --- TEI /info ------------------------------------------------------------------------------------
+
+
+def test_info_reports_the_classifiers_labels_as_tei_does(url, extract_only_url, pipe):
+    """TEI's `model_type: {"classifier": {id2label, label2id}}`, the labels the model's config names;
+    a server with a classifier and no embedder answers `/info` for the classifier, as TEI does."""
+    config = pipe.model.config
+    want = {
+        "classifier": {
+            "id2label": {str(i): label for i, label in config.id2label.items()},
+            "label2id": {label: i for i, label in config.id2label.items()},
+        }
+    }
+    assert sorted(config.id2label.values()) == sorted(SENTIMENT)  # the config's own names, not LABEL_i
+    named = httpx.get(f"{url}/info", params={"model": CLASSIFIER}).json()
+    assert named["model_id"] == CLASSIFIER and named["model_type"] == want
+    assert named["max_input_length"] == MAX_LENGTH
+    only = httpx.get(f"{extract_only_url}/info")
+    assert only.status_code == 200, only.text
+    assert only.json()["model_id"] == CLASSIFIER and only.json()["model_type"] == want
+    embedder = httpx.get(f"{url}/info").json()  # an embedder preloaded: /info is still its
+    assert embedder["model_id"] == MODEL_ID and "embedding" in embedder["model_type"]
+
+
+def test_the_documents_info_example_is_a_classifiers(url):
+    document = httpx.get(f"{url}/openapi.json").json()
+    example = document["paths"]["/info"]["get"]["responses"]["200"]["content"]["application/json"]["example"]
+    served = httpx.get(f"{url}/info", params={"model": CLASSIFIER}).json()
+    assert set(example) == set(served)
+    assert list(example["model_type"]) == ["classifier"]
+    assert set(example["model_type"]["classifier"]) == {"id2label", "label2id"}
+
+
+def test_the_documents_text_classification_example_on_root_is_the_pipelines_answer(url, pipe):
+    document = httpx.get(f"{url}/openapi.json").json()
+    body = document["paths"]["/"]["post"]["requestBody"]["content"]["application/json"]["examples"]
+    example = body["text_classification"]["value"]
+    response = post(url, f"/?model={CLASSIFIER}", example)
+    assert response.status_code == 200, response.text
+    same(scored(response.json()[0]), pipe(example["inputs"], top_k=example["parameters"]["top_k"]))
+
+
 # --- Infinity /classify -------------------------------------------------------------------------
 
 

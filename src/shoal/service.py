@@ -45,6 +45,9 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     # Where its weights are: local (a load needs no network), downloadable (from the Hub, when it
     # answers) or unavailable (this server cannot load it); None where not known (a gateway).
     weights: str | None = None
+    # A text classifier's own labels by logit index (config.json's id2label), known while it is
+    # loaded; TEI's `/info` reports them.
+    labels: tuple[str, ...] = ()
 
 
 def status_of_card(
@@ -59,6 +62,7 @@ def status_of_card(
     error: str | None = None,
     aliases: tuple[str, ...] = (),
     weights: str | None = None,
+    labels: tuple[str, ...] = (),
 ) -> ModelStatus:
     """A card's `ModelStatus`; the keywords are the fields the server measures (residency: state,
     bytes...), as `ModelStatus` documents them."""
@@ -84,6 +88,7 @@ def status_of_card(
         error=error,
         aliases=aliases,
         weights=weights,
+        labels=labels,
     )
 
 

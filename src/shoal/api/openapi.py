@@ -74,6 +74,47 @@ EXAMPLES: dict[str, JSONObject] = {
     # No model: the server's default classifier (the extract example's model may not classify).
     "infinity_classify": {"input": _TEXTS},
 }
+# Routes whose body takes several shapes: an example of each, by name, with what it is; the first
+# is the route's `EXAMPLES` body. They go in the document as `examples` (in place of `example`).
+NAMED_EXAMPLES: dict[str, dict[str, tuple[str, JSONObject]]] = {
+    "tei_root": {
+        "embed": ("TEI: embed the texts (the default embedder)", EXAMPLES["tei_root"]),
+        "zero_shot": (
+            "Hugging Face zero-shot classification: every candidate label's score, best first, from an NLI "
+            "(zero_shot), GLiClass or GLiNER2 model",
+            {
+                "inputs": "The striker scored twice as the home team won the league.",
+                "parameters": {"candidate_labels": ["sports", "politics", "economy"], "multi_label": False},
+            },
+        ),
+        "text_classification": (
+            "Hugging Face text classification: a classifier's labels, best first",
+            {"inputs": _TEXTS[0], "parameters": {"top_k": 2}},
+        ),
+    },
+}
+# An answer per route name, where the answer's schema says little (an open object).
+RESPONSE_EXAMPLES: dict[str, JSONObject] = {
+    "tei_info": {
+        "model_id": "distilbert/distilbert-base-uncased-finetuned-sst-2-english",
+        "model_sha": None,
+        "model_dtype": "float32",
+        "served_model_name": "distilbert/distilbert-base-uncased-finetuned-sst-2-english",
+        "model_type": {
+            "classifier": {"id2label": {"0": "NEGATIVE", "1": "POSITIVE"}, "label2id": {"NEGATIVE": 0, "POSITIVE": 1}}
+        },
+        "max_concurrent_requests": 1000,
+        "max_input_length": 512,
+        "max_batch_tokens": 16384,
+        "max_batch_requests": None,
+        "max_client_batch_size": 2048,
+        "auto_truncate": False,
+        "tokenization_workers": 2,
+        "version": __version__,
+        "sha": None,
+        "docker_label": None,
+    },
+}
 # A path parameter's example, by route name.
 _PATH_EXAMPLES = {"model": _ENCODER, "model_admin": f"{_ENCODER}/load", "docs_asset": "swagger-ui.css"}
 
@@ -318,9 +359,10 @@ FIELDS: dict[type[object], dict[str, str]] = {
     },
     wire.hf.ZeroShotParameters: {
         "candidate_labels": "The classes.",
-        "multi_label": "Score each class on its own (entailment against contradiction); default: softmax across "
-        "the classes.",
-        "hypothesis_template": "The hypothesis, with `{}` for the class (default: the card's).",
+        "multi_label": "Score each class on its own (NLI: entailment against contradiction; GLiClass and GLiNER2: "
+        "its sigmoid); default: softmax across the classes.",
+        "hypothesis_template": "NLI (zero_shot) models: the hypothesis, with `{}` for the class (default: the "
+        "card's); GLiClass and GLiNER2 models refuse it.",
     },
 }
 
@@ -361,7 +403,12 @@ def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
             entry["parameters"] = params
         if route.request is not None:
             body: JSONObject = {"schema": schema(route.request)}
-            if route.name in EXAMPLES:
+            if route.name in NAMED_EXAMPLES:
+                body["examples"] = {
+                    name: {"summary": summary, "value": value}
+                    for name, (summary, value) in NAMED_EXAMPLES[route.name].items()
+                }
+            elif route.name in EXAMPLES:
                 body["example"] = EXAMPLES[route.name]
             entry["requestBody"] = {
                 "required": True,
@@ -371,7 +418,10 @@ def describe(routes: Sequence[RouteSpec] = ROUTES) -> JSONObject:
             entry["security"] = [{"bearer": []}, {}]
         ok: JSONObject = {"description": "OK"}
         if route.response is not None:
-            ok["content"] = {"application/json": {"schema": schema(route.response)}}
+            answer: JSONObject = {"schema": schema(route.response)}
+            if route.name in RESPONSE_EXAMPLES:
+                answer["example"] = RESPONSE_EXAMPLES[route.name]
+            ok["content"] = {"application/json": answer}
         elif route.media != "application/json":
             ok["content"] = {route.media: {"schema": {"type": "string"}}}
         entry["responses"] = {

@@ -18,7 +18,7 @@ from .routes import Context
 
 # The extract kinds that answer each Hugging Face task.
 TOKEN_CLASSIFIERS = ("token_class", "gliner")
-ZERO_SHOT = ("zero_shot",)
+ZERO_SHOT = tuple(wire.hf.ZERO_SHOT_CALLS)  # NLI, GLiClass and GLiNER2
 CLASSIFIERS = ("classify",)
 
 T = TypeVar("T")
@@ -76,15 +76,25 @@ def classifier(ctx: Context, named: str | None = None) -> str:
     """The text classifier (extract kind classify) a classification route uses: the body's model,
     `?model=`, `X-Shoal-Model`, else the default one; a model of another kind is a 400 saying what
     it serves."""
-    model = ctx.default_model("extract", named, kinds=CLASSIFIERS)
+    return model_of_kinds(ctx, named, CLASSIFIERS, "a text classifier")
+
+
+def model_of_kinds(ctx: Context, named: str | None, kinds: tuple[str, ...], what: str) -> str:
+    """The model a route that only `kinds` of extract models serve uses (as `classifier`); one of
+    another kind is a 400 saying what it serves."""
+    model = ctx.default_model("extract", named, kinds=kinds)
     status = ctx.status(model)
-    if status.extract not in CLASSIFIERS:
+    if status.extract not in kinds:
         serves = ", ".join(status.tasks) + (f" (extract kind {status.extract})" if status.extract else "")
         raise InvalidRequest(
-            f"model {status.id} is not a text classifier (extract kind classify); it serves: {serves}",
-            details={"model": status.id, "kinds": list(CLASSIFIERS)},
+            f"model {status.id} is not {what} (extract kind {_either(kinds)}); it serves: {serves}",
+            details={"model": status.id, "kinds": list(kinds)},
         )
     return model
+
+
+def _either(kinds: tuple[str, ...]) -> str:
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
 
 
 async def infinity_classify(ctx: Context) -> wire.infinity.ClassifyResponse:
@@ -121,9 +131,11 @@ async def token_classification(ctx: Context, named: str | None = None) -> list[w
 
 
 async def zero_shot_classification(ctx: Context) -> list[wire.hf.LabelScore]:
+    """Every candidate label, best first, from an NLI, GLiClass or GLiNER2 model (`wire.hf`)."""
     req = ctx.decode(wire.hf.ZeroShotRequest)
-    ctx.model = model = ctx.default_model("extract", kinds=ZERO_SHOT)
-    result = await ctx.run(wire.hf.zero_shot_call(req, model, ctx.request_id))
+    ctx.model = model = model_of_kinds(ctx, None, ZERO_SHOT, "a zero-shot classifier")
+    kind = ctx.status(model).extract or ""  # a kind of ZERO_SHOT, as model_of_kinds checked
+    result = await ctx.run(wire.hf.zero_shot_call(req, model, kind, ctx.request_id))
     return wire.hf.labels(result)
 
 

@@ -131,17 +131,26 @@ def _predicts(ctx: Context, fields: dict[str, object]) -> bool:
     named = ctx.requested_model()
     if named:
         return ctx.status(named).extract in peers.CLASSIFIERS
+    return _classifies_by_default(ctx)
+
+
+def _classifies_by_default(ctx: Context) -> bool:
+    """Whether the server has a classifier to default to but no embedder: a TEI serving a classifier."""
     return not ctx.default_candidates("encode", output="dense") and bool(
         ctx.default_candidates("extract", kinds=peers.CLASSIFIERS)
     )
 
 
 async def info(ctx: Context) -> wire.JSONObject:
+    """`?task=` picks the default model of that task (encode unless the server classifies by default)."""
     settings: Settings = ctx.request.app.state.settings
-    task = ctx.request.query_params.get("task", "encode")
-    if task not in ("encode", "score", "extract"):
+    task = ctx.request.query_params.get("task")
+    if task not in (None, "encode", "score", "extract"):
         raise InvalidRequest(f"task {task!r} is not one of encode, score, extract", details={"option": "task"})
-    ctx.model = model = ctx.default_model(task)
+    if task is None and not ctx.requested_model() and _classifies_by_default(ctx):
+        ctx.model = model = peers.classifier(ctx)
+    else:
+        ctx.model = model = ctx.default_model(task or "encode")
     return _info(
         ctx.status(model),
         max_batch_tokens=settings.engine.max_batch_tokens,
@@ -161,15 +170,21 @@ def _info(
     max_concurrent_requests: int,
     version: str,
 ) -> wire.JSONObject:
-    """TEI's `/info` for the model a request would use."""
+    """TEI's `/info` for the model a request would use: an embedder's pooling, a reranker's one
+    label, or a classifier's labels (`ModelStatus.labels`: config.json's id2label)."""
     if "encode" in status.tasks:
         model_type: wire.JSONObject = {
             "embedding": {"pooling": "splade" if status.outputs == ("sparse",) else status.pooling or "none"}
         }
     elif "score" in status.tasks:
         model_type = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
-    else:
-        model_type = {"classifier": {"id2label": {}, "label2id": {}}}
+    else:  # an extraction model; a text classifier's labels are known while it is loaded
+        model_type = {
+            "classifier": {
+                "id2label": {str(i): label for i, label in enumerate(status.labels)},
+                "label2id": {label: i for i, label in enumerate(status.labels)},
+            }
+        }
     return {
         "model_id": status.id,
         "model_sha": None,

@@ -22,6 +22,7 @@ import msgspec
 from ..catalog import ADAPTERS_DIR, TUNED_DIR, Catalog, ModelCard
 from ..catalog.resolve import weights_state
 from ..errors import InvalidRequest, ModelLoadError
+from ..head_info import ClassLabels
 from ..service import ADMIN_ACTIONS, CardProblem, ModelStatus, status_of_card
 from .backend import LoadedModel
 from .cache import ModelCache
@@ -145,7 +146,8 @@ class Fleet:
     def status(self, card: ModelCard) -> ModelStatus:
         cache = self.cache
         failure = cache.failure(card.id)
-        loaded = cache.is_loaded(card.id)
+        runner = cache.runner(card.id)
+        loaded = runner is not None
         state = (
             "loaded"
             if loaded
@@ -166,6 +168,7 @@ class Fleet:
             aliases=self.catalog.aliases_of(card.id),
             error=failure.message if failure is not None and not loaded else None,
             weights=self.weights(card),
+            labels=_class_labels(runner),
         )
 
     def problems(self) -> list[CardProblem]:
@@ -306,3 +309,9 @@ def _fingerprint(dirs: tuple[Path, ...], adapter_dirs: tuple[Path, ...] = ()) ->
         if path.is_file():  # its folder resolved, not the file: a symlinked file stays in its folder
             entries.add((str(path.parent.resolve() / path.name), stat.st_mtime_ns, stat.st_size))
     return tuple(sorted(entries))
+
+
+def _class_labels(runner: LoadedModel | None) -> tuple[str, ...]:
+    """A loaded text classifier's labels by logit index; () for any other model, or none loaded."""
+    heads = runner.info.heads if runner is not None else ()
+    return next((info.names for info in heads if isinstance(info, ClassLabels)), ())

@@ -4,7 +4,7 @@
     token classification      parameters: aggregation_strategy, ignore_labels, stride
                               → [{"entity_group", "score", "word", "start", "end"}]
     zero-shot classification  parameters: candidate_labels, multi_label, hypothesis_template
-                              → [{"label", "score"}], best first
+                              → [{"label", "score"}], best first, every candidate label
     text classification       parameters: top_k, function_to_apply
                               → [[{"label", "score"}]], best first (the list in a list the
                               Inference API answers and `InferenceClient` unwraps)
@@ -13,10 +13,20 @@
 (`api.peers.hf_task`): `huggingface_hub` sends `"parameters": {}` when none is set. Entities come
 from a token classifier's (or a GLiNER model's) grouped spans: `word` is the text's own slice
 `inputs[start:end]`. Per-token answers (`aggregation_strategy: "none"`) are not served.
+
+Zero-shot classification is served by three extract kinds, each call built by its entry in
+`ZERO_SHOT_CALLS`: an NLI cross-encoder (zero_shot, as transformers' pipeline scores it), a
+GLiClass model (gliclass: softmax across the labels, or each one's sigmoid when `multi_label`) and
+a GLiNER2 model (gliner2: one classification task, `ZERO_SHOT_TASK`, over the labels; softmax
+across them, or each one's sigmoid when `multi_label`). Each answers every candidate label, as the
+Inference API does: GLiClass and GLiNER2 with no threshold (a text GLiNER2 reads in several
+windows answers each label's best score over them). `hypothesis_template` is an NLI model's; the
+other kinds refuse it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 import msgspec
@@ -101,7 +111,13 @@ def entities(req: TokenClassificationRequest, result: ExtractResult) -> list[Tok
     ]
 
 
-def zero_shot_call(req: ZeroShotRequest, model: str, request_id: str | None = None) -> ExtractCall:
+def zero_shot_call(req: ZeroShotRequest, model: str, kind: str, request_id: str | None = None) -> ExtractCall:
+    """The call that asks a model of extract `kind` (one of `ZERO_SHOT_CALLS`) for a score per
+    candidate label."""
+    return ZERO_SHOT_CALLS[kind](req, model, request_id)
+
+
+def _nli_call(req: ZeroShotRequest, model: str, request_id: str | None) -> ExtractCall:
     params = req.parameters
     return ExtractCall(
         model=model,
@@ -113,9 +129,55 @@ def zero_shot_call(req: ZeroShotRequest, model: str, request_id: str | None = No
     )
 
 
+def _gliclass_call(req: ZeroShotRequest, model: str, request_id: str | None) -> ExtractCall:
+    params = req.parameters
+    return ExtractCall(
+        model=model,
+        items=[req.inputs],
+        labels=params.candidate_labels,
+        multi_label=bool(params.multi_label),  # gliclass's own default is multi-label; the API's is not
+        threshold=0.0,  # every label, as the API answers (the card's threshold would drop some)
+        hypothesis_template=params.hypothesis_template,  # refused by the kind, naming those that take it
+        request_id=request_id,
+    )
+
+
+# The GLiNER2 classification task's name: it is part of the model's prompt, and the API names none.
+ZERO_SHOT_TASK = "category"
+
+
+def _gliner2_call(req: ZeroShotRequest, model: str, request_id: str | None) -> ExtractCall:
+    params = req.parameters
+    # Every label with its score: a multi-label task at threshold 0, its scores the softmax across
+    # the labels (single-label) or each one's sigmoid.
+    task = {
+        "task": ZERO_SHOT_TASK,
+        "labels": params.candidate_labels,
+        "multi_label": True,
+        "cls_threshold": 0.0,
+        "class_act": "sigmoid" if params.multi_label else "softmax",
+    }
+    return ExtractCall(
+        model=model,
+        items=[req.inputs],
+        schema={"classifications": [task]},
+        hypothesis_template=params.hypothesis_template,  # refused by the kind, naming those that take it
+        request_id=request_id,
+    )
+
+
+# The extract kinds that answer a zero-shot classification body, and the call each is sent.
+ZERO_SHOT_CALLS: dict[str, Callable[[ZeroShotRequest, str, str | None], ExtractCall]] = {
+    "zero_shot": _nli_call,
+    "gliclass": _gliclass_call,
+    "gliner2": _gliner2_call,
+}
+
+
 def labels(result: ExtractResult) -> list[LabelScore]:
-    """Best first, as the extract result ranks them."""
-    return [LabelScore(label=s.label, score=s.score) for s in result.items[0].labels or ()]
+    """Best first (ties in the result's order): GLiNER2's task answers its labels in request order."""
+    found = sorted(result.items[0].labels or (), key=lambda s: -s.score)
+    return [LabelScore(label=s.label, score=s.score) for s in found]
 
 
 def text_classification_call(req: TextClassificationRequest, model: str, request_id: str | None = None) -> ExtractCall:
