@@ -120,6 +120,7 @@ class ExtractCall(Call, frozen=True, tag="extract"):
         zero_shot   a score per requested label for each text (NLI entailment)
         classify    a score per label of the model's own (text classification)
         gliner2     entities of the `labels`, the `schema`'s relations and classification tasks (GLiNER2)
+        glirel      relations of the `labels` types between the entities the `schema` gives (GLiREL)
 
     Options left None take the card's (or the kind's) default.
     """
@@ -133,7 +134,7 @@ class ExtractCall(Call, frozen=True, tag="extract"):
     max_span_width: int | None = None  # gliner: longest entity in words
     hypothesis_template: str | None = None  # zero_shot: "{}" is replaced by the label
     aggregation: str | None = None  # token_class: simple | first | max | average
-    top_k: int | None = None  # classify: the best this many labels (default: all)
+    top_k: int | None = None  # classify: the best this many labels (default: all); glirel: types per entity pair
     raw_scores: bool | None = None  # classify: the logits, no softmax or sigmoid
     # classify: "softmax", "sigmoid" or "none" in place of the function the model's config implies
     function_to_apply: str | None = None
@@ -143,7 +144,9 @@ class ExtractCall(Call, frozen=True, tag="extract"):
     # package's schema dict: {"entity_descriptions": {type: text}, "relations": [{name: {"head": "",
     # "tail": ""}}], "relation_descriptions": {name: text}, "classifications": [{"task": name,
     # "labels": [label, ...] or {label: description}, "multi_label", "cls_threshold", "top_k",
-    # "class_act"}]} (engine/tasks/gliner2_schema.py)
+    # "class_act"}]} (engine/tasks/gliner2_schema.py). glirel: each item's entities,
+    # {"entities": [[{"start": int, "end": int, "label": str}, ...], ...]} in character offsets of
+    # the item's text (engine/tasks/extract_glirel.py)
     schema: dict[str, Any] | None = None
 
 
@@ -218,11 +221,12 @@ class RelationSpan(msgspec.Struct, frozen=True):
     end: int
 
 
-class Relation(msgspec.Struct, frozen=True):
+class Relation(msgspec.Struct, frozen=True, omit_defaults=True):
     """One instance of a relation type: the span that is its head and the span that is its tail."""
 
     head: RelationSpan
     tail: RelationSpan
+    score: float | None = None  # glirel: the relation's own score (its given spans carry it too)
 
 
 class ExtractedItem(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -232,7 +236,7 @@ class ExtractedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     labels: list[LabelScore] | None = None
     # gliner2: each classification task's labels by task name (`labels` too when there is one task)
     classifications: dict[str, list[LabelScore]] | None = None
-    # gliner2: each relation type's instances by type name (every type asked for, [] when none)
+    # gliner2, glirel: each relation type's instances by type name (every type asked for, [] when none)
     relations: dict[str, list[Relation]] | None = None
     num_windows: int = 1  # windows the text was read in (long texts: overlapping windows, merged)
     truncated: bool = False  # zero_shot: the text was cut to fit next to the hypothesis

@@ -35,6 +35,17 @@ class Gliner2Prompt:
 
 
 @dataclass(frozen=True)
+class GlirelPrompt:
+    """A GLiREL model's prompt and limits (its glirel_config.json)."""
+
+    rel_token: str
+    sep_token: str
+    max_words: int  # words of text the model reads at most (`max_len`)
+    max_pair_distance: int | None  # words between a (later, earlier) pair's starts, at most
+    last_subtoken: bool  # a word reads its last token (else its first)
+
+
+@dataclass(frozen=True)
 class GliclassPrompt:
     """A GLiClass model's prompt (its config.json): each label after `label_token`, then
     `sep_token`, after the text (before it when `prompt_first`)."""
@@ -115,5 +126,26 @@ class Similarity:
         return 1.0 / (1.0 + math.exp(-logit))
 
 
-HeadInfo = GlinerPrompt | Gliner2Prompt | GliclassPrompt | TokenLabels | ClassLabels | NliLabels | LlmFrame | Similarity
-H = TypeVar("H", GlinerPrompt, Gliner2Prompt, GliclassPrompt, TokenLabels, ClassLabels, NliLabels, LlmFrame, Similarity)
+HeadInfo = (
+    GlinerPrompt
+    | Gliner2Prompt
+    | GlirelPrompt
+    | GliclassPrompt
+    | TokenLabels
+    | ClassLabels
+    | NliLabels
+    | LlmFrame
+    | Similarity
+)
+H = TypeVar(
+    "H",
+    GlinerPrompt,
+    Gliner2Prompt,
+    GlirelPrompt,
+    GliclassPrompt,
+    TokenLabels,
+    ClassLabels,
+    NliLabels,
+    LlmFrame,
+    Similarity,
+)

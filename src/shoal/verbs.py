@@ -8,6 +8,7 @@ serves it, and its cost in tokens. Torch-free: the gateway and the worker read i
     extract:zero_shot    ExtractCall -> ExtractResult  engine/tasks/extract_zero_shot.py
     extract:gliclass     ExtractCall -> ExtractResult  engine/tasks/extract_gliclass.py
     extract:gliner2      ExtractCall -> ExtractResult  engine/tasks/extract_gliner2.py
+    extract:glirel       ExtractCall -> ExtractResult  engine/tasks/extract_glirel.py
     extract:classify     ExtractCall -> ExtractResult  engine/tasks/extract_classify.py
     extract:image_labels ExtractCall -> ExtractResult  engine/tasks/extract_image_labels.py
 
@@ -168,6 +169,13 @@ def _gliclass(call: AnyCall, card: ModelCard) -> int:
     return sum(min(card.max_length, raw_tokens(t, card) + prompt) for t in call.items)
 
 
+def _glirel(call: AnyCall, card: ModelCard) -> int:
+    """Each text once, whole, with the relation-type prompt ([REL] type ... [SEP])."""
+    assert isinstance(call, ExtractCall)
+    prompt = sum(text_tokens(label, card.max_length) + 1 for label in _labels(call, card)) + 1
+    return sum(raw_tokens(t, card) + prompt for t in call.items)
+
+
 def _image_labels(call: AnyCall, card: ModelCard) -> int:
     """Each image once, and one prompt (the template around the label) per label."""
     assert isinstance(call, ExtractCall)
@@ -188,6 +196,7 @@ KINDS: dict[str, Kind] = {
         Kind("extract:classify", ExtractCall, ExtractResult, "extract_classify:ClassifyTask", _classify),
         Kind("extract:gliclass", ExtractCall, ExtractResult, "extract_gliclass:GliclassTask", _gliclass),
         Kind("extract:gliner2", ExtractCall, ExtractResult, "extract_gliner2:Gliner2Task", _gliner),
+        Kind("extract:glirel", ExtractCall, ExtractResult, "extract_glirel:GlirelTask", _glirel),
     )
 }
 

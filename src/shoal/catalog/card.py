@@ -273,8 +273,10 @@ def _check(card: ModelCard, origin: str) -> None:
                     "extract.backbone",
                     "takes hub (and revision) or path: where the backbone's config.json and tokenizer are",
                 )
-        if ex.kind != "gliner" and (ex.backbone is not None or ex.lowercase_labels):
-            fail("extract", "backbone and lowercase_labels apply to kind gliner")
+        if ex.kind not in ("gliner", "glirel") and ex.backbone is not None:
+            fail("extract.backbone", "applies to kinds gliner and glirel")
+        if ex.kind != "gliner" and ex.lowercase_labels:
+            fail("extract.lowercase_labels", "applies to kind gliner")
     if "dense" in card.outputs and "encode" in card.tasks:
         if card.pooling is None:
             fail("pooling", "is required when outputs has dense (cls, mean, last or model)")

@@ -149,12 +149,16 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     call's `schema` relations and classification tasks from one sequence; the folder is GLiNER2's
     `save_pretrained` one (config.json, encoder_config/, tokenizer.json with its schema tokens).
 
-    `threshold`: the default minimum score of what is returned. `backbone` (gliner): where the
-    backbone's config.json and tokenizer come from when the GLiNER folder lacks them (the
-    published v2.1 checkpoints name their backbone only as `model_name`).
+    glirel: GLiREL zero-shot relation extraction: a score per relation type in `labels` for each
+    ordered pair of the entities the call's `schema` gives; the folder is GLiREL's `save_pretrained`
+    one (glirel_config.json, pytorch_model.bin), its backbone's config and tokenizer from `backbone`.
+
+    `threshold`: the default minimum score of what is returned. `backbone` (gliner, glirel): where
+    the backbone's config.json and tokenizer come from when the folder lacks them (the published
+    GLiNER v2.1 and GLiREL checkpoints name their backbone only as `model_name`).
     """
 
-    kind: Literal["gliner", "token_class", "zero_shot", "image_labels", "classify", "gliclass", "gliner2"]
+    kind: Literal["gliner", "token_class", "zero_shot", "image_labels", "classify", "gliclass", "gliner2", "glirel"]
     backbone: Source | None = None
     threshold: float | None = None  # unset: 0.5 for gliner, none otherwise
     max_words: int | None = None

@@ -218,7 +218,10 @@ def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
 
 
 def _is_model_dir(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("config.json", "gliner_config.json", "open_clip_config.json"))
+    return any(
+        (path / name).is_file()
+        for name in ("config.json", "gliner_config.json", "glirel_config.json", "open_clip_config.json")
+    )
 
 
 def resolve_source(source, what: str, card_path: str | None, allow_download: bool = True) -> Path:

@@ -33,7 +33,7 @@ log = logging.getLogger("shoal.fleet")
 WEIGHTS_RECHECK_S = 10.0
 
 # Extract kinds whose backbone sits inside the library's own layout: no LoRA path for them yet.
-_NO_ADAPTERS = {"gliner": "GLiNER span", "gliclass": "GLiClass", "gliner2": "GLiNER2"}
+_NO_ADAPTERS = {"gliner": "GLiNER span", "gliclass": "GLiClass", "gliner2": "GLiNER2", "glirel": "GLiREL"}
 
 
 class Fleet:

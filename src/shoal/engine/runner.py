@@ -47,6 +47,7 @@ _WRAPPED_BACKBONES = {
     "gliner": ".gliner_files:load_gliner_backbone",
     "gliclass": ".gliclass_files:load_gliclass_backbone",
     "gliner2": ".gliner2_files:load_gliner2_backbone",
+    "glirel": ".glirel_files:load_glirel_backbone",
 }
 
 # Torch's intra-op thread count when shoal started (before any model set its own).

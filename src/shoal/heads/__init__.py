@@ -12,6 +12,7 @@ class that loads and owns its own tensors. Every head has `output` (the name a s
     score (llm)           YesNoHead          P(yes) from the last token's yes/no LM-head rows
     extract (gliner)      GlinerHead         span candidates of the requested labels (GLiNER)
     extract (gliner2)     Gliner2Head        span candidates and label logits of a schema (GLiNER2)
+    extract (glirel)      GlirelHead         a score per given entity pair and relation type (GLiREL)
     extract (gliclass)    GliclassHead       a logit per requested label (GLiClass)
     extract (token_class) TokenClassHead     per-token label logits (BIO/IOB2 NER)
     extract (zero_shot)   NliHead            NLI logits of (text, hypothesis) pairs
@@ -29,6 +30,7 @@ from ..layers import AttentionMeta
 from .gliclass import GliclassHead
 from .gliner import GlinerHead
 from .gliner2 import Gliner2Head
+from .glirel import GlirelHead
 from .multivector import ColbertHead
 from .pooling import PoolingHead, finish, pool
 from .score import ClassifierHead, NliHead, SequenceClassHead, YesNoHead
@@ -53,6 +55,7 @@ __all__ = [
     "YesNoHead",
     "GlinerHead",
     "GliclassHead",
+    "GlirelHead",
     "NliHead",
     "SequenceClassHead",
     "TokenClassHead",
@@ -96,6 +99,7 @@ _REGISTRY: dict[str, _HeadClass] = {
     "extract:gliner": GlinerHead,
     "extract:gliclass": GliclassHead,
     "extract:gliner2": Gliner2Head,
+    "extract:glirel": GlirelHead,
     "extract:token_class": TokenClassHead,
     "extract:zero_shot": NliHead,
     "extract:classify": SequenceClassHead,
