@@ -333,7 +333,7 @@ def test_entities_relations_and_classifications_in_one_schema_equal_gliner2_extr
             {"classifications": [{"task": "t", "labels": ["a"], "cls_threshold": 2}]},
             "classifications[0].cls_threshold",
         ),
-        ([], {"classifications": [{"task": "t", "labels": ["a"], "examples": []}]}, "classifications[0]"),
+        ([], {"classifications": [{"task": "t", "labels": ["a"], "true_label": "a"}]}, "classifications[0]"),
         ([], {"classifications": "sentiment"}, "classifications"),
         ([], None, None),
     ],

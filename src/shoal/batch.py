@@ -344,8 +344,8 @@ class Timer:
 
 
 def extracted_row(item: ExtractedItem) -> dict:
-    """The fields an extracted item carries (entities, labels, a GLiNER2 schema's classifications
-    and relations), as a row writes them: scores to 6 decimals, offsets into the text."""
+    """The fields an extracted item carries (entities, labels, a GLiNER2 schema's classifications,
+    relations and structures), as a row writes them: scores to 6 decimals, offsets into the text."""
 
     def span(s) -> dict:
         return {"text": s.text, "score": round(s.score, 6), "start": s.start, "end": s.end}
@@ -364,6 +364,22 @@ def extracted_row(item: ExtractedItem) -> dict:
         out["relations"] = {
             name: [{"head": span(r.head), "tail": span(r.tail)} for r in found]
             for name, found in item.relations.items()
+        }
+    if item.structures is not None:
+
+        def value(v) -> dict:
+            chosen = {"text": v.text, "score": round(v.score, 6)}
+            return chosen if v.start is None else span(v)
+
+        out["structures"] = {
+            name: [
+                {
+                    f: (None if v is None else [value(x) for x in v] if isinstance(v, list) else value(v))
+                    for f, v in r.items()
+                }
+                for r in records
+            ]
+            for name, records in item.structures.items()
         }
     return out
 

@@ -119,7 +119,8 @@ class ExtractCall(Call, frozen=True, tag="extract"):
         token_class entities of the model's own labels (`labels`, if sent, keeps only those)
         zero_shot   a score per requested label for each text (NLI entailment)
         classify    a score per label of the model's own (text classification)
-        gliner2     entities of the `labels`, the `schema`'s relations and classification tasks (GLiNER2)
+        gliner2     entities of the `labels`, the `schema`'s relations, classification tasks and
+                    structures (GLiNER2)
         glirel      relations of the `labels` types between the entities the `schema` gives (GLiREL)
 
     Options left None take the card's (or the kind's) default.
@@ -144,7 +145,9 @@ class ExtractCall(Call, frozen=True, tag="extract"):
     # package's schema dict: {"entity_descriptions": {type: text}, "relations": [{name: {"head": "",
     # "tail": ""}}], "relation_descriptions": {name: text}, "classifications": [{"task": name,
     # "labels": [label, ...] or {label: description}, "multi_label", "cls_threshold", "top_k",
-    # "class_act"}]} (engine/tasks/gliner2_schema.py). glirel: each item's entities,
+    # "class_act", "prompt", "examples"}], "structures": {name: {"fields": [{"name", "dtype",
+    # "choices", "description", "threshold"} or "name::dtype::description"]}}}
+    # (engine/tasks/gliner2_schema.py). glirel: each item's entities,
     # {"entities": [[{"start": int, "end": int, "label": str}, ...], ...]} in character offsets of
     # the item's text (engine/tasks/extract_glirel.py)
     schema: dict[str, Any] | None = None
@@ -229,6 +232,20 @@ class Relation(msgspec.Struct, frozen=True, omit_defaults=True):
     score: float | None = None  # glirel: the relation's own score (its given spans carry it too)
 
 
+class FieldValue(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A structure field's value: a span of the text (with its offsets), or one of the field's
+    choices (no offsets)."""
+
+    text: str
+    score: float
+    start: int | None = None  # character offsets into the item's text, for a span
+    end: int | None = None
+
+
+# A structure's record: each field's value (dtype "str": one value or None; "list": every one found)
+Record = dict[str, FieldValue | list[FieldValue] | None]
+
+
 class ExtractedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     """One text's entities (in order of start) or, for zero-shot classification, its labels (best first)."""
 
@@ -238,6 +255,8 @@ class ExtractedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     classifications: dict[str, list[LabelScore]] | None = None
     # gliner2, glirel: each relation type's instances by type name (every type asked for, [] when none)
     relations: dict[str, list[Relation]] | None = None
+    # gliner2: each structure's records by structure name (every structure asked for, [] when none)
+    structures: dict[str, list[Record]] | None = None
     num_windows: int = 1  # windows the text was read in (long texts: overlapping windows, merged)
     truncated: bool = False  # zero_shot: the text was cut to fit next to the hypothesis
 

@@ -554,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kind",
         metavar="KIND",
         help="check that the model's card extracts as KIND (gliner, token_class, zero_shot, classify, gliclass, "
-        "gliner2, image_labels) before sending anything; the card decides how it extracts",
+        "gliner2, glirel, image_labels) before sending anything; the card decides how it extracts",
     )
     extract.add_argument(
         "--images",
@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON|FILE",
         help="gliner2: the schema beside the entity types of --label, inline JSON or a JSON file: "
         '{"relations": [{"works for": {"head": "", "tail": ""}}], "classifications": [{"task": "sentiment", '
-        '"labels": ["positive", "negative"]}]}',
+        '"labels": ["positive", "negative"]}], "structures": {"deal": {"fields": ["buyer::str", "price::str"]}}}',
     )
     extract.add_argument(
         "--label",

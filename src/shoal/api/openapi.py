@@ -221,8 +221,11 @@ FIELDS: dict[type[object], dict[str, str]] = {
         "schema": 'gliner2: the schema beside the entity types in `labels`: {"entity_descriptions": {type: '
         'text}, "relations": [{type: {"head": "", "tail": ""}}], "relation_descriptions": {type: text}, '
         '"classifications": [{"task", "labels" (a list, or label -> description), "multi_label", '
-        '"cls_threshold", "top_k", "class_act"}]}; each item then answers `relations`: per type, its '
-        "instances as {head, tail}, each {text, score, start, end}.",
+        '"cls_threshold", "top_k", "class_act", "prompt", "examples"}], "structures": {name: {"fields": [{"name", '
+        '"dtype", "choices", "description", "threshold"} or "name::dtype::[a|b]::description"]}}}; each item then '
+        "answers `relations`: per type, its instances as {head, tail}, each {text, score, start, end}, and "
+        "`structures`: per structure, its records {field: value}. glirel: the entities to relate, "
+        '{"entities": [[{"start", "end", "label"}, ...] per item]}.',
         "options": "How to extract; which options apply depends on the model's extract kind.",
         "adapter": _ADAPTER,
     },

@@ -22,12 +22,15 @@ across the fields of each step; count_lstm_moe: a gated mixture of four FFNs). A
 head the out_project layer folds into per-word and per-query parts, so the `[W, K, H]` span
 tensor is never built.
 
-`run` returns, per sequence, a tuple with one entry per task of the spec's `tasks`: for entities
-the candidates starting in the window's owned words whose sigmoid score reaches the threshold as
-numpy arrays (start, width, field, score); for relations each instance's best span per field over
-the whole window as arrays `[count, M]` (start, width, score, the score -1 where no span reaches
-the threshold); for classifications the label logits `[C]` (float32). Positions are the window's
-words.
+Words are the prefix words (a structure's choices, `spec.prefix` of them, before the text) then
+the window's text words. `run` returns, per sequence, a tuple with one entry per task of the spec's
+`tasks`: for entities the candidates starting in the window's owned words whose sigmoid score
+reaches the threshold as numpy arrays (start, width, field, score); for relations each instance's
+best span per field over the whole window's text as arrays `[count, M]` (start, width, score, the
+score -1 where no span reaches the threshold); for structures every span of the text reaching its
+field's threshold (instance, field, start, width, score) and each prefix word's one-word score
+`[count, M, P]`; for classifications the label logits `[C]` (float32). Positions are the window's
+text words.
 """
 
 from __future__ import annotations
@@ -221,7 +224,7 @@ class Gliner2Head:
             if "gliner2" not in spec.outputs:
                 continue
             at = starts[i]
-            words = states[at + torch.from_numpy(spec.word_tokens).to(device)]  # [W, H]
+            words = states[at + torch.from_numpy(spec.word_tokens).to(device)]  # [P + W, H]: prefix, text
             span_parts = None
             results: list = []
             for task in spec.tasks:
@@ -230,63 +233,84 @@ class Gliner2Head:
                     results.append(self.classifier(marks[1:]).squeeze(-1).float().cpu().numpy())
                     continue
                 count = int(self.count_pred(marks[0]).argmax())
-                relation = task.kind == "relations"
-                if count <= 0 or len(words) == 0:
-                    results.append(_no_instances(len(marks) - 1) if relation else _no_candidates())
+                entities = task.kind == "entities"
+                if count <= 0 or len(words) <= spec.prefix:
+                    results.append(_no_candidates() if entities else _no_instances(task.kind, len(marks) - 1))
                     continue
-                queries = self.count_embed(marks[1:], count if relation else 1)  # [n, M, H]
+                queries = self.count_embed(marks[1:], 1 if entities else count)  # [n, M, H]
                 if span_parts is None:
                     span_parts = (
-                        F.linear(F.relu(self.start(words)), self.out_start),  # [W, 4H]
+                        F.linear(F.relu(self.start(words)), self.out_start),  # [P + W, 4H]
                         F.linear(F.relu(self.end(words)), self.out_end),
                     )
-                if relation:
-                    results.append(self._best(*span_parts, queries, spec))
+                n, m, h = queries.shape
+                probs = self._probs(*span_parts, queries.reshape(n * m, h))  # [P + W, k, n*M]
+                if entities:
+                    results.append(self._candidates(probs, spec))
+                elif task.kind == "relations":
+                    results.append(self._best(probs, spec, n, m))
                 else:
-                    results.append(self._candidates(*span_parts, queries[0], spec))
+                    results.append(self._structure(probs, spec, task, n, m))
             out[i] = tuple(results)
         return out
 
-    def _probs(self, a: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, spec, owned: bool) -> torch.Tensor:
-        """`[W, k, Q]` span probabilities for each query; -1 where no span is (past the window's
-        end, or, when `owned`, a start another window answers for)."""
+    def _probs(self, a: torch.Tensor, b: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """`[P + W, k, Q]` span probabilities for each query; -1 where a span runs past the end."""
         num_words = a.shape[0]
         width = min(self.max_width, num_words)
-        starts = torch.arange(num_words, device=a.device)[:, None]  # [W, 1]
-        ends = starts + torch.arange(width, device=a.device)[None, :]  # [W, k]
+        starts = torch.arange(num_words, device=a.device)[:, None]  # [P + W, 1]
+        ends = starts + torch.arange(width, device=a.device)[None, :]  # [P + W, k]
         inside = ends < num_words
-        hidden = F.relu(a[:, None, :] + b[ends.clamp(max=num_words - 1)] + self.out_b1)  # [W, k, 4H]
+        hidden = F.relu(a[:, None, :] + b[ends.clamp(max=num_words - 1)] + self.out_b1)  # [P + W, k, 4H]
         rows, bias = queries @ self.out_w2, queries @ self.out_b2  # [Q, 4H], [Q]
-        probs = torch.sigmoid((hidden @ rows.T + bias).float()).masked_fill(~inside[:, :, None], -1.0)
-        if owned and spec.owned is not None:
+        return torch.sigmoid((hidden @ rows.T + bias).float()).masked_fill(~inside[:, :, None], -1.0)
+
+    @staticmethod
+    def _text_part(probs: torch.Tensor, spec) -> torch.Tensor:
+        """The spans starting in the text (after the prefix words), positions from the text's first word."""
+        return probs[spec.prefix :]
+
+    def _candidates(self, probs: torch.Tensor, spec) -> tuple[np.ndarray, ...]:
+        """Spans `(start, width)` starting in the window's owned words whose score for a field
+        reaches the threshold."""
+        probs = self._text_part(probs, spec)
+        if spec.owned is not None:
             lo, hi = spec.owned
+            probs = probs.clone()
             probs[:lo] = -1.0
             probs[hi:] = -1.0
-        return probs
-
-    def _candidates(self, a: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, spec) -> tuple[np.ndarray, ...]:
-        """Spans `(start, width)` of the words whose score for a query `[M, H]` reaches the threshold."""
-        probs = self._probs(a, b, queries, spec, owned=True)
         s, k, m = torch.nonzero(probs >= spec.threshold, as_tuple=True)
         return (s.cpu().numpy(), k.cpu().numpy(), m.cpu().numpy(), probs[s, k, m].cpu().numpy())
 
-    def _best(self, a: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, spec) -> tuple[np.ndarray, ...]:
-        """Per instance and field of queries `[n, M, H]`, the best-scoring span: (start, width, score)
-        each `[n, M]`, the first in (start, width) order on a tie; score -1 where none reaches the
-        threshold."""
-        n, m, h = queries.shape
-        # Every start of the window: instances are merged across windows, not split between them.
-        probs = self._probs(a, b, queries.reshape(n * m, h), spec, owned=False)  # [W, k, n*M]
+    def _best(self, probs: torch.Tensor, spec, n: int, m: int) -> tuple[np.ndarray, ...]:
+        """Per instance and field, the best-scoring span starting anywhere in the window's text:
+        (start, width, score) each `[n, M]`, the first in (start, width) order on a tie; score -1
+        where none reaches the threshold. (Instances are merged across windows, not split.)"""
+        probs = self._text_part(probs, spec)
         width = probs.shape[1]
         best, at = probs.reshape(-1, n * m).max(dim=0)  # first maximum in (start, width) order
         score = best.masked_fill(best < spec.threshold, -1.0).reshape(n, m).cpu().numpy()
         index = at.reshape(n, m).cpu().numpy()
         return (index // width, index % width, score)
 
+    def _structure(self, probs: torch.Tensor, spec, task, n: int, m: int) -> tuple[np.ndarray, ...]:
+        """A structure's spans and choices: (instance, field, start, width, score) of each span
+        starting in the text whose score reaches its field's threshold, and `[n, M, P]` each
+        prefix word's own (one-word span) score, where the choice fields find their choices."""
+        text = self._text_part(probs, spec)
+        thresholds = torch.from_numpy(np.tile(task.thresholds, n)).to(text.device)  # [n*M]
+        s, k, q = torch.nonzero(text >= thresholds, as_tuple=True)
+        prefix = probs[: spec.prefix, 0, :].T.reshape(n, m, spec.prefix).cpu().numpy()
+        q_cpu = q.cpu().numpy()
+        return (q_cpu // m, q_cpu % m, s.cpu().numpy(), k.cpu().numpy(), text[s, k, q].cpu().numpy(), prefix)
 
-def _no_instances(num_fields: int) -> tuple[np.ndarray, ...]:
+
+def _no_instances(kind: str, num_fields: int) -> tuple[np.ndarray, ...]:
     empty = np.zeros((0, num_fields), dtype=np.int64)
-    return (empty, empty, np.zeros((0, num_fields), dtype=np.float32))
+    if kind == "relations":
+        return (empty, empty, np.zeros((0, num_fields), dtype=np.float32))
+    none = np.zeros(0, dtype=np.int64)
+    return (none, none, none, none, np.zeros(0, dtype=np.float32), np.zeros((0, num_fields, 0), dtype=np.float32))
 
 
 def _no_candidates() -> tuple[np.ndarray, ...]:

@@ -19,7 +19,7 @@ Errors raise as the server's own classes from `shoal.errors` (`Overloaded`, `Unk
 
 from __future__ import annotations
 
-from ..calls import Entity, ExtractedItem, LabelScore, Relation, RelationSpan
+from ..calls import Entity, ExtractedItem, FieldValue, LabelScore, Relation, RelationSpan
 from .client import AsyncClient
 from .images import Image
 from .results import Encoded, Ranking, Scored, Sparse
@@ -31,6 +31,7 @@ __all__ = [
     "Encoded",
     "Entity",
     "ExtractedItem",
+    "FieldValue",
     "Image",
     "LabelScore",
     "Ranking",

@@ -113,6 +113,7 @@ def extracted(responses: list[wire.ExtractResponse]) -> list[ExtractedItem]:
             labels=item.labels,
             classifications=item.classifications,
             relations=item.relations,
+            structures=item.structures,
             num_windows=item.num_windows,
             truncated=item.truncated,
         )

@@ -23,6 +23,7 @@ from ..calls import (
     ExtractCall,
     ExtractResult,
     LabelScore,
+    Record,
     Relation,
     ScoreCall,
     ScoreResult,
@@ -218,6 +219,7 @@ class ExtractedItem(msgspec.Struct, omit_defaults=True):
     labels: list[LabelScore] | None = None
     classifications: dict[str, list[LabelScore]] | None = None  # gliner2: labels by classification task
     relations: dict[str, list[Relation]] | None = None  # gliner2: instances (head, tail) by relation type
+    structures: dict[str, list[Record]] | None = None  # gliner2: records by structure
     num_windows: int = 1
     truncated: bool = False
 
@@ -262,6 +264,7 @@ def extract_response(req: ExtractRequest, result: ExtractResult) -> ExtractRespo
             labels=out.labels,
             classifications=out.classifications,
             relations=out.relations,
+            structures=out.structures,
             num_windows=out.num_windows,
             truncated=out.truncated,
         )

@@ -1,9 +1,11 @@
-"""extract, kind gliner2: GLiNER2 schema extraction (entities, relations, text classification, one forward).
+"""extract, kind gliner2: GLiNER2 schema extraction (entities, relations, text classification and
+structured records, one forward).
 
-The schema (`gliner2_schema`) becomes one prompt per task, joined by [SEP_STRUCT], then [SEP_TEXT]
-and the text's words, each tokenized on its own as GLiNER2's processor does: no [CLS] or [SEP],
-the text split by GLiNER2's word pattern and lower-cased, a "." word appended to a text that does
-not end in ".", "!" or "?".
+The schema (`gliner2_schema`) becomes one prompt per task, joined by [SEP_STRUCT], then [SEP_TEXT],
+the words of the structures' choices (case kept) and the text's words, each tokenized on its own as
+GLiNER2's processor does: no [CLS] or [SEP], the text split by GLiNER2's word pattern and
+lower-cased, a "." word appended to a text that does not end in ".", "!" or "?". Relations,
+classifications and structures decode in `gliner2_decode`.
 
 Entities: per type, candidates at or above `threshold`, highest first, each kept unless its
 characters overlap one already kept of the same type; an entity that reaches into the appended "."
@@ -21,7 +23,8 @@ the gliner kind, each from the window that owns its start. Relations and classif
 in every window and merged as `batch_extract_long` merges chunks: an instance found in several
 windows (both ends in their overlap) once, with the scores of the finding whose better end scored
 higher; a single-label task's best-scoring window; a multi-label task's labels from every window,
-each once at its higher score.
+each once at its higher score; a structure's records as `gliner2_decode.merge_records` says.
+Every window repeats the prompt and the choices' words.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from ...calls import Entity, ExtractCall, ExtractedItem, ExtractResult, LabelScore, Relation, RelationSpan
+from ...calls import Entity, ExtractCall, ExtractedItem, ExtractResult, Record
 from ...catalog import ModelCard
 from ...errors import InvalidRequest
 from ...head_info import Gliner2Prompt
@@ -44,7 +47,8 @@ from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
 from ..types import Encoded, ExtractSpec
 from .extract_common import ExtractPlan, plan_extract, windows_per_text
-from .gliner2_schema import SEP_STRUCT, SEP_TEXT, Classification, Schema, marker_words, parse_schema
+from .gliner2_decode import classify, merge_labels, merge_records, merge_relations, window_records, window_relations
+from .gliner2_schema import SEP_STRUCT, SEP_TEXT, Schema, marker_words, parse_schema
 
 
 @functools.cache
@@ -68,13 +72,15 @@ MAX_CANDIDATES = 262_144
 
 @dataclass(frozen=True)
 class TaskMarks:
-    kind: str  # "entities", "relations" or "classifications"
+    kind: str  # "structures", "entities", "relations" or "classifications"
     markers: np.ndarray  # [1 + fields] positions of [P] and each field's marker
+    thresholds: np.ndarray | None = None  # structures: each field's threshold (float32)
 
 
 @dataclass(frozen=True)
 class Gliner2Spec(ExtractSpec):
     tasks: tuple[TaskMarks, ...] = ()
+    prefix: int = 0  # word_tokens starts with this many prefix words (the choices), then the text's
 
 
 @dataclass(frozen=True)
@@ -141,12 +147,29 @@ class Gliner2Task:
                 firsts.append(len(prompt_ids))
                 prompt_ids += tok.plain_ids(word)
             tasks.append(TaskMarks(kind, np.asarray([firsts[w] for w in marker_words(words)])))
+        structures = iter(schema.structures)
+        tasks = [
+            TaskMarks(
+                t.kind,
+                t.markers,
+                np.asarray(
+                    [threshold if f.threshold is None else f.threshold for f in next(structures).fields], np.float32
+                ),
+            )
+            if t.kind == "structures"
+            else t
+            for t in tasks
+        ]
         prompt_ids += tok.plain_ids(SEP_TEXT)
+        prefix_firsts = []  # the choices' words, after [SEP_TEXT] and before the text
+        for word in schema.prefix_words():
+            prefix_firsts.append(len(prompt_ids))
+            prompt_ids += tok.plain_ids(word)
         room = tok.max_length - len(prompt_ids)
         if room < MIN_TEXT_TOKENS:
             raise InvalidRequest(
                 f"the schema takes {len(prompt_ids)} of the model's {tok.max_length} tokens, leaving too little "
-                "for the text: send fewer or shorter labels and descriptions",
+                "for the text: send fewer or shorter labels, descriptions, examples or choices",
                 details={"option": "schema", "prompt_tokens": len(prompt_ids)},
             )
         overlap = plan.card.extract.window_overlap_words if plan.card.extract else 64
@@ -167,7 +190,7 @@ class Gliner2Task:
                         seq += word
                     # The last window ends with the text (and its appended "."), another with its last word.
                     limit = len(text) if b == len(words) else int(ends[b - 1])
-                    word_tokens = np.minimum(np.asarray(firsts, dtype=np.int64), len(seq) - 1)
+                    word_tokens = np.minimum(np.asarray(prefix_firsts + firsts, dtype=np.int64), len(seq) - 1)
                     seqs.append((Encoded(np.asarray(seq, dtype=np.int64)), word_tokens))
                     windows.append((a, starts[a:b], ends[a:b], limit))
                 out.append((text, spans, seqs, windows))
@@ -191,6 +214,7 @@ class Gliner2Task:
                         threshold=threshold,
                         owned=(own[0] - a, own[1] - a),
                         tasks=tuple(tasks),
+                        prefix=len(prefix_firsts),
                     )
                 )
         return seqs
@@ -230,18 +254,24 @@ class Gliner2Task:
             if schema.classifications:
                 at = [i for i, kind in enumerate(kinds) if kind == "classifications"]
                 classes = {
-                    task.task: _merge_labels(task, [_classify(task, out[i]) for out in outs])
+                    task.task: merge_labels(task, [classify(task, out[i]) for out in outs])
                     for task, i in zip(schema.classifications, at)
                 }
             relations = None
             if schema.relations:
                 at = [i for i, kind in enumerate(kinds) if kind == "relations"]
                 relations = {
-                    r.name: _merge_relations(
-                        [_relations(info.text, window, out[i]) for window, out in zip(info.windows, outs)]
+                    r.name: merge_relations(
+                        [
+                            window_relations(info.text, w.starts, w.ends, w.limit, out[i])
+                            for w, out in zip(info.windows, outs)
+                        ]
                     )
                     for r, i in zip(schema.relations, at)
                 }
+            structures = None
+            if schema.structures:
+                structures = _structures(schema, kinds, info, outs, plan)
             labels = next(iter(classes.values())) if classes and len(classes) == 1 else None
             items.append(
                 ExtractedItem(
@@ -249,6 +279,7 @@ class Gliner2Task:
                     labels=labels,
                     classifications=classes,
                     relations=relations,
+                    structures=structures,
                     num_windows=int(windows[index]),
                 )
             )
@@ -258,9 +289,30 @@ class Gliner2Task:
 
 
 def _num_candidates(plan: Gliner2Plan, outputs: list) -> int:
-    if plan.schema is None or not plan.schema.entity_types:
+    """The spans the request's entity and structure tasks found at or above their thresholds."""
+    if plan.schema is None:
         return 0
-    return sum(len(out[0][0]) for out in outputs)  # the entities task is the first
+    at = [i for i, (kind, _) in enumerate(plan.schema.prompts()) if kind in ("entities", "structures")]
+    return sum(len(out[i][0]) for out in outputs for i in at)
+
+
+def _structures(
+    schema: Schema, kinds: list[str], info: _Text, outs: list, plan: Gliner2Plan
+) -> dict[str, list[Record]]:
+    at = [i for i, kind in enumerate(kinds) if kind == "structures"]
+    prefix = schema.prefix_words()
+    spec = plan.specs[0]
+    assert isinstance(spec, Gliner2Spec)
+    out = {}
+    for structure, i in zip(schema.structures, at):
+        thresholds = spec.tasks[i].thresholds
+        assert thresholds is not None
+        per_window = [
+            window_records(structure, thresholds, prefix, info.text, w.starts, w.ends, w.limit, o[i])
+            for w, o in zip(info.windows, outs)
+        ]
+        out[structure.name] = merge_records(per_window)
+    return out
 
 
 def _entities(schema: Schema, kinds: list[str], info: _Text, outs: list) -> list[Entity]:
@@ -297,76 +349,3 @@ def _entities(schema: Schema, kinds: list[str], info: _Text, outs: list) -> list
         Entity(text=info.text[a:b], label=schema.entity_types[label], score=score, start=a, end=b)
         for a, b, label, score in found
     ]
-
-
-def _relations(text: str, window: _Window, best: tuple[np.ndarray, ...]) -> list[Relation]:
-    """A relation type's instances in one window: those whose head and tail spans (`[count, 2]`
-    start, width, score over the window's words; score -1 when none reaches the threshold) are
-    both found in the text."""
-    starts, widths, scores = best
-    out = []
-    for instance in range(len(scores)):
-        spans = []
-        for f in range(2):  # head, tail
-            s, score = int(starts[instance, f]), float(scores[instance, f])
-            if score < 0:  # no span reaches the threshold
-                break
-            a, b = int(window.starts[s]), int(window.ends[s + int(widths[instance, f])])
-            if a >= window.limit:  # the appended "." alone
-                break
-            b = min(b, window.limit)
-            spans.append(RelationSpan(text=text[a:b], score=score, start=a, end=b))
-        if len(spans) == 2:
-            out.append(Relation(head=spans[0], tail=spans[1]))
-    return out
-
-
-def _merge_relations(per_window: list[list[Relation]]) -> list[Relation]:
-    """One relation type's instances from every window, in order of first finding: an instance
-    found again (the same head and tail spans) is kept once, with the scores of the finding whose
-    better end scored higher. A text read in one window keeps its instances as they are (the
-    package's `extract`; only its long-text path merges)."""
-    if len(per_window) == 1:
-        return per_window[0]
-    merged: dict[tuple[int, int, int, int], Relation] = {}
-    for relations in per_window:
-        for r in relations:
-            key = (r.head.start, r.head.end, r.tail.start, r.tail.end)
-            kept = merged.get(key)
-            if kept is None or max(r.head.score, r.tail.score) > max(kept.head.score, kept.tail.score):
-                merged[key] = r
-    return list(merged.values())
-
-
-def _merge_labels(task: Classification, per_window: list[list[LabelScore]]) -> list[LabelScore]:
-    """A classification task's labels from every window: single-label, the best-scoring window's
-    label (the first on a tie); multi-label, each label once, in order of first finding, at its
-    higher score."""
-    if len(per_window) <= 1:
-        return per_window[0] if per_window else []
-    if not task.multi_label:
-        return max(per_window, key=lambda labels: labels[0].score)
-    merged: dict[str, LabelScore] = {}
-    for labels in per_window:
-        for ls in labels:
-            if ls.label not in merged or ls.score > merged[ls.label].score:
-                merged[ls.label] = ls
-    return list(merged.values())
-
-
-def _classify(task: Classification, logits: np.ndarray) -> list[LabelScore]:
-    x = logits.astype(np.float64)
-    if task.sigmoid:
-        probs = 1.0 / (1.0 + np.exp(-x))
-    else:
-        e = np.exp(x - x.max())
-        probs = e / e.sum()
-    best = int(np.argmax(probs))
-    if not task.multi_label:
-        return [LabelScore(task.labels[best], float(probs[best]))]
-    chosen = [LabelScore(label, float(probs[j])) for j, label in enumerate(task.labels) if probs[j] >= task.threshold]
-    if not chosen:
-        chosen = [LabelScore(task.labels[best], float(probs[best]))]
-    if task.top_k is not None:
-        chosen = sorted(chosen, key=lambda ls: -ls.score)[: task.top_k]
-    return chosen
