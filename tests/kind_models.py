@@ -2,9 +2,9 @@
 card that serves it as `test/kind-<kind>` (shared by the bench and batch CLI tests of every kind).
 
 Built as the kind's own tests build them (extract_models.py, test_classify.py, test_gliclass.py,
-test_gliner2.py, vision_models.py), once per session: a kind's folder under the session's base
-temp directory is reused when its card is there. A kind whose reference package is missing
-(gliner, gliclass, gliner2) is left out.
+test_gliner2.py, test_glirel.py, vision_models.py), once per session: a kind's folder under the
+session's base temp directory is reused when its card is there. A kind whose reference package is
+missing (gliner, gliclass, gliner2, glirel) is left out.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-KINDS = ("gliner", "token_class", "zero_shot", "classify", "gliclass", "gliner2", "image_labels")
+KINDS = ("gliner", "token_class", "zero_shot", "classify", "gliclass", "gliner2", "glirel", "image_labels")
 # The package each kind's random model is built with, where one beyond transformers is needed.
-_NEEDS = {"gliner": "gliner", "gliclass": "gliclass", "gliner2": "gliner2"}
+_NEEDS = {"gliner": "gliner", "gliclass": "gliclass", "gliner2": "gliner2", "glirel": "glirel"}
 SENTIMENT = ["negative", "neutral", "positive"]
 
 
@@ -84,6 +84,12 @@ def _build(kind: str, directory: Path) -> dict:
 
         build_gliner2(directory / "model", seed=3, counting_layer="count_lstm_v2")
         card["source"] = {"path": str(directory / "model")}
+    elif kind == "glirel":
+        from test_glirel import build_glirel
+
+        build_glirel(directory / "model", seed=3)  # its backbone beside it, in model-backbone
+        card["source"] = {"path": str(directory / "model")}
+        card["extract"]["backbone"] = {"path": str(directory / "model-backbone")}
     else:  # image_labels
         from vision_models import tiny_clip
 

@@ -1,7 +1,8 @@
 """`shoal bench --workload extract` against a random-weight model of every extract kind, served from
 its folder: each kind's calls carry what it reads (labels for GLiNER, GLiClass and NLI zero-shot;
 none for token and text classifiers; GLiNER2's entity types with a relation type and a
-classification task; photos with labels for image_labels), every request of the ramp is answered
+classification task; GLiREL's relation types with each tweet's entities, words of the tweet;
+photos with labels for image_labels), every request of the ramp is answered
 200, and the figures follow from the calls (items = calls x items per call, tokens counted)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from shoal.bench import workloads
 from shoal.bench.load import _body
 from shoal.catalog import Catalog
 from shoal.cli import main
+from shoal.spans import split_words
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,6 +31,7 @@ FIELDS = {
     "classify": {"labels"},
     "gliclass": {"labels"},
     "gliner2": {"entities", "labels", "classifications", "relations"},  # labels: its one task's
+    "glirel": {"relations"},
     "image_labels": {"labels"},
 }
 
@@ -52,7 +55,18 @@ def test_the_extract_workloads_calls_take_their_shape_from_the_cards_kind(served
         assert calls[kind].labels is None and calls[kind].schema is None and len(calls[kind].texts) == 8
     if "gliner2" in kinds:
         assert calls["gliner2"].schema == workloads.GLINER2_SCHEMA
-    for kind in kinds - {"gliner2"}:
+    if "glirel" in kinds:  # up to four words of each tweet, as the glirel task splits it
+        glirel = calls["glirel"]
+        assert glirel.labels == workloads.GLIREL_TYPES and len(glirel.schema["entities"]) == len(glirel.texts) == 8
+        for text, entities in zip(glirel.texts, glirel.schema["entities"]):
+            _, starts, ends = split_words(text)
+            spans = [(e["start"], e["end"]) for e in entities]
+            assert 2 <= len(spans) <= 4 and spans == sorted(spans)
+            assert all(a in starts and b in ends and text[a:b][0].isalnum() for a, b in spans)
+        assert workloads.build("extract", num_calls=4, extract=shapes["glirel"]).calls == (
+            workloads.build("extract", num_calls=4, extract=shapes["glirel"]).calls
+        )  # deterministic
+    for kind in kinds - {"gliner2", "glirel"}:
         assert calls[kind].schema is None
     if "image_labels" in kinds:
         photo = calls["image_labels"]
@@ -108,3 +122,6 @@ def test_shoal_bench_extract_serves_every_call_of_each_kind_and_reports_its_figu
         assert all(set(item["relations"]) == {"works for"} for item in items)
         assert all(set(item["classifications"]) == {"sentiment"} for item in items)
         assert all(len(item["classifications"]["sentiment"]) == 1 for item in items)  # single-label: the best
+    if kind == "glirel":  # every tweet of two or more entities read, each type answered by name
+        assert all(list(item["relations"]) == list(workloads.GLIREL_TYPES) for item in items)
+        assert sum(item.get("num_windows", 1) for item in items) == sum(len(e) >= 2 for e in call.schema["entities"])

@@ -50,16 +50,17 @@ VARIANTS = {
 }
 
 
-def build_glirel(directory: Path, seed: int, **over):
+def build_glirel(directory: Path, seed: int, shape: dict | None = None, **over):
     """A random GLiREL (DeBERTa-v3-like backbone, Unigram tokenizer) saved with its
     `save_pretrained`; the backbone folder (config, tokenizer, weights: GLiREL loads its backbone by
-    name) beside it. Returns the package's model loaded back from the folder."""
+    name) beside it; `shape` overrides the backbone's size (bench). Returns the package's model
+    loaded back from the folder."""
     from glirel import GLiREL
 
     base = directory.parent / f"{directory.name}-backbone"
     tokenizer = unigram_tokenizer(base)
     torch.manual_seed(seed)
-    transformers.DebertaV2Model(deberta_v3_config(len(tokenizer))).save_pretrained(base)
+    transformers.DebertaV2Model(deberta_v3_config(len(tokenizer), **(shape or {}))).save_pretrained(base)
     config = {
         **dict(
             model_name=str(base),

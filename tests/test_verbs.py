@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from shoal import verbs
+from shoal.bench.workloads import glirel_schema
 from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
 from shoal.catalog import Catalog
 from shoal.engine.tasks import task_for
@@ -40,7 +41,8 @@ def calls_for(card):
     if "extract" in card.tasks and card.extract is not None:
         labels = [] if card.extract.kind == "token_class" else LABELS
         items = IMAGES if card.extract.kind == "image_labels" else TEXTS
-        out.append(ExtractCall(card.id, items, labels=labels))
+        schema = glirel_schema(tuple(TEXTS)) if card.extract.kind == "glirel" else None  # entities given
+        out.append(ExtractCall(card.id, items, labels=labels, schema=schema))
     return out
 
 
@@ -77,6 +79,16 @@ def test_a_zero_shot_call_costs_a_pair_per_label_and_a_gliner_call_a_prompt_per_
     assert many > few + 20 * len(TEXTS)  # the label prompt is read with every window of every text
 
 
+def test_a_glirel_call_costs_each_text_once_with_the_relation_type_prompt():
+    glirel = CATALOG.get("jackboyla/glirel-large-v0")
+    schema = glirel_schema(tuple(TEXTS))
+    one = estimate_tokens(ExtractCall(glirel.id, TEXTS, labels=["a"], schema=schema), glirel)
+    three = estimate_tokens(ExtractCall(glirel.id, TEXTS, labels=["a", "b", "c"], schema=schema), glirel)
+    # each more type is "[REL] type" in every text's one sequence: its tokens (2 with specials) + [REL]
+    assert three - one == 2 * 3 * len(TEXTS)
+    assert one == sum(len(t) // 4 + 2 for t in TEXTS) + len(TEXTS) * (3 + 1)  # the text, [REL] a, [SEP]
+
+
 def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_verb_is_refused():
     from shoal.errors import InvalidRequest
 
@@ -95,6 +107,7 @@ def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_ver
         "ClassifyTask",
         "GliclassTask",
         "Gliner2Task",
+        "GlirelTask",
     }
     embedder = CATALOG.get("sentence-transformers/all-MiniLM-L6-v2")
     with pytest.raises(InvalidRequest, match="does not extract"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ class Call:
     query: str | None = None
     labels: tuple[str, ...] | None = None
     images: tuple[bytes, ...] = ()
-    schema: Mapping[str, Any] | None = None  # extract, gliner2: relation types and classification tasks
+    schema: Mapping[str, Any] | None = None  # extract: gliner2's relation types and tasks, glirel's entities
 
     @property
     def num_chars(self) -> int:
@@ -88,6 +88,7 @@ class ExtractShape:
     schema: Mapping[str, Any] | None = None  # gliner2's relation types and classification tasks
     note: str = "the ten WNUT-16 types as labels"
     reads: str = "text"  # text: WNUT-16 tweets | image: the photos (PHOTOS)
+    schema_of: Callable[[tuple[str, ...]], Mapping[str, Any]] | None = None  # a schema made from the call's texts
 
 
 # gliner2: one relation type and one single-label classification task beside the entity types, so
@@ -96,6 +97,26 @@ GLINER2_SCHEMA: Mapping[str, Any] = {
     "relations": [{"works for": {"head": "", "tail": ""}}],
     "classifications": [{"task": "sentiment", "labels": ["positive", "negative", "neutral"]}],
 }
+# glirel: relation types between entities the call gives, GLIREL_ENTITIES words of each tweet.
+GLIREL_TYPES = ("works for", "located in", "member of", "founded by")
+GLIREL_ENTITIES = 4
+
+
+def glirel_schema(texts: tuple[str, ...]) -> Mapping[str, Any]:
+    """Each text's entities for a glirel call: up to GLIREL_ENTITIES of its words (GLiREL's words,
+    as the task splits them), capitalised ones first, then the others in text order; symbols never.
+    A tweet of fewer than two such words has no pair and is not read."""
+    from ..spans import split_words
+
+    entities = []
+    for text in texts:
+        words, starts, ends = split_words(text)
+        candidates = [i for i, word in enumerate(words) if word[0].isalnum()]
+        chosen = sorted(sorted(candidates, key=lambda i: (not words[i][0].isupper(), i))[:GLIREL_ENTITIES])
+        entities.append([{"start": int(starts[i]), "end": int(ends[i]), "label": "entity"} for i in chosen])
+    return {"entities": entities}
+
+
 # What the photos show, in words: the classes an image_labels model is prompted with.
 PHOTO_LABELS = ("an astronaut", "a cup of coffee", "a cat", "a rocket", "stained tissue", "a retina", "galaxies")
 # A tagger's types and a classifier's classes are its own: their calls send no labels.
@@ -108,6 +129,11 @@ EXTRACT_SHAPES: dict[str, ExtractShape] = {
     "classify": OWN_LABELS,
     "gliner2": ExtractShape(
         schema=GLINER2_SCHEMA, note="the ten WNUT-16 types, a relation type and a classification task"
+    ),
+    "glirel": ExtractShape(
+        labels=GLIREL_TYPES,
+        schema_of=glirel_schema,
+        note=f"{len(GLIREL_TYPES)} relation types between up to {GLIREL_ENTITIES} words of each tweet",
     ),
     "image_labels": ExtractShape(labels=PHOTO_LABELS, note="what the photos show as labels", reads="image"),
 }
@@ -230,8 +256,10 @@ def build(
     if name == "extract":
         tweets = _enough(wnut_tweets(), items, "WNUT-16 tweets")
         n = items or 8
+        drawn = [tuple(rng.sample(tweets, n)) for _ in range(num_calls)]
+        of = extract.schema_of
         calls = tuple(
-            Call(tuple(rng.sample(tweets, n)), labels=extract.labels, schema=extract.schema) for _ in range(num_calls)
+            Call(texts, labels=extract.labels, schema=extract.schema if of is None else of(texts)) for texts in drawn
         )
         return Workload(name, "extract", calls, f"{n} WNUT-16 tweets per call, {extract.note}")
     documents = lee_documents()
