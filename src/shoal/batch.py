@@ -4,7 +4,8 @@ or an in-process engine, write results, show progress and one summary line.
 Inputs: `.txt` (one text per line, every line a row: a blank line is the empty text, so row i is
 line i + 1), `.jsonl` (one object per line with a `text` field — `--field` names another — and an
 optional `id`; blank lines hold no object and are skipped), `.parquet` (a `text` column, or
-`--field`, and `id` if present); for `encode` (and `extract` on an image_labels model), `--images
+`--field`, and `id` if present; for a glirel model, `entities` too: each row's part of the
+call's schema, `row_schemas`); for `encode` (and `extract` on an image_labels model), `--images
 DIR` instead: every image file in DIR and its subfolders (`image_files`), sorted by its path under
 DIR, which names its row (`{"image": "cats/01.png"}`). Outputs: `.jsonl` (one object per input, its
 `id` kept), `.npy` (encode: the dense vectors as one `[n, d]` array in the output dtype, in input
@@ -50,6 +51,7 @@ R = TypeVar("R")
 class Record:
     text: str
     id: Any = None
+    entities: Any = None  # a .jsonl or .parquet row's `entities` (a glirel model's, `row_schemas`)
 
 
 @dataclass
@@ -144,7 +146,7 @@ def _jsonl(path: Path, field: str) -> Iterator[Record]:
                 f"{path}:{number}: each line must be an object with a string {field!r} field"
                 + (" (pick another with --field)" if isinstance(obj, dict) else "")
             )
-        yield Record(obj[field], obj.get("id"))
+        yield Record(obj[field], obj.get("id"), obj.get("entities"))
 
 
 def _parquet(path: Path, field: str) -> list[Record]:
@@ -159,11 +161,14 @@ def _parquet(path: Path, field: str) -> list[Record]:
             f"{path}: no column {field!r} (its columns: {', '.join(table.column_names)}); pick one with --field"
         )
     texts = table.column(field).to_pylist()
-    ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * len(texts)
+    ids, entities = (
+        table.column(name).to_pylist() if name in table.column_names else [None] * len(texts)
+        for name in ("id", "entities")
+    )
     for row, text in enumerate(texts):
         if not isinstance(text, str):
             raise ConfigError(f"{path}: row {row}: {field!r} is {type(text).__name__}, not a string")
-    return [Record(t, i) for t, i in zip(texts, ids)]
+    return [Record(t, i, e) for t, i, e in zip(texts, ids, entities)]
 
 
 def _pyarrow(path: Path, doing: str) -> tuple[Any, Any]:
@@ -362,7 +367,10 @@ def extracted_row(item: ExtractedItem) -> dict:
         out["classifications"] = {task: labelled(scores) for task, scores in item.classifications.items()}
     if item.relations is not None:
         out["relations"] = {
-            name: [{"head": span(r.head), "tail": span(r.tail)} for r in found]
+            name: [
+                {"head": span(r.head), "tail": span(r.tail)} | ({} if r.score is None else {"score": round(r.score, 6)})
+                for r in found
+            ]
             for name, found in item.relations.items()
         }
     if item.structures is not None:
@@ -382,6 +390,33 @@ def extracted_row(item: ExtractedItem) -> dict:
             for name, records in item.structures.items()
         }
     return out
+
+
+# Extract kinds whose schema holds one value per item, and the row field each row's value is read
+# from: a glirel model's `schema.entities`, a list of {start, end, label} per text.
+ROW_SCHEMA_FIELDS = {"glirel": "entities"}
+
+
+def row_schemas(records: Sequence[Record], model: str, kind: str | None, schema: dict | None) -> list[dict] | None:
+    """Each row's part of the schema (`{"entities": [...]}`) for a model of a kind that reads one per
+    item (ROW_SCHEMA_FIELDS); None for the other kinds. A row without it, or --schema beside it, is
+    a ConfigError."""
+    name = ROW_SCHEMA_FIELDS.get(kind or "")
+    if name is None:
+        return None
+    if schema is not None:
+        raise ConfigError(
+            f"--schema: {model} (kind {kind}) reads each row's {name} from its {name!r} field, not --schema"
+        )
+    for number, record in enumerate(records, start=1):
+        if not isinstance(record.entities, list):
+            which = f"row {number}" + ("" if record.id is None else f" (id {record.id!r})")
+            state = "has none" if record.entities is None else f"is {type(record.entities).__name__}, not a list"
+            raise ConfigError(
+                f"{model} (kind {kind}) reads each row's {name}: {which}'s {name!r} field {state} "
+                f"(give a .jsonl or .parquet --input whose rows carry {name!r}: a list of {{start, end, label}})"
+            )
+    return [{name: record.entities} for record in records]
 
 
 def read_schema(value: str | None) -> dict | None:

@@ -243,16 +243,23 @@ class _Backend:
 
     async def extract(self, texts: list[str]) -> tuple[list, int]:
         """Each text's extracted item, and the tokens they cost."""
-        return await self._extract(texts)
+        return await self._extract(texts, self.args.schema)
+
+    async def extract_rows(self, rows: list[tuple[str, dict]]) -> tuple[list, int]:
+        """`extract` of texts that each carry their part of the schema (`batch.row_schemas`): the
+        chunk's schema holds each field's values in row order."""
+        names = rows[0][1].keys() if rows else ()
+        schema = {name: [part[name] for _, part in rows] for name in names}
+        return await self._extract([text for text, _ in rows], schema)
 
     async def extract_images(self, paths: list[Path]) -> tuple[list, int]:
         """Each image file's extracted item (an image_labels model's labels), and the tokens they cost."""
-        return await self._extract(await asyncio.to_thread(lambda: [path.read_bytes() for path in paths]))
+        return await self._extract(await asyncio.to_thread(lambda: [path.read_bytes() for path in paths]), None)
 
-    async def _extract(self, inputs: list[str] | list[bytes]) -> tuple[list, int]:
+    async def _extract(self, inputs: list[str] | list[bytes], schema: dict | None) -> tuple[list, int]:
         a = self.args
         if self.engine is None:
-            return await self._extract_over_http(inputs)
+            return await self._extract_over_http(inputs, schema)
         from .calls import ExtractCall, Item
 
         result = await self.engine.extract(
@@ -264,12 +271,12 @@ class _Backend:
                 multi_label=a.multi_label or None,
                 top_k=a.top_k,
                 raw_scores=a.raw_scores or None,
-                schema=a.schema,
+                schema=schema,
             )
         )
         return result.items, result.num_tokens
 
-    async def _extract_over_http(self, inputs: list[str] | list[bytes]) -> tuple[list, int]:
+    async def _extract_over_http(self, inputs: list[str] | list[bytes], schema: dict | None) -> tuple[list, int]:
         """One POST /v1/extract of texts or image files' bytes: their items and the tokens the
         server's usage counts. Sent through the SDK's connection layer (auth, retries, error codes)
         rather than `AsyncClient.extract`, whose list of items does not carry the usage."""
@@ -296,9 +303,7 @@ class _Backend:
                 wire.native.ExtractItem(text=x) if isinstance(x, str) else wire.native.ExtractItem(image=x)
                 for x in inputs
             ]
-            return wire.ExtractRequest(
-                model=a.model, items=items, labels=a.label or [], schema=a.schema, options=options
-            )
+            return wire.ExtractRequest(model=a.model, items=items, labels=a.label or [], schema=schema, options=options)
 
         answer = await http.post("/v1/extract", body, wire.ExtractResponse, None)
         return extracted([answer]), answer.usage.tokens
@@ -409,13 +414,21 @@ def cmd_extract(args: argparse.Namespace) -> int:
     args.schema = batch.read_schema(args.schema)
 
     async def work(backend: _Backend, records):
+        # The card's kind: a check for --kind, and whether each row carries its part of the schema.
+        kind = await backend.extract_kind() if args.kind is not None or args.images is None else None
         if args.kind is not None:
-            _check_kind(args, await backend.extract_kind())
+            _check_kind(args, kind)
         progress = _progress(args)
         if args.images is None:
             named = [_with_id(r, {"text": r.text}) for r in records]
-            chunks = await batch.in_chunks(
-                [r.text for r in records], args.batch_size, args.concurrency, backend.extract, progress
+            texts = [r.text for r in records]
+            parts = batch.row_schemas(records, args.model, kind, args.schema)
+            chunks = await (
+                batch.in_chunks(texts, args.batch_size, args.concurrency, backend.extract, progress)
+                if parts is None
+                else batch.in_chunks(
+                    list(zip(texts, parts)), args.batch_size, args.concurrency, backend.extract_rows, progress
+                )
             )
         else:  # batch.ImageFile records
             named = [{"image": r.name} for r in records]
@@ -568,7 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON|FILE",
         help="gliner2: the schema beside the entity types of --label, inline JSON or a JSON file: "
         '{"relations": [{"works for": {"head": "", "tail": ""}}], "classifications": [{"task": "sentiment", '
-        '"labels": ["positive", "negative"]}], "structures": {"deal": {"fields": ["buyer::str", "price::str"]}}}',
+        '"labels": ["positive", "negative"]}], "structures": {"deal": {"fields": ["buyer::str", "price::str"]}}}; '
+        "glirel takes none: each .jsonl/.parquet row carries its entities, "
+        '"entities": [{"start": 0, "end": 12, "label": "person"}, ...], and --label the relation types',
     )
     extract.add_argument(
         "--label",
