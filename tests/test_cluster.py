@@ -7,6 +7,7 @@ the tests that kill, stop and restart its parts (each restores what it broke).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -24,13 +25,20 @@ import pytest
 from conftest import MODEL_ID, live_objects, metric_total, query_of
 from extract_models import build_token_classifier, extract_card
 from rerankers import build_minilm_reranker, reranker_card
+from shoal.bench.workloads import GLIREL_TYPES, glirel_schema
+from shoal.calls import ExtractCall
+from shoal.catalog import Catalog
+from shoal.cluster import protocol as p
 from shoal.cluster.cli import free_port, start_nats, wait_for_port
+from shoal.verbs import KINDS, estimate_tokens
+from test_cluster_images import published
 
 pytestmark = pytest.mark.timeout(300)
 
 RERANKER = "test/minilm-reranker"
 TAGGER = "test/tagger"
 CLASSIFIER = "test/minilm-classifier"
+GLIREL = "test/glirel"  # tests/test_glirel.py's random GLiREL, where the glirel package is installed
 UNSERVED = "BAAI/bge-small-en-v1.5"  # in the gateway's catalog, served by no worker
 ACK_WAIT_S = 3.0
 
@@ -155,6 +163,11 @@ def cards(tmp_path_factory) -> Path:
     (cards / "tagger.yaml").write_text(extract_card(root / "tagger", TAGGER, "token_class"))
     # The reranker's one-logit BERT head read as a text classifier (extract kind classify).
     (cards / "classifier.yaml").write_text(extract_card(root / "reranker", CLASSIFIER, "classify", max_length=256))
+    if importlib.util.find_spec("glirel") is not None:
+        from test_glirel import build_glirel, card
+
+        build_glirel(root / "glirel" / "model", seed=3)
+        (cards / "glirel.yaml").write_text(card(root / "glirel" / "model"))
     return cards
 
 
@@ -233,6 +246,43 @@ def test_the_gateway_answers_as_shoal_serve_does_for_every_verb(cluster, single,
     assert np.allclose(
         [s for row in labels(got) for _, s in row], [s for row in labels(want) for _, s in row], atol=1e-5
     )
+
+
+@pytest.mark.parametrize("msgpack", [False, True], ids=["json", "msgpack"])
+def test_glirel_relations_through_the_gateway_equal_shoal_serves_and_carry_the_registrys_estimate(
+    cluster, single, lee_documents, msgpack
+):
+    """Entities in the call's schema travel gateway -> worker; the relations equal `shoal serve`'s,
+    and the call is published with the registry's glirel estimate as its token header."""
+    if not (cluster.cards / "glirel.yaml").exists():
+        pytest.skip("glirel is not installed")
+    texts = [" ".join(d.split()[:40]) for d in lee_documents[:4]]
+    schema = {"entities": glirel_schema(tuple(texts))["entities"]}
+    body = {
+        "model": GLIREL,
+        "items": [{"text": t} for t in texts],
+        "labels": list(GLIREL_TYPES),
+        "schema": schema,
+        "options": {"threshold": 0.3},
+    }
+    response, sent = published(cluster.nats_url, lambda: post(cluster.url, "/v1/extract", body, msgpack))
+    got, want = body_of(response, msgpack), body_of(post(single, "/v1/extract", body, msgpack), msgpack)
+
+    def relations(out: dict) -> list:
+        return [
+            {name: [(r["head"]["start"], r["head"]["end"], r["tail"]["start"], r["tail"]["end"]) for r in found]}
+            for item in out["items"]
+            for name, found in item["relations"].items()
+        ]
+
+    assert relations(got) == relations(want) and sum(len(v) for r in relations(got) for v in r.values()) > 0
+    scores = lambda out: [r["score"] for item in out["items"] for v in item["relations"].values() for r in v]  # noqa: E731
+    assert np.allclose(scores(got), scores(want), atol=1e-5)
+    assert got["usage"] == want["usage"]
+    [(headers, _)] = sent
+    call = ExtractCall(GLIREL, texts, labels=list(GLIREL_TYPES), threshold=0.3, schema=schema)
+    card = Catalog.load(extra_dirs=(cluster.cards,)).get(GLIREL)
+    assert int(headers[p.TOKENS]) == estimate_tokens(call, card) == KINDS["extract:glirel"].estimate(call, card) > 0
 
 
 def test_the_same_routes_serve_the_real_clients_and_tokenize_through_the_workers(cluster, single, embed_reference):
