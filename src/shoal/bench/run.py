@@ -24,6 +24,7 @@ from ..errors import ConfigError, ModelLoadError
 from . import machine, report, workloads
 from .knee import CLOSED_CLIENTS, OPEN_SHARES, Bounds, knee, probe, ramp
 from .load import HttpTarget, Step, closed_loop
+from .runtimes import RUNTIMES
 
 if TYPE_CHECKING:
     from ..catalog.card import ModelCard
@@ -244,7 +245,7 @@ def run(args) -> int:
                             args.infinity, model_dir, Path(tmp) / "infinity.log", batch_size=args.infinity_batch_size
                         )
                     )
-                if name == "shoal" and "transformers" in against:
+                if name == "shoal" and any(a in against for a in ("transformers", *RUNTIMES)):
                     from .targets import served_vectors
 
                     served = served_vectors(url, card.id, workload.calls[0], token=args.api_key)
@@ -304,6 +305,16 @@ def run(args) -> int:
             if shoal_knee:
                 ratios["shoal_over_transformers_images"] = shoal_knee.items_per_s / clip.items_per_s
                 lines.append(f"shoal knee / transformers: {ratios['shoal_over_transformers_images']:.2f}x images/s")
+    runtimes: dict[str, dict] = {}
+    names = [a for a in against if a in RUNTIMES]
+    if names:
+        assert model_dir is not None  # --against needs the local folder (checked above)
+        refused = (
+            _runtimes(
+                names, model_dir, workload, card.max_length, args.step_s, served, shoal_knee, lines, ratios, runtimes
+            )
+            or refused
+        )
     flops = None
     if no_cost:
         lines.append(no_cost)
@@ -345,6 +356,7 @@ def run(args) -> int:
         targets=results,
         baseline=baseline,
         equality=equality,
+        runtimes=runtimes or None,
         flops=flops,
         ratios={k: round(v, 4) for k, v in ratios.items()},
     )
@@ -355,6 +367,46 @@ def run(args) -> int:
         why = report.plot(Path(args.png), ramps, f"{card.id}: {workload.description}", bounds.p99_ms)
         print(why or f"wrote {args.png}")
     return 0 if shoal_knee and not refused else 1
+
+
+def _runtimes(names, model_dir, workload, max_length, duration_s, served, shoal_knee, lines, ratios, out) -> bool:
+    """ONNX Runtime and OpenVINO in this process (bench/runtimes.py) on the workload's texts, each
+    checked equal to shoal's first call before its figure counts; True if one was refused."""
+    import torch
+
+    from .runtimes import BATCH_SIZES, export_onnx, runtime_baseline
+
+    refused = False
+    with tempfile.TemporaryDirectory() as work:
+        export = export_onnx(model_dir, Path(work))
+        for name in names:
+            cosine, figure = runtime_baseline(
+                name,
+                export,
+                model_dir,
+                Path(work),
+                workload,
+                duration_s=duration_s,
+                served=served,
+                max_length=max_length,
+                threads=torch.get_num_threads(),
+            )
+            out[name] = dict(min_cosine=round(cosine, 6), figure=_figure(figure) if figure else None)
+            if figure is None:
+                refused = True
+                lines.append(f"{name}: outputs differ from shoal's (min cosine {cosine:.6f}): no figure, no ratio")
+                continue
+            tried = ", ".join(f"b{b} {rate:.1f}" for b, rate in figure.items_per_s_by_batch_size.items())
+            lines.append(
+                f"{name} in-process (length-sorted, best of batch {', '.join(map(str, BATCH_SIZES))}; min cosine "
+                f"to shoal {cosine:.6f}): {figure.tokens_per_s:,.0f} tokens/s, {figure.items_per_s:.1f} texts/s "
+                f"at batch {figure.batch_size} ({tried})"
+            )
+            if shoal_knee:
+                key = f"shoal_over_{name.replace('-', '_')}_tokens"
+                ratios[key] = shoal_knee.tokens_per_s / figure.tokens_per_s
+                lines.append(f"shoal knee / {name}: {ratios[key]:.2f}x tokens/s")
+    return refused
 
 
 def _gemm_probe() -> tuple[float | None, int | None]:
