@@ -8,6 +8,7 @@ the tests that kill, stop and restart its parts (each restores what it broke).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -163,6 +164,11 @@ def cards(tmp_path_factory) -> Path:
     (cards / "tagger.yaml").write_text(extract_card(root / "tagger", TAGGER, "token_class"))
     # The reranker's one-logit BERT head read as a text classifier (extract kind classify).
     (cards / "classifier.yaml").write_text(extract_card(root / "reranker", CLASSIFIER, "classify", max_length=256))
+    for kind in ("gliclass", "gliner2"):  # the kinds' random models, as tests/kind_models.py builds them
+        if importlib.util.find_spec(kind) is not None:
+            from kind_models import _build
+
+            (cards / f"{kind}.yaml").write_text(json.dumps({**_build(kind, root / kind), "id": f"test/kind-{kind}"}))
     if importlib.util.find_spec("glirel") is not None:
         from test_glirel import build_glirel, card
 
@@ -283,6 +289,53 @@ def test_glirel_relations_through_the_gateway_equal_shoal_serves_and_carry_the_r
     call = ExtractCall(GLIREL, texts, labels=list(GLIREL_TYPES), threshold=0.3, schema=schema)
     card = Catalog.load(extra_dirs=(cluster.cards,)).get(GLIREL)
     assert int(headers[p.TOKENS]) == estimate_tokens(call, card) == KINDS["extract:glirel"].estimate(call, card) > 0
+
+
+KIND_CALLS = {
+    "gliclass": {"labels": ["sports", "politics", "business"], "options": {"threshold": 0.3}},
+    "gliner2": {
+        "labels": ["person", "place"],
+        "schema": {
+            "relations": [{"works_for": {"head": "", "tail": ""}}],
+            "classifications": [{"task": "tone", "labels": ["calm", "urgent"]}],
+            "structures": {"event": {"fields": ["who::str", "where", "kind::[talk|vote]::str"]}},
+        },
+        "options": {"threshold": 0.3},
+    },
+}
+
+
+@pytest.mark.parametrize("kind", list(KIND_CALLS))
+def test_gliclass_and_gliner2_through_the_gateway_equal_shoal_serves_and_carry_the_registrys_estimate(
+    cluster, single, lee_documents, kind
+):
+    """A GLiClass call and a GLiNER2 schema (entities, a relation, a classification task, a
+    structure) travel gateway -> worker over msgpack; the answer equals `shoal serve`'s, and the call
+    is published with the registry's estimate for its kind as its token header."""
+    model = f"test/kind-{kind}"
+    if not (cluster.cards / f"{kind}.yaml").exists():
+        pytest.skip(f"{kind} is not installed")
+    texts = [" ".join(d.split()[:40]) for d in lee_documents[:3]]
+    body = {"model": model, "items": [{"text": t} for t in texts], **KIND_CALLS[kind]}
+    response, sent = published(cluster.nats_url, lambda: post(cluster.url, "/v1/extract", body, True))
+    got, want = body_of(response, True), body_of(post(single, "/v1/extract", body, True), True)
+    for g, w in zip(got["items"], want["items"]):
+        for field in ("entities", "labels", "classifications", "relations", "structures"):
+            assert msgspec.json.encode(g.get(field)) == msgspec.json.encode(w.get(field)), field
+    assert got["usage"] == want["usage"]
+    if kind == "gliner2":
+        assert all(set(item["structures"]) == {"event"} for item in got["items"])
+    [(headers, _)] = sent
+    options = KIND_CALLS[kind]["options"]
+    call = ExtractCall(
+        model,
+        texts,
+        labels=KIND_CALLS[kind]["labels"],
+        threshold=options["threshold"],
+        schema=KIND_CALLS[kind].get("schema"),
+    )
+    card = Catalog.load(extra_dirs=(cluster.cards,)).get(model)
+    assert int(headers[p.TOKENS]) == estimate_tokens(call, card) == KINDS[f"extract:{kind}"].estimate(call, card) > 0
 
 
 def test_the_same_routes_serve_the_real_clients_and_tokenize_through_the_workers(cluster, single, embed_reference):
