@@ -17,8 +17,10 @@ word reads its first (or last) token, a word the tokenizer drops reads zeros:
               dy_bias_rel(r); concat_proj proj([r * t, r - t, r, t])              -> [P, C]
 
 The first layer of the pair out_project acts on the head's and the tail's halves separately, so it
-runs once per entity, not per pair. `run` returns, per sequence, the sigmoid scores `[P, C]`
-(float32 numpy) of the spec's pairs and types.
+runs once per entity, not per pair. The entity, type and pair-half MLPs run once a batch, over all
+its sequences' rows: with a few entities a text, reading their weights costs more than the rows.
+`run` returns, per sequence, the sigmoid scores `[P, C]` (float32 numpy) of the spec's pairs and
+types.
 """
 
 from __future__ import annotations
@@ -189,46 +191,63 @@ class GlirelHead:
             types.append({"ent_token": rel, "label": label, "both": (rel + label) / 2}[self.strategy])
         packed, _ = self.lstm(pack_sequence(words, enforce_sorted=False))
         padded, _ = pad_packed_sequence(packed, batch_first=True)  # [n, W, H]
-        for j, i in enumerate(mine):
-            spec = specs[i]
-            entities = self._entities(padded[j, : len(words[j])], spec.entity_spans)  # [n, H]
-            logits = self._score(entities, torch.from_numpy(spec.pairs).to(states.device), self.prompt(types[j]))
+        # The batch's entities, pairs and types at once (the module docstring says why).
+        spans = [specs[i].entity_spans for i in mine]
+        entities = self._entities(padded, spans)  # [sum n, H]
+        offsets = np.cumsum([0] + [len(s) for s in spans[:-1]])
+        pairs = np.concatenate([specs[i].pairs + at for i, at in zip(mine, offsets)])  # [sum P, 2]
+        sizes = [(len(specs[i].pairs), len(t)) for i, t in zip(mine, types)]
+        scores = self._score(entities, torch.from_numpy(pairs).to(states.device), self.prompt(torch.cat(types)), sizes)
+        for i, logits in zip(mine, scores):
             out[i] = torch.sigmoid(logits.float()).cpu().numpy()
         return out
 
-    def _entities(self, h: torch.Tensor, spans: np.ndarray) -> torch.Tensor:
-        """Each given span `(first word, last word)` of the words `[W, H]` as one vector."""
-        s, e = (torch.from_numpy(spans[:, k]).to(h.device) for k in (0, 1))
+    def _entities(self, padded: torch.Tensor, spans: list[np.ndarray]) -> torch.Tensor:
+        """Each given span `(first word, last word)` of each sequence's words `[n, W, H]` as one
+        vector, the sequences' entities in a row `[sum n, H]`."""
+        seq = torch.from_numpy(np.repeat(np.arange(len(spans)), [len(s) for s in spans])).to(padded.device)
+        s, e = (torch.from_numpy(np.concatenate([sp[:, k] for sp in spans])).to(padded.device) for k in (0, 1))
         if self.markerv1:
-            return self.entity_out(torch.cat([self.start(h[s]), self.end(h[e])], dim=-1).relu())
-        sums = torch.cat([torch.zeros_like(h[:1]), h.cumsum(0)])  # [W + 1, H]
-        return self.entity_out((sums[e + 1] - sums[s]) / (e - s + 1)[:, None].to(h.dtype))
+            return self.entity_out(torch.cat([self.start(padded[seq, s]), self.end(padded[seq, e])], dim=-1).relu())
+        sums = torch.cat([torch.zeros_like(padded[:, :1]), padded.cumsum(1)], dim=1)  # [n, W + 1, H]
+        return self.entity_out((sums[seq, e + 1] - sums[seq, s]) / (e - s + 1)[:, None].to(padded.dtype))
 
-    def _score(self, entities: torch.Tensor, pairs: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        """Logits `[P, C]` of each (head, tail) pair of entity indices for each type `[C, H]`."""
-        head, tail = F.linear(entities, self.pair_head), F.linear(entities, self.pair_tail)  # [n, 4H] each
+    def _score(
+        self, entities: torch.Tensor, pairs: torch.Tensor, types: torch.Tensor, sizes: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """Per sequence, logits `[P, C]` of its (head, tail) pairs of entity indices `[sum P, 2]` for
+        its types `[sum C, H]`; `sizes` holds each sequence's (P, C)."""
+        head, tail = F.linear(entities, self.pair_head), F.linear(entities, self.pair_tail)  # [sum n, 4H] each
         t = self.t
         if self.scorer == "dot_thresh":
-            scale = _Mlp(t, "scorer.proj_thresh")(types)  # [C, 2]
+            scale = _Mlp(t, "scorer.proj_thresh")(types)  # [sum C, 2]
             alpha, beta = F.softplus(scale[:, 0]), scale[:, 1]
             types = _Mlp(t, "scorer.proj_type")(types)
-        out = []
-        for lo in range(0, len(pairs), PAIR_CHUNK):
-            p = pairs[lo : lo + PAIR_CHUNK]
-            hidden = F.relu(head[p[:, 0]] + tail[p[:, 1]] + self.pair.b1)  # [p, 4H]
-            r = F.linear(hidden, self.pair.w2, self.pair.b2)  # [p, H]
-            if self.scorer == "concat_proj":
-                rr, tt = r[:, None, :].expand(-1, len(types), -1), types[None].expand(len(r), -1, -1)
-                out.append(_Mlp(t, "scorer.proj")(torch.cat([rr * tt, rr - tt, rr, tt], dim=-1)).squeeze(-1))
-                continue
-            score = r @ types.T  # [p, C]
-            if self.scorer == "dot_thresh":
-                score = (score + beta) * alpha
-            elif self.scorer == "dot_norm":
-                bias_type = _Mlp(t, "scorer.dy_bias_type")(types)[:, 0]  # [C]
-                score = score + t["scorer.bias"] + bias_type + _Mlp(t, "scorer.dy_bias_rel")(r)  # [p, 1] broadcast
-            out.append(score)
-        return torch.cat(out) if out else torch.zeros((0, len(types)), device=types.device)
+        bias_type = _Mlp(t, "scorer.dy_bias_type")(types)[:, 0] if self.scorer == "dot_norm" else None  # [sum C]
+        out, p0, c0 = [], 0, 0
+        for num_pairs, num_types in sizes:
+            tt, c = types[c0 : c0 + num_types], slice(c0, c0 + num_types)
+            scores = []
+            for lo in range(p0, p0 + num_pairs, PAIR_CHUNK):
+                p = pairs[lo : min(lo + PAIR_CHUNK, p0 + num_pairs)]
+                hidden = F.relu(head[p[:, 0]] + tail[p[:, 1]] + self.pair.b1)  # [p, 4H]
+                r = F.linear(hidden, self.pair.w2, self.pair.b2)  # [p, H]
+                if self.scorer == "concat_proj":
+                    rr, tx = r[:, None, :].expand(-1, num_types, -1), tt[None].expand(len(r), -1, -1)
+                    scores.append(_Mlp(t, "scorer.proj")(torch.cat([rr * tx, rr - tx, rr, tx], dim=-1)).squeeze(-1))
+                    continue
+                score = r @ tt.T  # [p, C]
+                if self.scorer == "dot_thresh":
+                    score = (score + beta[c]) * alpha[c]
+                elif self.scorer == "dot_norm":
+                    assert bias_type is not None
+                    score = (
+                        score + t["scorer.bias"] + bias_type[c] + _Mlp(t, "scorer.dy_bias_rel")(r)
+                    )  # [p, 1] broadcast
+                scores.append(score)
+            out.append(torch.cat(scores) if scores else torch.zeros((0, num_types), device=types.device))
+            p0, c0 = p0 + num_pairs, c0 + num_types
+        return out
 
 
 def _read(states: torch.Tensor, at: int, positions: np.ndarray) -> torch.Tensor:
