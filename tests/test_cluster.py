@@ -119,18 +119,32 @@ class Cluster:
         )
 
     def wait_for_workers(self, count: int = 2, timeout_s: float = 180) -> None:
-        """Until the gateway counts `count` live workers (each has loaded its preloads first)."""
+        """Until every running worker is ready (its preloads loaded, pulling) and the gateway counts
+        `count` live workers on two reads of its gauge a refresh apart. A worker killed a moment ago
+        still counts until worker_ttl_s has passed, so the gauge alone could count a dead worker in
+        place of a restarted one that is still loading."""
         deadline = time.monotonic() + timeout_s
+        seen_at: float | None = None
         while time.monotonic() < deadline:
             for process in self.workers:
                 assert process is None or process.poll() is None, f"a worker exited: {self.logs()}"
             try:
-                if gauge(f"{self.url}/metrics", "shoal_gateway_workers", pool="default") == count:
-                    return
+                ready = all(
+                    httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
+                    for process, port in zip(self.workers, self.metrics_ports)
+                    if process is not None
+                )
+                counted = gauge(f"{self.url}/metrics", "shoal_gateway_workers", pool="default") == count
             except httpx.HTTPError:
-                pass
+                ready = counted = False
+            if not (ready and counted):
+                seen_at = None
+            elif seen_at is None:
+                seen_at = time.monotonic()
+            elif time.monotonic() - seen_at > 1.2:  # the gateway refreshes the gauge every second
+                return
             time.sleep(0.2)
-        raise AssertionError(f"the gateway never saw {count} workers: {self.logs()}")
+        raise AssertionError(f"the gateway never saw {count} ready workers: {self.logs()}")
 
     def worker_metric(self, index: int, name: str, **labels) -> float:
         return gauge(f"http://127.0.0.1:{self.metrics_ports[index]}/metrics", name, **labels)
@@ -451,7 +465,9 @@ def test_sigterm_drains_a_worker_every_request_answered_and_it_exits_cleanly(clu
             time.sleep(0.01)
         cluster.workers[1].send_signal(signal.SIGTERM)
         responses = answers.result(timeout=240)
-    assert [r.status_code for r in responses] == [200] * len(requests)
+    assert [r.status_code for r in responses] == [200] * len(requests), [
+        r.text for r in responses if r.status_code != 200
+    ][:2]
     assert cluster.workers[1].wait(60) == 0
     cluster.start_worker(1)
     cluster.wait_for_workers(2)
