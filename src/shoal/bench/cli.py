@@ -118,8 +118,8 @@ def register(sub) -> None:
         metavar="st,infinity,ort,ort-int8,openvino,openvino-bf16|transformers",
         help="also measure sentence-transformers in-process and/or Infinity on the same texts, and the CPU "
         "runtimes in-process on an ONNX export of the model (ONNX Runtime fp32 fused and dynamic int8, OpenVINO "
-        "fp32 and bf16; each checked equal to shoal first); images: transformers' CLIPModel in-process on the "
-        "same photos",
+        "fp32 and bf16; each checked equal to shoal first; on rerank, a cross-encoder's pairs: the runtimes only); "
+        "images: transformers' CLIPModel in-process on the same photos",
     )
     bench.add_argument(
         "--infinity", metavar="PATH", help="the infinity_emb script of a venv with infinity-emb[server,torch]"

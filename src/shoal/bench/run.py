@@ -183,8 +183,11 @@ def run(args) -> int:
         )
     if args.mode == "closed" and any(level != int(level) for level in args.levels or ()):
         raise ConfigError(f"--levels {args.levels}: closed-loop levels are client counts (whole numbers)")
-    if against and verb != "encode":
-        raise ConfigError(f"--against {','.join(against)}: the baselines embed; workload {args.workload} is {verb}")
+    if against and verb != "encode" and not (verb == "score" and set(against) <= set(RUNTIMES)):
+        raise ConfigError(
+            f"--against {','.join(against)}: workload {args.workload} is {verb}; only the CPU runtimes "
+            f"({','.join(RUNTIMES)}) score pairs, the other baselines embed"
+        )
     try:
         model_dir = resolve_weights(card, allow_download=False)
     except ModelLoadError:
@@ -224,7 +227,7 @@ def run(args) -> int:
     print(report.HEADER)
     results: dict[str, dict] = {}
     ramps: dict[str, tuple[list[Step], Step | None]] = {}
-    served: list[list[float]] = []  # shoal's vectors for the first call, for a baseline to equal
+    served: list = []  # shoal's vectors (or raw scores) for the first call, for a baseline to equal
     with tempfile.TemporaryDirectory() as tmp:
         targets = [("shoal", None)] + [("infinity", None)] * ("infinity" in against)
         for name, _ in targets:
@@ -246,9 +249,10 @@ def run(args) -> int:
                         )
                     )
                 if name == "shoal" and any(a in against for a in ("transformers", *RUNTIMES)):
-                    from .targets import served_vectors
+                    from .targets import served_scores, served_vectors
 
-                    served = served_vectors(url, card.id, workload.calls[0], token=args.api_key)
+                    fetch = served_scores if verb == "score" else served_vectors
+                    served = fetch(url, card.id, workload.calls[0], token=args.api_key)
                 target = (
                     HttpTarget(name, url, card.id, workload, msgpack=args.msgpack, token=args.api_key)
                     if name == "shoal"
@@ -378,7 +382,9 @@ def _runtimes(names, model_dir, workload, max_length, duration_s, served, shoal_
 
     refused = False
     with tempfile.TemporaryDirectory() as work:
-        export = export_onnx(model_dir, Path(work))
+        export = export_onnx(model_dir, Path(work), scores=workload.verb == "score")
+        # How far a runtime's outputs are from shoal's first call's: vectors by cosine, scores by difference.
+        what = "max |score diff| / spread" if export.scores else "min cosine"
         for name in names:
             cosine, figure = runtime_baseline(
                 name,
@@ -391,14 +397,15 @@ def _runtimes(names, model_dir, workload, max_length, duration_s, served, shoal_
                 max_length=max_length,
                 threads=torch.get_num_threads(),
             )
-            out[name] = dict(min_cosine=round(cosine, 6), figure=_figure(figure) if figure else None)
+            key = "max_score_diff_over_spread" if export.scores else "min_cosine"
+            out[name] = {key: round(cosine, 6), "figure": _figure(figure) if figure else None}
             if figure is None:
                 refused = True
-                lines.append(f"{name}: outputs differ from shoal's (min cosine {cosine:.6f}): no figure, no ratio")
+                lines.append(f"{name}: outputs differ from shoal's ({what} {cosine:.6f}): no figure, no ratio")
                 continue
             tried = ", ".join(f"b{b} {rate:.1f}" for b, rate in figure.items_per_s_by_batch_size.items())
             lines.append(
-                f"{name} in-process (length-sorted, best of batch {', '.join(map(str, BATCH_SIZES))}; min cosine "
+                f"{name} in-process (length-sorted, best of batch {', '.join(map(str, BATCH_SIZES))}; {what} "
                 f"to shoal {cosine:.6f}): {figure.tokens_per_s:,.0f} tokens/s, {figure.items_per_s:.1f} texts/s "
                 f"at batch {figure.batch_size} ({tried})"
             )

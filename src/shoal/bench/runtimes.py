@@ -1,5 +1,6 @@
 """The CPU runtimes users pick for speed, in this process, as `shoal bench --against` baselines:
-ONNX Runtime and OpenVINO on an ONNX export of the model's encoder, each at its best settings.
+ONNX Runtime and OpenVINO on an ONNX export of the model's encoder (an embedder) or of its
+`*ForSequenceClassification` model (a cross-encoder), each at its best settings.
 
     ort            ONNX Runtime fp32 on the graph its BERT optimizer fused (attention, LayerNorm,
                    GELU, embeddings), all graph optimizations on
@@ -16,6 +17,12 @@ runtime's best of `BATCH_SIZES`), each padded to its longest, the library's toke
 at the card's max length; threads = torch's (the cores). A runtime's vectors for the first call are
 compared with shoal's first: fp32 runtimes must reach cosine >= 0.9999 on every text, reduced
 precision >= 0.99 (the quality gate); below, no figure and no ratio.
+
+A cross-encoder (a `score` workload) is exported to its logits and fed each call's (query,
+document) pairs, tokenized as shoal does (truncated from the document only), with their segment
+ids; its first logit is the raw score. Its raw scores for the first call are compared with
+shoal's (`raw_scores`): the largest difference over the spread of shoal's scores must be <= 1e-3
+at fp32 and <= 0.05 at reduced precision, else no figure.
 """
 
 from __future__ import annotations
@@ -35,48 +42,57 @@ RUNTIMES = ("ort", "ort-int8", "openvino", "openvino-bf16")
 REDUCED = frozenset({"ort-int8", "openvino-bf16"})
 BATCH_SIZES = (8, 16, 32)
 MIN_COSINE_FP32, MIN_COSINE_REDUCED = 0.9999, 0.99
+MAX_SCORE_DIFF_FP32, MAX_SCORE_DIFF_REDUCED = 1e-3, 0.05  # |runtime - shoal| / spread of shoal's scores
 
 
 @dataclass(frozen=True)
 class Export:
-    onnx: Path  # the encoder's graph: input_ids, attention_mask[, token_type_ids] -> last_hidden_state
+    onnx: Path  # input_ids, attention_mask[, token_type_ids] -> last_hidden_state [b, s, h] | logits [b, labels]
     inputs: tuple[str, ...]
-    pooling: str  # "mean" or "cls"
+    pooling: str  # "mean" or "cls" (an embedder's; a cross-encoder's head pools inside the graph)
+    scores: bool = False  # the graph ends in the sequence-classification head's logits
 
 
-def export_onnx(model_dir: Path, out_dir: Path) -> Export:
-    """The encoder of the folder's transformers model as ONNX (once per folder and run)."""
+def export_onnx(model_dir: Path, out_dir: Path, *, scores: bool = False) -> Export:
+    """The folder's transformers model as ONNX (once per folder and run): its encoder to the last
+    hidden state, or with `scores` its `*ForSequenceClassification` model to the logits."""
     import torch
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    if scores and not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
+        raise ConfigError(f"{model_dir} is no cross-encoder (config.json's architectures: {config.architectures})")
+    auto = AutoModelForSequenceClassification if scores else AutoModel
+    model = auto.from_pretrained(model_dir, attn_implementation="eager").eval()
     types = int(getattr(config, "type_vocab_size", 0) or 0) > 0
     names = ("input_ids", "attention_mask", "token_type_ids") if types else ("input_ids", "attention_mask")
+    output = "logits" if scores else "last_hidden_state"
 
-    class Encoder(torch.nn.Module):
+    class Graph(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.model = model
 
         def forward(self, *tensors):
-            return self.model(**dict(zip(names, tensors))).last_hidden_state
+            return getattr(self.model(**dict(zip(names, tensors))), output)
 
     sample = tuple(torch.ones(2, 16, dtype=torch.long) for _ in names)
     path = out_dir / "model.onnx"
-    axes = {n: {0: "batch", 1: "sequence"} for n in (*names, "last_hidden_state")}
+    axes = {n: {0: "batch", 1: "sequence"} for n in names} | {
+        output: {0: "batch"} if scores else {0: "batch", 1: "sequence"}
+    }
     with torch.inference_mode():
         torch.onnx.export(
-            Encoder(),
+            Graph(),
             sample,
             str(path),
             dynamo=False,
             input_names=list(names),
-            output_names=["last_hidden_state"],
+            output_names=[output],
             dynamic_axes=axes,
             opset_version=17,
         )
-    return Export(path, names, _pooling(model_dir))
+    return Export(path, names, _pooling(model_dir), scores)
 
 
 def _pooling(model_dir: Path) -> str:
@@ -88,7 +104,7 @@ def _pooling(model_dir: Path) -> str:
 
 
 class _Runner:
-    """One runtime's session: `run(batch of arrays) -> last hidden state [b, s, h]`."""
+    """One runtime's session: `run(batch of arrays) -> the graph's output` (last hidden state or logits)."""
 
     def __init__(self, name: str, export: Export, work: Path, threads: int) -> None:
         self.name = name
@@ -158,31 +174,60 @@ def _openvino_model(name: str, export: Export, threads: int):
     return run
 
 
-def _encode(runner: _Runner, tokenizer, export: Export, texts: list[str], batch: int) -> tuple[np.ndarray, int]:
-    """The texts' normalised vectors (in the order sent) and their tokens, sorted by length and run
-    `batch` at a time, each batch padded to its longest."""
-    encodings = tokenizer.encode_batch(texts)
-    order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
-    out: list[np.ndarray] = [np.empty(0)] * len(texts)
+def _run_sorted(runner: _Runner, export: Export, encodings: list, batch: int) -> tuple[np.ndarray, int]:
+    """One output row per encoding (in the order given) and their tokens: sorted by length and run
+    `batch` at a time, each batch padded to its longest. Rows: normalised vectors, or raw scores."""
+    order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
+    out: list[np.ndarray] = [np.empty(0)] * len(encodings)
     tokens = 0
     for at in range(0, len(order), batch):
         rows = order[at : at + batch]
         width = max(len(encodings[i].ids) for i in rows)
         ids = np.zeros((len(rows), width), dtype=np.int64)
-        mask = np.zeros_like(ids)
+        mask, types = np.zeros_like(ids), np.zeros_like(ids)
         for r, i in enumerate(rows):
             n = len(encodings[i].ids)
-            ids[r, :n], mask[r, :n] = encodings[i].ids, 1
+            ids[r, :n], mask[r, :n], types[r, :n] = encodings[i].ids, 1, encodings[i].type_ids
         tokens += int(mask.sum())
-        hidden = runner.run({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})
-        if export.pooling == "cls":
-            pooled = hidden[:, 0]
+        output = runner.run({"input_ids": ids, "attention_mask": mask, "token_type_ids": types})
+        if export.scores:
+            pooled = output[:, 0]  # [b]: the first logit, the raw score
         else:
-            pooled = (hidden * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
-        pooled = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+            if export.pooling == "cls":
+                pooled = output[:, 0]
+            else:
+                pooled = (output * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
+            pooled = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
         for r, i in enumerate(rows):
             out[i] = pooled[r]
     return np.stack(out), tokens
+
+
+def _encode(runner: _Runner, tokenizer, export: Export, call, batch: int) -> tuple[np.ndarray, int]:
+    """A call's rows (vectors of its texts, or raw scores of its (query, text) pairs) and tokens."""
+    texts = list(call.texts)
+    inputs = [(call.query, t) for t in texts] if export.scores else texts
+    return _run_sorted(runner, export, tokenizer.encode_batch(inputs), batch)
+
+
+def _agreement(export: Export, first: np.ndarray, served: list) -> float:
+    """Min cosine of the rows to shoal's vectors, or the largest score difference over the spread
+    of shoal's scores."""
+    if export.scores:
+        theirs = np.asarray(served, dtype=np.float64)
+        spread = max(float(theirs.max() - theirs.min()), 1e-6)
+        return float(np.abs(first - theirs).max() / spread)
+    theirs = np.asarray(served, dtype=np.float64)
+    theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
+    return float((first * theirs).sum(axis=1).min())
+
+
+def passes(name: str, export: Export, agreement: float) -> bool:
+    """Whether a runtime's agreement with shoal reaches the bar for its precision and output."""
+    reduced = name in REDUCED
+    if export.scores:
+        return agreement <= (MAX_SCORE_DIFF_REDUCED if reduced else MAX_SCORE_DIFF_FP32)
+    return agreement >= (MIN_COSINE_REDUCED if reduced else MIN_COSINE_FP32)
 
 
 def runtime_baseline(
@@ -193,39 +238,40 @@ def runtime_baseline(
     workload: Workload,
     *,
     duration_s: float,
-    served: list[list[float]],
+    served: list,
     max_length: int,
     threads: int,
 ) -> tuple[float, InProcess | None]:
-    """(the smallest cosine of the runtime's first-call vectors to shoal's, its best figure over
-    BATCH_SIZES), or (that cosine, None) when it misses the bar: outputs that differ get no figure."""
+    """(the runtime's agreement with shoal on the first call, its best figure over BATCH_SIZES), or
+    (that agreement, None) when it misses the bar: outputs that differ get no figure. `served`:
+    shoal's vectors for the first call's texts, or its raw scores of the call's pairs (`export.scores`);
+    agreement: the smallest cosine, or the largest score difference over the spread of shoal's."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     tokenizer.no_padding()
-    tokenizer.enable_truncation(max_length)
+    # A pair is cut from its document only, as shoal's tokenizer cuts it.
+    tokenizer.enable_truncation(max_length, strategy="only_second" if export.scores else "longest_first")
     runner = _Runner(name, export, work, threads)
     calls = workload.calls
-    first, _ = _encode(runner, tokenizer, export, list(calls[0].texts), BATCH_SIZES[-1])
-    theirs = np.asarray(served, dtype=np.float64)
-    theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
-    cosine = float((first * theirs).sum(axis=1).min())
-    if cosine < (MIN_COSINE_REDUCED if name in REDUCED else MIN_COSINE_FP32):
-        return cosine, None
+    first, _ = _encode(runner, tokenizer, export, calls[0], BATCH_SIZES[-1])
+    agreement = _agreement(export, first, served)
+    if not passes(name, export, agreement):
+        return agreement, None
     best: InProcess | None = None
     by_size: dict[int, float] = {}
     for batch in BATCH_SIZES:
         num_calls = items = tokens = 0
         start = time.perf_counter()
         while time.perf_counter() - start < duration_s:
-            texts = list(calls[num_calls % len(calls)].texts)
-            tokens += _encode(runner, tokenizer, export, texts, batch)[1]
+            call = calls[num_calls % len(calls)]
+            tokens += _encode(runner, tokenizer, export, call, batch)[1]
             num_calls += 1
-            items += len(texts)
+            items += len(call.texts)
         figure = InProcess(num_calls, items, tokens, time.perf_counter() - start, batch_size=batch)
         by_size[batch] = figure.items_per_s
         if best is None or figure.tokens_per_s > best.tokens_per_s:
             best = figure
     assert best is not None
     best.items_per_s_by_batch_size = by_size
-    return cosine, best
+    return agreement, best

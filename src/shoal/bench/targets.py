@@ -226,6 +226,21 @@ def served_vectors(url: str, model: str, call: Call, *, token: str | None = None
     return [[float(x) for x in item["dense"]] for item in answer.json()["items"]]
 
 
+def served_scores(url: str, model: str, call: Call, *, token: str | None = None) -> list[float]:
+    """The server's raw scores (`raw_scores`, no activation) of `call`'s query against each text, in
+    the texts' order."""
+    items = [{"text": t} for t in call.texts]
+    body = {"model": model, "query": call.query, "items": items, "options": {"raw_scores": True}}
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    answer = httpx.post(f"{url}/v1/score", json=body, headers=headers, timeout=600)
+    if answer.status_code != 200:
+        raise ConfigError(f"{url}/v1/score answered {answer.status_code} to the first call: {answer.text[:500]}")
+    scores = [0.0] * len(call.texts)
+    for item in answer.json()["items"]:
+        scores[int(item["index"])] = float(item["score"])
+    return scores
+
+
 def transformers_clip_baseline(
     model_dir: Path,
     workload: Workload,
