@@ -91,6 +91,12 @@ class EngineSettings:
     onednn_linear: bool = setting(
         True, "float32 CPU models run their Linears on oneDNN-packed weights; false: torch's nn.Linear (MKL sgemm)"
     )
+    # engine/precision.py.
+    reduced_precision: bool = setting(
+        True,
+        "a float32 card whose quality gate passed in bfloat16 (its `precisions`) runs bfloat16 on a CPU "
+        "with native bf16 (AMX, AVX512-BF16); false: every card runs its own dtype",
+    )
     # engine/memory.py: resident models, their adapters and the batch workspace.
     memory_budget_bytes: int | None = setting(
         None,

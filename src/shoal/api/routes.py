@@ -174,7 +174,7 @@ async def encode(ctx: Context) -> wire.EncodeResponse:
     return wire.EncodeResponse(
         model=req.model,
         items=items,
-        usage=wire.Usage(tokens=result.num_tokens),
+        usage=wire.usage_of(result),
         timings=wire.native.timings_of(result),
     )
 
@@ -311,6 +311,8 @@ def _model_entry(status: ModelStatus) -> wire.ModelEntry:
         entry["error"] = status.error
     if status.weights:
         entry["weights"] = status.weights
+    if status.precision:
+        entry["precision"] = status.precision
     return entry
 
 

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
+
 from ..errors import ConfigError, ModelLoadError
 from . import machine, report, workloads
 from .knee import CLOSED_CLIENTS, OPEN_SHARES, Bounds, knee, probe, ramp
@@ -228,6 +230,7 @@ def run(args) -> int:
     results: dict[str, dict] = {}
     ramps: dict[str, tuple[list[Step], Step | None]] = {}
     served: list = []  # shoal's vectors (or raw scores) for the first call, for a baseline to equal
+    precision = None  # what shoal's model computes in, as /v1/models says (float32, bfloat16, int8)
     with tempfile.TemporaryDirectory() as tmp:
         targets = [("shoal", None)] + [("infinity", None)] * ("infinity" in against)
         for name, _ in targets:
@@ -248,6 +251,9 @@ def run(args) -> int:
                             args.infinity, model_dir, Path(tmp) / "infinity.log", batch_size=args.infinity_batch_size
                         )
                     )
+                if name == "shoal":
+                    precision = _precision_of(url, card.id, args.api_key)
+                    print(f"shoal serves {card.id} in {precision or 'an unreported precision'}")
                 if name == "shoal" and any(a in against for a in ("transformers", *RUNTIMES)):
                     from .targets import served_scores, served_vectors
 
@@ -358,6 +364,7 @@ def run(args) -> int:
         load_avg_at_start=load0,
         date=time.strftime("%Y-%m-%dT%H:%M:%S"),
         targets=results,
+        precision=precision,
         baseline=baseline,
         equality=equality,
         runtimes=runtimes or None,
@@ -414,6 +421,17 @@ def _runtimes(names, model_dir, workload, max_length, duration_s, served, shoal_
                 ratios[key] = shoal_knee.tokens_per_s / figure.tokens_per_s
                 lines.append(f"shoal knee / {name}: {ratios[key]:.2f}x tokens/s")
     return refused
+
+
+def _precision_of(url: str, model_id: str, token: str | None) -> str | None:
+    """What the server says the model computes in (`GET /v1/models/{id}`), or None (an older
+    server, a gateway without workers)."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = httpx.get(f"{url}/v1/models/{model_id}", headers=headers, timeout=30)
+        return answer.json().get("precision") if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
 
 
 def _gemm_probe() -> tuple[float | None, int | None]:

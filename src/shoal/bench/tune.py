@@ -3,14 +3,16 @@ write them where `shoal serve` reads them.
 
 Coordinate search (bench/tune_search.py) from the card's own limits: one knob at a time
 (max_batch_tokens, max_batch_items, batch_wait_ms, threads, the CPU attention path and feed-forward
-row blocks, and `quantize` int8 where the card can take it), each value served by a fresh
+row blocks, `quantize` int8 where the card can take it, and `dtype` bfloat16 where the CPU has it
+natively), each value served by a fresh
 `shoal serve` that reads the candidate as a tuned overlay, ramped as `shoal bench` does (closed
 loop) on the chosen workload; a value is kept when its best tokens/s within the bounds beats the
-best so far by `min_gain` (a server that fails to start scores 0). int8 changes outputs, so a
-quantize candidate must first pass a quality gate (bench/tune_gate.py): every dense vector it gives
-for the workload's texts within `min_cosine` of the card's own (else it scores 0). Only the knobs
-the search changed are written, as `<dir>/tuned/<model>@<hardware>.yaml` with everything measured;
-`shoal serve --models-dir <dir>` then uses it (a later overlay wins over the package's and the
+best so far by `min_gain` (a server that fails to start scores 0). int8 and bfloat16 change
+outputs, so a quantize or dtype candidate must first pass a quality gate (bench/tune_gate.py):
+every dense vector it gives for the workload's texts within `min_cosine` of the card's own, float32
+(else it scores 0). Only the knobs the search changed are written (and a searched dtype always),
+as `<dir>/tuned/<model>@<hardware>.yaml` with everything measured; `shoal serve --models-dir <dir>`
+then uses it (a later overlay wins over the package's and the
 card's, field by field).
 
 On a CPU of 2+ cores the device's lanes (1 and 2 batches side by side) are searched first, at the
@@ -53,12 +55,15 @@ DEFAULT_VALUES = {
     "attention": ("padded", "each"),
     "row_block_bytes": (0, 1 << 20, 3 << 20, 8 << 20),  # CPU: the feed-forward's row blocks (layers/rows.py)
     "quantize": ("int8", "none"),
+    "dtype": ("bfloat16", "float32"),  # CPU: bfloat16 where the CPU multiplies it natively (AMX, AVX512-BF16)
     "lanes": (),  # the device's lanes (engine/device.py): 1 and 2 on a CPU of 2+ cores, searched first
 }
 # Knobs that choose between CPU kernels: searched, and accepted, only for a CPU.
-_CPU_KNOBS = ("attention", "row_block_bytes")
+_CPU_KNOBS = ("attention", "row_block_bytes", "dtype")
 # The knobs whose values are words, and the words each takes.
-_CHOICES = {"attention": {"padded", "each"}, "quantize": {"int8", "none"}}
+_CHOICES = {"attention": {"padded", "each"}, "quantize": {"int8", "none"}, "dtype": {"bfloat16", "float32"}}
+# The knobs that change outputs: their candidates serve only past the quality gate (tune_gate.py).
+_GATED = ("quantize", "dtype")
 # Texts of the workload whose vectors the quality gate compares (the first ones, in call order).
 GATE_TEXTS = 32
 
@@ -129,7 +134,7 @@ def _grid(specs: list[str], cores: int, hardware: str) -> dict[str, tuple]:
         if knob not in values or not parsed or not set(parsed) <= _CHOICES.get(knob, set(parsed)):
             raise ConfigError(
                 f"--grid {spec!r}: write KNOB=V1,V2 with KNOB one of {', '.join(values)} "
-                "(attention takes padded and each, quantize int8 and none)"
+                "(attention takes padded and each, quantize int8 and none, dtype bfloat16 and float32)"
             )
         if knob == "lanes":
             if min(parsed) < 1 or (max(parsed) > 1 and not cpu):
@@ -169,6 +174,21 @@ def _quantize_refusal(card, hardware: str) -> str | None:
     return None
 
 
+def _dtype_refusal(card, hardware: str) -> str | None:
+    """Why `dtype` cannot be tuned for `card` on `hardware`, or None when it can."""
+    from ..engine.precision import native_bf16
+
+    if not hardware.startswith("cpu"):
+        return "a GPU runs the card's dtype"
+    if card.dtype != "float32":
+        return f"the card runs dtype {card.dtype} already"
+    if card.tasks[0] != "encode" or "dense" not in card.outputs:
+        return "its quality gate compares dense vectors, and the card does not encode them by default"
+    if not native_bf16():
+        return "this CPU has no native bf16 (AMX or AVX512-BF16): bfloat16 would run emulated, slower than float32"
+    return None
+
+
 def tune(args) -> int:
     from ..catalog import Catalog
     from ..config import Settings
@@ -197,12 +217,10 @@ def tune(args) -> int:
     )
     cores = usable_cores()
     values = _grid(args.grid, cores, hardware)
-    refusal = _quantize_refusal(card, hardware)
+    refusals = {"quantize": _quantize_refusal(card, hardware), "dtype": _dtype_refusal(card, hardware)}
     cpu = hardware.startswith("cpu")
     knobs = args.knobs or [
-        k
-        for k in values
-        if (k != "quantize" or refusal is None) and (k not in _CPU_KNOBS or cpu) and (k != "lanes" or values[k])
+        k for k in values if refusals.get(k) is None and (k not in _CPU_KNOBS or cpu) and (k != "lanes" or values[k])
     ]
     for knob in knobs:
         if knob not in values:
@@ -216,8 +234,9 @@ def tune(args) -> int:
     # default): the card's knobs are measured at these unless the lanes search finds better.
     engine_settings = Settings.from_env().engine  # a SHOAL_* that does not parse: a ConfigError naming it
     lanes = Lanes(device_lanes(dataclasses.replace(engine_settings, device=args.device)))
-    if "quantize" in knobs and refusal:
-        raise ConfigError(f"--knobs quantize: {card.id} cannot be tuned for int8 here: {refusal}")
+    for knob, refusal in refusals.items():
+        if knob in knobs and refusal:
+            raise ConfigError(f"--knobs {knob}: {card.id} cannot be tuned for it here: {refusal}")
     cpu_only = [k for k in knobs if k in _CPU_KNOBS]
     if cpu_only and not cpu:
         raise ConfigError(f"--knobs {cpu_only[0]}: it chooses between CPU kernels; this device is not a CPU")
@@ -227,12 +246,14 @@ def tune(args) -> int:
     # The start names the card's own choices for the word knobs, so the search can tell them apart.
     if "quantize" in knobs:
         start = msgspec.structs.replace(start, quantize=card.quantize_for(hardware).quantize or "none")
+    if "dtype" in knobs:  # float32 is the start, and the gate's reference, whatever serve would choose
+        start = msgspec.structs.replace(start, dtype="float32")
     if "attention" in knobs:
         start = msgspec.structs.replace(start, attention=start.attention or "each")
     if "row_block_bytes" in knobs and start.row_block_bytes is None:  # the runner's default, named
         start = msgspec.structs.replace(start, row_block_bytes=ROW_BLOCK_BYTES)
     gate = None
-    if "quantize" in knobs:
+    if any(k in knobs for k in _GATED):
         texts = list(dict.fromkeys(t for call in workload.calls for t in call.texts))[:GATE_TEXTS]
         gate = QualityGate(card.id, texts, start, args.min_cosine)
     trials: list[dict] = []
@@ -305,8 +326,14 @@ def tune(args) -> int:
     if found.best_score <= 0:
         raise ConfigError(f"no setting met p99 <= {plan.bounds.p99_ms:g} ms: raise --p99-ms or lower --clients")
     current, best_score, baseline_score = found.best, found.best_score, found.start_score
+    # What the search changed; a searched dtype always, for float32 kept is a finding too (serve
+    # would otherwise run a card that lists bfloat16 in it).
     changed = Batching(
-        **{f: getattr(current, f) for f in Batching.__struct_fields__ if getattr(current, f) != getattr(start, f)}
+        **{
+            f: getattr(current, f)
+            for f in Batching.__struct_fields__
+            if getattr(current, f) != getattr(start, f) or (f == "dtype" and "dtype" in knobs)
+        }
     )
     measured = dict(
         date=time.strftime("%Y-%m-%d"),
@@ -332,7 +359,7 @@ def tune(args) -> int:
         card_tokens_per_s=round(baseline_score, 1),
         gain=round(best_score / baseline_score, 3) if baseline_score else None,
         confirmed=found.confirmed,
-        **({"min_cosine_bound": args.min_cosine} if "quantize" in knobs else {}),
+        **({"min_cosine_bound": args.min_cosine} if any(k in knobs for k in _GATED) else {}),
         trials=trials,
     )
     path = write_overlay(out, Tuned(card.id, hardware, changed, measured))

@@ -1,6 +1,6 @@
-"""`shoal tune`'s quality gate for int8: a `quantize` candidate serves only if each dense vector it
-gives for the workload's texts stays within a cosine bar of the card's own (the reference, taken
-from the start's server)."""
+"""`shoal tune`'s quality gate for int8 and bfloat16: a `quantize` or `dtype` candidate serves only
+if each dense vector it gives for the workload's texts stays within a cosine bar of the card's own
+(the reference, taken from the start's server: float32 where `dtype` is searched)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def min_cosine(reference: list[list[float]], other: list[list[float]]) -> float:
 
 
 class QualityGate:
-    """int8 changes outputs: a candidate whose `quantize` differs from the start's serves only if
-    each of its dense vectors for `texts` keeps cosine >= `bar` to the start's (the reference, taken
-    from the start's server, which `search` runs first)."""
+    """int8 and bfloat16 change outputs: a candidate whose `quantize` or `dtype` differs from the
+    start's serves only if each of its dense vectors for `texts` keeps cosine >= `bar` to the
+    start's (the reference, taken from the start's server, which `search` runs first)."""
 
     def __init__(self, model_id: str, texts: list[str], start: Batching, bar: float) -> None:
         self.model_id, self.texts, self.start, self.bar = model_id, texts, start, bar
@@ -38,7 +38,7 @@ class QualityGate:
             if not self.reference:
                 self.reference = _dense_vectors(url, self.model_id, self.texts) or []
             return {}, None
-        if batching.quantize == self.start.quantize:
+        if batching.quantize == self.start.quantize and batching.dtype == self.start.dtype:
             return {}, None
         if not self.reference:
             return {}, "quality gate: the card's own settings gave no vectors to compare with"

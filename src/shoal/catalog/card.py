@@ -63,6 +63,10 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # widest intermediate within this many bytes (layers/rows.py); 0: the whole batch in one call;
     # None: ROW_BLOCK_BYTES (3 MiB: 512 MiniLM tokens, 256 BERT-base ones).
     row_block_bytes: int | None = None
+    # CPU only: the card's `dtype` on this hardware class ("float32" keeps a card whose `precisions`
+    # list bfloat16 in float32 here; "bfloat16" runs it so, as `shoal tune` may choose); None: the
+    # card's own, or bfloat16 by default where its `precisions` allow (engine/precision.py).
+    dtype: Literal["float32", "bfloat16"] | None = None
 
     def over(self, base: Batching) -> Batching:
         """These limits, with `base`'s where these are unset."""
@@ -122,6 +126,11 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # activations per token), about a quarter of their float32 bytes; heads stay float32. Needs
     # dtype float32; a load on a CUDA device is refused.
     quantize: Literal["int8"] | None = None
+    # Reduced precisions the model passed the quality gate in (tests/test_precision_gate.py, on real
+    # text: cosine to float32 >= 0.99 on every item, Lee Spearman within 0.005, score order Kendall
+    # tau >= 0.98): a float32 card listing bfloat16 runs bfloat16 on a CPU that has it natively
+    # (AMX, AVX512-BF16) unless the server is started with reduced_precision false.
+    precisions: tuple[Literal["bfloat16"], ...] = ()
     # Batch limits per hardware class ("cpu", "cuda", or a specific one such as "cuda:H200"),
     # written by hand or by `shoal tune`; the engine falls back to its own settings.
     batching: dict[str, Batching] = {}
@@ -284,16 +293,15 @@ def _check(card: ModelCard, origin: str) -> None:
             fail("dimensions", "is required when outputs has dense")
     if card.source.onnx and not (card.source.package or card.source.path):
         fail("source.onnx", "applies to a package or path source (a folder that holds the ONNX file)")
-    if card.dtype != "float32":
-        for where, chosen in [("quantize", card.quantize)] + [
-            (f"batching.{hw}.quantize", b.quantize) for hw, b in card.batching.items()
-        ]:
-            if chosen == "int8":
-                fail(
-                    where,
-                    f"int8 runs with float32 activations, not dtype {card.dtype}: leave dtype unset "
-                    "(float32) or drop quantize",
-                )
+    for where, chosen, dtype in [("quantize", card.quantize, card.dtype)] + [
+        (f"batching.{hw}.{'quantize' if b.quantize else 'dtype'}", b.quantize or card.quantize, b.dtype or card.dtype)
+        for hw, b in card.batching.items()
+    ]:
+        if dtype != "float32" and chosen == "int8":
+            fail(
+                where,
+                f"int8 runs with float32 activations, not dtype {dtype}: leave dtype unset (float32) or drop quantize",
+            )
     if card.dimensions is not None and card.dimensions < 1:
         fail("dimensions", "must be >= 1")
     if "multivector" in card.outputs and card.multivector is None:
@@ -335,6 +343,13 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
         fail(f"batching.{hardware}.threads", "must be <= 1024")
     if limits.batch_wait_ms is not None and not 0 <= limits.batch_wait_ms <= 1000:
         fail(f"batching.{hardware}.batch_wait_ms", "must be between 0 and 1000")
+    if limits.dtype is not None and not hardware.startswith("cpu"):
+        fail(
+            f"batching.{hardware}.dtype",
+            "chooses a CPU's precision: set it for cpu or cpu:<CPU model> (a GPU runs the card's dtype)",
+        )
+    if limits.quantize == "int8" and limits.dtype not in (None, "float32"):
+        fail(f"batching.{hardware}.dtype", "int8 runs with float32 activations: drop dtype or quantize")
     if limits.quantize is not None and not hardware.startswith("cpu"):
         fail(
             f"batching.{hardware}.quantize",

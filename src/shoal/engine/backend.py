@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ModelLoadError
 from ..head_info import GlinerPrompt, H, HeadInfo, LlmFrame, NliLabels, TokenLabels
+from .precision import precision_of
 
 if TYPE_CHECKING:
     from ..catalog import ModelCard
@@ -62,6 +63,12 @@ class ModelInfo:
     document_text: TextTokenizer | None = None  # late interaction: documents; None: `text`
     heads: tuple[HeadInfo, ...] = field(default_factory=tuple)
     image: Preprocessor | None = None  # a model that reads images: their preprocessor
+
+    @property
+    def precision(self) -> str:
+        """What the model computes in ("float32", "bfloat16", "float16", or "int8" Linears): the
+        loaded card is the one `engine/precision.py` chose for the device."""
+        return precision_of(self.card)
 
     def tokenizer_for(self, is_query: bool) -> TextTokenizer:
         """The text preprocessor of a query or of a document."""

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+import msgspec
+
 from ..calls import (
     AnyCall,
     AnyResult,
@@ -44,10 +46,12 @@ from .cache import ModelCache
 from .device import DeviceWorker, Pending
 from .fleet import Fleet
 from .hardware import hardware_class
+from .precision import card_for_device, precision_of
 from .scheduler import BatchLimits
 from .tasks import task_for
 from .tasks.encode import prompt_of
 from .tokenizer_pool import TokenizerPool
+from .types import PhaseSeconds
 
 log = logging.getLogger("shoal.engine")
 
@@ -82,6 +86,7 @@ class Engine:
                 max_batch_tokens_of=max_batch_tokens,
                 pack=settings.onednn_linear,
                 image_limits=(settings.max_image_bytes, settings.max_image_pixels),
+                reduced_precision=settings.reduced_precision,
             )
             if allow_download:  # a download happens outside the lock that materializes weights
                 from ..catalog import resolve_weights
@@ -168,16 +173,29 @@ class Engine:
     # --- Service --------------------------------------------------------------------------------
 
     def models(self) -> list[ModelStatus]:
-        return self.fleet.statuses()
+        return [self._with_precision(status) for status in self.fleet.statuses()]
 
     def model(self, model_id: str) -> ModelStatus:
-        return self.fleet.status(self.catalog.get(model_id))
+        return self._with_precision(self.fleet.status(self.catalog.get(model_id)))
 
     def problems(self) -> list[CardProblem]:
         return self.fleet.problems()
 
     async def admin(self, model_id: str, action: str) -> ModelStatus:
-        return await self.fleet.admin(model_id, action)
+        return self._with_precision(await self.fleet.admin(model_id, action))
+
+    def _with_precision(self, status: ModelStatus) -> ModelStatus:
+        """The status with the precision the model runs in: the loaded model's, else what a load
+        here would choose (engine/precision.py)."""
+        runner = self.fleet.cache.runner(status.id)
+        if runner is not None:
+            precision = runner.info.precision
+        else:
+            card = self.catalog.get(status.id)
+            precision = precision_of(
+                card_for_device(card, self.settings.device, reduced=self.settings.reduced_precision)
+            )
+        return msgspec.structs.replace(status, precision=precision)
 
     async def tokenize(
         self,
@@ -326,14 +344,20 @@ class Engine:
         finally:
             self._admission.remove(card.id, plan.num_items, tokens)
             self._record_queue()
-        timings = dict(tokenize_s=tokenize_s, queue_s=pending.queue_s, inference_s=pending.inference_s)
+        timings = PhaseSeconds(tokenize_s=tokenize_s, queue_s=pending.queue_s, inference_s=pending.inference_s)
         m = self.metrics
-        for phase, seconds in timings.items():
-            m.phase_seconds.labels(phase.removesuffix("_s"), card.id).observe(seconds)
+        for phase, seconds in (
+            ("tokenize", tokenize_s),
+            ("queue", pending.queue_s),
+            ("inference", pending.inference_s),
+        ):
+            m.phase_seconds.labels(phase, card.id).observe(seconds)
         if task.collect_off_loop(plan, outputs):
             # A heavy decoding (thousands of span candidates) runs beside the event loop, not on it.
-            return await asyncio.to_thread(task.collect, plan, seqs, outputs, timings)
-        return task.collect(plan, seqs, outputs, timings)
+            result = await asyncio.to_thread(task.collect, plan, seqs, outputs, timings)
+        else:
+            result = task.collect(plan, seqs, outputs, timings)
+        return msgspec.structs.replace(result, precision=runner.info.precision)
 
     async def _outcome(self, pending: Pending, deadline: float) -> list:
         """The request's outputs. A caller that goes away cancels it (the device drops what has not

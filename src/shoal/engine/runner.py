@@ -29,6 +29,7 @@ from .backend import ModelInfo, Preprocessor
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
+from .precision import card_for_device
 from .threads import lane_threads, lanes_of_this_thread
 from .tokenizer import TextTokenizer
 from .types import Batch, EncodeSpec, Spec
@@ -147,9 +148,13 @@ class ModelRunner:
         max_batch_tokens: int = 16384,
         pack: bool = True,
         image_limits: tuple[int, int] | None = None,
+        *,
+        reduced: bool = False,
     ) -> ModelRunner:
         directory = resolve_weights(card, allow_download=allow_download)
-        return cls.from_dir(card, directory, device, allow_download, max_batch_tokens, pack, image_limits)
+        return cls.from_dir(
+            card, directory, device, allow_download, max_batch_tokens, pack, image_limits, reduced=reduced
+        )
 
     @classmethod
     def from_dir(
@@ -161,8 +166,12 @@ class ModelRunner:
         max_batch_tokens: int = 16384,
         pack: bool = True,
         image_limits: tuple[int, int] | None = None,
+        *,
+        reduced: bool = False,
     ) -> ModelRunner:
-        card = _quantize_here(card, device)
+        """The model in `directory` on `device`, at the precision `card_for_device` chooses there
+        (`reduced`: bfloat16 where the card's `precisions` list it and the CPU has it natively)."""
+        card = card_for_device(card, device, reduced=reduced)
         _check_quantize(card, device)
         _use_default_threads()
         wrapped = _WRAPPED_BACKBONES.get(card.extract.kind) if card.extract is not None else None
@@ -202,11 +211,13 @@ class ModelRunner:
         return cls(card, model, tokenizer, device, directory, max_batch_tokens, image)
 
     @staticmethod
-    def estimate_bytes(card: ModelCard, allow_download: bool = True, device: str = "cpu") -> int:
-        """Before a load: the bytes its checkpoint's tensors take in the card's dtype, the encoder's
-        Linear weights at one byte each under `quantize: int8` (the card's, or its limits' for
-        `device`; the cache measures the loaded model after)."""
-        card = _quantize_here(card, device)
+    def estimate_bytes(
+        card: ModelCard, allow_download: bool = True, device: str = "cpu", *, reduced: bool = False
+    ) -> int:
+        """Before a load: the bytes its checkpoint's tensors take in the dtype it will run in, the
+        encoder's Linear weights at one byte each under `quantize: int8` (`card_for_device` chooses
+        both; the cache measures the loaded model after)."""
+        card = card_for_device(card, device, reduced=reduced)
         directory = resolve_weights(card, allow_download=allow_download)
         # A GLiNER or GLiClass folder's backbone config lives in its own config: counted unquantised (over).
         wrapped = card.extract is not None and card.extract.kind in _WRAPPED_BACKBONES
@@ -333,8 +344,10 @@ class TorchBackend:
         max_batch_tokens_of: Callable[[ModelCard], int] | None = None,
         pack: bool = True,
         image_limits: tuple[int, int] | None = None,
+        reduced_precision: bool = False,
     ) -> None:
         self.device = device
+        self.reduced_precision = reduced_precision  # engine/precision.py: bfloat16 where the card allows
         self.image_limits = image_limits  # (bytes, pixels) of a client's image file; None: image_inputs' defaults
         self.allow_download = allow_download
         self._max_batch_tokens = max_batch_tokens
@@ -343,10 +356,18 @@ class TorchBackend:
 
     def load(self, card: ModelCard) -> ModelRunner:
         max_batch_tokens = self._max_batch_tokens_of(card) if self._max_batch_tokens_of else self._max_batch_tokens
-        return ModelRunner.load(card, self.device, self.allow_download, max_batch_tokens, self.pack, self.image_limits)
+        return ModelRunner.load(
+            card,
+            self.device,
+            self.allow_download,
+            max_batch_tokens,
+            self.pack,
+            self.image_limits,
+            reduced=self.reduced_precision,
+        )
 
     def estimate_bytes(self, card: ModelCard) -> int:
-        return ModelRunner.estimate_bytes(card, self.allow_download, self.device)
+        return ModelRunner.estimate_bytes(card, self.allow_download, self.device, reduced=self.reduced_precision)
 
 
 def _similarity(model: torch.nn.Module) -> Similarity:
@@ -395,12 +416,6 @@ def _quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
     meta = AttentionMeta.build(torch.from_numpy(batch.cu_seqlens), batch.max_seqlen)
     inputs = PackedInputs(input_ids, position_ids, meta)
     quantize_linears(model, input_maxima(model, lambda: model(inputs)))
-
-
-def _quantize_here(card: ModelCard, device: str) -> ModelCard:
-    """`card` with the `quantize` its limits for this CPU choose (a tuned overlay may pick int8, or
-    none); only CPU classes choose int8, so elsewhere the card's own `quantize` stands."""
-    return card.quantize_for(hardware_class(device)) if torch.device(device).type == "cpu" else card
 
 
 def _check_quantize(card: ModelCard, device: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
@@ -42,6 +43,14 @@ class FeatureSlot:
 
     values: np.ndarray  # [R, ...] the rows of all sequences that carry this slot
     cu_rows: np.ndarray  # [n+1] int32 cumulative rows per sequence (0 rows: the sequence has none)
+
+
+class PhaseSeconds(TypedDict):
+    """How long a request spent in each phase: the timings a task's `collect` puts in its result."""
+
+    tokenize_s: float
+    queue_s: float
+    inference_s: float
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from .native import (
     SparseOut,
     Timings,
     Usage,
+    usage_of,
 )
 from .openai import Embedding, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage, openai_embedding
 
@@ -93,6 +94,7 @@ __all__ = [
     "SparseOut",
     "Timings",
     "Usage",
+    "usage_of",
     "array_from_msgpack",
     "array_to_msgpack",
     "codec",

@@ -40,8 +40,14 @@ NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     tokens: int
+    # What the model computed in (float32, bfloat16, float16, int8); absent where not known.
+    precision: str | None = None
+
+
+def usage_of(result: EncodeResult | ScoreResult | ExtractResult) -> Usage:
+    return Usage(tokens=result.num_tokens, precision=result.precision)
 
 
 class Timings(msgspec.Struct):
@@ -270,9 +276,7 @@ def extract_response(req: ExtractRequest, result: ExtractResult) -> ExtractRespo
         )
         for i, (item, out) in enumerate(zip(req.items, result.items))
     ]
-    return ExtractResponse(
-        model=req.model, items=items, usage=Usage(tokens=result.num_tokens), timings=timings_of(result)
-    )
+    return ExtractResponse(model=req.model, items=items, usage=usage_of(result), timings=timings_of(result))
 
 
 def encode_call(req: EncodeRequest, request_id: str | None = None) -> EncodeCall:
@@ -325,6 +329,4 @@ def score_response(req: ScoreRequest, result: ScoreResult) -> ScoreResponse:
         )
         for out in result.items
     ]
-    return ScoreResponse(
-        model=req.model, items=items, usage=Usage(tokens=result.num_tokens), timings=timings_of(result)
-    )
+    return ScoreResponse(model=req.model, items=items, usage=usage_of(result), timings=timings_of(result))

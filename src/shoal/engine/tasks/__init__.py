@@ -24,7 +24,7 @@ from ...catalog import ModelCard
 from ...verbs import KINDS, kind_of
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, Spec
+from ..types import Encoded, PhaseSeconds, Spec
 
 
 class Task(Protocol):
@@ -41,7 +41,7 @@ class Task(Protocol):
 
     def collect_off_loop(self, plan: Any, outputs: list) -> bool: ...
 
-    def collect(self, plan: Any, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> AnyResult: ...
+    def collect(self, plan: Any, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> AnyResult: ...
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from ...verbs import estimate_tokens
 from ..backend import ModelInfo
 from ..tokenizer import TextTokenizer
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, EncodeSpec
+from ..types import Encoded, EncodeSpec, PhaseSeconds
 from .inputs import check_inputs, prepare, value_of
 
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "binary": 1 / 8, "ubinary": 1 / 8}
@@ -87,7 +87,7 @@ class EncodeTask:
     def collect_off_loop(self, plan: EncodePlan, outputs: list) -> bool:
         return False  # vectors and scores: collecting them is cheap
 
-    def collect(self, plan: EncodePlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> EncodeResult:
+    def collect(self, plan: EncodePlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> EncodeResult:
         items = [msgspec.structs.replace(out, truncated=True) if s.truncated else out for out, s in zip(outputs, seqs)]
         return EncodeResult(
             items=items, num_tokens=sum(len(s) for s in seqs), request_id=plan.call.request_id, **timings

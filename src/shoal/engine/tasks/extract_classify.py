@@ -19,7 +19,7 @@ from ...errors import InvalidRequest
 from ...head_info import ClassLabels
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .extract_common import ExtractPlan, one_spec_each, plan_extract, result
 
 
@@ -78,9 +78,7 @@ class ClassifyTask:
     def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
         return False
 
-    def collect(
-        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
-    ) -> ExtractResult:
+    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         assert plan.model is not None
         labels = plan.model.head(ClassLabels)
         function = "none" if plan.call.raw_scores else plan.call.function_to_apply or labels.function

@@ -17,7 +17,7 @@ from ...catalog import ModelCard
 from ...errors import InvalidRequest
 from ...verbs import KINDS, estimate_tokens, unique_labels
 from ..backend import ModelInfo
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .inputs import images_of, texts_of
 
 MAX_LABELS = 100
@@ -110,7 +110,7 @@ def one_spec_each(plan: ExtractPlan, seqs: list[Encoded], output: str) -> list[E
 
 
 def result(
-    plan: ExtractPlan, seqs: list[Encoded], items: list[tuple], windows: np.ndarray, timings: dict[str, float]
+    plan: ExtractPlan, seqs: list[Encoded], items: list[tuple], windows: np.ndarray, timings: PhaseSeconds
 ) -> ExtractResult:
     """The call's result from one (entities, labels) pair per text."""
     truncated = plan.truncated or [False] * len(items)

@@ -23,7 +23,7 @@ from ...head_info import GliclassPrompt
 from ...verbs import MIN_TEXT_TOKENS
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .extract_common import ExtractPlan, plan_extract, result
 
 MULTI_LABEL_THRESHOLD = 0.5
@@ -93,9 +93,7 @@ class GliclassTask:
     def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
         return False
 
-    def collect(
-        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
-    ) -> ExtractResult:
+    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         multi = plan.call.multi_label is not False
         threshold = plan.threshold
         if threshold is None and multi:

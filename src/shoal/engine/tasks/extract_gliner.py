@@ -18,7 +18,7 @@ from ...spans import decode_spans, owned_starts, split_words, word_windows
 from ...verbs import MIN_TEXT_TOKENS
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .extract_common import ExtractPlan, plan_extract, result, windows_per_text
 
 # Beyond this many candidates, a request's decoding runs in a worker thread, not on the event loop.
@@ -131,9 +131,7 @@ class GlinerTask:
         """Many span candidates (a low threshold, many labels, long texts): decode in a thread."""
         return sum(len(out[0]) for out in outputs) > OFF_LOOP_CANDIDATES
 
-    def collect(
-        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
-    ) -> ExtractResult:
+    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         return result(plan, seqs, self._items(plan, outputs), windows_per_text(plan), timings)
 
     def _items(self, plan: ExtractPlan, outputs: list) -> list[tuple]:

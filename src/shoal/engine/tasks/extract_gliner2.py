@@ -45,7 +45,7 @@ from ...spans import owned_starts, word_windows
 from ...verbs import MIN_TEXT_TOKENS
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .extract_common import ExtractPlan, plan_extract, windows_per_text
 from .gliner2_decode import classify, merge_labels, merge_records, merge_relations, window_records, window_relations
 from .gliner2_schema import SEP_STRUCT, SEP_TEXT, Schema, marker_words, parse_schema
@@ -228,9 +228,7 @@ class Gliner2Task:
     def collect_off_loop(self, plan: Gliner2Plan, outputs: list) -> bool:
         return _num_candidates(plan, outputs) > OFF_LOOP_CANDIDATES
 
-    def collect(
-        self, plan: Gliner2Plan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
-    ) -> ExtractResult:
+    def collect(self, plan: Gliner2Plan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         schema, texts = plan.schema, plan.read
         assert schema is not None
         candidates = _num_candidates(plan, outputs)

@@ -29,7 +29,7 @@ from ...head_info import GlirelPrompt
 from ...spans import split_words
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .extract_common import ExtractPlan, plan_extract, windows_per_text
 
 MAX_ENTITIES = 200  # per text
@@ -131,7 +131,7 @@ class GlirelTask:
     def collect_off_loop(self, plan: GlirelPlan, outputs: list) -> bool:
         return sum(out.size for out in outputs) > 65_536
 
-    def collect(self, plan: GlirelPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> ExtractResult:
+    def collect(self, plan: GlirelPlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         call, labels, threshold = plan.call, plan.labels, plan.threshold
         assert threshold is not None
         found: dict[int, dict[str, list[Relation]]] = {}

@@ -15,7 +15,7 @@ from ...catalog import ModelCard
 from ...head_info import Similarity
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, EncodeSpec
+from ..types import Encoded, EncodeSpec, PhaseSeconds
 from .extract_common import ExtractPlan, plan_extract, result
 from .extract_zero_shot import hypotheses_of
 from .inputs import prepare
@@ -49,9 +49,7 @@ class ImageLabelsTask:
     def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
         return False
 
-    def collect(
-        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
-    ) -> ExtractResult:
+    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         assert plan.model is not None
         similarity = plan.model.head(Similarity)
         k = len(plan.labels)

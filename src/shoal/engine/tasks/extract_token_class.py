@@ -17,7 +17,7 @@ from ...head_info import TokenLabels
 from ...spans import STRATEGIES, aggregate_entities, owned_starts, word_windows
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .extract_common import ExtractPlan, one_spec_each, plan_extract, result, windows_per_text
 
 # Beyond this many tokens to aggregate, a request's decoding runs in a worker thread.
@@ -87,9 +87,7 @@ class TokenClassTask:
     def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
         return sum(len(out) for out in outputs) > OFF_LOOP_TOKENS
 
-    def collect(
-        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
-    ) -> ExtractResult:
+    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         assert plan.model is not None
         id2label = plan.model.head(TokenLabels).id2label
         return result(plan, seqs, self._items(plan, outputs, id2label), windows_per_text(plan), timings)

@@ -14,7 +14,7 @@ from ...errors import InvalidRequest
 from ...head_info import NliLabels
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, ExtractSpec
+from ..types import Encoded, ExtractSpec, PhaseSeconds
 from .extract_common import ExtractPlan, one_spec_each, plan_extract, result
 
 
@@ -48,9 +48,7 @@ class ZeroShotTask:
     def collect_off_loop(self, plan: ExtractPlan, outputs: list) -> bool:
         return False
 
-    def collect(
-        self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]
-    ) -> ExtractResult:
+    def collect(self, plan: ExtractPlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ExtractResult:
         windows = np.ones(len(plan.texts), dtype=np.int64)  # one reading of each text
         return result(plan, seqs, self._items(plan, outputs), windows, timings)
 

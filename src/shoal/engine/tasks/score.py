@@ -25,7 +25,7 @@ from ...vectors import maxsim
 from ...verbs import MAX_WINDOWS, estimate_tokens
 from ..backend import ModelInfo
 from ..tokenizer_pool import TokenizerPool
-from ..types import Encoded, EncodeSpec, ScoreSpec
+from ..types import Encoded, EncodeSpec, PhaseSeconds, ScoreSpec
 from .encode import PromptTokens
 from .inputs import check_inputs, prepare, texts_of, value_of
 
@@ -182,7 +182,7 @@ class ScoreTask:
     def collect_off_loop(self, plan: ScorePlan, outputs: list) -> bool:
         return False  # vectors and scores: collecting them is cheap
 
-    def collect(self, plan: ScorePlan, seqs: list[Encoded], outputs: list, timings: dict[str, float]) -> ScoreResult:
+    def collect(self, plan: ScorePlan, seqs: list[Encoded], outputs: list, timings: PhaseSeconds) -> ScoreResult:
         n = len(plan.documents)
         if plan.mode in _PAIRED:
             scores = np.full(n, -np.inf)

@@ -1,0 +1,62 @@
+"""The precision a model runs at on a device: the card as written, its limits for this hardware
+class (a `shoal tune` overlay may set `dtype` or `quantize`), or bfloat16 where that is safe and
+fast. Torch-free: the backend loads the card this returns, and `/v1/models` reports it.
+
+    card ─ batching_for(hardware).quantize / .dtype set? ──────────────── those (tuned or by hand)
+         ─ reduced precision allowed, card lists bfloat16 in `precisions`
+           (its quality gate passed: tests/test_precision_gate.py), a float32
+           card on a CPU with native bf16 (AMX or AVX512-BF16)? ──────────── dtype bfloat16
+         ─ otherwise ──────────────────────────────────────────────────── the card's own
+
+Where a CPU lacks native bf16, torch emulates it and bfloat16 runs slower than float32; such a CPU
+keeps float32 unless the card or its limits ask for bfloat16 by name.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..catalog import ModelCard
+from ..cpuinfo import cpu_flags
+from .hardware import hardware_class
+
+# /proc/cpuinfo flags of the CPUs whose bf16 matmuls run natively (oneDNN's AMX and AVX512-BF16 kernels).
+NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or one with `flags`) multiplies bf16 natively."""
+    return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
+
+
+def card_for_device(
+    card: ModelCard,
+    device: str,
+    *,
+    reduced: bool = True,
+    hardware: str | None = None,
+    flags: frozenset[str] | None = None,
+) -> ModelCard:
+    """`card` as it runs on `device` (see the module docstring): its limits' `quantize` and `dtype`
+    for the hardware class, else bfloat16 where `reduced` allows, the card lists it and the CPU has
+    it natively. `hardware` and `flags` default to this machine's."""
+    if not device.startswith("cpu"):
+        return card  # CUDA runs the card's dtype; int8 is refused there (runner._check_quantize)
+    limits = card.batching_for(hardware or hardware_class(device))
+    chosen = card.quantize_for(hardware or hardware_class(device))
+    if limits.dtype is not None:
+        return chosen if chosen.dtype == limits.dtype else msgspec.structs.replace(chosen, dtype=limits.dtype)
+    if (
+        reduced
+        and "bfloat16" in card.precisions
+        and chosen.dtype == "float32"
+        and chosen.quantize is None
+        and native_bf16(flags)
+    ):
+        return msgspec.structs.replace(chosen, dtype="bfloat16")
+    return chosen
+
+
+def precision_of(card: ModelCard) -> str:
+    """What a loaded card computes in: "int8" (int8 Linears over float32 activations) or its dtype."""
+    return "int8" if card.quantize == "int8" else card.dtype
