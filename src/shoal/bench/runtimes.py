@@ -3,7 +3,9 @@ ONNX Runtime and OpenVINO on an ONNX export of the model's encoder (an embedder)
 `*ForSequenceClassification` model (a cross-encoder), each at its best settings.
 
     ort            ONNX Runtime fp32 on the graph its BERT optimizer fused (attention, LayerNorm,
-                   GELU, embeddings), all graph optimizations on
+                   GELU, embeddings; told config.json's heads and hidden size), all graph
+                   optimizations on. MPNet's attention, with its relative-position bias, matches
+                   none of the fuser's patterns and stays MatMul + Softmax
     ort-int8       that fused graph quantized by ONNX Runtime's dynamic int8 (weights int8 per
                    channel, activations quantized at run time: what optimum and fastembed ship)
     openvino       OpenVINO fp32 (INFERENCE_PRECISION_HINT f32)
@@ -51,6 +53,7 @@ class Export:
     inputs: tuple[str, ...]
     pooling: str  # "mean" or "cls" (an embedder's; a cross-encoder's head pools inside the graph)
     scores: bool = False  # the graph ends in the sequence-classification head's logits
+    heads_and_width: tuple[int, int] = (0, 0)  # attention heads and hidden size (0: ONNX Runtime's fuser detects)
 
 
 def export_onnx(model_dir: Path, out_dir: Path, *, scores: bool = False) -> Export:
@@ -92,7 +95,8 @@ def export_onnx(model_dir: Path, out_dir: Path, *, scores: bool = False) -> Expo
             dynamic_axes=axes,
             opset_version=17,
         )
-    return Export(path, names, _pooling(model_dir), scores)
+    shape = (int(config.num_attention_heads), int(config.hidden_size))
+    return Export(path, names, _pooling(model_dir), scores, shape)
 
 
 def _pooling(model_dir: Path) -> str:
@@ -121,8 +125,11 @@ def _ort_session(name: str, export: Export, work: Path, threads: int):
     except ImportError as exc:
         raise ConfigError(f"--against {name} needs onnxruntime: pip install onnxruntime") from exc
     fused = work / "model-fused.onnx"
-    if not fused.exists():
-        optimize_model(str(export.onnx), model_type="bert", num_heads=0, hidden_size=0).save_model_to_file(str(fused))
+    if not fused.exists():  # heads and width told: its detection misses them on a classifier's graph
+        heads, width = export.heads_and_width
+        optimize_model(str(export.onnx), model_type="bert", num_heads=heads, hidden_size=width).save_model_to_file(
+            str(fused)
+        )
     path = fused
     if name == "ort-int8":
         import onnx
