@@ -271,6 +271,19 @@ def test_a_crowd_of_refused_requests_is_told_times_spread_over_its_work_and_each
     assert info.value.retry_after_s == math.ceil(PROMISE_MARGIN * 1.0)
 
 
+def test_another_models_long_backlog_holds_a_small_request_back_only_by_turns():
+    rates = {"bulk": 100.0, "small": 1000.0}
+    admission = Admission(8192, 1_000_000, 10.0, rates.get)
+    admission.admit("bulk", 1, 2800, 600.0)  # 28 s alone, nothing ahead: admitted
+    admission.admit("small", 1, 10, 300.0)  # 0.01 s: the bulk takes turns with it, not 28 s ahead
+    assert math.isclose(admission.ahead_s("small", 0.01), 0.01 + 0.02)  # its model's 0.01 s, as much of the bulk's
+    admission.admit("small", 1, 4000, 300.0)  # 4 s: 0.01 s of its model and 4.01 s of the bulk's turns ahead
+    with pytest.raises(Overloaded):
+        admission.admit("small", 1, 2000, 300.0)  # 2 s: 4.01 s of its model and 6.01 s of the bulk's ahead
+    with pytest.raises(Overloaded):
+        admission.admit("bulk", 1, 100, 300.0)  # the bulk's own 28 s are ahead of more bulk
+
+
 def test_each_model_counts_at_its_own_rate_and_without_a_rate_only_tokens_count():
     rates = {"fast": 1000.0, "slow": 10.0}
     admission = Admission(8192, 1_000_000, 10.0, rates.get)

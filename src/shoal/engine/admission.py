@@ -13,7 +13,10 @@ Three bounds, each refused with a reason:
 Time is what a caller waits for, and tokens are a poor proxy for it: a million tokens is two
 minutes of MiniLM on two cores and hours of a decoder. The backlog is kept in tokens per model and
 turned into seconds when asked, at the rates the device measures (engine/device.py), so it follows
-the device as it speeds up or slows down. Those rates are of the forwards alone: what surrounds
+the device as it speeds up or slows down. What is ahead of a request is its own model's backlog
+and, of each other model's, at most as much again as that and the request take: models take turns
+on the device (engine/scheduler.py), so a bulk job on one model does not hold another model's
+one-sentence requests out. Those rates are of the forwards alone: what surrounds
 them (parsing, tokenizing, answering) is not counted, which matters for bursts of many tiny
 requests (a batch of 4 short texts: admitted work took up to 1.2 times the bound in the test).
 
@@ -90,6 +93,16 @@ class Admission:
         """Seconds of admitted work (models without a rate yet count nothing)."""
         return sum(self.seconds(m, t) or 0.0 for m, t in self._tokens_of.items())
 
+    def ahead_s(self, model_id: str, own_s: float, counted_s: float = 0.0) -> float:
+        """Seconds of admitted work ahead of a request of `own_s` on `model_id` (`counted_s` of it
+        already in the backlog): its model's backlog, and of each other model's at most as much as
+        that backlog and the request take, since models take turns on the device."""
+        mine_s = max(0.0, (self.seconds(model_id, self._tokens_of.get(model_id, 0)) or 0.0) - counted_s)
+        others_s = sum(
+            min(self.seconds(m, t) or 0.0, mine_s + own_s) for m, t in self._tokens_of.items() if m != model_id
+        )
+        return mine_s + others_s
+
     # --- deciding --------------------------------------------------------------------------------
 
     def admit(self, model_id: str, items: int, tokens: int, timeout_s: float) -> None:
@@ -149,7 +162,7 @@ class Admission:
                 details={"estimated_s": round(own_s, 1), "timeout_s": timeout_s},
             )
         bound_s = min(self.max_seconds, timeout_s)
-        ahead_s = self.backlog_s() - own_s * counted_tokens / max(1, tokens)
+        ahead_s = self.ahead_s(model_id, own_s, own_s * counted_tokens / max(1, tokens))
         may_wait_s = max(bound_s - own_s, LONG_REQUEST_WAIT_SHARE * bound_s)
         if ahead_s <= may_wait_s:
             return
