@@ -6,17 +6,26 @@
 
 1. **Parity.** Every architecture shoal re-implements, on the random checkpoints its parity tests
    build (tests/test_*_parity.py; those tests prove the CPU float32 path equal to transformers),
-   run on the device in float16 and bfloat16 and compared with the same checkpoint in float32 on
-   the CPU, token by token (cosine) on a packed batch of mixed lengths. Attention runs through
-   flash-attn's varlen kernel when `flash_attn` imports, else torch's SDPA over length groups; the
-   line says which.
+   run on the device in float16 and bfloat16, token by token (cosine) on a packed batch of mixed
+   lengths, against two references: the same checkpoint in float32 on the CPU (shoal's own, at
+   0.999 fp16 / 0.99 bf16), and transformers' model of the checkpoint on the device in the same
+   dtype over the right-padded batch (at 0.999 both). Attention runs through flash-attn's varlen
+   kernel when `flash_attn` imports, else torch's SDPA over length groups; the line says which.
 2. **Peak.** The device's bf16 GEMM peak: the best of ten 8192^3 `torch.mm`.
 3. **Bench.** `shoal serve --device cuda` on "shape twins" of MiniLM-L6 and of a BERT-base-sized
    model (all-mpnet-base-v2): each model's own config.json and tokenizer (carried in .gpu/, written by
    `prepare` from the installed weight packages) with random weights drawn there (tokens/s depend on
    the shapes, not the values; the real weights do not fit the 64 MiB a device call carries), in
-   bfloat16. `shoal bench` ramps closed-loop clients on Lee passages and finds the knee; the knee's
-   tokens/s times FLOPs/token (shoal.bench.machine) over the bf16 peak is the share of the peak.
+   bfloat16. `shoal bench` ramps closed-loop clients on Lee passages and finds the knee (tokens/s
+   and p99); the knee's tokens/s times FLOPs/token (shoal.bench.machine) over the bf16 peak is the
+   share of the peak (MFU). Beside it, on the same device and texts, in process: sentence-
+   transformers in bfloat16 (one `encode` per call, the call's texts as its batch) where it imports,
+   else its recipe on transformers (AutoModel in bfloat16 over length-sorted padded batches, mean
+   pooling, normalising) — the line says which.
+
+Everything lands in one JSON file, `<out>/gpu_check.json`; the defaults finish in about five minutes
+on one GPU (parity under a minute, each twin's ramp 4 levels x 8 s plus the server's start and the
+baseline's 15 s).
 
 The device image has torch, transformers, safetensors, tokenizers, numpy, httpx and pyyaml; shoal
 needs msgspec, starlette and uvicorn besides, and the Lee corpus is in gensim's wheel: `prepare`
@@ -43,10 +52,12 @@ TWINS = {  # name -> the card whose shapes and tokenizer the twin takes
     "mpnet-base": "sentence-transformers/all-mpnet-base-v2",
 }
 TWIN_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
-WHEELS = ("msgspec", "starlette", "uvicorn", "gensim")
+WHEELS = ("msgspec", "starlette", "uvicorn", "gensim", "sentence-transformers")
 # Per-token cosine to the CPU's float32, the least allowed: half precision keeps ~3 digits, and a
 # few layers of random weights amplify it a little.
 MIN_COSINE = {"float16": 0.999, "bfloat16": 0.99}
+# Against transformers on the device in the same dtype: both round alike, so closer.
+MIN_COSINE_SAME_DTYPE = 0.999
 
 
 # --- the architectures, as their parity tests build them ---------------------------------------------
@@ -64,6 +75,14 @@ def cases():
     import test_roberta_parity as roberta
 
     mixed = [1, 128, 7, 2, 63, 100, 30, 5]
+    pads = {"roberta": roberta.PAD, "xlm-roberta": roberta.PAD, "mpnet": mpnet.PAD}  # else 0, as the tests pad
+    return [
+        (*case, pads.get(case[0], 0))
+        for case in _cases(bert, deberta, distilbert, llama, modernbert, mpnet, nomic, roberta, mixed)
+    ]
+
+
+def _cases(bert, deberta, distilbert, llama, modernbert, mpnet, nomic, roberta, mixed):
     return [
         ("bert", lambda d: bert.save_random_bert(d, **bert.SHAPES["wide-3l-12h"]), bert.VOCAB, mixed, 1),
         (
@@ -128,6 +147,19 @@ def cases():
     ]
 
 
+def _transformers_states(reference, seqs: list, pad_id: int, device: str):
+    """transformers' model on the sequences right-padded with `pad_id`, with an attention mask, on
+    `device`: the real tokens' states, packed `[T, hidden]` in float32."""
+    import torch
+
+    pad = torch.nn.utils.rnn.pad_sequence
+    ids = pad(seqs, batch_first=True, padding_value=pad_id).to(device)
+    mask = pad([torch.ones_like(s) for s in seqs], batch_first=True).to(device)
+    with torch.inference_mode():
+        out = reference(input_ids=ids, attention_mask=mask).last_hidden_state.float().cpu()
+    return torch.cat([out[i, : len(s)] for i, s in enumerate(seqs)])
+
+
 def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
     import torch
 
@@ -143,9 +175,9 @@ def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
         + ", ".join(f"{d} {MIN_COSINE[d]}" for d in dtypes)
     )
     rows, failures = [], 0
-    for name, save, vocab, lengths, first_id in cases():
+    for name, save, vocab, lengths, first_id, pad_id in cases():
         with tempfile.TemporaryDirectory() as tmp:
-            save(tmp)
+            reference = save(tmp)  # transformers' model of the checkpoint (float32, CPU)
             batch = packed_batch(lengths, vocab, first_id=first_id)
             with torch.inference_mode():
                 ref = build_model(Path(tmp), None, "cpu")(batch.inputs()).float()
@@ -158,14 +190,24 @@ def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
                     cosine = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
                     row[dtype] = round(float(cosine.min()), 6)
                     row[f"{dtype}_max_abs"] = round(float((out - ref).abs().max()), 5)
-                    ok = bool(torch.isfinite(out).all()) and row[dtype] >= MIN_COSINE[dtype]
+                    theirs = _transformers_states(
+                        reference.to(device=device, dtype=getattr(torch, dtype)), batch.seqs, pad_id, device
+                    )
+                    same = float(torch.nn.functional.cosine_similarity(out, theirs, dim=-1).min())
+                    row[f"{dtype}_vs_transformers"] = round(same, 6)
+                    ok = (
+                        bool(torch.isfinite(out).all())
+                        and row[dtype] >= MIN_COSINE[dtype]
+                        and same >= MIN_COSINE_SAME_DTYPE
+                    )
                     failures += not ok
                     row[f"{dtype}_ok"] = ok
         rows.append(row)
         print(
             f"  {name:12s} {row['tokens']:4d} tokens  "
             + "  ".join(
-                f"{d} cos>={row[d]:.5f} |d|<={row[d + '_max_abs']:.4f} {'ok' if row[d + '_ok'] else 'FAIL'}"
+                f"{d} cos>={row[d]:.5f} |d|<={row[d + '_max_abs']:.4f} "
+                f"vs transformers {d} {row[d + '_vs_transformers']:.5f} {'ok' if row[d + '_ok'] else 'FAIL'}"
                 for d in dtypes
             )
         )
@@ -280,6 +322,64 @@ def bench(name: str, device: str, out: Path, levels: str, step_s: float) -> dict
     return json.loads(json_path.read_text()) if json_path.exists() else {}
 
 
+def baseline(name: str, device: str, duration_s: float) -> dict:
+    """Sentence embedding in process on the device in bfloat16, on the bench's passages calls (one
+    encode per call, its texts as the batch): sentence-transformers where it imports, else its
+    recipe on transformers. Tokens are the library's own, truncated at the card's max_length."""
+    import torch
+    import transformers
+
+    from shoal.bench import workloads
+
+    twin = GPU_DIR / "twins" / name
+    calls = workloads.build("passages", seed=0).calls
+    limit = min(512, transformers.AutoConfig.from_pretrained(twin).max_position_embeddings - 2)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    try:
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(str(twin), device=device, model_kwargs={"torch_dtype": torch.bfloat16})
+        st.max_seq_length = limit
+        what = "sentence-transformers, bfloat16"
+
+        def encode(texts: list[str]) -> None:
+            st.encode(texts, batch_size=len(texts), convert_to_tensor=True)
+
+    except ImportError:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(twin)
+        model = transformers.AutoModel.from_pretrained(twin, torch_dtype=torch.bfloat16).to(device).eval()
+        what = "sentence-transformers' recipe on transformers, bfloat16 (sentence-transformers does not import here)"
+
+        def encode(texts: list[str]) -> None:
+            order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+            batch = tokenizer(
+                [texts[i] for i in order], padding=True, truncation=True, max_length=limit, return_tensors="pt"
+            )
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with torch.inference_mode():
+                states = model(**batch).last_hidden_state
+                mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+                pooled = (states * mask).sum(1) / mask.sum(1)
+                torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
+
+    counter = transformers.AutoTokenizer.from_pretrained(twin)
+    encode(list(calls[0].texts))  # warm-up
+    sync()
+    done = items = tokens = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < duration_s:
+        texts = list(calls[done % len(calls)].texts)
+        encode(texts)
+        done += 1
+        items += len(texts)
+    sync()
+    wall = time.perf_counter() - start
+    for k in range(done):  # counted after the clock
+        texts = list(calls[k % len(calls)].texts)
+        tokens += sum(len(ids) for ids in counter(texts, truncation=True, max_length=limit)["input_ids"])
+    return {"what": what, "calls": done, "items": items, "tokens_per_s": tokens / wall, "items_per_s": items / wall}
+
+
 def run(args) -> int:
     import torch
 
@@ -303,10 +403,21 @@ def run(args) -> int:
             per_token = (result.get("flops") or {}).get("flops_per_token")
             tokens = knee.get("tokens_per_s")
             share = tokens * per_token / peak if tokens and per_token else None
-            record["bench"][twin] = {"knee": knee, "flops_per_token": per_token, "share_of_bf16_peak": share}
+            base = baseline(twin, device, args.baseline_s)
+            ratio = tokens / base["tokens_per_s"] if tokens and base["tokens_per_s"] else None
+            record["bench"][twin] = {
+                "knee": knee,
+                "precision": result.get("precision"),
+                "flops_per_token": per_token,
+                "share_of_bf16_peak": share,
+                "baseline": base,
+                "shoal_over_baseline_tokens": ratio,
+            }
             print(
-                f"{twin}: knee {tokens or 0:,.0f} tokens/s"
+                f"{twin}: knee {tokens or 0:,.0f} tokens/s, p99 {knee.get('p99_ms') or 0:.0f} ms"
                 + (f", {100 * share:.1f} % of the bf16 peak ({per_token / 1e6:.1f} MFLOP/token)" if share else "")
+                + f"; {base['what']}: {base['tokens_per_s']:,.0f} tokens/s"
+                + (f" ({ratio:.2f}x)" if ratio else "")
             )
     (out / "gpu_check.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out / 'gpu_check.json'}; parity failures: {failures}")
@@ -323,6 +434,7 @@ def main() -> int:
     run_parser.add_argument("--levels", default="1,4,16,64", help="closed-loop clients of the bench")
     run_parser.add_argument("--step-s", type=float, default=8.0)
     run_parser.add_argument("--skip-bench", action="store_true")
+    run_parser.add_argument("--baseline-s", type=float, default=15.0, help="seconds of the in-process baseline")
     args = parser.parse_args()
     return prepare() if args.command == "prepare" else run(args)
 
