@@ -270,7 +270,7 @@ def main() -> int:
         queries = workloads.build("queries", seed=0)
         measured = asyncio.run(_profile_engine(MINILM, queries, 32 * args.calls, 32))
         rows.append(_in_process_row("minilm-sentence, 32 callers in process", measured))
-        # The forward's ops per sentence, as wall time of the device thread (its ops use every core).
+        # The forward's ops per sentence, summed over the lanes' threads (a lane's ops run on its thread).
         per_request_forward_ms = 1000 * sum(measured["ops"].values()) / measured["calls"]
     print("op groups: % of the forward's op time (all threads); op s/s: op time per second of wall time")
     print("| " + " | ".join(header) + " |")
@@ -283,10 +283,10 @@ def main() -> int:
         http, groups = profile_http(queries, args.clients, args.duration_s, py_spy)
         print(
             f"\n{HTTP}: {args.clients} clients, {http['rps']:.0f} req/s, {http['tokens_per_s']:,.0f} tokens/s over "
-            f"{http['requests']} requests: {1000 / http['rps']:.2f} ms of wall time a request; the same sentences' "
-            f"forward in process (32 callers) {per_request_forward_ms:.2f} ms a request "
-            f"({100 * per_request_forward_ms * http['rps'] / 1000:.0f} %); CPU a request: server "
-            f"{http['server_cpu_ms']:.2f} ms (all threads), load generator {http['client_cpu_ms']:.2f} ms"
+            f"{http['requests']} requests: {1000 / http['rps']:.2f} ms of wall time a request; CPU a request: "
+            f"server {http['server_cpu_ms']:.2f} ms (all threads), load generator {http['client_cpu_ms']:.2f} ms; "
+            f"the same sentences' ops in process (32 callers) {per_request_forward_ms:.2f} ms of thread time a "
+            f"request ({100 * per_request_forward_ms / http['server_cpu_ms']:.0f} % of the server's CPU)"
         )
         if groups:
             total = sum(groups.values())
