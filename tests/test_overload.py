@@ -280,8 +280,20 @@ def test_another_models_long_backlog_holds_a_small_request_back_only_by_turns():
     admission.admit("small", 1, 4000, 300.0)  # 4 s: 0.01 s of its model and 4.01 s of the bulk's turns ahead
     with pytest.raises(Overloaded):
         admission.admit("small", 1, 2000, 300.0)  # 2 s: 4.01 s of its model and 6.01 s of the bulk's ahead
-    with pytest.raises(Overloaded):
-        admission.admit("bulk", 1, 100, 300.0)  # the bulk's own 28 s are ahead of more bulk
+    # 1 s more of the bulk's model: 1 s of the bulk's turns and 2 s of "small"'s ahead, not 28 s.
+    assert math.isclose(admission.ahead_s("bulk", 1.0), 1.0 + 2.0)
+
+
+def test_a_long_request_holds_its_own_models_small_requests_back_only_by_turns():
+    admission = _admission()  # 100 tokens/s, a 10 s bound
+    admission.admit("m", 1, 1500, 300.0)  # 15 s alone, nothing ahead: admitted, a long request
+    admission.admit("m", 1, 100, 300.0)  # 1 s: the long one takes turns with it, 1 s of it ahead
+    assert math.isclose(admission.ahead_s("m", 1.0), 1.0 + 2.0)  # the 1 s one, and 2 s of the long one's turns
+    admission.admit("m", 1, 150, 300.0)  # 1.5 s: 1 s, and 2.5 s of the long one's turns ahead
+    with pytest.raises(Overloaded):  # 7 s: 2.5 s within the bound count in full, and 9.5 s of the long one
+        admission.admit("m", 1, 700, 300.0)
+    admission.remove("m", 1, 1500)  # the long one answered: nothing counts it any more
+    assert math.isclose(admission.ahead_s("m", 1.0), 2.5)
 
 
 def test_each_model_counts_at_its_own_rate_and_without_a_rate_only_tokens_count():

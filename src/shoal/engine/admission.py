@@ -16,9 +16,13 @@ turned into seconds when asked, at the rates the device measures (engine/device.
 the device as it speeds up or slows down. What is ahead of a request is its own model's backlog
 and, of each other model's, at most as much again as that and the request take: models take turns
 on the device (engine/scheduler.py), so a bulk job on one model does not hold another model's
-one-sentence requests out. Those rates are of the forwards alone: what surrounds
-them (parsing, tokenizing, answering) is not counted, which matters for bursts of many tiny
-requests (a batch of 4 short texts: admitted work took up to 1.2 times the bound in the test).
+one-sentence requests out. Within a model, requests take turns too; a request longer than the
+bound by itself (a bulk job) counts ahead of a later one of its model only as much as that one and
+the rest of the model's backlog take, so it does not hold its own model's small requests out
+either. Requests within the bound count in full, so those still finish within it. Those rates are
+of the forwards alone: what surrounds them (parsing, tokenizing, answering) is not counted, which
+matters for bursts of many tiny requests (a batch of 4 short texts: admitted work took up to 1.2
+times the bound in the test).
 
 Retry-After is a promise kept for a crowd, not for one caller: were every refused request told
 the time at which the backlog alone would let it in, a burst's hundreds of refused requests would
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,6 +74,8 @@ class Admission:
     items: int = 0
     tokens: int = 0
     _tokens_of: dict[str, int] = field(default_factory=dict)
+    # The token counts of each model's admitted requests longer than the bound by themselves.
+    _long_of: dict[str, Counter[int]] = field(default_factory=dict)
     # Clock time up to which the promised retries (Retry-After told so far) are booked.
     _promised_until: float = float("-inf")
 
@@ -81,8 +88,11 @@ class Admission:
 
     def remove(self, model_id: str, items: int, tokens: int) -> None:
         self.add(model_id, -items, -tokens)
+        if items:
+            self._forget_long(model_id, tokens)
         if self._tokens_of.get(model_id) == 0:
             del self._tokens_of[model_id]
+            self._long_of.pop(model_id, None)
 
     def seconds(self, model_id: str, tokens: int) -> float | None:
         """`tokens` of a model in device seconds; None while no rate is known."""
@@ -93,11 +103,20 @@ class Admission:
         """Seconds of admitted work (models without a rate yet count nothing)."""
         return sum(self.seconds(m, t) or 0.0 for m, t in self._tokens_of.items())
 
-    def ahead_s(self, model_id: str, own_s: float, counted_s: float = 0.0) -> float:
-        """Seconds of admitted work ahead of a request of `own_s` on `model_id` (`counted_s` of it
-        already in the backlog): its model's backlog, and of each other model's at most as much as
-        that backlog and the request take, since models take turns on the device."""
-        mine_s = max(0.0, (self.seconds(model_id, self._tokens_of.get(model_id, 0)) or 0.0) - counted_s)
+    def ahead_s(self, model_id: str, own_s: float, counted_tokens: int = 0) -> float:
+        """Seconds of admitted work ahead of a request of `own_s` on `model_id` (`counted_tokens`
+        of it already in the backlog): its model's backlog, a long request of it counting at most
+        as much as the rest and this one take, and of each other model's at most as much as all
+        that, since requests and models take turns on the device."""
+        rate = self.rate_of(model_id)
+        if not rate:
+            return 0.0
+        total = max(0, self._tokens_of.get(model_id, 0) - counted_tokens)
+        longs = Counter(self._long_of.get(model_id, {}))
+        if counted_tokens and longs[counted_tokens] > 0:  # the request itself, on its second look
+            longs[counted_tokens] -= 1
+        short_s = max(0, total - sum(t * n for t, n in longs.items())) / rate
+        mine_s = min(total / rate, short_s + sum(n * min(t / rate, short_s + own_s) for t, n in longs.items()))
         others_s = sum(
             min(self.seconds(m, t) or 0.0, mine_s + own_s) for m, t in self._tokens_of.items() if m != model_id
         )
@@ -131,6 +150,7 @@ class Admission:
             )
         self.check_time(model_id, tokens, timeout_s)
         self.add(model_id, items, tokens)
+        self._note_long(model_id, tokens)
 
     def recount(self, model_id: str, estimated: int, real: int, timeout_s: float, *, timed: bool) -> None:
         """A request's real token count (once tokenized) in place of its estimate: refused if it
@@ -148,6 +168,21 @@ class Admission:
         if real > estimated or not timed:
             self.check_time(model_id, real, timeout_s, counted_tokens=estimated)
         self.add(model_id, 0, real - estimated)
+        self._forget_long(model_id, estimated)
+        self._note_long(model_id, real)
+
+    def _note_long(self, model_id: str, tokens: int) -> None:
+        """Count an admitted request of `tokens` among its model's long ones, if longer than the bound."""
+        own_s = self.seconds(model_id, tokens)
+        if self.max_seconds is not None and own_s is not None and own_s > self.max_seconds:
+            self._long_of.setdefault(model_id, Counter())[tokens] += 1
+
+    def _forget_long(self, model_id: str, tokens: int) -> None:
+        longs = self._long_of.get(model_id)
+        if longs and longs[tokens] > 0:
+            longs[tokens] -= 1
+            if not longs[tokens]:
+                del longs[tokens]
 
     def check_time(self, model_id: str, tokens: int, timeout_s: float, *, counted_tokens: int = 0) -> None:
         """Raise if `tokens` more of the model would not finish within the bound behind the
@@ -162,7 +197,7 @@ class Admission:
                 details={"estimated_s": round(own_s, 1), "timeout_s": timeout_s},
             )
         bound_s = min(self.max_seconds, timeout_s)
-        ahead_s = self.ahead_s(model_id, own_s, own_s * counted_tokens / max(1, tokens))
+        ahead_s = self.ahead_s(model_id, own_s, counted_tokens)
         may_wait_s = max(bound_s - own_s, LONG_REQUEST_WAIT_SHARE * bound_s)
         if ahead_s <= may_wait_s:
             return
