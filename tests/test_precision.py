@@ -138,3 +138,17 @@ def test_usage_and_v1_models_say_what_ran(native_bf16_as_it_is, serve):
     body = httpx.post(f"{exact}/v1/encode", json={"model": MODEL_ID, "items": [{"text": "hello"}]}).json()
     assert body["usage"]["precision"] == "float32"
     assert httpx.get(f"{exact}/v1/models/{MODEL_ID}").json()["precision"] == "float32"
+
+
+def test_shoal_tune_searches_dtype_only_for_a_float32_dense_encoder_on_a_cpu_with_native_bf16(monkeypatch):
+    from shoal.bench.tune import _gated_refusal
+
+    monkeypatch.setattr(precision, "native_bf16", lambda flags=None: True)
+    assert _gated_refusal("dtype", minilm(), HW) is None
+    assert "GPU" in _gated_refusal("dtype", minilm(), "cuda:NVIDIA H100")
+    assert "already" in _gated_refusal("dtype", minilm(dtype="float16"), HW)
+    assert "dense" in _gated_refusal("dtype", minilm(outputs=("sparse",)), HW)
+    assert "CPUs only" in _gated_refusal("quantize", minilm(), "cuda:NVIDIA H100")
+    monkeypatch.setattr(precision, "native_bf16", lambda flags=None: False)
+    assert "no native bf16" in _gated_refusal("dtype", minilm(), HW)
+    assert _gated_refusal("quantize", minilm(), HW) is None  # int8 needs no bf16

@@ -163,28 +163,22 @@ def _distinct_threads(candidates: tuple, start: int | None, cores: int, lanes: i
     return tuple(kept)
 
 
-def _quantize_refusal(card, hardware: str) -> str | None:
-    """Why `quantize` cannot be tuned for `card` on `hardware`, or None when it can."""
-    if not hardware.startswith("cpu"):
-        return "int8 runs on CPUs only"
-    if card.dtype != "float32":
-        return f"int8 runs with float32 activations and the card has dtype {card.dtype}"
-    if card.tasks[0] != "encode" or "dense" not in card.outputs:
-        return "its quality gate compares dense vectors, and the card does not encode them by default"
-    return None
-
-
-def _dtype_refusal(card, hardware: str) -> str | None:
-    """Why `dtype` cannot be tuned for `card` on `hardware`, or None when it can."""
+def _gated_refusal(knob: str, card, hardware: str) -> str | None:
+    """Why `knob` (quantize or dtype: the knobs behind the quality gate) cannot be tuned for `card`
+    on `hardware`, or None when it can."""
     from ..engine.precision import native_bf16
 
     if not hardware.startswith("cpu"):
-        return "a GPU runs the card's dtype"
+        return "int8 runs on CPUs only" if knob == "quantize" else "a GPU runs the card's dtype"
     if card.dtype != "float32":
-        return f"the card runs dtype {card.dtype} already"
+        return (
+            f"int8 runs with float32 activations and the card has dtype {card.dtype}"
+            if knob == "quantize"
+            else f"the card runs dtype {card.dtype} already"
+        )
     if card.tasks[0] != "encode" or "dense" not in card.outputs:
         return "its quality gate compares dense vectors, and the card does not encode them by default"
-    if not native_bf16():
+    if knob == "dtype" and not native_bf16():
         return "this CPU has no native bf16 (AMX or AVX512-BF16): bfloat16 would run emulated, slower than float32"
     return None
 
@@ -217,7 +211,7 @@ def tune(args) -> int:
     )
     cores = usable_cores()
     values = _grid(args.grid, cores, hardware)
-    refusals = {"quantize": _quantize_refusal(card, hardware), "dtype": _dtype_refusal(card, hardware)}
+    refusals = {knob: _gated_refusal(knob, card, hardware) for knob in _GATED}
     cpu = hardware.startswith("cpu")
     knobs = args.knobs or [
         k for k in values if refusals.get(k) is None and (k not in _CPU_KNOBS or cpu) and (k != "lanes" or values[k])

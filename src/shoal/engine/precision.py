@@ -42,8 +42,9 @@ def card_for_device(
     it natively. `hardware` and `flags` default to this machine's."""
     if not device.startswith("cpu"):
         return card  # CUDA runs the card's dtype; int8 is refused there (runner._check_quantize)
-    limits = card.batching_for(hardware or hardware_class(device))
-    chosen = card.quantize_for(hardware or hardware_class(device))
+    hardware = hardware or hardware_class(device)
+    limits = card.batching_for(hardware)
+    chosen = card.quantize_for(hardware)
     if limits.dtype is not None:
         return chosen if chosen.dtype == limits.dtype else msgspec.structs.replace(chosen, dtype=limits.dtype)
     if (
