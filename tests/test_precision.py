@@ -51,12 +51,22 @@ def test_a_card_listing_bfloat16_runs_it_where_the_cpu_has_it_natively(flags, wa
     assert precision_of(card_for_device(card, "cpu", hardware=HW, flags=flags)) == want
 
 
-def test_the_server_setting_off_a_card_listing_nothing_and_a_gpu_keep_the_cards_own_dtype():
+def test_the_server_setting_off_a_card_listing_nothing_and_an_old_gpu_keep_the_cards_own_dtype(monkeypatch):
     assert precision_of(card_for_device(minilm(), "cpu", reduced=False, hardware=HW, flags=AMX)) == "float32"
     assert precision_of(card_for_device(minilm(precisions=()), "cpu", hardware=HW, flags=AMX)) == "float32"
-    assert card_for_device(minilm(), "cuda:0", hardware="cuda:NVIDIA H100", flags=AMX) == minilm()
+    monkeypatch.setattr(precision, "cuda_bf16", lambda device: False)  # a GPU before Ampere
+    assert card_for_device(minilm(), "cuda:0", hardware="cuda:Tesla T4", flags=AMX) == minilm()
     half = minilm(dtype="float16", precisions=())
     assert precision_of(card_for_device(half, "cpu", hardware=HW, flags=AVX2)) == "float16"  # asked for by name
+
+
+def test_a_gpu_with_bf16_runs_a_card_that_lists_it_in_bfloat16_and_others_as_written(monkeypatch):
+    monkeypatch.setattr(precision, "cuda_bf16", lambda device: True)
+    assert precision_of(card_for_device(minilm(), "cuda:0", hardware="cuda:NVIDIA H100")) == "bfloat16"
+    assert precision_of(card_for_device(minilm(), "cuda", reduced=False, hardware="cuda:NVIDIA H100")) == "float32"
+    assert precision_of(card_for_device(minilm(precisions=()), "cuda:0", hardware="cuda:NVIDIA H100")) == "float32"
+    half = minilm(dtype="float16")
+    assert precision_of(card_for_device(half, "cuda:0", hardware="cuda:NVIDIA H100")) == "float16"  # as written
 
 
 def test_the_limits_for_the_hardware_class_win_over_the_default():

@@ -346,7 +346,8 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
     if limits.dtype is not None and not hardware.startswith("cpu"):
         fail(
             f"batching.{hardware}.dtype",
-            "chooses a CPU's precision: set it for cpu or cpu:<CPU model> (a GPU runs the card's dtype)",
+            "chooses a CPU's precision: set it for cpu or cpu:<CPU model> (a GPU runs the card's dtype, "
+            "or bfloat16 where its `precisions` list it)",
         )
     if limits.quantize == "int8" and limits.dtype not in (None, "float32"):
         fail(f"batching.{hardware}.dtype", "int8 runs with float32 activations: drop dtype or quantize")

@@ -5,11 +5,14 @@ fast. Torch-free: the backend loads the card this returns, and `/v1/models` repo
     card ─ batching_for(hardware).quantize / .dtype set? ──────────────── those (tuned or by hand)
          ─ reduced precision allowed, card lists bfloat16 in `precisions`
            (its quality gate passed: tests/test_precision_gate.py), a float32
-           card on a CPU with native bf16 (AMX or AVX512-BF16)? ──────────── dtype bfloat16
+           card on a CPU with native bf16 (AMX or AVX512-BF16)
+           or on a CUDA device with bf16 (compute capability 8.0 or later)? ── dtype bfloat16
          ─ otherwise ──────────────────────────────────────────────────── the card's own
 
 Where a CPU lacks native bf16, torch emulates it and bfloat16 runs slower than float32; such a CPU
-keeps float32 unless the card or its limits ask for bfloat16 by name.
+keeps float32 unless the card or its limits ask for bfloat16 by name. On a GPU, bf16 matmuls
+accumulate in float32 (cuBLAS, flash-attn); a card's limits cannot set a GPU's dtype (the card
+refuses `batching.cuda.dtype`).
 """
 
 from __future__ import annotations
@@ -40,22 +43,29 @@ def card_for_device(
     """`card` as it runs on `device` (see the module docstring): its limits' `quantize` and `dtype`
     for the hardware class, else bfloat16 where `reduced` allows, the card lists it and the CPU has
     it natively. `hardware` and `flags` default to this machine's."""
-    if not device.startswith("cpu"):
-        return card  # CUDA runs the card's dtype; int8 is refused there (runner._check_quantize)
+    if not device.startswith("cpu"):  # int8 is refused there (runner._check_quantize)
+        gated = reduced and _gated_bf16(card)
+        return msgspec.structs.replace(card, dtype="bfloat16") if gated and cuda_bf16(device) else card
     hardware = hardware or hardware_class(device)
     limits = card.batching_for(hardware)
     chosen = card.quantize_for(hardware)
     if limits.dtype is not None:
         return chosen if chosen.dtype == limits.dtype else msgspec.structs.replace(chosen, dtype=limits.dtype)
-    if (
-        reduced
-        and "bfloat16" in card.precisions
-        and chosen.dtype == "float32"
-        and chosen.quantize is None
-        and native_bf16(flags)
-    ):
+    if reduced and _gated_bf16(chosen) and native_bf16(flags):
         return msgspec.structs.replace(chosen, dtype="bfloat16")
     return chosen
+
+
+def _gated_bf16(card: ModelCard) -> bool:
+    """A float32 card whose quality gate passed in bfloat16."""
+    return "bfloat16" in card.precisions and card.dtype == "float32" and card.quantize is None
+
+
+def cuda_bf16(device: str) -> bool:
+    """Whether the CUDA device computes in bf16 natively (Ampere and later)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 def precision_of(card: ModelCard) -> str:
