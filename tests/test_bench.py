@@ -498,13 +498,14 @@ def test_shoal_tune_writes_an_overlay_that_serve_reads(tmp_path):
     assert served.max_batch_tokens == card_limits.max_batch_tokens
 
 
-def test_tune_searches_one_lane_and_two_on_a_cpu_of_two_cores_and_none_elsewhere():
+def test_tune_searches_one_lane_and_two_on_a_gpu_and_a_cpu_of_two_cores_and_none_on_one_core():
     assert tune_module._grid([], 2, cpu_class())["lanes"] == (1, 2)
     assert tune_module._grid([], 1, cpu_class())["lanes"] == ()
-    assert tune_module._grid([], 16, "cuda:NVIDIA H200")["lanes"] == ()
+    assert tune_module._grid([], 16, "cuda:NVIDIA H200")["lanes"] == (1, 2)
     assert tune_module._grid(["lanes=1,3"], 4, cpu_class())["lanes"] == (1, 3)
-    with pytest.raises(ConfigError, match="more than 1 only on a CPU"):
-        tune_module._grid(["lanes=1,2"], 16, "cuda:NVIDIA H200")
+    assert tune_module._grid(["lanes=1,3"], 1, "cuda:NVIDIA H200")["lanes"] == (1, 3)
+    with pytest.raises(ConfigError, match="lanes are 1 or more"):
+        tune_module._grid(["lanes=0,2"], 16, "cuda:NVIDIA H200")
 
 
 def test_tune_skips_threads_values_that_give_each_lane_the_same_threads():

@@ -306,14 +306,14 @@ def test_a_busy_device_trims_the_heap_at_most_every_busy_interval_and_once_idle(
     assert any(idle for _, idle in trims)  # and once idle
 
 
-def test_a_cpu_gets_two_lanes_a_gpu_one_and_a_bad_count_is_a_config_error(monkeypatch):
+def test_a_cpu_and_a_gpu_get_two_lanes_one_core_one_and_a_bad_count_is_a_config_error(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert device_lanes(EngineSettings()) == 2
     assert device_lanes(EngineSettings(device_lanes=3)) == 3
-    assert device_lanes(EngineSettings(device="cuda:0")) == 1
+    assert device_lanes(EngineSettings(device="cuda:0")) == 2  # each lane its own stream (engine/streams.py)
+    assert device_lanes(EngineSettings(device="cuda", device_lanes=1)) == 1
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert device_lanes(EngineSettings()) == 1
-    with pytest.raises(ConfigError, match="for CPUs"):
-        device_lanes(EngineSettings(device="cuda", device_lanes=2))
+    assert device_lanes(EngineSettings(device="cuda")) == 2  # the host's cores do not bound a GPU's lanes
     with pytest.raises(ConfigError, match="at least 1"):
         device_lanes(EngineSettings(device_lanes=0))

@@ -84,7 +84,7 @@ class EngineSettings:
     # engine/device.py: each lane runs on its share of torch's threads.
     device_lanes: int | None = setting(
         None,
-        "batches a CPU runs side by side (more than 1 is refused on a GPU); none: 2 on a CPU with 2+ cores, else 1",
+        "batches the device runs side by side (on a GPU each lane its own CUDA stream); none: 2, 1 on a one-core CPU",
         also=("--lanes",),
     )
     # layers/packed.py.
@@ -96,6 +96,12 @@ class EngineSettings:
         True,
         "a float32 card whose quality gate passed in bfloat16 (its `precisions`) runs bfloat16 on a CPU "
         "with native bf16 (AMX, AVX512-BF16); false: every card runs its own dtype",
+    )
+    # engine/graphs.py.
+    cuda_graphs: bool = setting(
+        False,
+        "on a CUDA device, each token bucket's forward is captured once as a CUDA graph and replayed; "
+        "off by default until bench/gpu_check.py has run it on a GPU",
     )
     # engine/memory.py: resident models, their adapters and the batch workspace.
     memory_budget_bytes: int | None = setting(

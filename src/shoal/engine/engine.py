@@ -87,6 +87,7 @@ class Engine:
                 pack=settings.onednn_linear,
                 image_limits=(settings.max_image_bytes, settings.max_image_pixels),
                 reduced_precision=settings.reduced_precision,
+                cuda_graphs=settings.cuda_graphs,
             )
             if allow_download:  # a download happens outside the lock that materializes weights
                 from ..catalog import resolve_weights
@@ -433,19 +434,14 @@ class Engine:
 
 def device_lanes(settings: EngineSettings) -> int:
     """Batches the device runs side by side (engine/device.py): the settings' `device_lanes`, else
-    two on a CPU with two or more cores to run on, one elsewhere."""
+    two on a CPU with two or more cores to run on, two on a GPU (each lane its own CUDA stream: one
+    lane's host work and copies overlap the other's forward, engine/streams.py), else one."""
     lanes = settings.device_lanes
     on_cpu = settings.device == "cpu"  # hardware_class refuses any other CPU spelling
     if lanes is None:
-        return 2 if on_cpu and usable_cores() >= 2 else 1
+        return 1 if on_cpu and usable_cores() < 2 else 2
     if lanes < 1:
         raise ConfigError(f"device_lanes must be at least 1, not {lanes}", details={"field": "device_lanes"})
-    if lanes > 1 and not on_cpu:
-        raise ConfigError(
-            f"device_lanes {lanes} is for CPUs: a GPU runs one batch at a time (one launch over "
-            f"the whole batch is what is fast there); leave it unset or 1 on {settings.device}",
-            details={"field": "device_lanes", "device": settings.device},
-        )
     return lanes
 
 

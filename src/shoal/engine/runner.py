@@ -26,10 +26,12 @@ from ..layers import AttentionMeta, PackedInputs, input_maxima, packed, quantize
 from ..layers.attention import flash_available
 from ..weights import build_model, estimate_bytes
 from .backend import ModelInfo, Preprocessor
+from .graphs import Capture, Graphs, cuda_capture, cuda_pool
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
 from .precision import card_for_device
+from .streams import LaneStream, LaneStreams
 from .threads import lane_threads, lanes_of_this_thread
 from .tokenizer import TextTokenizer
 from .types import Batch, EncodeSpec, Spec
@@ -116,6 +118,9 @@ class ModelRunner:
             card, tokenizer, tuple(self.heads), query_text=query, document_text=document, heads=described, image=image
         )
         self._adapters = AdapterTable()  # PEFT LoRA adapters by slot (engine/lora.py)
+        self._streams = LaneStreams(self.device)  # each lane's stream on a GPU (engine/streams.py)
+        self.max_batch_tokens = max_batch_tokens
+        self.graphs: Graphs | None = None  # captured forwards per token bucket (engine/graphs.py)
         # Measured, not read off the files: every tensor the model and its heads hold (engine/measure.py).
         self.num_bytes = tensor_bytes([model, *self.heads.values()]) + packed.packed_bytes(model)
         self.workspace_bytes = workspace_bytes(
@@ -130,6 +135,18 @@ class ModelRunner:
     @property
     def tokenizer(self) -> TextTokenizer:
         return self.info.text
+
+    def capture_graphs(self, capture: Capture = cuda_capture, new_pool: Callable[[], Any] = cuda_pool) -> Graphs:
+        """From now on a batch that fits a token bucket runs as that bucket's captured forward
+        (engine/graphs.py); `capture` and `new_pool` are CUDA's unless a test hands in its own."""
+        self.graphs = Graphs(
+            self.model,
+            max_length=self.tokenizer.max_length,
+            max_tokens=self.max_batch_tokens,
+            capture=capture,
+            new_pool=new_pool,
+        )
+        return self.graphs
 
     @property
     def query_tokenizer(self) -> TextTokenizer:
@@ -150,10 +167,19 @@ class ModelRunner:
         image_limits: tuple[int, int] | None = None,
         *,
         reduced: bool = False,
+        graphs: bool = False,
     ) -> ModelRunner:
         directory = resolve_weights(card, allow_download=allow_download)
         return cls.from_dir(
-            card, directory, device, allow_download, max_batch_tokens, pack, image_limits, reduced=reduced
+            card,
+            directory,
+            device,
+            allow_download,
+            max_batch_tokens,
+            pack,
+            image_limits,
+            reduced=reduced,
+            graphs=graphs,
         )
 
     @classmethod
@@ -168,9 +194,12 @@ class ModelRunner:
         image_limits: tuple[int, int] | None = None,
         *,
         reduced: bool = False,
+        graphs: bool = False,
     ) -> ModelRunner:
         """The model in `directory` on `device`, at the precision `card_for_device` chooses there
-        (`reduced`: bfloat16 where the card's `precisions` list it and the CPU has it natively)."""
+        (`reduced`: bfloat16 where the card's `precisions` list it and the CPU has it natively);
+        `graphs`: on a CUDA device, its forwards replay captured graphs per token bucket
+        (engine/graphs.py)."""
         card = card_for_device(card, device, reduced=reduced)
         _check_quantize(card, device)
         _use_default_threads()
@@ -208,7 +237,13 @@ class ModelRunner:
             _quantize_int8(model, tokenizer)
         elif pack and torch.device(device).type == "cpu" and packed.available():
             packed.pack_linears(model)  # float32 Linears in oneDNN's layout (layers/packed.py)
-        return cls(card, model, tokenizer, device, directory, max_batch_tokens, image)
+        runner = cls(card, model, tokenizer, device, directory, max_batch_tokens, image)
+        if runner.device.type == "cuda":
+            # The lanes' streams do not wait for the loader's copies (engine/streams.py): they are done here.
+            torch.cuda.synchronize(runner.device)
+            if graphs:
+                runner.capture_graphs()
+        return runner
 
     @staticmethod
     def estimate_bytes(
@@ -275,12 +310,16 @@ class ModelRunner:
         threads = self.threads_for(batch.num_tokens)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        to: dict[str, Any] = dict(device=self.device, non_blocking=True)
-        input_ids = torch.from_numpy(batch.input_ids).to(**to)  # [T]
-        position_ids = torch.from_numpy(batch.position_ids).to(**to)  # [T]
-        cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(**to)  # [n+1]
-        key_lengths = None if batch.key_lengths is None else torch.from_numpy(batch.key_lengths).to(**to)  # [n]
-        token_type_ids = None if batch.token_type_ids is None else torch.from_numpy(batch.token_type_ids).to(**to)
+        lane = self._streams.current()  # the lane's own stream on a GPU (engine/streams.py)
+        with lane.running():
+            return self._forward(batch, specs, lane)
+
+    def _forward(self, batch: Batch, specs: Sequence[Spec], lane: LaneStream) -> list[object]:
+        input_ids = lane.stage(batch.input_ids)  # [T]
+        position_ids = lane.stage(batch.position_ids)  # [T]
+        cu_seqlens = lane.stage(batch.cu_seqlens)  # [n+1]
+        key_lengths = None if batch.key_lengths is None else lane.stage(batch.key_lengths)  # [n]
+        token_type_ids = None if batch.token_type_ids is None else lane.stage(batch.token_type_ids)
         routing = (
             None
             if batch.adapter_slots is None
@@ -293,11 +332,15 @@ class ModelRunner:
             key_lengths,
             each=self.attention_each,
             row_block_bytes=self.row_block_bytes if routing is None else 0,
+            host_cu_seqlens=batch.cu_seqlens,
         )
-        inputs = PackedInputs(input_ids, position_ids, meta, token_type_ids, _features(batch, to))
-        if routing is None:
+        inputs = PackedInputs(input_ids, position_ids, meta, token_type_ids, _features(batch, lane))
+        # A bucket's captured forward when the model has them and the batch fits one (engine/graphs.py).
+        states = None if routing is not None or self.graphs is None else self.graphs.forward(batch, lane)
+        if states is None and routing is None:
             states = self.model(inputs)  # [T, hidden]
-        else:  # each sequence's tokens get its adapter's deltas (layers/lora.py)
+        elif states is None:  # each sequence's tokens get its adapter's deltas (layers/lora.py)
+            assert routing is not None
             with routing.applied(self.model):
                 states = self.model(inputs)  # [T, hidden]
         hidden = Hidden(states, input_ids, meta)
@@ -345,9 +388,11 @@ class TorchBackend:
         pack: bool = True,
         image_limits: tuple[int, int] | None = None,
         reduced_precision: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         self.device = device
         self.reduced_precision = reduced_precision  # engine/precision.py: bfloat16 where the card allows
+        self.cuda_graphs = cuda_graphs  # engine/graphs.py: captured forwards per token bucket on CUDA
         self.image_limits = image_limits  # (bytes, pixels) of a client's image file; None: image_inputs' defaults
         self.allow_download = allow_download
         self._max_batch_tokens = max_batch_tokens
@@ -384,13 +429,13 @@ def _nothing() -> None:
     return None
 
 
-def _features(batch: Batch, to: dict) -> dict[str, torch.Tensor]:
+def _features(batch: Batch, lane: LaneStream) -> dict[str, torch.Tensor]:
     """The batch's feature slots on the device: `name` -> its rows `[R, ...]`, and
     `name + "_cu_rows"` -> `[n+1]` each sequence's first row (PackedInputs.features)."""
     out = {}
     for name, slot in batch.features.items():
-        out[name] = torch.from_numpy(slot.values).to(**to)
-        out[f"{name}_cu_rows"] = torch.from_numpy(slot.cu_rows).to(**to)
+        out[name] = lane.stage(slot.values)
+        out[f"{name}_cu_rows"] = lane.stage(slot.cu_rows)
     return out
 
 

@@ -114,6 +114,11 @@ class AttentionMeta:
     # The feed-forward blocks' row blocks (layers/rows.py): the widest intermediate one block may
     # hold, in bytes; 0: each layer's feed-forward runs over the whole batch at once.
     row_block_bytes: int = 0
+    # `cu_seqlens` as host ints when the caller had them: `bounds` then never waits for the device.
+    host_bounds: tuple[int, ...] | None = None
+    # The padded path takes the whole batch as one group, built on the device from the tensors
+    # above: nothing is read back, so a captured forward (engine/graphs.py) can hold it.
+    whole: bool = False
 
     @cached_property
     def slots(self) -> torch.Tensor:
@@ -134,8 +139,9 @@ class AttentionMeta:
 
     @cached_property
     def bounds(self) -> list[int]:
-        """`cu_seqlens` as Python ints (read once per forward)."""
-        return self.cu_seqlens.tolist()
+        """`cu_seqlens` as Python ints (read once per forward; on a GPU, from the host's copy when
+        the batch came with one, so the lane's stream is not synchronised mid-forward)."""
+        return list(self.host_bounds) if self.host_bounds is not None else self.cu_seqlens.tolist()
 
     @cached_property
     def uniform(self) -> bool:
@@ -155,8 +161,12 @@ class AttentionMeta:
         by more than `slack` tokens); built once per (ratio, slack). A score bias whose padded work
         costs more than its kernel calls (DeBERTa's three score terms) asks for tighter groups
         (`ScoreBias.grouping`)."""
-        key = (ratio, slack)
+        key = ("whole",) if self.whole else (ratio, slack)
         cache = self.__dict__.setdefault("_groups_within", {})
+        if self.whole and key not in cache:
+            tokens = torch.arange(self.seq_index.numel(), device=self.cu_seqlens.device)
+            group = LengthGroup(tokens, self.seq_index, self.pos_in_seq, self.key_mask, self.num_seqs, self.max_seqlen)
+            cache[key] = (group,)
         if key not in cache:
             cache[key] = self._length_groups(ratio, slack)
         return cache[key]
@@ -221,17 +231,29 @@ class AttentionMeta:
         key_lengths: torch.Tensor | None = None,
         each: bool = True,
         row_block_bytes: int = 0,
+        host_cu_seqlens: np.ndarray | None = None,
+        num_tokens: int | None = None,
+        whole: bool = False,
     ) -> AttentionMeta:
         """`key_lengths` `[n]`: keys per sequence (see the class), None when every token is one;
-        `each`: whether the CPU "each" path may be taken; `row_block_bytes`: see the class."""
+        `each`: whether the CPU "each" path may be taken; `row_block_bytes`: see the class;
+        `host_cu_seqlens`: the same boundaries on the host, when the caller has them (no device
+        read-back then: the token count and `bounds` come from them); `num_tokens`: the token
+        count alone (a captured forward's: its bounds change from replay to replay); `whole`: see
+        the class."""
         device = cu_seqlens.device
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [n]
         n = lengths.numel()
-        seq_index = torch.repeat_interleave(torch.arange(n, device=device), lengths)  # [T]
+        host = None if host_cu_seqlens is None else tuple(int(b) for b in host_cu_seqlens)
+        # With the total known, repeat_interleave does not read `lengths` back from the device.
+        total = num_tokens if host is None else host[-1]
+        seq_index = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=total)  # [T]
         starts = cu_seqlens[:-1].long()[seq_index]  # [T]
         pos_in_seq = torch.arange(seq_index.numel(), device=device) - starts
         key_mask = torch.arange(max_seqlen, device=device)[None, :] < lengths[:, None]  # [n, L]
-        return cls(cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths, each, row_block_bytes)
+        return cls(
+            cu_seqlens, max_seqlen, seq_index, pos_in_seq, key_mask, key_lengths, each, row_block_bytes, host, whole
+        )
 
 
 # Padding and unpadding move whole rows through one flat slot index (index_copy_ / index_select):
