@@ -11,6 +11,10 @@
    0.999 fp16 / 0.99 bf16), and transformers' model of the checkpoint on the device in the same
    dtype over the right-padded batch (at 0.999 both). Attention runs through flash-attn's varlen
    kernel when `flash_attn` imports, else torch's SDPA over length groups; the line says which.
+   Then the same model's forward replayed from a captured CUDA graph (engine/graphs.py: the batch
+   padded into its token bucket, on a lane's own stream) against its eager forward, at cosine
+   0.999; an architecture whose forward cannot be captured (a score bias reads the device back:
+   MPNet, DeBERTa) says so and runs eagerly, as the server would.
 2. **Peak.** The device's bf16 GEMM peak: the best of ten 8192^3 `torch.mm`.
 3. **Bench.** `shoal serve --device cuda` on "shape twins" of MiniLM-L6 and of a BERT-base-sized
    model (all-mpnet-base-v2): each model's own config.json and tokenizer (carried in .gpu/, written by
@@ -21,7 +25,9 @@
    share of the peak (MFU). Beside it, on the same device and texts, in process: sentence-
    transformers in bfloat16 (one `encode` per call, the call's texts as its batch) where it imports,
    else its recipe on transformers (AutoModel in bfloat16 over length-sorted padded batches, mean
-   pooling, normalising) — the line says which.
+   pooling, normalising) — the line says which. The MiniLM twin is also served with one lane
+   (`--lanes 1`: no second stream overlapping host work) and with `--cuda-graphs`, each beside the
+   default (two lanes, eager).
 
 Everything lands in one JSON file, `<out>/gpu_check.json`; the defaults finish in about five minutes
 on one GPU (parity under a minute, each twin's ramp 4 levels x 8 s plus the server's start and the
@@ -58,6 +64,10 @@ WHEELS = ("msgspec", "starlette", "uvicorn", "gensim", "sentence-transformers")
 MIN_COSINE = {"float16": 0.999, "bfloat16": 0.99}
 # Against transformers on the device in the same dtype: both round alike, so closer.
 MIN_COSINE_SAME_DTYPE = 0.999
+# A replayed graph against the same model's eager forward: the same kernels on the same inputs.
+MIN_COSINE_GRAPH = 0.999
+# The twin served besides as it is by default (two lanes, eager): `shoal serve` arguments by name.
+VARIANTS = {"minilm-l6": {"one-lane": ["--lanes", "1"], "cuda-graphs": ["--cuda-graphs"]}}
 
 
 # --- the architectures, as their parity tests build them ---------------------------------------------
@@ -195,10 +205,12 @@ def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
                     )
                     same = float(torch.nn.functional.cosine_similarity(out, theirs, dim=-1).min())
                     row[f"{dtype}_vs_transformers"] = round(same, 6)
+                    graph_ok = _graphed(model, batch, device, out, row, dtype)
                     ok = (
                         bool(torch.isfinite(out).all())
                         and row[dtype] >= MIN_COSINE[dtype]
                         and same >= MIN_COSINE_SAME_DTYPE
+                        and graph_ok
                     )
                     failures += not ok
                     row[f"{dtype}_ok"] = ok
@@ -207,11 +219,49 @@ def parity(device: str, dtypes: list[str]) -> tuple[list[dict], int]:
             f"  {name:12s} {row['tokens']:4d} tokens  "
             + "  ".join(
                 f"{d} cos>={row[d]:.5f} |d|<={row[d + '_max_abs']:.4f} "
-                f"vs transformers {d} {row[d + '_vs_transformers']:.5f} {'ok' if row[d + '_ok'] else 'FAIL'}"
+                f"vs transformers {d} {row[d + '_vs_transformers']:.5f} graph {row[d + '_graph']} "
+                f"{'ok' if row[d + '_ok'] else 'FAIL'}"
                 for d in dtypes
             )
         )
     return rows, failures
+
+
+def _graphed(model, batch, device: str, eager, row: dict, dtype: str) -> bool:
+    """The model's forward replayed from its bucket's captured graph (engine/graphs.py; on a CPU a
+    capture that re-runs the function, to check the script), against its eager states `eager`;
+    row[dtype + "_graph"] says the cosine, or why the model runs eagerly. False: a replay differs."""
+    import numpy as np
+    import torch
+
+    from shoal.engine.graphs import Graphs, cuda_capture
+    from shoal.engine.streams import LaneStreams
+    from shoal.engine.types import Batch, Encoded
+
+    def rerun(fn, pool):
+        states = fn()
+        return states, lambda: states.copy_(fn())
+
+    on_cuda = device.startswith("cuda")
+    graphs = Graphs(
+        model,
+        max_length=max(len(s) for s in batch.seqs),
+        max_tokens=1 << 16,
+        capture=cuda_capture if on_cuda else rerun,
+        new_pool=torch.cuda.graph_pool_handle if on_cuda else (lambda: None),
+    )
+    packed = Batch.pack([Encoded(ids=s.numpy().astype(np.int64)) for s in batch.seqs])
+    lane = LaneStreams(torch.device(device)).current()
+    with torch.inference_mode(), lane.running():
+        graphs.forward(packed, lane)  # captured here
+        states = graphs.forward(packed, lane)  # replayed
+        states = None if states is None else states.float().cpu()
+    if states is None:
+        row[f"{dtype}_graph"] = f"eager ({graphs.broken or 'does not fit'})"[:120]
+        return True  # the server runs such a model eagerly: nothing to compare
+    cosine = float(torch.nn.functional.cosine_similarity(states, eager, dim=-1).min())
+    row[f"{dtype}_graph"] = round(cosine, 6)
+    return cosine >= MIN_COSINE_GRAPH
 
 
 def bf16_peak(device: str, size: int) -> float:
@@ -286,14 +336,19 @@ def randomize_twin(name: str) -> None:
         transformers.AutoModel.from_config(config).save_pretrained(twin)
 
 
-def bench(name: str, device: str, out: Path, levels: str, step_s: float) -> dict:
+def bench(
+    name: str, device: str, out: Path, levels: str, step_s: float, variant: tuple[str, list[str]] = ("", [])
+) -> dict:
     from shoal.bench import targets
 
     randomize_twin(name)
     model = f"gpu-twin/{name}"
-    json_path = out / f"bench-{name}.json"
+    suffix = f"-{variant[0]}" if variant[0] else ""
+    json_path = out / f"bench-{name}{suffix}.json"
     with targets.shoal_serve(
-        model, out / f"serve-{name}.log", args=["--device", device, "--models-dir", str(GPU_DIR / "cards")]
+        model,
+        out / f"serve-{name}{suffix}.log",
+        args=["--device", device, "--models-dir", str(GPU_DIR / "cards"), *variant[1]],
     ) as (url, _):
         subprocess.run(
             [
@@ -419,6 +474,20 @@ def run(args) -> int:
                 + f"; {base['what']}: {base['tokens_per_s']:,.0f} tokens/s"
                 + (f" ({ratio:.2f}x)" if ratio else "")
             )
+            for label, serve_args in VARIANTS.get(twin, {}).items() if not args.skip_variants else ():
+                other = bench(twin, device, out, args.levels, args.step_s, (label, serve_args))
+                other_knee = (other.get("targets", {}).get("shoal", {}) or {}).get("knee") or {}
+                other_tokens = other_knee.get("tokens_per_s")
+                record["bench"][twin][label] = {
+                    "serve_args": serve_args,
+                    "knee": other_knee,
+                    "over_default_tokens": other_tokens / tokens if other_tokens and tokens else None,
+                }
+                print(
+                    f"{twin} {label} ({' '.join(serve_args)}): knee {other_tokens or 0:,.0f} tokens/s, "
+                    f"p99 {other_knee.get('p99_ms') or 0:.0f} ms"
+                    + (f" ({other_tokens / tokens:.2f}x the default)" if other_tokens and tokens else "")
+                )
     (out / "gpu_check.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out / 'gpu_check.json'}; parity failures: {failures}")
     return 1 if failures else 0
@@ -434,6 +503,7 @@ def main() -> int:
     run_parser.add_argument("--levels", default="1,4,16,64", help="closed-loop clients of the bench")
     run_parser.add_argument("--step-s", type=float, default=8.0)
     run_parser.add_argument("--skip-bench", action="store_true")
+    run_parser.add_argument("--skip-variants", action="store_true", help="only the default serve of each twin")
     run_parser.add_argument("--baseline-s", type=float, default=15.0, help="seconds of the in-process baseline")
     args = parser.parse_args()
     return prepare() if args.command == "prepare" else run(args)

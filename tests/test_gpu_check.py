@@ -1,7 +1,7 @@
 """bench/gpu_check.py, the script a session lent a GPU runs, runs here on the CPU: its parity part
-(every architecture in bfloat16 against CPU float32 and against transformers in bfloat16) and its
-JSON file. The GPU's own kernels and figures need the device; this keeps the script from rotting
-between the sessions that have one."""
+(every architecture in bfloat16 against CPU float32, against transformers in bfloat16, and replayed
+from its token bucket's graph against its eager forward) and its JSON file. The GPU's own kernels
+and figures need the device; this keeps the script from rotting between the sessions that have one."""
 
 from __future__ import annotations
 
@@ -38,4 +38,6 @@ def test_the_gpu_check_script_runs_its_parity_on_the_cpu_and_writes_its_json(tmp
         assert row["bfloat16_ok"], (name, row)
         assert 0.999 <= row["bfloat16_vs_transformers"] <= 1.0 + 1e-6, (name, row)
         assert row["bfloat16"] < 0.999999, (name, "bfloat16 really ran")
+        # Replayed from its token bucket's graph (on the CPU a capture that re-runs): the same states.
+        assert isinstance(row["bfloat16_graph"], float) and row["bfloat16_graph"] >= 0.999, (name, row)
     assert record["bf16_peak_flops"] > 0
