@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from shoal.catalog.card import ROW_BLOCK_BYTES
 from shoal.layers import AttentionMeta, RMSNorm, Rotary, apply_rotary, in_row_blocks, varlen_attention
-from shoal.layers.attention import EACH_MAX_SEQLEN, attention_path
+from shoal.layers.attention import EACH_MAX_SEQLEN, PositionBias, attention_path
 from shoal.layers.rows import MIN_BLOCK_ROWS, block_rows
 
 LENGTHS = [5, 1, 17, 9, 32, 70, 40]  # two length groups in the padded CPU path
@@ -80,8 +80,9 @@ def test_each_cpu_attention_path_equals_per_sequence_attention(lengths, path):
         assert (out[start:end] - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("path", ["each", "padded"])
 @pytest.mark.parametrize("extra_positions", [0, 9], ids=["bias-of-the-longest", "longer-bias"])
-def test_varlen_attention_adds_a_relative_position_bias_per_sequence(extra_positions):
+def test_varlen_attention_adds_a_relative_position_bias_per_sequence(extra_positions, path):
     torch.manual_seed(0)
     H, T, D, L = 4, sum(LENGTHS), 8, max(LENGTHS)
     q, k, v = torch.randn(T, H, D), torch.randn(T, H, D), torch.randn(T, H, D)
@@ -89,7 +90,9 @@ def test_varlen_attention_adds_a_relative_position_bias_per_sequence(extra_posit
     relative = torch.arange(Lb)[None, :] - torch.arange(Lb)[:, None]  # j - i
     bias = torch.randn(H, 2 * Lb - 1)[:, relative + Lb - 1]  # [H, Lb, Lb], a function of j - i only
     cu = torch.tensor([0] + LENGTHS).cumsum(0).to(torch.int32)
-    out = varlen_attention(q, k, v, AttentionMeta.build(cu, L), bias=bias)
+    meta = AttentionMeta.build(cu, L, each=path == "each")
+    assert attention_path(q, k, meta, bias=PositionBias(bias)) == path  # float32 on a CPU: each, unless turned off
+    out = varlen_attention(q, k, v, meta, bias=bias)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         expected = naive_attention(q[start:end], k[start:end], v[start:end], False, None, bias)
         assert (out[start:end] - expected).abs().max().item() <= 1e-5

@@ -11,10 +11,11 @@ call's masking, says which a call takes):
 
 - flash-attn's `flash_attn_varlen_func` on CUDA in fp16/bf16 when the package is installed: it
   reads the packed layout directly, no padding and no mask anywhere.
-- on CPU in float32, full attention (no causal or window mask, no bias, no key cut, no grouped-query
-  heads) over sequences of unequal lengths, none past EACH_MAX_SEQLEN: each sequence on its own, as
-  two batched matmuls over its heads and a softmax, read straight from the packed rows (views, no
-  padding, no mask, no gather). Padded groups pay for their padding, their key mask and their
+- on CPU in float32, full attention (no causal or window mask, no key cut, no grouped-query heads;
+  no bias but a `PositionBias`) over sequences of unequal lengths, none past EACH_MAX_SEQLEN: each
+  sequence on its own, as two batched matmuls over its heads and a softmax, read straight from the
+  packed rows (views, no padding, no mask, no gather); a position bias is the first matmul's
+  addend, its table's top-left corner (MPNet). Padded groups pay for their padding, their key mask and their
   gathers, and for head dims of 32-64 the matmuls outrun the fused CPU kernel (docs/benchmarks.md,
   CPU kernels). Past ~512
   tokens the `[H, L, L]` scores cost more than the fused kernel saves, and sequences all of one
@@ -55,8 +56,8 @@ from .attention_meta import GROUP_RATIO, GROUP_SLACK, AttentionMeta, LengthGroup
 class ScoreBias(Protocol):
     """An additive term in the attention scores: softmax(scale * q.k + bias) within each sequence.
 
-    The padded path asks it for each length group's bias; no other kernel takes one, so a call with
-    a bias runs padded.
+    The padded path asks it for each length group's bias; of the other kernels only the CPU's "each"
+    takes one, and only a `PositionBias`, so a call with any other bias runs padded.
     """
 
     @property
@@ -124,7 +125,7 @@ def varlen_attention(
     if path == "flash":
         return _flash(q, k, v, meta, causal, scale, window)
     if path == "each":
-        return _attend_each(q, k, v, meta, scale)
+        return _attend_each(q, k, v, meta, scale, bias if isinstance(bias, PositionBias) else None)
     attend = functools.partial(_sdpa_group, causal=causal, scale=scale, window=window, bias=bias)
     return meta.per_group(attend, q, k, v, groups=None if bias is None else meta.groups_within(*bias.grouping))
 
@@ -151,7 +152,7 @@ def attention_path(
         and q.dtype == torch.float32
         and not causal
         and window is None
-        and bias is None
+        and (bias is None or isinstance(bias, PositionBias))
         and meta.key_lengths is None
         and k.shape[1] == q.shape[1]
         and meta.max_seqlen <= EACH_MAX_SEQLEN
@@ -162,15 +163,26 @@ def attention_path(
 
 
 def _attend_each(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMeta,
+    scale: float | None,
+    bias: PositionBias | None = None,
 ) -> torch.Tensor:
-    """Full attention, one sequence at a time, on views of the packed rows: `[T, H, D]`."""
+    """Full attention, one sequence at a time, on views of the packed rows: `[T, H, D]`; a position
+    bias's `[H, L, L]` corner is added to each sequence's scores."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     out = torch.empty_like(q)
     bounds = meta.bounds
     for start, stop in zip(bounds[:-1], bounds[1:]):
         qs, ks, vs = (x[start:stop].transpose(0, 1) for x in (q, k, v))  # [H, L, D] views
-        weights = torch.matmul(qs, ks.transpose(1, 2)).mul_(scale).softmax(-1)  # [H, L, L]
+        if bias is None:
+            scores = torch.matmul(qs, ks.transpose(1, 2)).mul_(scale)  # [H, L, L]
+        else:
+            n = stop - start
+            scores = torch.baddbmm(bias.table[:, :n, :n], qs, ks.transpose(1, 2), alpha=scale)  # [H, L, L]
+        weights = scores.softmax(-1)
         out[start:stop] = torch.matmul(weights, vs).transpose(0, 1)
     return out
 
