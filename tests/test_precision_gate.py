@@ -13,6 +13,9 @@ corpus the gensim wheel ships (the 50 scored documents and 150 background ones),
   cosine ranking's Kendall tau to float32's is >= 0.98 (shoal scores with an encoder card by these
   cosines).
 
+A LoRA adapter runs in its base's dtype, so the same cosine and score-order bars hold for a PEFT
+adapter on MiniLM's bfloat16 base (against the adapter on its float32 base).
+
 The cards that list nothing stay float32 everywhere. A card may list a precision only when its
 real weights are installed here (the gate cannot run on random weights), which the first test
 checks; the gate's bfloat16 runs wherever torch runs it (emulated on a CPU without native bf16:
@@ -60,14 +63,16 @@ def _texts() -> tuple[list[str], list[str], np.ndarray]:
     return docs + [b for b in background if b][:150], docs, human
 
 
-def _outputs(runner: ModelRunner, texts: list[str], batch: int = 32) -> np.ndarray:
-    """One row per text: its dense vector, or its sparse weights over the vocabulary."""
+def _outputs(runner: ModelRunner, texts: list[str], batch: int = 32, slot: int | None = None) -> np.ndarray:
+    """One row per text: its dense vector, or its sparse weights over the vocabulary (under the
+    adapter in `slot`, if one is given)."""
     output = runner.card.outputs[0]
     spec = EncodeSpec(normalize=True, dimensions=None, output_dtype="float32", outputs=(output,))
     rows = []
     for start in range(0, len(texts), batch):
         seqs = runner.tokenizer.encode(texts[start : start + batch], truncate=True)
-        for item in runner.forward(Batch.pack(seqs), [spec] * len(seqs)):
+        slots = None if slot is None else [slot] * len(seqs)
+        for item in runner.forward(Batch.pack(seqs, slots), [spec] * len(seqs)):
             if output == "dense":
                 rows.append(np.asarray(item.dense, dtype=np.float64))
             else:
@@ -122,3 +127,64 @@ def test_score_order_keeps_kendall_tau_098(runs):
     scores = {dtype: _scores(queries, texts[:n]) for dtype, (texts, queries) in out.items()}
     taus = [kendalltau(scores["float32"][q], scores["bfloat16"][q]).statistic for q in range(len(scores["float32"]))]
     assert min(taus) >= MIN_KENDALL_TAU, (card.id, min(taus))
+
+
+# --- a LoRA adapter on a bfloat16 base --------------------------------------------------------------
+
+LORA_BASE = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def adapter_runs(tmp_path_factory):
+    """(float32, bfloat16) outputs of the gated MiniLM card under a LoRA adapter on every attention
+    and feed-forward projection, on the texts and the queries.
+
+    The adapter is PEFT's, with seeded random A and B (tests/lora_models.py), B scaled by 0.1. It
+    moves the vectors by up to cosine 0.81 to the base's: more than a fine-tune's small deltas.
+    Measured 2026-12-06 (lowest cosine to float32, lowest Kendall tau):
+    - scale 0.1: 0.99991 and 0.984 (passes);
+    - scale 0.3: 0.99983 and 0.976. The order fails the 0.98 bar; some vectors sit at cosine 0.09
+      to the base's;
+    - scale 1: the deltas are as large as the base projections. The model is degenerate (its
+      vectors' lowest cosine to the base's is -0.12), and bfloat16's cosine falls to 0.93.
+    So an adapter that rewrites its base this much should be served in float32
+    (`--no-reduced-precision`)."""
+    import torch
+    import transformers
+
+    from lora_models import save_adapter
+
+    card = CATALOG.get(LORA_BASE)
+    assert "bfloat16" in card.precisions
+    directory = resolve_weights(card, allow_download=False)
+    reference = transformers.AutoModel.from_pretrained(directory).eval()
+    adapter = tmp_path_factory.mktemp("adapter")
+    model = save_adapter(
+        reference, adapter, seed=3, r=8, lora_alpha=16, target_modules=["query", "key", "value", "dense"]
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.mul_(0.1)
+    model.save_pretrained(adapter)
+    texts, docs, _ = _texts()
+    queries = [doc.split(". ")[0] for doc in docs[::2]]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner.from_dir(msgspec.structs.replace(card, dtype=dtype), directory, "cpu")
+        slot = runner.add_adapter("tuned", adapter)
+        plain = _outputs(runner, texts[:8])
+        out[dtype] = (_outputs(runner, texts, slot=slot), _outputs(runner, queries, slot=slot))
+        assert _cosines(plain, out[dtype][0][:8]).min() < 0.9, "the adapter changes the vectors"
+        del runner
+    return out, len(docs)
+
+
+def test_a_lora_adapter_on_a_bfloat16_base_keeps_cosine_099_and_the_score_order(adapter_runs):
+    out, n = adapter_runs
+    cosines = _cosines(out["bfloat16"][0], out["float32"][0])
+    assert cosines.min() >= MIN_COSINE, cosines.min()
+    assert cosines.min() < 0.999999, "bfloat16 really ran"
+    scores = {dtype: _scores(queries, texts[:n]) for dtype, (texts, queries) in out.items()}
+    taus = [kendalltau(scores["float32"][q], scores["bfloat16"][q]).statistic for q in range(len(scores["float32"]))]
+    assert min(taus) >= MIN_KENDALL_TAU, min(taus)
