@@ -278,6 +278,36 @@ def test_shoal_bench_prints_the_knee_and_writes_json_and_a_png(base_url, tmp_pat
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_shoal_bench_measures_a_float32_server_beside_shoal_in_the_same_run_and_prints_per_core(base_url, tmp_path):
+    """`--against shoal-float32` starts a second `shoal serve` with reduced precision off and ramps it
+    on the same calls; the run ends with every figure per usable core (the one-run table)."""
+    from shoal.cpuinfo import usable_cores
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        SHOAL
+        + ["bench", MODEL_ID, "--url", base_url, "--workload", "queries", "--mode", "closed", "--levels", "1"]
+        + ["--step-s", "1", "--p99-ms", "5000", "--json-out", str(out), "--against", "shoal-float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    assert record["precisions"]["shoal-float32"] == "float32"
+    assert record["precisions"]["shoal"] == record["precision"]
+    knees = {name: record["targets"][name]["knee"] for name in ("shoal", "shoal-float32")}
+    assert all(knee and knee["ok"] > 0 for knee in knees.values())
+    assert record["targets"]["shoal-float32"]["url"] != base_url  # its own server
+    ratio = knees["shoal"]["tokens_per_s"] / knees["shoal-float32"]["tokens_per_s"]
+    assert record["ratios"]["shoal_over_float32_tokens"] == pytest.approx(ratio, rel=1e-3)
+    cores = usable_cores()
+    for name, found in knees.items():
+        assert record["per_core_tokens"][name] == pytest.approx(found["tokens_per_s"] / cores, abs=0.1)
+    assert f"per core ({cores} usable)" in proc.stdout and "shoal-float32" in proc.stdout
+
+
 INFINITY_VENV = Path(__file__).resolve().parents[1] / ".tools" / "infinity"
 INFINITY = INFINITY_VENV / "bin" / "infinity_emb"
 

@@ -158,6 +158,10 @@ def _figure(base: InProcess) -> dict:
     return record
 
 
+# `--against shoal-float32`: the same model on a second server with reduced precision off.
+FLOAT32 = "shoal-float32"
+
+
 def run(args) -> int:
     from ..catalog import Catalog, resolve_weights
 
@@ -185,10 +189,10 @@ def run(args) -> int:
         )
     if args.mode == "closed" and any(level != int(level) for level in args.levels or ()):
         raise ConfigError(f"--levels {args.levels}: closed-loop levels are client counts (whole numbers)")
-    if against and verb != "encode" and not (verb == "score" and set(against) <= set(RUNTIMES)):
+    if against and verb != "encode" and not (verb == "score" and set(against) <= {*RUNTIMES, FLOAT32}):
         raise ConfigError(
             f"--against {','.join(against)}: workload {args.workload} is {verb}; only the CPU runtimes "
-            f"({','.join(RUNTIMES)}) score pairs, the other baselines embed"
+            f"({','.join(RUNTIMES)}) and {FLOAT32} score pairs, the other baselines embed"
         )
     try:
         model_dir = resolve_weights(card, allow_download=False)
@@ -231,17 +235,21 @@ def run(args) -> int:
     ramps: dict[str, tuple[list[Step], Step | None]] = {}
     served: list = []  # shoal's vectors (or raw scores) for the first call, for a baseline to equal
     precision = None  # what shoal's model computes in, as /v1/models says (float32, bfloat16, int8)
+    precisions: dict[str, str | None] = {}  # each shoal target's
     with tempfile.TemporaryDirectory() as tmp:
-        targets = [("shoal", None)] + [("infinity", None)] * ("infinity" in against)
-        for name, _ in targets:
+        targets = ["shoal"] + [FLOAT32] * (FLOAT32 in against) + ["infinity"] * ("infinity" in against)
+        for name in targets:
             with ExitStack() as stack:
                 if name == "shoal" and args.url:
                     url = args.url
-                elif name == "shoal":
+                elif name in ("shoal", FLOAT32):
                     from .targets import shoal_serve
 
                     serve_args = [a for d in args.models_dir or () for a in ("--models-dir", d)]
-                    url, _ = stack.enter_context(shoal_serve(card.id, Path(tmp) / "serve.log", args=serve_args))
+                    env = {"SHOAL_REDUCED_PRECISION": "false"} if name == FLOAT32 else None
+                    url, _ = stack.enter_context(
+                        shoal_serve(card.id, Path(tmp) / f"{name}.log", args=serve_args, env=env)
+                    )
                 else:
                     from .targets import infinity_serve
 
@@ -251,17 +259,27 @@ def run(args) -> int:
                             args.infinity, model_dir, Path(tmp) / "infinity.log", batch_size=args.infinity_batch_size
                         )
                     )
-                if name == "shoal":
-                    precision = _precision_of(url, card.id, args.api_key)
-                    print(f"shoal serves {card.id} in {precision or 'an unreported precision'}")
-                if name == "shoal" and any(a in against for a in ("transformers", *RUNTIMES)):
+                if name in ("shoal", FLOAT32):
+                    precisions[name] = _precision_of(url, card.id, args.api_key if name == "shoal" else None)
+                    print(f"{name} serves {card.id} in {precisions[name] or 'an unreported precision'}")
+                # The runtimes are checked against shoal's float32 vectors where the run has them.
+                reference = FLOAT32 if FLOAT32 in against else "shoal"
+                if name == reference and any(a in against for a in ("transformers", *RUNTIMES)):
                     from .targets import served_scores, served_vectors
 
                     fetch = served_scores if verb == "score" else served_vectors
-                    served = fetch(url, card.id, workload.calls[0], token=args.api_key)
+                    token = args.api_key if name == "shoal" else None
+                    served = fetch(url, card.id, workload.calls[0], token=token)
                 target = (
-                    HttpTarget(name, url, card.id, workload, msgpack=args.msgpack, token=args.api_key)
-                    if name == "shoal"
+                    HttpTarget(
+                        name,
+                        url,
+                        card.id,
+                        workload,
+                        msgpack=args.msgpack,
+                        token=args.api_key if name == "shoal" else None,
+                    )
+                    if name in ("shoal", FLOAT32)
                     else HttpTarget(
                         name, url, "model", workload, wire="openai", openai_path="/embeddings", call_tokens=per_call
                     )
@@ -275,6 +293,13 @@ def run(args) -> int:
     lines = [_knee_line(name, found, bounds.p99_ms, noun) for name, (_, found) in ramps.items()]
     ratios: dict[str, float] = {}
     shoal_knee = ramps["shoal"][1]
+    precision = precisions.get("shoal")
+    float32_knee = ramps.get(FLOAT32, (None, None))[1]
+    if shoal_knee and float32_knee:
+        ratios["shoal_over_float32_tokens"] = shoal_knee.tokens_per_s / float32_knee.tokens_per_s
+        lines.append(
+            f"shoal ({precision}) / shoal float32 at the knee: {ratios['shoal_over_float32_tokens']:.2f}x tokens/s"
+        )
     inf_knee = ramps.get("infinity", (None, None))[1]
     if shoal_knee and inf_knee:
         ratios["shoal_over_infinity_rps"] = shoal_knee.achieved_rps / inf_knee.achieved_rps
@@ -321,10 +346,20 @@ def run(args) -> int:
         assert model_dir is not None  # --against needs the local folder (checked above)
         refused = (
             _runtimes(
-                names, model_dir, workload, card.max_length, args.step_s, served, shoal_knee, lines, ratios, runtimes
+                names,
+                model_dir,
+                workload,
+                card.max_length,
+                args.step_s,
+                served,
+                {"shoal": shoal_knee, FLOAT32: float32_knee},
+                lines,
+                ratios,
+                runtimes,
             )
             or refused
         )
+    per_core = _per_core(ramps, precisions, baseline if "st" in against else None, runtimes, lines)
     flops = None
     if no_cost:
         lines.append(no_cost)
@@ -365,6 +400,8 @@ def run(args) -> int:
         date=time.strftime("%Y-%m-%dT%H:%M:%S"),
         targets=results,
         precision=precision,
+        precisions=precisions,
+        per_core_tokens=per_core,
         baseline=baseline,
         equality=equality,
         runtimes=runtimes or None,
@@ -380,9 +417,10 @@ def run(args) -> int:
     return 0 if shoal_knee and not refused else 1
 
 
-def _runtimes(names, model_dir, workload, max_length, duration_s, served, shoal_knee, lines, ratios, out) -> bool:
+def _runtimes(names, model_dir, workload, max_length, duration_s, served, knees, lines, ratios, out) -> bool:
     """ONNX Runtime and OpenVINO in this process (bench/runtimes.py) on the workload's texts, each
-    checked equal to shoal's first call before its figure counts; True if one was refused."""
+    checked equal to shoal's first call before its figure counts; True if one was refused. `knees`:
+    each shoal target's knee (None: not measured), which the runtimes' figures are set beside."""
     import torch
 
     from .runtimes import BATCH_SIZES, export_onnx, runtime_baseline
@@ -416,11 +454,36 @@ def _runtimes(names, model_dir, workload, max_length, duration_s, served, shoal_
                 f"to shoal {cosine:.6f}): {figure.tokens_per_s:,.0f} tokens/s, {figure.items_per_s:.1f} texts/s "
                 f"at batch {figure.batch_size} ({tried})"
             )
-            if shoal_knee:
-                key = f"shoal_over_{name.replace('-', '_')}_tokens"
-                ratios[key] = shoal_knee.tokens_per_s / figure.tokens_per_s
-                lines.append(f"shoal knee / {name}: {ratios[key]:.2f}x tokens/s")
+            for target, found in knees.items():
+                if found:
+                    key = f"{target.replace('-', '_')}_over_{name.replace('-', '_')}_tokens"
+                    ratios[key] = found.tokens_per_s / figure.tokens_per_s
+                    lines.append(f"{target} knee / {name}: {ratios[key]:.2f}x tokens/s")
     return refused
+
+
+def _per_core(ramps, precisions, baseline, runtimes, lines) -> dict[str, float]:
+    """Every figure of the run in tokens/s per usable core, one line each, shoal's knees first: the
+    one-run table (docs/benchmarks.md). The runtimes and sentence-transformers run in process, shoal
+    over HTTP with its client on the same cores."""
+    from ..cpuinfo import usable_cores
+
+    cores = usable_cores()
+    rows: dict[str, tuple[float, str]] = {}
+    for name, (_, found) in ramps.items():
+        if found and name != "infinity":
+            rows[name] = (found.tokens_per_s, f"{precisions.get(name) or '?'}, over HTTP")
+    if baseline:
+        rows["sentence-transformers"] = (baseline["tokens_per_s"], "in process")
+    for name, measured in runtimes.items():
+        if measured["figure"]:
+            rows[name] = (measured["figure"]["tokens_per_s"], "in process")
+    if not rows:
+        return {}
+    lines.append(f"the run, tokens/s and per core ({cores} usable):")
+    for name, (tokens, how) in rows.items():
+        lines.append(f"  {name:22s} {tokens:10,.0f}  {tokens / cores:9,.0f} per core  ({how})")
+    return {name: round(tokens / cores, 1) for name, (tokens, _) in rows.items()}
 
 
 def _precision_of(url: str, model_id: str, token: str | None) -> str | None:

@@ -156,7 +156,11 @@ VERBS = {
 }
 MODALITIES = {"images": "image"}  # what a workload's items are; the others send text
 # What `--against` may put beside shoal for each modality.
-BASELINES = {"text": ("st", "infinity", "ort", "ort-int8", "openvino", "openvino-bf16"), "image": ("transformers",)}
+# `shoal-float32`: a second shoal server with reduced precision off (engine/precision.py), in the same run.
+BASELINES = {
+    "text": ("shoal-float32", "st", "infinity", "ort", "ort-int8", "openvino", "openvino-bf16"),
+    "image": ("transformers",),
+}
 # The p99 bound a knee is held to by default: what a user of each kind of call would accept. A call
 # of 16 photos is a bulk job: ViT-B/32 takes ~0.1 s of two CPU cores an image.
 DEFAULT_P99_MS = {
