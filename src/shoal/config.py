@@ -183,6 +183,38 @@ class ClusterSettings:
     nats_url: str = setting(
         "nats://127.0.0.1:4222", "the NATS server with JetStream", commands=("gateway", "worker"), metavar="URL"
     )
+    # cluster/nats_auth.py: one kind of credentials (user and password, a creds file, an nkey seed).
+    nats_user: str = setting(
+        "",
+        "the NATS user (its password: the variable SHOAL_NATS_PASSWORD)",
+        commands=("gateway", "worker"),
+        metavar="USER",
+    )
+    nats_password: str = setting("", "the NATS user's password", secret=True, commands=("gateway", "worker"))
+    nats_creds_file: Path | None = setting(
+        None,
+        "a NATS credentials file (JWT and nkey seed, as `nsc` writes it)",
+        commands=("gateway", "worker"),
+        metavar="FILE",
+    )
+    nats_nkey_seed_file: Path | None = setting(
+        None, "a file holding the NATS user's nkey seed (SU...)", commands=("gateway", "worker"), metavar="FILE"
+    )
+    nats_tls_ca_file: Path | None = setting(
+        None,
+        "the CA certificate (PEM) that signed the NATS server's; set, or a tls:// URL: TLS to NATS",
+        commands=("gateway", "worker"),
+        metavar="FILE",
+    )
+    nats_tls_cert_file: Path | None = setting(
+        None,
+        "a client certificate (PEM) for a NATS server that verifies clients",
+        commands=("gateway", "worker"),
+        metavar="FILE",
+    )
+    nats_tls_key_file: Path | None = setting(
+        None, "the client certificate's private key (PEM)", commands=("gateway", "worker"), metavar="FILE"
+    )
     pool: str = setting(
         "default",
         "the worker pool: workers serve the subjects shoal.work.<pool>.<model>; a "
@@ -212,6 +244,11 @@ class ClusterSettings:
         5.0,
         "longest wait for a publish's ack (while NATS is unreachable a gateway answers 503 at once)",
         commands=_GATEWAY,
+    )
+    # Payloads outlive their call only when a gateway crashed before deleting them.
+    payload_ttl_s: float = setting(
+        3600.0,
+        "large calls and results in the Object Store expire after this long (keep it above the longest call timeout)",
     )
     payload_headroom_bytes: int = setting(
         64 * 1024, "calls and results larger than the server's message limit less this go through the Object Store"

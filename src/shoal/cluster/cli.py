@@ -134,12 +134,16 @@ def wait_for_port(port: int, timeout_s: float, process: subprocess.Popen | None 
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:.0f} s")
 
 
-def start_nats(port: int, store_dir: Path, *, log_file=None, die_with_parent: bool = False) -> subprocess.Popen:
-    """nats-server with JetStream on loopback, its store in `store_dir`; with `die_with_parent`, Linux
-    sends it SIGTERM (it flushes its store and exits) when this process dies."""
+def start_nats(
+    port: int, store_dir: Path, *, config: Path | None = None, log_file=None, die_with_parent: bool = False
+) -> subprocess.Popen:
+    """nats-server with JetStream on loopback, its store in `store_dir`, its users (and TLS) from
+    `config` (a configuration file: `nats_auth.server_config`); with `die_with_parent`, Linux sends it
+    SIGTERM (it flushes its store and exits) when this process dies."""
+    configured = ["-c", str(config)] if config else []
     # Its own session: a Ctrl-C in the terminal reaches dev-cluster, which stops the parts in order.
     process = subprocess.Popen(
-        [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)],
+        [nats_server_binary(), *configured, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)],
         stdout=log_file or subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -160,37 +164,59 @@ def cmd_dev_cluster(args: argparse.Namespace, settings: Settings) -> int:
     one killed with SIGKILL. The children run in their own sessions, so the terminal's Ctrl-C
     reaches only this process, which then stops the gateway, drains the workers (SIGTERM) and stops
     NATS, in that order. The children get the settings through their SHOAL_* variables, the NATS
-    URL as a flag."""
+    URL as a flag.
+
+    NATS lets no one in without credentials: each run makes an nkey for the gateway and one for the
+    workers (nats_auth.DevCredentials, their seeds in a directory only this user reads, removed at
+    exit), each allowed only what its role publishes and reads."""
+    from .nats_auth import GATEWAY, WORKER, DevCredentials, server_config
+
     nats_port = args.nats_port or free_port()
     store = Path(args.store_dir) if args.store_dir else Path(tempfile.mkdtemp(prefix="shoal-nats-"))
+    secrets_dir = Path(tempfile.mkdtemp(prefix="shoal-dev-cluster-"))  # mode 0700
+    credentials = DevCredentials.make(secrets_dir)
+    nats_config = secrets_dir / "nats.conf"
+    nats_config.write_text(server_config(credentials.users()))
     url = f"nats://127.0.0.1:{nats_port}"
     shoal = [sys.executable, "-m", "shoal.cli"]
     threads = {"OMP_NUM_THREADS": str(args.threads_per_worker)} if args.threads_per_worker else {}
-    env = child_environ(settings, **threads)
+
+    def environ(role: str) -> dict[str, str]:
+        """The settings of a gateway or a worker: the role's nkey, and no other credentials."""
+        cluster = replace(
+            settings.cluster,
+            nats_user="",
+            nats_password="",
+            nats_creds_file=None,
+            nats_nkey_seed_file=credentials.seed_files[role],
+        )
+        return child_environ(replace(settings, cluster=cluster), **threads)
+
     # SIGKILL: a worker told SIGTERM would drain against a NATS that is going away too; what it held
     # is redelivered from the store. Every part is forked from this (main) thread, for the kernel
     # sends the signal when the forking thread exits.
     preexec = supervisor.die_with_parent(signal.SIGKILL)
 
-    def spawn(cmd: list[str]) -> Callable[[], subprocess.Popen]:
+    def spawn(cmd: list[str], role: str) -> Callable[[], subprocess.Popen]:
+        env = environ(role)
         return lambda: subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=preexec)
 
     parts = supervisor.Supervisor(stop_timeout_s=args.stop_timeout_s)
     try:
-        parts.start("nats-server", lambda: start_nats(nats_port, store, die_with_parent=True))
+        parts.start("nats-server", lambda: start_nats(nats_port, store, config=nats_config, die_with_parent=True))
         for i in range(args.workers):
             cmd = [*shoal, "worker", "--nats-url", url]
             for m in args.preload or []:
                 cmd += ["--preload", m]
             if args.metrics_port:
                 cmd += ["--metrics-port", str(args.metrics_port + i)]
-            parts.start(f"worker {i}", spawn(cmd))
-        gateway = parts.start("gateway", spawn([*shoal, "gateway", "--nats-url", url]))
+            parts.start(f"worker {i}", spawn(cmd, WORKER))
+        gateway = parts.start("gateway", spawn([*shoal, "gateway", "--nats-url", url], GATEWAY))
         host, port = settings.server.host, settings.server.port
         wait_for_port(port, 60.0, gateway)
         print(
-            f"shoal dev-cluster: http://{host}:{port} (gateway) · {url} (NATS, store {store}) · "
-            f"{args.workers} worker(s); Ctrl-C stops them all",
+            f"shoal dev-cluster: http://{host}:{port} (gateway) · {url} (NATS, store {store}; "
+            f"its users' nkey seeds in {secrets_dir}) · {args.workers} worker(s); Ctrl-C stops them all",
             flush=True,
         )
         parts.run()
@@ -200,6 +226,7 @@ def cmd_dev_cluster(args: argparse.Namespace, settings: Settings) -> int:
         parts.stop()  # gateway, workers (they drain), then NATS
         if not args.store_dir:
             shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(secrets_dir, ignore_errors=True)
     return 1 if parts.reason else 0
 
 

@@ -36,13 +36,14 @@ from .. import calls
 from ..calls import AnyCall, AnyResult, ErrorResult, timeout_of
 from ..catalog import Catalog
 from ..config import Settings
-from ..errors import QueueUnavailable
+from ..errors import ConfigError, QueueUnavailable
 from ..metrics import GatewayMetrics, Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
 from ..verbs import estimate_tokens
 from . import dead_letters, payloads, publishing, queue_gauges, rpc
 from . import protocol as p
 from .directory import Holders, WorkerDirectory
+from .nats_auth import connect_options
 from .publishing import time_left_s
 
 __all__ = ["GatewayMetrics", "RemoteService"]
@@ -67,6 +68,12 @@ class RemoteService:
         # consumer it reads the whole stream's) and the queue gauges show them.
         self.consumers = consumers
         self.cluster = settings.cluster
+        connect_options(self.cluster)  # a ConfigError now (a missing file, a user without password), not at connect
+        if self.cluster.payload_ttl_s <= settings.engine.request_timeout_s:
+            raise ConfigError(
+                f"payload_ttl_s ({self.cluster.payload_ttl_s:g}) must be above request_timeout_s "
+                f"({settings.engine.request_timeout_s:g}): a large call's payload would expire before its deadline"
+            )
         self.catalog = catalog
         self.metrics = metrics or Metrics()
         self.gm = GatewayMetrics(self.metrics.registry)
@@ -127,7 +134,7 @@ class RemoteService:
 
     async def _connect(self) -> None:
         nc = await p.connect(
-            self.cluster.nats_url,
+            self.cluster,
             f"shoal-gateway {self.id}",
             on_disconnect=self._on_disconnect,
             on_reconnect=self._on_reconnect,

@@ -4,7 +4,8 @@ their headers need) travel through the NATS Object Store, bucket `shoal_payloads
     gateway  call over the limit ─put_call─▶ "call-<key>"; the message is empty, Shoal-Object names it
     worker   read_object(call) ... result over the limit ─put─▶ "result-<key>"; the reply names it
     gateway  read_reply ─▶ delete_object (a call's object too, once answered or given up); a late or
-             second reply's object is deleted unread. The bucket's TTL (24 h) removes what a crash leaves.
+             second reply's object is deleted unread. The bucket's TTL (`payload_ttl_s`) removes what a
+             crash leaves.
 """
 
 from __future__ import annotations

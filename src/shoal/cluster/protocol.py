@@ -5,7 +5,8 @@
                      call (msgpack, `shoal.calls`), or empty with `Shoal-Object` naming it in the
                      Object Store when it is larger than the server's message limit
     SHOAL_DEAD       the dead letters: JetStream's max-deliveries advisories for SHOAL_WORK
-    shoal_payloads   the Object Store bucket of large calls and results while in flight
+    shoal_payloads   the Object Store bucket of large calls and results while in flight; they
+                     expire after `payload_ttl_s` (what a crashed gateway leaves behind)
     shoal.hb.<id>    a worker's heartbeat (core NATS, every `heartbeat_s`); `shoal.ping` asks every
                      worker for one at once (a gateway that starts)
     shoal.cancel     a request id whose caller went away: a worker holding its call drops it
@@ -22,6 +23,7 @@ import asyncio
 import functools
 import logging
 import re
+import ssl
 import time
 
 import msgspec
@@ -133,12 +135,24 @@ class RpcReply(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 async def connect(
-    url: str, name: str, *, on_disconnect=None, on_reconnect=None, connect_timeout_s: float = 2.0, quiet=lambda: False
+    settings: ClusterSettings,
+    name: str,
+    *,
+    on_disconnect=None,
+    on_reconnect=None,
+    connect_timeout_s: float = 2.0,
+    quiet=lambda: False,
 ):
-    """A NATS connection that reconnects forever (the first attempt included: `nats.connect`
-    gives up on a server that is down at start, so this retries it with a back-off). `quiet()`
-    true: the owner is closing it, a disconnect is no news."""
+    """A NATS connection to `settings.nats_url`, with its credentials and TLS (`nats_auth`), that
+    reconnects forever (the first attempt included: `nats.connect` gives up on a server that is
+    down at start, so this retries it with a back-off; refused credentials too, for they may be
+    rotated on the server). `quiet()` true: the owner is closing it, a disconnect is no news."""
     import nats
+
+    from .nats_auth import connect_options
+
+    url = settings.nats_url
+    options = connect_options(settings)  # a ConfigError (a missing file) fails at once, never retried
 
     async def disconnected():
         if quiet():  # closing on purpose
@@ -153,7 +167,10 @@ async def connect(
             await on_reconnect()
 
     async def error(exc: Exception):
-        log.debug("%s: NATS: %s", name, exc)
+        if _refused(exc):  # credentials or permissions: the configuration is wrong, retrying will not mend it
+            log.error("%s: NATS refused: %s", name, exc)
+        else:
+            log.debug("%s: NATS: %s", name, exc)
 
     delay = 0.1
     while True:
@@ -168,15 +185,18 @@ async def connect(
                 reconnected_cb=reconnected,
                 error_cb=error,
                 allow_reconnect=True,
+                **options,
             )
         except Exception as exc:  # broad: every failure to connect is retried (unreachable, refused, DNS...)
-            log.warning(
-                "%s: cannot reach NATS at %s (%s); retrying in %.1f s",
+            log.log(
+                logging.ERROR if _refused(exc) else logging.WARNING,
+                "%s: cannot connect to NATS at %s (%s%s); retrying in %.1f s",
                 name,
                 redact(url),
                 exc,
+                "; check its credentials (docs/operations.md, 'The bus')" if _refused(exc) else "",
                 delay,
-                exc_info=not is_nats_error(exc),
+                exc_info=not (is_nats_error(exc) or isinstance(exc, ssl.SSLError)),
             )
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)
@@ -216,10 +236,15 @@ async def ensure_queue(js, settings: ClusterSettings) -> None:
     try:
         await js.object_store(PAYLOADS)
     except NotFoundError:  # BucketNotFoundError: make it
-        from nats.js.api import ObjectStoreConfig
-
-        # Objects outlive a crashed gateway by at most a day.
-        await js.create_object_store(PAYLOADS, config=ObjectStoreConfig(ttl=24 * 3600.0, storage=api.StorageType.FILE))
+        # Objects outlive a crashed gateway by at most payload_ttl_s.
+        bucket_config = api.ObjectStoreConfig(ttl=settings.payload_ttl_s, storage=api.StorageType.FILE)
+        await js.create_object_store(PAYLOADS, config=bucket_config)
+    else:  # made by an older version or with another TTL: the bucket's stream expires by this one
+        bucket = (await js.stream_info(f"OBJ_{PAYLOADS}")).config
+        if bucket.max_age != settings.payload_ttl_s:
+            ttl = settings.payload_ttl_s
+            window = min(bucket.duplicate_window or ttl, ttl)  # JetStream's rule: no longer than max_age
+            await js.update_stream(bucket.evolve(max_age=ttl, duplicate_window=window))
 
 
 async def ensure_consumer(js, settings: ClusterSettings, pool: str, model_id: str) -> None:
@@ -265,6 +290,12 @@ def log_swallowed(logger: logging.Logger, exc: BaseException, message: str, *arg
         logger.debug(message + ": %r", *args, exc)
     else:
         logger.warning(message + ": %r", *args, exc, exc_info=exc)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether NATS refused the client: bad or missing credentials, or a permission violation."""
+    text = str(exc).lower()
+    return "authorization violation" in text or "permissions violation" in text or "authentication" in text
 
 
 def redact(url: str) -> str:

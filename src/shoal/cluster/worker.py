@@ -41,6 +41,7 @@ from ..service import Service
 from . import payloads
 from . import protocol as p
 from .host_queue import MIN_BUDGET_TOKENS, Device, HostQueue, Job
+from .nats_auth import connect_options
 from .probes import Heartbeats, health, serve_probes
 from .pulling import MAX_FETCH, MORE_WAIT_S, PULL_WAIT_S, Puller
 from .rpc import WorkerRpc
@@ -68,6 +69,7 @@ class Worker:
     ) -> None:
         if not services:
             raise InvalidRequest("a worker needs at least one device")
+        connect_options(settings)  # a ConfigError now (a missing file, a user without password), not at connect
         self.settings = settings
         self.metrics = metrics or services[0].metrics
         self.wm = WorkerMetrics(self.metrics.registry)
@@ -137,7 +139,7 @@ class Worker:
         for device in self.devices:
             await device.service.warm(list(self.preload))
         self._nc = await p.connect(
-            self.settings.nats_url,
+            self.settings,
             f"shoal-worker {self.id}",
             on_reconnect=self._on_reconnect,
             quiet=lambda: self._closing,
