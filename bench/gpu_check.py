@@ -242,6 +242,9 @@ def _graphed(model, batch, device: str, eager, row: dict, dtype: str) -> bool:
         states = fn()
         return states, lambda: states.copy_(fn())
 
+    if not getattr(model, "graphable", True):  # the server never captures it (engine/graphs.py)
+        row[f"{dtype}_graph"] = "eager (graphable = False: its forward reads the device back)"
+        return True
     on_cuda = device.startswith("cuda")
     graphs = Graphs(
         model,

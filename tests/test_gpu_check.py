@@ -39,5 +39,8 @@ def test_the_gpu_check_script_runs_its_parity_on_the_cpu_and_writes_its_json(tmp
         assert 0.999 <= row["bfloat16_vs_transformers"] <= 1.0 + 1e-6, (name, row)
         assert row["bfloat16"] < 0.999999, (name, "bfloat16 really ran")
         # Replayed from its token bucket's graph (on the CPU a capture that re-runs): the same states.
-        assert isinstance(row["bfloat16_graph"], float) and row["bfloat16_graph"] >= 0.999, (name, row)
+        if name == "deberta-v2":  # `graphable = False`: never captured, as the server runs it
+            assert row["bfloat16_graph"].startswith("eager"), row
+        else:
+            assert isinstance(row["bfloat16_graph"], float) and row["bfloat16_graph"] >= 0.999, (name, row)
     assert record["bf16_peak_flops"] > 0

@@ -155,6 +155,27 @@ def test_a_failed_capture_leaves_the_model_eager_and_batches_that_do_not_fit_nev
         runner.graphs = None
 
 
+def test_models_that_read_the_device_back_or_pool_themselves_are_never_captured(runner):
+    import msgspec
+
+    from shoal.models.deberta_v2 import DebertaV2Model
+    from shoal.models.idefics3 import Idefics3Model
+
+    assert DebertaV2Model.graphable is False and Idefics3Model.graphable is False
+    card = runner.card
+    try:
+        runner.model.graphable = False
+        assert runner.capture_graphs(capture=rerun_capture, new_pool=lambda: None) is None and runner.graphs is None
+        del runner.model.graphable
+        runner.card = msgspec.structs.replace(card, pooling="model")  # a dual encoder: [n, dim] out
+        assert runner.capture_graphs(capture=rerun_capture, new_pool=lambda: None) is None
+        runner.card = card
+        assert runner.capture_graphs(capture=rerun_capture, new_pool=lambda: None) is not None
+    finally:
+        runner.card, runner.graphs = card, None
+        runner.model.__dict__.pop("graphable", None)
+
+
 def test_the_cuda_capture_is_what_a_cuda_device_gets_and_a_cpu_never_captures(runner):
     from shoal.engine.graphs import cuda_capture
 

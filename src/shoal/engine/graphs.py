@@ -29,8 +29,12 @@ launches them all at once. A graph is captured for fixed shapes and fixed buffer
 - **When.** Only on a device where `Graphs.capture` can capture: a CUDA device.
   - What the graph holds must not read the device back. So batches with a key cut, LoRA routing
     or feature rows stay eager.
-  - A capture that fails (a model whose forward reads back) is logged once, and the model runs
-    eagerly from then on.
+  - A model that reads the device back, or pools itself, is never captured. Its class says
+    `graphable = False` (DeBERTa, Idefics3), or it is a dual encoder that returns `[n, dim]`
+    (`ModelRunner.capture_graphs`). A failed CUDA capture can leave torch's allocators believing
+    that a capture is still under way.
+  - A capture that fails anyway is logged once, and the model runs eagerly from then on.
+  - Captures happen one at a time in the process (a lock), on the capturing lane's own stream.
 
 The capture itself goes through `capture` (CUDA graphs by default). tests/test_graphs.py drives
 everything else on a CPU with a capture that re-runs the function on the same buffers. The parity
@@ -145,18 +149,21 @@ class _Graph:
         self.typed = inputs.token_type_ids is not None
 
 
+# One capture at a time in the process: CUDA allows no more, and torch's default capture stream is shared.
+_CAPTURE_LOCK = threading.Lock()
+
+
 def cuda_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Capture `fn` as a CUDA graph in `pool`, after one eager run on a side stream (lazy
-    initialisations, such as cuBLAS's workspace, must not happen inside a capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    """Capture `fn` as a CUDA graph in `pool`, on the calling lane's stream (the current one),
+    after one eager run there: lazy initialisations, such as cuBLAS's workspace or a model's
+    per-length tables, must not happen inside a capture. The lanes capture one at a time."""
+    stream = torch.cuda.current_stream()
+    with _CAPTURE_LOCK:
         fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the other lane's calls (its copies, its reads back) do not break this capture.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        states = fn()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the other lane's calls (its copies, its reads back) do not break this capture.
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            states = fn()
     return states, graph.replay
 
 

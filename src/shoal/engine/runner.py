@@ -136,9 +136,14 @@ class ModelRunner:
     def tokenizer(self) -> TextTokenizer:
         return self.info.text
 
-    def capture_graphs(self, capture: Capture = cuda_capture, new_pool: Callable[[], Any] = cuda_pool) -> Graphs:
+    def capture_graphs(self, capture: Capture = cuda_capture, new_pool: Callable[[], Any] = cuda_pool) -> Graphs | None:
         """From now on a batch that fits a token bucket runs as that bucket's captured forward
-        (engine/graphs.py); `capture` and `new_pool` are CUDA's unless a test hands in its own."""
+        (engine/graphs.py); `capture` and `new_pool` are CUDA's unless a test hands in its own.
+        None: the model is never captured (it reads the device back, `graphable = False`, or it
+        pools itself: a dual encoder's `[n, dim]`)."""
+        if not getattr(self.model, "graphable", True) or self.card.pooling == "model":
+            self.graphs = None
+            return None
         self.graphs = Graphs(
             self.model,
             max_length=self.tokenizer.max_length,

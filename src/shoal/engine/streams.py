@@ -83,18 +83,28 @@ class LaneStream:
             yield
 
 
+_CUDA_OPS = CudaOps()
+# Each thread's lane streams, by (device, ops): every model a lane runs shares its stream. torch
+# hands streams out of a pool of 32 per device in turn, so one per model and lane would soon put
+# two lanes on one stream.
+_THREAD_LANES = threading.local()
+
+
 class LaneStreams:
     """Each lane thread's `LaneStream` on one device, made on the thread's first batch and kept."""
 
     def __init__(self, device: torch.device, ops: StreamOps | None = None) -> None:
         self.device = device
-        self._ops = ops if ops is not None else (CudaOps() if device.type == "cuda" else None)
-        self._local = threading.local()
+        self._ops = ops if ops is not None else (_CUDA_OPS if device.type == "cuda" else None)
 
     def current(self) -> LaneStream:
-        """The calling thread's stream (a new one on its first call)."""
-        lane = getattr(self._local, "lane", None)
+        """The calling thread's stream on the device (a new one on its first call)."""
+        lanes = getattr(_THREAD_LANES, "lanes", None)
+        if lanes is None:
+            lanes = _THREAD_LANES.lanes = {}
+        key = (str(self.device), self._ops)  # the ops object itself: an id could be reused
+        lane = lanes.get(key)
         if lane is None:
             stream = None if self._ops is None else self._ops.new_stream(self.device)
-            lane = self._local.lane = LaneStream(self.device, stream, self._ops)
+            lane = lanes[key] = LaneStream(self.device, stream, self._ops)
         return lane

@@ -241,6 +241,9 @@ _L = r"encoder\.layer\.(\d+)\."
 
 
 class DebertaV2Model(nn.Module):
+    # Not captured as a CUDA graph (engine/graphs.py): its position window is read back to the host
+    # the first time each length is seen.
+    graphable = False
     config_class = DebertaV2Config
     checkpoint_prefixes = ("deberta.",)
     # Checkpoint tensor name (after "deberta." is stripped) -> (our parameter name, shard or None).

@@ -97,6 +97,8 @@ def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 class Idefics3Model(nn.Module):
+    # Not captured as a CUDA graph (engine/graphs.py): it counts its image slots on the host.
+    graphable = False
     config_class = Idefics3Config
     # Checkpoint tensor name (after "model.") -> (our parameter name, shard index or None).
     weight_map = [
