@@ -154,7 +154,7 @@ def test_mpnet_builds_its_position_bias_once_per_forward_and_attention_reads_it_
         return real(self, max_seqlen)
 
     monkeypatch.setattr(MPNetModel, "position_bias", counting)
-    meta = meta_for(MIXED)
+    meta = meta_for(MIXED, each=False)  # the padded path (float32 on a CPU would take "each", bias and all)
     run(tiny_mpnet(num_layers=4, heads=4), MIXED, meta)
     assert builds == [max(MIXED)]
     # Every kernel call gets one [1, H, Lg, Lg] bias shared by the group's sequences, never [n, H, ...].
