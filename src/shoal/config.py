@@ -25,6 +25,8 @@ SERVER_COMMANDS = ("serve", "gateway", "dev-cluster")
 CLUSTER_COMMANDS = ("gateway", "worker", "dev-cluster")
 _WORKER = ("worker", "dev-cluster")
 _GATEWAY = ("gateway", "dev-cluster")
+# The processes that connect to NATS with credentials of their own (dev-cluster makes its own).
+_NATS_CLIENTS = ("gateway", "worker")
 
 
 @dataclass(frozen=True)
@@ -181,39 +183,39 @@ class ClusterSettings:
 
     # dev-cluster starts its own NATS.
     nats_url: str = setting(
-        "nats://127.0.0.1:4222", "the NATS server with JetStream", commands=("gateway", "worker"), metavar="URL"
+        "nats://127.0.0.1:4222", "the NATS server with JetStream", commands=_NATS_CLIENTS, metavar="URL"
     )
     # cluster/nats_auth.py: one kind of credentials (user and password, a creds file, an nkey seed).
     nats_user: str = setting(
         "",
         "the NATS user (its password: the variable SHOAL_NATS_PASSWORD)",
-        commands=("gateway", "worker"),
+        commands=_NATS_CLIENTS,
         metavar="USER",
     )
-    nats_password: str = setting("", "the NATS user's password", secret=True, commands=("gateway", "worker"))
+    nats_password: str = setting("", "the NATS user's password", secret=True, commands=_NATS_CLIENTS)
     nats_creds_file: Path | None = setting(
         None,
         "a NATS credentials file (JWT and nkey seed, as `nsc` writes it)",
-        commands=("gateway", "worker"),
+        commands=_NATS_CLIENTS,
         metavar="FILE",
     )
     nats_nkey_seed_file: Path | None = setting(
-        None, "a file holding the NATS user's nkey seed (SU...)", commands=("gateway", "worker"), metavar="FILE"
+        None, "a file holding the NATS user's nkey seed (SU...)", commands=_NATS_CLIENTS, metavar="FILE"
     )
     nats_tls_ca_file: Path | None = setting(
         None,
         "the CA certificate (PEM) that signed the NATS server's; set, or a tls:// URL: TLS to NATS",
-        commands=("gateway", "worker"),
+        commands=_NATS_CLIENTS,
         metavar="FILE",
     )
     nats_tls_cert_file: Path | None = setting(
         None,
         "a client certificate (PEM) for a NATS server that verifies clients",
-        commands=("gateway", "worker"),
+        commands=_NATS_CLIENTS,
         metavar="FILE",
     )
     nats_tls_key_file: Path | None = setting(
-        None, "the client certificate's private key (PEM)", commands=("gateway", "worker"), metavar="FILE"
+        None, "the client certificate's private key (PEM)", commands=_NATS_CLIENTS, metavar="FILE"
     )
     pool: str = setting(
         "default",

@@ -139,14 +139,13 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> PaddedArrays:
     return PaddedArrays(input_ids, position_ids, cu, token_type_ids)
 
 
+@dataclass(frozen=True)
 class _Graph:
     """One bucket's captured forward on one lane: its static inputs and output, and its replay."""
 
-    def __init__(self, inputs: PaddedArrays, states: torch.Tensor, replay: Callable[[], None], static: dict) -> None:
-        self.static = static  # name -> the device tensor the graph reads
-        self.states = states  # [T_b, hidden]: what the graph writes
-        self.replay = replay
-        self.typed = inputs.token_type_ids is not None
+    static: dict[str, torch.Tensor]  # name -> the device tensor the graph reads
+    states: torch.Tensor  # [T_b, hidden]: what the graph writes
+    replay: Callable[[], None]
 
 
 # One capture at a time in the process: CUDA allows no more, and torch's default capture stream is shared.
@@ -262,4 +261,4 @@ class Graphs:
             log.warning("capturing a forward failed; the model runs without graphs: %s", self.broken)
             return None
         self.captures += 1
-        return _Graph(padded, states, replay, static)
+        return _Graph(static, states, replay)
