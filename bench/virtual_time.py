@@ -1,0 +1,106 @@
+"""Virtual time for asyncio: a loop whose clock jumps to the next timer instead of sleeping.
+
+    run_virtual(main())     asyncio.run on a VirtualLoop: `asyncio.sleep(1)`, `wait_for(..., 5)` and
+                            a 1 s pull cost no wall time; the loop only ever runs what is ready
+    virtual_clock(loop)     shoal's modules read that clock through `time.monotonic()` and
+                            `time.time()` (deadlines, heartbeats' ages) while it is active
+
+Nothing may do real I/O on such a loop: its selector never reports a ready file. A loop with no
+ready callback and no timer has deadlocked, and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import selectors
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+EPOCH = 1.8e9  # what the virtual clock's 0 is in unix seconds (headers carry deadlines as unix time)
+
+
+class VirtualSelector(selectors.BaseSelector):
+    """Never has a ready file: a select with a timeout moves the clock by it instead of waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._keys: dict[Any, selectors.SelectorKey] = {}
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        key = selectors.SelectorKey(fileobj, fileobj if isinstance(fileobj, int) else fileobj.fileno(), events, data)
+        self._keys[fileobj] = key
+        return key
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._keys.pop(fileobj)
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is None:
+            raise RuntimeError("virtual loop: nothing ready and no timer: every task waits on another (deadlock)")
+        self.now += max(0.0, timeout)
+        return []
+
+    def get_map(self) -> dict[Any, selectors.SelectorKey]:
+        return self._keys
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    """asyncio in virtual time (see VirtualSelector); `time()` starts at 0."""
+
+    def __init__(self) -> None:
+        self._virtual = VirtualSelector()
+        super().__init__(selector=self._virtual)
+
+    def time(self) -> float:
+        return self._virtual.now
+
+
+def run_virtual(coro: Any) -> Any:
+    """`asyncio.run` on a VirtualLoop."""
+    loop = VirtualLoop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop), return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+class _Clock:
+    """The `time` module as shoal's modules see it in a simulation: its clocks read the loop's."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def monotonic(self) -> float:
+        return self._loop.time()
+
+    def time(self) -> float:
+        return EPOCH + self._loop.time()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def virtual_clock(loop: asyncio.AbstractEventLoop, prefix: str = "shoal.") -> Iterator[None]:
+    """Every imported module under `prefix` that did `import time` reads the virtual clock."""
+    patched = [
+        m for name, m in list(sys.modules.items()) if name.startswith(prefix) and getattr(m, "time", None) is time
+    ]
+    shim = _Clock(loop)
+    for module in patched:
+        module.time = shim  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.time = time  # type: ignore[attr-defined]
