@@ -85,11 +85,11 @@ class Costs:
     def gateway_call_s(self) -> float:
         return self.gateway.publish_s + self.gateway.receive_s
 
-    def stream_call_s(self) -> float:
-        """A stream's server time per call: its store, two pull requests (one, then more), its
-        delivery and its ack."""
+    def consumer_call_s(self) -> float:
+        """A consumer's server time per call: two pull requests (one, then more: it expires),
+        its delivery and its ack."""
         b = self.bus
-        return b.publish_s + 2 * b.fetch_s + b.deliver_s + b.ack_s
+        return 2 * b.fetch_s + b.status_s + b.deliver_s + b.ack_s
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,9 @@ class SimStep:
     bus_msgs_per_s: float  # messages into and out of the server
     fetches_per_s: float
     conflicts_per_s: float  # pull requests refused: 409, past the consumer's max_waiting
-    stream_busy: float  # the busiest stream's server: busy time / window
+    stream_busy: float  # the busiest stream's server: work it was given / window (over 1: saturated)
+    consumer_busy: float  # the busiest consumer's server
+    nats_cores: float  # nats-server's CPU / window, at the costs under load
     gateway_busy: float  # the busiest gateway's event loop
     worker_cpu_busy: float  # the busiest worker event loop
     wall_s: float  # what the step took in real time
@@ -256,6 +258,8 @@ class SimCluster:
             "counts": dict(self.bus.counts),
             "messages": self.bus.message_count(),
             "streams": {name: s.server.busy_s for name, s in self.bus.streams.items()},
+            "consumers": {name: c.server.busy_s for name, c in self.bus.consumers.items()},
+            "nats_cpu": self.bus.cpu_s(),
             "gateway_cpu": [c.busy_s for c in self.gateway_cpus],
             "worker_cpu": {id(c): c.busy_s for c in self.worker_cpus},
             "gateway_msgs": sum(c.sent + c.received for c in gateway_conns),
@@ -264,7 +268,9 @@ class SimCluster:
     async def until_idle(self) -> None:
         for _ in range(600):
             backlog = max(
-                [c.backlog_s() for c in self.gateway_cpus] + [s.server.backlog_s() for s in self.bus.streams.values()]
+                [c.backlog_s() for c in self.gateway_cpus]
+                + [s.server.backlog_s() for s in self.bus.streams.values()]
+                + [c.server.backlog_s() for c in self.bus.consumers.values()]
             )
             if (
                 not any(d.outstanding_tokens for d in self.devices)
@@ -333,6 +339,7 @@ class SimCluster:
         failed = unfinished + sum(1 for r in in_window if not r[2])
         counts = {k: b["counts"].get(k, 0) - a["counts"].get(k, 0) for k in b["counts"]}
         streams = [b["streams"][k] - a["streams"].get(k, 0.0) for k in b["streams"]]
+        consumers = [b["consumers"][k] - a["consumers"].get(k, 0.0) for k in b["consumers"]]
         step = SimStep(
             design=self.design.label(),
             workers=len(self.workers),
@@ -351,6 +358,8 @@ class SimCluster:
             fetches_per_s=counts.get("fetch", 0) / span,
             conflicts_per_s=counts.get("409", 0) / span,
             stream_busy=max(streams, default=0.0) / span,
+            consumer_busy=max(consumers, default=0.0) / span,
+            nats_cores=(b["nats_cpu"] - a["nats_cpu"]) / span,
             gateway_busy=max(np.subtract(b["gateway_cpu"], a["gateway_cpu"]), default=0.0) / span,
             worker_cpu_busy=max((b["worker_cpu"][k] - a["worker_cpu"][k] for k in b["worker_cpu"]), default=0.0) / span,
             wall_s=b["wall"] - a["wall"],
@@ -367,8 +376,9 @@ def capacity_req_s(design: Design, costs: Costs, num_workers: int, heartbeat_s: 
     busiest stream's server (a first guess for the ramp; the simulation says what really holds)."""
     hb_load = num_workers / heartbeat_s * costs.gateway.heartbeat_s  # share of each gateway's loop
     gateways = design.gateways * max(0.0, 1.0 - hb_load) / max(1e-12, costs.gateway_call_s())
-    busiest = {"one": 1.0, "pool": 1.0 / design.pools, "model": max(shares)}[design.partition]
-    return min(gateways, 1.0 / (costs.stream_call_s() * busiest))
+    stream = {"one": 1.0, "pool": 1.0 / design.pools, "model": max(shares)}[design.partition]
+    consumer = max(shares) / design.pools  # a consumer per pool and model
+    return min(gateways, 1.0 / (costs.bus.publish_s * stream), 1.0 / (costs.consumer_call_s() * consumer))
 
 
 async def ramp(
@@ -405,7 +415,7 @@ def step_line(s: SimStep) -> str:
         f"p50 {s.p50_ms:6.0f}  p99 {s.p99_ms:6.0f} ms  busy {s.busy:4.0%}  failed {s.failed:>5}  "
         f"naks/s {s.naks_per_s:6.0f}  gw {s.gateway_msgs_per_s:8,.0f} msg/s ({s.gateway_busy:4.0%})  bus "
         f"{s.bus_msgs_per_s:9,.0f} msg/s (stream {s.stream_busy:4.0%}, fetch/s {s.fetches_per_s:8,.0f}, "
-        f"409/s {s.conflicts_per_s:6,.0f})  wall {s.wall_s:5.1f} s  {'ok' if s.ok else '--'}"
+        f"409/s {s.conflicts_per_s:6,.0f}, consumer {s.consumer_busy:4.0%}, {s.nats_cores:.2f} cores)  wall {s.wall_s:5.1f} s  {'ok' if s.ok else '--'}"
     )
 
 
@@ -416,7 +426,7 @@ def knee(steps: list[SimStep]) -> SimStep | None:
 
 def limit_of(s: SimStep) -> str:
     """What held the knee back: the busiest of the devices, the gateways' loops and the streams."""
-    loads = {"devices": s.busy, "gateway": s.gateway_busy, "stream": s.stream_busy}
+    loads = {"devices": s.busy, "gateway": s.gateway_busy, "stream": s.stream_busy, "consumer": s.consumer_busy}
     name = max(loads, key=loads.__getitem__)
     return f"{name} ({loads[name]:.0%} busy)"
 
@@ -424,7 +434,7 @@ def limit_of(s: SimStep) -> str:
 def table(rows: list[tuple[int, Design, SimStep | None, float, float]]) -> str:
     lines = [
         f"{'workers':>7}  {'design':<34} {'knee req/s':>10} {'of peak':>7} {'busy':>5} {'p99 ms':>6} "
-        f"{'gateway msg/s':>13} {'bus msg/s':>10} {'stream':>6} {'gw loop':>7}  {'limit':<22} {'wall s':>7}"
+        f"{'gateway msg/s':>13} {'bus msg/s':>10} {'stream':>6} {'consumer':>8} {'gw loop':>7}  {'limit':<22} {'wall s':>7}"
     ]
     for workers, design, best, peak_req_s, wall_s in rows:
         if best is None:
@@ -433,7 +443,7 @@ def table(rows: list[tuple[int, Design, SimStep | None, float, float]]) -> str:
         lines.append(
             f"{workers:>7}  {design.label():<34} {best.achieved:10,.0f} {best.achieved / peak_req_s:7.0%} "
             f"{best.busy:5.0%} {best.p99_ms:6.0f} {best.gateway_msgs_per_s:13,.0f} {best.bus_msgs_per_s:10,.0f} "
-            f"{best.stream_busy:6.0%} {best.gateway_busy:7.0%}  {limit_of(best):<22} {wall_s:7.0f}"
+            f"{best.stream_busy:6.0%} {best.consumer_busy:8.0%} {best.gateway_busy:7.0%}  {limit_of(best):<22} {wall_s:7.0f}"
         )
     return "\n".join(lines)
 
@@ -491,7 +501,8 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
     print("shoal cluster simulation: real gateways and workers, simulated JetStream and devices, in virtual time")
     print(f"costs:       {ours.costs.name} ({costs.source})")
     print(
-        f"             stream: publish {costs.bus.publish_s * 1e6:.1f} us, pull request {costs.bus.fetch_s * 1e6:.1f}, "
+        f"             stream: publish {costs.bus.publish_s * 1e6:.1f} us; consumer: pull request {costs.bus.fetch_s * 1e6:.1f}, "
+        f"its expiry {costs.bus.status_s * 1e6:.1f}, "
         f"delivery {costs.bus.deliver_s * 1e6:.1f}, ack {costs.bus.ack_s * 1e6:.1f}; hop {costs.bus.latency_s * 1e6:.0f} us; "
         f"gateway: {costs.gateway_call_s() * 1e6:.0f} us a call, {costs.gateway.heartbeat_s * 1e6:.0f} a heartbeat; "
         f"worker: {costs.worker.pulled_s * 1e6:.0f} us a call"

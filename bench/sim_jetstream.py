@@ -2,17 +2,21 @@
 (`RemoteService`) and the real `Worker` (its `Puller`s and `HostQueue`) run unmodified against it.
 
     Bus              the server: core subjects (wildcards, queue groups), streams, pull consumers
-      Stream         a work-queue stream: one FIFO `Server` does its stores, pull requests,
-                     deliveries and acks, each at a measured cost, so one stream saturates
-      Consumer       a durable pull consumer: pending pull requests served in arrival order (as
-                     nats-server does; 409 past max_waiting), redelivery after ack_wait, naks with
-                     a delay, max-deliveries advisories into the dead-letter stream
+      Stream         a work-queue stream: one FIFO `Server` stores what is published (nats-server
+                     ingests a stream's messages under its one lock), so one stream saturates
+      Consumer       a durable pull consumer, one FIFO `Server` of its own for its pull requests,
+                     deliveries and acks (nats-server: the consumer's lock and goroutine);
+                     pending pull requests served in arrival order (409 past max_waiting),
+                     redelivery after ack_wait, naks with a delay, max-deliveries advisories into
+                     the dead-letter stream
     Connection       what `nats.connect` returns (publish, subscribe, jetstream(), ...); a client's
                      own work (the gateway's per call, a worker's per pulled call) is a `Server` too
 
-It runs on virtual_time.VirtualLoop. Every hop between a client and the server costs `latency_s`. Only the costs here take virtual
-time: the shoal code itself runs in zero virtual time, which is why its costs are measured on the
-real thing (cluster_sim.py calibrate) and charged here.
+It runs on virtual_time.VirtualLoop. Every hop between a client and the server costs `latency_s`.
+Only the costs here take virtual time: the shoal code itself runs in zero virtual time, which is
+why its costs are measured on the real thing (cluster_sim.py calibrate) and charged here. Core
+messages are routed without a queue (nats-server spreads them over its connections' goroutines);
+`core_s` counts only towards the server's CPU (`cpu_s`).
 """
 
 from __future__ import annotations
@@ -39,13 +43,15 @@ DUPLICATE_WINDOW_S = 120.0  # shoal's stream's
 
 @dataclass(frozen=True)
 class BusCosts:
-    """Seconds of a stream's (single) server per operation, and the network's one-way latency."""
+    """Seconds of nats-server per operation (a stream's server: publish; a consumer's: the rest),
+    and the network's one-way latency."""
 
     publish_s: float  # store a published message and send its PubAck
     deliver_s: float  # send one stored message to a pull request
     ack_s: float  # an ack, nak, in_progress or term
-    fetch_s: float  # one pull request, its 404/408/409 end included
-    core_s: float  # route one core message to one subscriber (not queued: spread over the server's cores)
+    fetch_s: float  # take one pull request
+    status_s: float  # end one with a status: expired (408), or refused past max_waiting (409)
+    core_s: float  # route one core message to one subscriber
     latency_s: float = 0.0001
 
 
@@ -170,8 +176,9 @@ class JsMsg:
         self._conn.sent += 1
         bus = self._conn.bus
         bus.counts[kind] += 1
-        stream = self._stored.stream
-        at = stream.server.after(bus.loop.time() + bus.costs.latency_s, bus.costs.ack_s)
+        consumer = self._stored.consumer
+        server = consumer.server if consumer is not None else self._stored.stream.server
+        at = server.after(bus.loop.time() + bus.costs.latency_s, bus.costs.ack_s)
         bus.loop.call_at(at, fn, self._stored, self._delivery, *args)
 
     async def ack(self) -> None:
@@ -222,6 +229,7 @@ class Consumer:
         self.stream = stream
         self.bus = stream.bus
         self.name = name
+        self.server = Server(stream.bus.loop, name)
         self.filter = filter_subject
         self.config = config
         self.ack_wait_s = float(config.ack_wait or 30.0)
@@ -247,6 +255,7 @@ class Consumer:
             return
         if len(self.waiting) >= self.max_waiting:
             self.bus.counts["409"] += 1
+            self.server.after(self.bus.loop.time(), self.bus.costs.status_s)
             self._end(request, nats.errors.TimeoutError())  # nats-py's fetch: 409 Exceeded MaxWaiting
             return
         self.waiting.append(request)
@@ -258,6 +267,7 @@ class Consumer:
             return
         with contextlib.suppress(ValueError):
             self.waiting.remove(request)
+        request.ready_at = self.server.after(self.bus.loop.time(), self.bus.costs.status_s)
         self._end(request, None if request.msgs else nats.errors.TimeoutError())
 
     def _end(self, request: PullRequest, error: BaseException | None) -> None:
@@ -305,7 +315,7 @@ class Consumer:
             bus.loop.call_at(stored.ack_deadline, self._ack_timer, stored, stored.num_delivered)
             bus.counts["deliver"] += 1
             request.msgs.append(JsMsg(stored, request.conn))
-            request.ready_at = self.stream.server.after(now, bus.costs.deliver_s)
+            request.ready_at = self.server.after(now, bus.costs.deliver_s)
             if len(request.msgs) >= request.batch:
                 self.waiting.popleft()
                 self._end(request, None)
@@ -411,8 +421,7 @@ class PullSubscription:
         timeout = 5.0 if timeout is None else timeout
         bus.counts["fetch"] += 1
         self.conn.sent += 1
-        stream = self.consumer.stream
-        arrive = stream.server.after(loop.time() + bus.costs.latency_s, bus.costs.fetch_s)
+        arrive = self.consumer.server.after(loop.time() + bus.costs.latency_s, bus.costs.fetch_s)
         request = PullRequest(self.conn, batch, arrive + timeout, loop.create_future())
         loop.call_at(arrive, self.consumer.on_pull, request)
         return await request.future
@@ -651,6 +660,11 @@ class Bus:
             + c["core_in"]
             + c["core_out"]
         )
+
+    def cpu_s(self) -> float:
+        """The server's CPU so far: its streams' and consumers' queues, and core routing."""
+        servers = [s.server for s in self.streams.values()] + [c.server for c in self.consumers.values()]
+        return sum(s.busy_s for s in servers) + self.costs.core_s * (self.counts["core_in"] + self.counts["core_out"])
 
     def next_seq(self) -> int:
         return next(self._seq)
