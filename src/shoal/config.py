@@ -242,6 +242,20 @@ class ClusterSettings:
     nak_delay_s: float = setting(
         0.05, "what a worker pulled beyond that goes back to the queue after this delay", commands=_WORKER
     )
+    # cluster/pulling.py: a model no device of the host has loaded costs a load (a swap) to serve,
+    # so its calls are left to the workers that have it loaded, unless this host is idle.
+    model_affinity: bool = setting(
+        True,
+        "a worker pulls the calls of models its devices have loaded while it has room, and another "
+        "model's only when idle (or when nobody has taken them for a second); false: every model alike",
+        commands=_WORKER,
+    )
+    cold_pull_idle_s: float = setting(
+        0.02,
+        "with model_affinity, how long a worker stays idle before it pulls a model none of its devices "
+        "has loaded (a worker that has it loaded gets the first pick)",
+        commands=_WORKER,
+    )
     publish_timeout_s: float = setting(
         5.0,
         "longest wait for a publish's ack (while NATS is unreachable a gateway answers 503 at once)",

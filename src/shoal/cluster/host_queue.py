@@ -11,9 +11,14 @@ going back through NATS:
 
     budget(device) = prefetch_s × the device's tokens/s   (min_inflight_tokens before it has a rate)
     room           = Σ max(0, budget − held) over devices − tokens queued here
+    idle           = nothing queued here and a device holds nothing (`idle_since`: from when)
 
 Every count is in the gateway's token estimates. `changed` (one condition) guards the jobs, the
 held tokens, the pullers' reservations and `draining`; whoever changes one notifies it.
+
+A model is resident on the host when a device has it loaded. Pullers of the other models (cold
+ones) wait for `wait_cold`: the host idle (a while), or a probe's turn; and they pull one at a time
+(`cold_lock`), so an idle host takes one model's load, not one per model.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +81,8 @@ class HostQueue:
         self.changed = asyncio.Condition()
         self.reserved = 0  # tokens pullers have asked NATS for and not yet received
         self.draining = False  # the worker is stopping: pullers stop
+        self.idle_since: float | None = time.monotonic()  # since when the host is idle; None: busy
+        self.cold_lock = asyncio.Lock()  # held by the one cold puller whose pull is out
 
     # --- capacity -------------------------------------------------------------------------------
 
@@ -103,8 +111,17 @@ class HostQueue:
         return self.room() > 0 or self.idle_device()
 
     def record(self) -> None:
+        """After a change of the jobs or the held tokens: the gauges, and when the host went idle."""
         self.wm.held_tokens.set(self.held())
         self.wm.host_queue.set(len(self.jobs))
+        if not self.idle_device():
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = time.monotonic()
+
+    def resident(self, model_id: str) -> bool:
+        """A device of the host has the model loaded: its calls cost no load here."""
+        return any(self._loaded(device, model_id) for device in self.devices)
 
     # --- the pullers' side ----------------------------------------------------------------------
 
@@ -119,6 +136,40 @@ class HostQueue:
             reserved = int(mean_tokens) if self.room() - self.reserved >= mean_tokens else 0
             self.reserved += reserved
             return reserved
+
+    async def wait_cold(
+        self, model_id: str, polled_at: float, grace_s: float, backoff_s: float, probe_at: float, timeout_s: float
+    ) -> str | None:
+        """A cold puller's turn (times are `time.monotonic()`):
+
+        - "resident": a device has loaded the model meanwhile (pull it as any other);
+        - "idle": the host has been idle `grace_s` (counted from the later of its going idle and
+          `polled_at`, the puller's last empty pull; after such a pull, `backoff_s` from it);
+        - "probe": the host is busy but has room, and `probe_at` has passed;
+        - None: `timeout_s` passed first, or the worker drains."""
+        give_up = time.monotonic() + timeout_s
+        async with self.changed:
+            while not self.draining:
+                if self.resident(model_id):
+                    return "resident"
+                now = time.monotonic()
+                wake = give_up
+                if self.idle_since is not None:
+                    ready = self.idle_since + grace_s if self.idle_since > polled_at else polled_at + backoff_s
+                    if now >= ready:
+                        return "idle"
+                    wake = min(wake, ready)
+                elif self.room() - self.reserved > 0:
+                    if now >= probe_at:
+                        return "probe"
+                    wake = min(wake, probe_at)
+                if now >= give_up:
+                    return None
+                try:
+                    await asyncio.wait_for(self.changed.wait(), max(0.0, wake - now))
+                except asyncio.TimeoutError:
+                    pass
+        return None
 
     async def reserve_more(self, mean_tokens: float, most: int) -> tuple[int, int]:
         """(calls, tokens reserved for them): as many calls of `mean_tokens` as the unreserved room

@@ -1,12 +1,26 @@
-"""Pulling by capacity: one `Puller` per model asks its JetStream consumer for the calls that fit
-the host's room, and puts them on the host queue.
+"""Pulling by capacity and by model affinity: one `Puller` per model asks its JetStream consumer
+for the calls that fit the host's room, and puts them on the host queue.
 
-    wait_for_room ─ reserve one call's worth ─ fetch(1, PULL_WAIT_S) ─ unreserve ─ take it
-        └ then: reserve the room left for k more calls of the model's mean size ─ fetch(k, MORE_WAIT_S)
+    resident (a device has the model loaded), or model_affinity off:
+    wait_for_room ─ reserve one call's worth ─ fetch(1, PULL_WAIT_S) ─ unreserve ─ take it ─ more
+    cold (no device has it loaded):
+    wait_cold ─ idle: the host idle cold_pull_idle_s ─┬─ fetch(1, COLD_WAIT_S) ─ take it ─ more
+              └ probe: busy, with room, every ~COLD_PROBE_S: nobody took its queued calls since the
+                last probe? ──────────────────────┘
+    more: reserve the room left for k calls of the model's mean size ─ fetch(k, MORE_WAIT_S)
 
 - The tokens asked for are reserved until the pull returns, so the pullers of several models do
   not ask for the same room twice; with less than one call's worth unreserved, a puller asks for
   one call anyway (which may not fit: then it goes back).
+- Affinity: JetStream hands a consumer's next call to its oldest waiting pull. A worker with the
+  model loaded keeps a pull waiting while it has room; a cold puller has one out only when its host
+  is idle, and only briefly (COLD_WAIT_S), so it takes what no worker with the model loaded asked
+  for: calls queued while those are full, or of a model loaded nowhere. It pays the load, then
+  takes a batch's worth (the room) of the model's calls behind it. An idle host polls at
+  `cold_pull_idle_s`, doubling while it finds nothing (≤ COLD_POLL_MAX_S), one cold model at a
+  time. A host that is never idle still serves a model nobody takes: every ~COLD_PROBE_S a cold
+  puller with room looks at its consumer, and when calls waited and none was delivered since its
+  last look, it pulls them (no call waits for ever behind busy workers).
 - A call is taken while the host has any room (as a device takes a call while under its budget),
   so a call a little over the room does not bounce. With no room at all it is `nak`ed with a delay
   doubling from `nak_delay_s` (at most 1 s), so another worker takes it, except from its
@@ -20,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +54,13 @@ MORE_WAIT_S = 0.005
 MAX_FETCH = 64
 # The mean call size assumed before a model's first call, in tokens.
 _FIRST_MEAN_TOKENS = 64.0
+# A cold pull waits this long for a call: short, so it never stands in line long before the pulls
+# of workers that have the model loaded.
+COLD_WAIT_S = 0.05
+# An idle host's empty cold pulls back off up to this interval.
+COLD_POLL_MAX_S = 0.5
+# How often a busy host with room looks for a cold model's calls that nobody takes (± half, at random).
+COLD_PROBE_S = 1.0
 
 
 class Puller:
@@ -63,6 +86,13 @@ class Puller:
         self._cancelled = cancelled  # the worker's: call keys whose callers went away
         self.max_deliver = settings.max_deliver  # the consumer's, as NATS has it (ensure_consumer reads it)
         self.mean_tokens: float | None = None
+        self._sub: Any = None
+        # Cold pulls (time.monotonic()): the last empty one on an idle host and the back-off after
+        # it, the next probe, and what the last probe saw (calls pending, deliveries).
+        self._polled_at = float("-inf")
+        self._backoff_s = settings.cold_pull_idle_s
+        self._probe_at = time.monotonic() + COLD_PROBE_S * random.uniform(0.5, 1.5)
+        self._probed: tuple[int, int] | None = None
 
     async def ensure_consumer(self) -> None:
         """The model's durable consumer, made if missing (setup, and after NATS lost its store)."""
@@ -73,43 +103,15 @@ class Puller:
 
     async def run(self) -> None:
         """Pulls until the host queue drains."""
-        from nats.errors import TimeoutError as NatsTimeout
-
         queue = self.queue
-        sub = None
+        self._sub = None
         while not queue.draining:
-            reserved = 0
             try:
                 mean = max(1.0, _FIRST_MEAN_TOKENS if self.mean_tokens is None else self.mean_tokens)
-                waited = await queue.wait_for_room(mean)
-                if waited is None:  # draining
-                    break
-                reserved = waited
-                if sub is None:
-                    sub = await self._js.pull_subscribe_bind(
-                        durable=p.consumer_name(self.settings.pool, self.model_id), stream=p.STREAM
-                    )
-                # Wait for one call alone, then take at once what else is there and fits: nats-py's
-                # fetch(n) may hold a call it has received until n have come or the pull expires.
-                try:
-                    first = await sub.fetch(1, timeout=PULL_WAIT_S)
-                except (NatsTimeout, asyncio.TimeoutError):
-                    first = []
-                await queue.unreserve(reserved)
-                reserved = 0
-                await self._take_all(first)
-                if not first:
-                    continue
-                more, reserved = await queue.reserve_more(mean, MAX_FETCH)  # the room now, after the first call
-                if more > 0:
-                    try:
-                        rest = await sub.fetch(more, timeout=MORE_WAIT_S)
-                    except p.nats_errors() as exc:  # nothing more queued (a timeout), or a status message
-                        log.debug("worker %s: pulling more of %s: %r", self.worker_id, self.model_id, exc)
-                        rest = []
-                    await queue.unreserve(reserved)
-                    reserved = 0
-                    await self._take_all(rest)
+                if self.settings.model_affinity and not queue.resident(self.model_id):
+                    await self._pull_cold(mean)
+                else:
+                    await self._pull(mean)
             except Exception as exc:  # broad: the puller outlives any failure (cut off, consumer lost with the store)
                 log.warning(
                     "worker %s: pulling %s: %s; retrying",
@@ -118,16 +120,99 @@ class Puller:
                     exc,
                     exc_info=not p.is_nats_error(exc),
                 )
-                sub = None
+                self._sub = None
                 await asyncio.sleep(0.5)
                 if self._nc.is_connected:
                     try:
                         await self.ensure_consumer()
                     except Exception as again:  # broad: the puller must outlive any failure; the next turn tries again
                         p.log_swallowed(log, again, "worker %s: the consumer of %s", self.worker_id, self.model_id)
-            finally:
-                if reserved:
-                    await queue.unreserve(reserved)
+
+    async def _subscription(self) -> Any:
+        if self._sub is None:
+            self._sub = await self._js.pull_subscribe_bind(
+                durable=p.consumer_name(self.settings.pool, self.model_id), stream=p.STREAM
+            )
+        return self._sub
+
+    async def _fetch(self, batch: int, wait_s: float) -> list[Any]:
+        """What `fetch` returns; nothing when nothing came in `wait_s`."""
+        from nats.errors import TimeoutError as NatsTimeout
+
+        sub = await self._subscription()
+        try:
+            msgs: list[Any] = await sub.fetch(batch, timeout=wait_s)
+            return msgs
+        except (NatsTimeout, asyncio.TimeoutError):
+            return []
+
+    async def _pull(self, mean: float) -> None:
+        """One pull of a model the host has loaded (or of any, without affinity): wait for room."""
+        reserved = await self.queue.wait_for_room(mean)
+        if reserved is None:  # draining
+            return
+        try:
+            # Wait for one call alone, then take at once what else is there and fits: nats-py's
+            # fetch(n) may hold a call it has received until n have come or the pull expires.
+            first = await self._fetch(1, PULL_WAIT_S)
+        finally:
+            await self.queue.unreserve(reserved)
+        await self._take_all(first)
+        if first:
+            await self._pull_more(mean)
+
+    async def _pull_cold(self, mean: float) -> None:
+        """One turn of a model no device of the host has loaded (see the module docstring)."""
+        queue = self.queue
+        turn = await queue.wait_cold(
+            self.model_id,
+            self._polled_at,
+            self.settings.cold_pull_idle_s,
+            self._backoff_s,
+            self._probe_at,
+            PULL_WAIT_S,
+        )
+        if turn is None or turn == "resident":
+            return
+        if turn == "probe":
+            self._probe_at = time.monotonic() + COLD_PROBE_S * random.uniform(0.5, 1.5)
+            if not await self._unserved():
+                return
+        async with queue.cold_lock:  # one cold model at a time: an idle host takes one load
+            idle_since = queue.idle_since
+            if turn == "idle" and (idle_since is None or queue.resident(self.model_id)):
+                return  # another cold puller's calls came first, or the model is loaded now
+            first = await self._fetch(1, COLD_WAIT_S)
+            await self._take_all(first)
+        if first:
+            await self._pull_more(mean)
+        elif turn == "idle":  # nothing: look again later, less often the longer the host stays idle
+            fresh = idle_since is not None and idle_since > self._polled_at
+            grace_s = self.settings.cold_pull_idle_s
+            self._backoff_s = min(COLD_POLL_MAX_S, 2 * (grace_s if fresh else max(self._backoff_s, grace_s)))
+            self._polled_at = time.monotonic()
+
+    async def _unserved(self) -> bool:
+        """Whether the model's calls wait in the queue and none was delivered (to any worker) since
+        this puller's last look: then nobody is taking them."""
+        info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
+        seen = (info.num_pending or 0, info.delivered.consumer_seq or 0)
+        last, self._probed = self._probed, seen
+        return last is not None and last[0] > 0 and seen[0] > 0 and seen[1] == last[1]
+
+    async def _pull_more(self, mean: float) -> None:
+        """After a call: as many more as the room left holds, of what is queued now (MORE_WAIT_S)."""
+        more, reserved = await self.queue.reserve_more(mean, MAX_FETCH)
+        if more <= 0:
+            return
+        try:
+            rest = await self._fetch(more, MORE_WAIT_S)
+        except p.nats_errors() as exc:  # a status message
+            log.debug("worker %s: pulling more of %s: %r", self.worker_id, self.model_id, exc)
+            rest = []
+        finally:
+            await self.queue.unreserve(reserved)
+        await self._take_all(rest)
 
     async def _take_all(self, msgs: list[Any]) -> None:
         for msg in msgs:

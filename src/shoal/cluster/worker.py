@@ -14,7 +14,8 @@ host-local queue they share.
 - **SIGTERM drains**: stop pulling, hand back (nak) what is queued on the host, finish and answer
   what runs, ack, say `draining` in a last heartbeat, exit.
 
-Its other jobs each have a module: `pulling` (a puller per model, sized by the host's room),
+Its other jobs each have a module: `pulling` (a puller per model, sized by the host's room, by
+model affinity),
 `host_queue` (the calls pulled and not yet on a device; the devices' budgets), `probes`
 (heartbeats, liveness, the HTTP probes), `rpc` (admin and (de)tokenize requests), `payloads` (the
 Object Store).
