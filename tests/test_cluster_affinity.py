@@ -4,6 +4,8 @@ only when its host is idle (paying the load) or when nobody takes them.
 
 Each test starts its workers one by one where the order decides who may take a call, so no
 assertion rests on which of two waiting pulls JetStream serves first, and none on wall-clock time.
+A worker's pull of a model it lacks asks only for a call already queued (`no_wait`), so an idle
+worker polling never races one that has the model loaded and waits for it.
 """
 
 from __future__ import annotations
@@ -123,15 +125,12 @@ def run(coro):
 
 async def busy_and_loaded(f: Fleet, affinity: bool) -> tuple[Resident, Resident, asyncio.Task]:
     """Two workers with room: `loaded` has A loaded and is idle; `busy` has B loaded and runs a
-    held call of B (never idle) and has A nowhere. `loaded` starts after `busy` took the held call.
-    Neither pulls a cold model while idle: a cold pull out when a call comes is served first if it
-    is older than the other pulls, so idle polls would make who takes the held call, and the first
-    call of A, a race."""
+    held call of B (never idle) and has A nowhere. `loaded` starts after `busy` took the held call."""
     busy, loaded = Resident(loaded=(B,)), Resident(loaded=(A,))
-    await f.add(busy, model_affinity=affinity, cold_pull_idle_s=3600.0)
+    await f.add(busy, model_affinity=affinity)
     held = f.call(B, "hold-b")
     await until(lambda: "hold-b" in busy.started, "the busy worker took the held call")
-    await f.add(loaded, model_affinity=affinity, cold_pull_idle_s=3600.0)
+    await f.add(loaded, model_affinity=affinity)
     return busy, loaded, held
 
 

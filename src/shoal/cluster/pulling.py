@@ -4,7 +4,7 @@ for the calls that fit the host's room, and puts them on the host queue.
     resident (a device has the model loaded), or model_affinity off:
     wait_for_room ─ reserve one call's worth ─ fetch(1, PULL_WAIT_S) ─ unreserve ─ take it ─ more
     cold (no device has it loaded):
-    wait_cold ─ idle: the host idle cold_pull_idle_s ─┬─ fetch(1, COLD_WAIT_S) ─ take it ─ more
+    wait_cold ─ idle: the host idle cold_pull_idle_s ─┬─ a call waiting now? (no_wait) ─ take it ─ more
               └ probe: busy, with room, every ~COLD_PROBE_S: nobody took its queued calls since the
                 last probe? ──────────────────────┘
     more: reserve the room left for k calls of the model's mean size ─ fetch(k, MORE_WAIT_S)
@@ -12,10 +12,10 @@ for the calls that fit the host's room, and puts them on the host queue.
 - The tokens asked for are reserved until the pull returns, so the pullers of several models do
   not ask for the same room twice; with less than one call's worth unreserved, a puller asks for
   one call anyway (which may not fit: then it goes back).
-- Affinity: JetStream hands a consumer's next call to its oldest waiting pull. A worker with the
-  model loaded keeps a pull waiting while it has room; a cold puller has one out only when its host
-  is idle, and only briefly (COLD_WAIT_S), so it takes what no worker with the model loaded asked
-  for: calls queued while those are full, or of a model loaded nowhere. It pays the load, then
+- Affinity: JetStream hands a call to a waiting pull as it arrives. A worker with the model loaded
+  keeps a pull waiting while it has room; a cold puller never waits for calls to come: it asks with
+  `no_wait` for a call already queued, so it takes only what no worker with the model loaded asked
+  for (calls queued while those are full, or of a model loaded nowhere). It pays the load, then
   takes a batch's worth (the room) of the model's calls behind it. An idle host polls at
   `cold_pull_idle_s`, doubling while it finds nothing (≤ COLD_POLL_MAX_S), one cold model at a
   time. A host that is never idle still serves a model nobody takes: every ~COLD_PROBE_S a cold
@@ -54,9 +54,8 @@ MORE_WAIT_S = 0.005
 MAX_FETCH = 64
 # The mean call size assumed before a model's first call, in tokens.
 _FIRST_MEAN_TOKENS = 64.0
-# A cold pull waits this long for a call: short, so it never stands in line long before the pulls
-# of workers that have the model loaded.
-COLD_WAIT_S = 0.05
+# The longest wait for the answer to a cold pull (no_wait: NATS answers at once, a call or none).
+COLD_WAIT_S = 1.0
 # An idle host's empty cold pulls back off up to this interval.
 COLD_POLL_MAX_S = 0.5
 # How often a busy host with room looks for a cold model's calls that nobody takes (± half, at random).
@@ -87,6 +86,7 @@ class Puller:
         self.max_deliver = settings.max_deliver  # the consumer's, as NATS has it (ensure_consumer reads it)
         self.mean_tokens: float | None = None
         self._sub: Any = None
+        self._cold_inbox: Any = None  # where the answers to cold pulls come
         # Cold pulls (time.monotonic()): the last empty one on an idle host and the back-off after
         # it, the next probe, and what the last probe saw (calls pending, deliveries).
         self._polled_at = float("-inf")
@@ -182,7 +182,7 @@ class Puller:
             idle_since = queue.idle_since
             if turn == "idle" and (idle_since is None or queue.resident(self.model_id)):
                 return  # another cold puller's calls came first, or the model is loaded now
-            first = await self._fetch(1, COLD_WAIT_S)
+            first = await self._fetch_queued()
             await self._take_all(first)
         if first:
             await self._pull_more(mean)
@@ -191,6 +191,25 @@ class Puller:
             grace_s = self.settings.cold_pull_idle_s
             self._backoff_s = min(COLD_POLL_MAX_S, 2 * (grace_s if fresh else max(self._backoff_s, grace_s)))
             self._polled_at = time.monotonic()
+
+    async def _fetch_queued(self) -> list[Any]:
+        """The model's next call if one is queued now, undelivered: a pull with `no_wait`, which never
+        stands in line for calls still to come (those go to the pulls of workers with the model).
+        Its answer (the call, or a status: 404 none queued) comes to this puller's own inbox; one
+        that came late, after a wait gave up, is read first."""
+        if self._cold_inbox is None:
+            self._cold_inbox = await self._nc.subscribe(self._nc.new_inbox())
+        inbox = self._cold_inbox
+        found = []
+        while inbox.pending_msgs:
+            found.append(await inbox.next_msg(timeout=COLD_WAIT_S))
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{p.STREAM}.{p.consumer_name(self.settings.pool, self.model_id)}"
+        await self._nc.publish(subject, b'{"batch":1,"no_wait":true}', reply=inbox.subject)
+        try:
+            found.append(await inbox.next_msg(timeout=COLD_WAIT_S))
+        except asyncio.TimeoutError:
+            pass
+        return [msg for msg in found if not (msg.headers and msg.headers.get("Status"))]
 
     async def _unserved(self) -> bool:
         """Whether the model's calls wait in the queue and none was delivered (to any worker) since
