@@ -28,6 +28,7 @@ Design options, to see what happens when one stream or one gateway is the limit:
     python bench/cluster_sim.py --workers 16 --mirror          # bench/cluster.py's 16-worker pull run
     python bench/cluster_sim.py --workers 100,1000,5000        # one gateway, one stream
     python bench/cluster_sim.py --workers 5000 --gateways 16 --pools 8 --partition pool
+    python bench/cluster_sim.py plot docs/img/cluster_sim.svg RUN.json ...   # from --out's
 
 Other options (the device, the load, the knee) are bench/cluster.py's and mean the same.
 """
@@ -51,6 +52,7 @@ import cluster as real  # bench/cluster.py
 import sim_jetstream as sj
 from shoal.catalog import Catalog
 from shoal.cluster import protocol as p
+from shoal.cluster.directory import Holders, WorkerDirectory
 from shoal.cluster.gateway import RemoteService
 from shoal.cluster.worker import Worker
 from shoal.config import ClusterSettings, Settings
@@ -64,6 +66,7 @@ if not hasattr(p, "estimate_tokens"):  # TEMPORARY: bench/cluster.py still calls
 
 COSTS_FILE = Path(__file__).with_name("cluster_sim_costs.json")
 PARTITIONS = ("one", "pool", "model")
+POOL_CHOICES = ("most-free", "weighted")  # shoal's directory.pool_of; a draw weighted by free tokens
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Design:
     pools: int = 1
     partition: str = "one"
     host_processes: int = 0  # 0: each worker its own host
+    pool_choice: str = "most-free"  # how a gateway picks a model's pool (POOL_CHOICES)
 
     def label(self) -> str:
         parts = [f"{self.gateways} gateway{'s' if self.gateways > 1 else ''}"]
@@ -108,6 +112,8 @@ class Design:
             if self.partition != "one" or self.pools == 1
             else f"{self.pools} pools, 1 stream"
         )
+        if self.pools > 1 and self.pool_choice != "most-free":
+            parts.append(f"pool by {self.pool_choice}")
         if self.host_processes:
             parts.append(f"{self.host_processes} host process{'es' if self.host_processes > 1 else ''}")
         return ", ".join(parts)
@@ -133,6 +139,7 @@ class SimStep:
     conflicts_per_s: float  # pull requests refused: 409, past the consumer's max_waiting
     stream_busy: float  # the busiest stream's server: work it was given / window (over 1: saturated)
     consumer_busy: float  # the busiest consumer's server
+    consumer_calls_busy: float  # ... less what it spent refusing pull requests (409)
     nats_cores: float  # nats-server's CPU / window, at the costs under load
     gateway_busy: float  # the busiest gateway's event loop
     worker_cpu_busy: float  # the busiest worker event loop
@@ -177,6 +184,9 @@ class SimCluster:
         self._connect, p.connect = p.connect, self._sim_connect
         self._clock = virtual_clock(loop)
         self._clock.__enter__()
+        self._pool_of = WorkerDirectory.__dict__["pool_of"]  # the staticmethod itself
+        if self.design.pool_choice == "weighted":
+            WorkerDirectory.pool_of = staticmethod(_weighted_pool(random.Random(1)))  # type: ignore[method-assign]
         shared = [sj.Server(loop, f"host{i}") for i in range(self.design.host_processes)]
         for i, cost in enumerate(self.device_costs):
             device = real.SimDevice(f"sim{i}", self.model_ids, cost)
@@ -203,6 +213,7 @@ class SimCluster:
         for task in self._runs:
             task.cancel()
         p.connect = self._connect
+        WorkerDirectory.pool_of = self._pool_of
         self._clock.__exit__(None, None, None)
 
     async def _until_seen(self) -> None:
@@ -259,6 +270,7 @@ class SimCluster:
             "messages": self.bus.message_count(),
             "streams": {name: s.server.busy_s for name, s in self.bus.streams.items()},
             "consumers": {name: c.server.busy_s for name, c in self.bus.consumers.items()},
+            "consumers_refused": {name: c.refused_s for name, c in self.bus.consumers.items()},
             "nats_cpu": self.bus.cpu_s(),
             "gateway_cpu": [c.busy_s for c in self.gateway_cpus],
             "worker_cpu": {id(c): c.busy_s for c in self.worker_cpus},
@@ -266,17 +278,10 @@ class SimCluster:
         }
 
     async def until_idle(self) -> None:
+        """Until no call is in flight (at most 60 s): the next step starts from an empty queue.
+        (A consumer's server may stay busy with pull requests for ever: that is not a call.)"""
         for _ in range(600):
-            backlog = max(
-                [c.backlog_s() for c in self.gateway_cpus]
-                + [s.server.backlog_s() for s in self.bus.streams.values()]
-                + [c.server.backlog_s() for c in self.bus.consumers.values()]
-            )
-            if (
-                not any(d.outstanding_tokens for d in self.devices)
-                and not any(g._pending for g in self.gateways)
-                and backlog < 0.01
-            ):
+            if not any(d.outstanding_tokens for d in self.devices) and not any(g._pending for g in self.gateways):
                 return
             await asyncio.sleep(0.1)
 
@@ -340,6 +345,7 @@ class SimCluster:
         counts = {k: b["counts"].get(k, 0) - a["counts"].get(k, 0) for k in b["counts"]}
         streams = [b["streams"][k] - a["streams"].get(k, 0.0) for k in b["streams"]]
         consumers = [b["consumers"][k] - a["consumers"].get(k, 0.0) for k in b["consumers"]]
+        refused = [b["consumers_refused"][k] - a["consumers_refused"].get(k, 0.0) for k in b["consumers"]]
         step = SimStep(
             design=self.design.label(),
             workers=len(self.workers),
@@ -359,6 +365,7 @@ class SimCluster:
             conflicts_per_s=counts.get("409", 0) / span,
             stream_busy=max(streams, default=0.0) / span,
             consumer_busy=max(consumers, default=0.0) / span,
+            consumer_calls_busy=max((c - r for c, r in zip(consumers, refused)), default=0.0) / span,
             nats_cores=(b["nats_cpu"] - a["nats_cpu"]) / span,
             gateway_busy=max(np.subtract(b["gateway_cpu"], a["gateway_cpu"]), default=0.0) / span,
             worker_cpu_busy=max((b["worker_cpu"][k] - a["worker_cpu"][k] for k in b["worker_cpu"]), default=0.0) / span,
@@ -366,6 +373,19 @@ class SimCluster:
         )
         step.ok = step.achieved >= 0.95 * offered and step.p99_ms <= bound_s * 1000 and not failed
         return step
+
+
+def _weighted_pool(rng: random.Random) -> Any:
+    """A pool drawn with odds by its workers' free tokens (directory.pool_of's alternative): every
+    gateway sending to the one with the most, from heartbeats a second old, herds the calls."""
+
+    def pool_of(holders: Holders) -> str:
+        free: dict[str, int] = {}
+        for beat, _ in holders:
+            free[beat.pool] = free.get(beat.pool, 0) + beat.free_tokens + 1
+        return rng.choices(list(free), weights=list(free.values()))[0]
+
+    return pool_of
 
 
 # --- the ramp and the report ----------------------------------------------------------------------
@@ -415,7 +435,7 @@ def step_line(s: SimStep) -> str:
         f"p50 {s.p50_ms:6.0f}  p99 {s.p99_ms:6.0f} ms  busy {s.busy:4.0%}  failed {s.failed:>5}  "
         f"naks/s {s.naks_per_s:6.0f}  gw {s.gateway_msgs_per_s:8,.0f} msg/s ({s.gateway_busy:4.0%})  bus "
         f"{s.bus_msgs_per_s:9,.0f} msg/s (stream {s.stream_busy:4.0%}, fetch/s {s.fetches_per_s:8,.0f}, "
-        f"409/s {s.conflicts_per_s:6,.0f}, consumer {s.consumer_busy:4.0%}, {s.nats_cores:.2f} cores)  wall {s.wall_s:5.1f} s  {'ok' if s.ok else '--'}"
+        f"409/s {s.conflicts_per_s:6,.0f}, consumer {s.consumer_busy:4.0%} ({s.consumer_calls_busy:4.0%} on calls), {s.nats_cores:.2f} cores)  wall {s.wall_s:5.1f} s  {'ok' if s.ok else '--'}"
     )
 
 
@@ -425,8 +445,9 @@ def knee(steps: list[SimStep]) -> SimStep | None:
 
 
 def limit_of(s: SimStep) -> str:
-    """What held the knee back: the busiest of the devices, the gateways' loops and the streams."""
-    loads = {"devices": s.busy, "gateway": s.gateway_busy, "stream": s.stream_busy, "consumer": s.consumer_busy}
+    """What held the knee back: the busiest of the devices, the gateways' loops, the streams and
+    the consumers (their work on calls: a 409 storm fills whatever time they have left)."""
+    loads = {"devices": s.busy, "gateway": s.gateway_busy, "stream": s.stream_busy, "consumer": s.consumer_calls_busy}
     name = max(loads, key=loads.__getitem__)
     return f"{name} ({loads[name]:.0%} busy)"
 
@@ -434,7 +455,7 @@ def limit_of(s: SimStep) -> str:
 def table(rows: list[tuple[int, Design, SimStep | None, float, float]]) -> str:
     lines = [
         f"{'workers':>7}  {'design':<34} {'knee req/s':>10} {'of peak':>7} {'busy':>5} {'p99 ms':>6} "
-        f"{'gateway msg/s':>13} {'bus msg/s':>10} {'stream':>6} {'consumer':>8} {'gw loop':>7}  {'limit':<22} {'wall s':>7}"
+        f"{'gateway msg/s':>13} {'bus msg/s':>10} {'stream':>6} {'consumer':>8} {'gw loop':>7} {'409/s':>7}  {'limit':<22} {'wall s':>7}"
     ]
     for workers, design, best, peak_req_s, wall_s in rows:
         if best is None:
@@ -443,9 +464,22 @@ def table(rows: list[tuple[int, Design, SimStep | None, float, float]]) -> str:
         lines.append(
             f"{workers:>7}  {design.label():<34} {best.achieved:10,.0f} {best.achieved / peak_req_s:7.0%} "
             f"{best.busy:5.0%} {best.p99_ms:6.0f} {best.gateway_msgs_per_s:13,.0f} {best.bus_msgs_per_s:10,.0f} "
-            f"{best.stream_busy:6.0%} {best.consumer_busy:8.0%} {best.gateway_busy:7.0%}  {limit_of(best):<22} {wall_s:7.0f}"
+            f"{best.stream_busy:6.0%} {best.consumer_calls_busy:8.0%} {best.gateway_busy:7.0%} {best.conflicts_per_s:7,.0f}  {limit_of(best):<22} {wall_s:7.0f}"
         )
     return "\n".join(lines)
+
+
+async def progress(every_s: float) -> None:
+    """A line every `every_s` of virtual time: how fast the simulation runs."""
+    loop = asyncio.get_running_loop()
+    wall = time.perf_counter()
+    while True:
+        await asyncio.sleep(every_s)
+        now = time.perf_counter()
+        print(
+            f"    [virtual {loop.time():7.1f} s, {now - wall:5.1f} s of wall time for the last {every_s:g}]", flush=True
+        )
+        wall = now
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -458,6 +492,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     ap.add_argument("--gateways", type=int, default=1)
     ap.add_argument("--pools", type=int, default=1)
     ap.add_argument("--partition", choices=PARTITIONS, default="one")
+    ap.add_argument("--pool-choice", choices=POOL_CHOICES, default="most-free", help="how a gateway picks a pool")
     ap.add_argument("--host-processes", type=int, default=0, help="workers share this many event loops (0: own hosts)")
     ap.add_argument(
         "--mirror", action="store_true", help="as bench/cluster.py runs: one host process, heartbeats every 0.5 s"
@@ -470,6 +505,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         help="the ramp's 100 %% (default: the lower of the fleet's peak and capacity_req_s x 1.2)",
     )
     ap.add_argument("--out", type=Path, help="write every step as JSON here")
+    ap.add_argument("--progress-s", type=float, help="print the simulation's speed every this many virtual seconds")
     ours, rest = ap.parse_known_args(argv)
     bench = real.parse_args(rest + ["--workers", ours.workers])
     return ours, bench
@@ -496,7 +532,9 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
         cluster["prefetch_s"] = args.prefetch_s
     if args.min_inflight_tokens is not None:
         cluster["min_inflight_tokens"] = args.min_inflight_tokens
-    design = Design(ours.gateways, ours.pools, ours.partition, 1 if ours.mirror else ours.host_processes)
+    design = Design(
+        ours.gateways, ours.pools, ours.partition, 1 if ours.mirror else ours.host_processes, ours.pool_choice
+    )
     catalog = Catalog.load()
     print("shoal cluster simulation: real gateways and workers, simulated JetStream and devices, in virtual time")
     print(f"costs:       {ours.costs.name} ({costs.source})")
@@ -531,15 +569,22 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
             flush=True,
         )
         started = time.perf_counter()
+        ticker = asyncio.create_task(progress(ours.progress_s)) if ours.progress_s else None
         async with SimCluster(design, costs, costs_list, model_ids, cluster, catalog) as sim:
+            print(
+                f"  started: {asyncio.get_running_loop().time():.1f} s of virtual time, {time.perf_counter() - started:.0f} s of wall time",
+                flush=True,
+            )
             steps = await ramp(sim, workload, top, bound_s, args.duration_s, args.refine)
+        if ticker is not None:
+            ticker.cancel()
         wall_s = time.perf_counter() - started
         rows.append((num_workers, design, knee(steps), peak_req_s, wall_s))
         all_steps += [asdict(s) | {"peak_req_s": peak_req_s, "run_wall_s": wall_s} for s in steps]
         print(f"  ({wall_s:.0f} s of wall time)\n", flush=True)
+        if ours.out:  # after each fleet: a long run cut short keeps what it has
+            ours.out.write_text(json.dumps(all_steps, indent=1))
     print(table(rows))
-    if ours.out:
-        ours.out.write_text(json.dumps(all_steps, indent=1))
     return 0
 
 
@@ -549,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
         import sim_calibrate
 
         return sim_calibrate.main(argv[1:])
+    if argv[:1] == ["plot"]:
+        import sim_plot
+
+        return sim_plot.main(argv[1:])
     return run_virtual(main_async(*parse_args(argv)))
 
 

@@ -241,6 +241,7 @@ class Consumer:
         self.num_pending = 0  # stored and not delivered
         self.num_ack_pending = 0
         self.num_delivered = 0  # deliveries so far (the consumer sequence)
+        self.refused_s = 0.0  # of its server's time: pull requests refused past max_waiting
 
     def add(self, stored: Stored) -> None:
         stored.consumer = self
@@ -256,6 +257,7 @@ class Consumer:
         if len(self.waiting) >= self.max_waiting:
             self.bus.counts["409"] += 1
             self.server.after(self.bus.loop.time(), self.bus.costs.status_s)
+            self.refused_s += self.bus.costs.fetch_s + self.bus.costs.status_s
             self._end(request, nats.errors.TimeoutError())  # nats-py's fetch: 409 Exceeded MaxWaiting
             return
         self.waiting.append(request)
