@@ -1,8 +1,11 @@
-"""The container images (deploy/docker), checked without a Docker engine: hadolint finds nothing in
-the Dockerfiles; their structure holds (multi-stage, a non-root numeric user, every Python install
-through install.sh, a command shoal's parser accepts, a healthcheck on the port that command
-serves); install.sh's cpu steps are the Makefile's; and the gateway venv CI builds with
-`install.sh gateway` (.venv-light) stays small."""
+"""The container images (deploy/docker/Dockerfile), checked without building them (tests/test_images.py
+builds and runs them): hadolint finds nothing in the Dockerfile; its structure holds (one shared
+runtime stage with a non-root numeric user and the healthcheck, a target per image that copies only
+its builder's venv, every stage on the BASE argument, every Python install through install.sh with
+pip's settings only as build secrets, a command shoal's parser accepts, a healthcheck on the port
+that command serves); install.sh's cpu steps are the Makefile's; build-images.sh carries the host's
+pip settings into the build; and the gateway venv CI builds with `install.sh gateway` (.venv-light)
+stays small."""
 
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ from conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "deploy" / "docker"
+DOCKERFILE = DOCKER / "Dockerfile"
 INSTALL_SH = DOCKER / "install.sh"
-# Dockerfile -> the install.sh target its builder runs.
-IMAGES = {"Dockerfile.gateway": "gateway", "Dockerfile.worker": "cpu", "Dockerfile.worker-cuda": "cuda"}
+SCRIPTS = [INSTALL_SH, DOCKER / "build-images.sh", DOCKER / "run-image.sh"]
+# Dockerfile target -> the install.sh target its builder runs.
+TARGETS = {"gateway": "gateway", "worker": "cpu", "worker-cuda": "cuda"}
 # .venv-light's site-packages measured 169 MB (the gateway's install, 122 MB, plus pytest, httpx and
 # openai); torch's CPU build alone is ~755 MB, so a bound of 250 MB fails if the engine creeps in.
 LIGHT_VENV_MAX_BYTES = 250_000_000
@@ -35,14 +40,19 @@ def missing(what: str) -> None:
     need_tool(False, what)
 
 
-# --- a Dockerfile, as instructions per stage -------------------------------------------------------
+# --- the Dockerfile, as instructions per stage ------------------------------------------------------
+
+Stage = list[tuple[str, str]]
 
 
-def stages(name: str) -> list[list[tuple[str, str]]]:
-    """[[(INSTRUCTION, arguments), ...] per stage]: continuation lines joined, comments dropped."""
-    result: list[list[tuple[str, str]]] = []
+def parse() -> tuple[dict[str, str], dict[str, Stage]]:
+    """(the global ARGs before the first FROM, {stage name: [(INSTRUCTION, arguments), ...]}):
+    continuation lines joined, comments dropped, stages in file order."""
+    global_args: dict[str, str] = {}
+    result: dict[str, Stage] = {}
+    current: Stage | None = None
     pending = ""
-    for line in (DOCKER / name).read_text().splitlines():
+    for line in DOCKERFILE.read_text().splitlines():
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue  # Docker drops comment lines, also inside a continued instruction
@@ -51,17 +61,44 @@ def stages(name: str) -> list[list[tuple[str, str]]]:
             continue
         instruction, _, args = (pending + stripped).partition(" ")
         pending = ""
-        if instruction.upper() == "FROM":
-            result.append([])
-        result[-1].append((instruction.upper(), args.strip()))
-    return result
+        instruction, args = instruction.upper(), args.strip()
+        if instruction == "FROM":
+            base, _, name = args.partition(" AS ")
+            current = result.setdefault(name.strip(), [])
+        if current is None:
+            assert instruction == "ARG", f"{instruction} before the first FROM"
+            name, _, default = args.partition("=")
+            global_args[name] = default
+        else:
+            current.append((instruction, args))
+    return global_args, result
 
 
-def args_of(stage: list[tuple[str, str]], instruction: str) -> list[str]:
+GLOBAL_ARGS, STAGES = parse()
+
+
+def args_of(stage: Stage, instruction: str) -> list[str]:
     return [args for name, args in stage if name == instruction]
 
 
-def env_of(stage: list[tuple[str, str]]) -> dict[str, str]:
+def parent_of(name: str) -> str:
+    return args_of(STAGES[name], "FROM")[0].split(" AS ")[0].strip()
+
+
+def chain(name: str) -> list[str]:
+    """The stage and the stages it is built on, down to the base image."""
+    names = [name]
+    while parent_of(names[-1]) in STAGES:
+        names.append(parent_of(names[-1]))
+    return names
+
+
+def image_config(target: str) -> Stage:
+    """What the target's image is made of, the runtime's instructions first."""
+    return [item for name in reversed(chain(target)) for item in STAGES[name]]
+
+
+def env_of(stage: Stage) -> dict[str, str]:
     env: dict[str, str] = {}
     for args in args_of(stage, "ENV"):
         env.update(item.split("=", 1) for item in shlex.split(args))
@@ -73,13 +110,20 @@ def exec_form(args: str) -> list[str]:
     return json.loads(args)
 
 
-def healthcheck_command(stage: list[tuple[str, str]]) -> list[str]:
+def healthcheck_command(stage: Stage) -> list[str]:
     (check,) = args_of(stage, "HEALTHCHECK")
     _, _, command = check.partition("CMD ")
     return exec_form(command)
 
 
-# --- hadolint --------------------------------------------------------------------------------------
+def builder_of(target: str) -> str:
+    (copy,) = args_of(STAGES[target], "COPY")
+    match = re.fullmatch(r"--from=(\S+) /opt/venv /opt/venv", copy)
+    assert match, f"{target} copies more than its builder's venv: {copy}"
+    return match.group(1)
+
+
+# --- hadolint ---------------------------------------------------------------------------------------
 
 
 def hadolint_binary() -> str:
@@ -98,9 +142,8 @@ def hadolint(path: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("name", IMAGES)
-def test_hadolint_reports_nothing_for_each_dockerfile(name):
-    result = hadolint(DOCKER / name)
+def test_hadolint_reports_nothing_for_the_dockerfile():
+    result = hadolint(DOCKERFILE)
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
@@ -115,72 +158,96 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path):
         assert rule in result.stdout, result.stdout
 
 
-# --- structure -------------------------------------------------------------------------------------
+# --- structure --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", IMAGES)
-def test_final_stage_copies_only_the_builders_venv_onto_the_same_base(name):
-    assert len(stages(name)) >= 2
-    builder, *_, final = stages(name)
-    base, _, alias = args_of(builder, "FROM")[0].partition(" AS ")
-    assert args_of(final, "FROM") == [base], "the venv's python links into the base: it must be the builder's"
-    assert args_of(final, "COPY") == [f"--from={alias} /opt/venv /opt/venv"]
-    assert env_of(final)["PATH"].startswith("/opt/venv/bin:")
-
-
-def test_all_images_share_one_python_base_that_pyproject_supports():
-    bases = {args_of(stage, "FROM")[0].split()[0] for name in IMAGES for stage in stages(name)}
-    assert len(bases) == 1, bases
-    match = re.fullmatch(r"python:3\.(\d+)-slim-\w+", bases.pop())
+def test_every_stage_starts_from_base_a_python_slim_that_pyproject_supports():
+    """The venv's python links to the base's: builders and runtime must share one base image."""
+    roots = {parent_of(chain(name)[-1]) for name in STAGES}
+    assert roots == {"${BASE}"}, roots
+    match = re.fullmatch(r"python:3\.(\d+)-slim-\w+", GLOBAL_ARGS["BASE"])
     assert match, "a python slim image, pinned by its minor version and Debian release"
     requires = re.search(r'^requires-python = ">=3\.(\d+)"$', (REPO / "pyproject.toml").read_text(), re.M)
     assert int(match.group(1)) >= int(requires.group(1))
 
 
-@pytest.mark.parametrize("name", IMAGES)
-def test_final_user_is_numeric_non_root_with_a_writable_home(name):
-    final = stages(name)[-1]
-    user = args_of(final, "USER")[-1]
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_target_is_the_shared_runtime_with_only_its_builders_venv(target):
+    assert chain(target)[1:] == ["runtime"], chain(target)
+    builder = builder_of(target)
+    assert "runtime" not in chain(builder)
+    # The runtime stage runs no install and copies nothing: every image shares its layers.
+    assert not args_of(STAGES["runtime"], "COPY")
+    assert env_of(image_config(target))["PATH"].startswith("/opt/venv/bin:")
+    assert exec_form(args_of(STAGES["runtime"], "ENTRYPOINT")[-1]) == ["shoal"]
+    assert len(args_of(image_config(target), "HEALTHCHECK")) == 1
+
+
+def test_a_build_without_target_makes_the_cpu_worker():
+    assert list(STAGES)[-1] == "worker"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_final_user_is_numeric_non_root_with_a_writable_home(target):
+    config = image_config(target)
+    user = args_of(config, "USER")[-1]
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) != 0, f"USER {user}: a numeric UID lets Kubernetes' runAsNonRoot check it"
     assert not gid or (gid.isdigit() and int(gid) != 0)
-    home = env_of(final)["HOME"]
-    (create,) = [run for run in args_of(final, "RUN") if "useradd" in run]
+    home = env_of(config)["HOME"]
+    (create,) = [run for run in args_of(config, "RUN") if "useradd" in run]
     assert f"--uid {uid}" in create and f"--home-dir {home}" in create and "--create-home" in create
 
 
-@pytest.mark.parametrize("name, target", IMAGES.items())
-def test_python_packages_are_installed_only_by_install_sh(name, target):
-    builder, *_, final = stages(name)
-    for stage in stages(name):
+@pytest.mark.parametrize("target, install_target", TARGETS.items())
+def test_python_packages_are_installed_only_by_install_sh(target, install_target):
+    builder = builder_of(target)
+    for stage in STAGES.values():
         for run in args_of(stage, "RUN"):
             if "deploy/docker/install.sh" not in run:
                 assert not re.search(r"\b(pip3?|uv|easy_install|conda|poetry)\b", run), run
-    assert args_of(builder, "RUN") == [f"deploy/docker/install.sh {target} /opt/venv /src"]
-    assert "deploy/docker/install.sh deploy/docker/install.sh" in args_of(builder, "COPY")
-    assert not any("install.sh" in run for run in args_of(final, "RUN"))
+    (install,) = args_of(STAGES[builder], "RUN")
+    assert install.endswith(f" deploy/docker/install.sh {install_target} /opt/venv /src"), install
+    # The builder reads the `source` stage, which copies install.sh with the package's files.
+    assert "source" in chain(builder) or any(
+        copy == "--from=source /src /src" for name in chain(builder) for copy in args_of(STAGES[name], "COPY")
+    )
+    assert "deploy/docker/install.sh deploy/docker/install.sh" in args_of(STAGES["source"], "COPY")
+    assert not any("install.sh" in run for run in args_of(image_config(target), "RUN"))
 
 
-@pytest.mark.parametrize("name", IMAGES)
-def test_command_parses_and_the_healthcheck_probes_the_port_it_serves(name):
+def test_pip_settings_reach_the_installs_only_as_build_secrets():
+    """The host's pip.conf (index, proxy, perhaps with a password) and CA bundle are mounted for the
+    install step only: no ARG or ENV carries them, so no layer or history entry keeps them."""
+    installs = [run for stage in STAGES.values() for run in args_of(stage, "RUN") if "install.sh" in run]
+    assert len(installs) == len(TARGETS)
+    for run in installs:
+        assert "--mount=type=secret,id=pip.conf,target=/etc/pip.conf" in run, run
+        assert "--mount=type=secret,id=pip-ca " in run, run
+    for stage in STAGES.values():
+        for args in args_of(stage, "ARG") + args_of(stage, "ENV"):
+            assert not re.search(r"PIP_|proxy|cert", args, re.I), args
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_command_parses_and_the_healthcheck_probes_the_port_it_serves(target):
     from shoal.cli import _settings, build_parser
 
-    final = stages(name)[-1]
-    assert exec_form(args_of(final, "ENTRYPOINT")[-1]) == ["shoal"]
-    args = build_parser().parse_args(exec_form(args_of(final, "CMD")[-1]))
+    config = image_config(target)
+    args = build_parser().parse_args(exec_form(args_of(config, "CMD")[-1]))
     settings = _settings(args, {})
-    if name == "Dockerfile.gateway":
+    if target == "gateway":
         assert args.command == "gateway"
         host, port = settings.server.host, settings.server.port
     else:
         assert args.command == "worker"
         host, port = args.metrics_host, args.metrics_port
-        assert settings.engine.device == ("cuda" if name.endswith("cuda") else "cpu")
+        assert settings.engine.device == ("cuda" if target.endswith("cuda") else "cpu")
     assert host == "0.0.0.0", "bound to loopback, nothing outside the container reaches it"
-    check = healthcheck_command(final)
+    check = healthcheck_command(config)
     assert "os.environ['SHOAL_HEALTH_PORT']" in check[-1] and "/healthz" in check[-1]
-    assert int(env_of(final)["SHOAL_HEALTH_PORT"]) == port
-    assert str(port) in " ".join(args_of(final, "EXPOSE")).split()
+    assert int(env_of(config)["SHOAL_HEALTH_PORT"]) == port
+    assert str(port) in " ".join(args_of(config, "EXPOSE")).split()
 
 
 class _Probe(http.server.BaseHTTPRequestHandler):
@@ -196,9 +263,8 @@ class _Probe(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("name", IMAGES)
-def test_healthcheck_passes_on_200_and_fails_on_503_or_silence(name):
-    python, *rest = healthcheck_command(stages(name)[-1])
+def test_healthcheck_passes_on_200_and_fails_on_503_or_silence():
+    python, *rest = healthcheck_command(STAGES["runtime"])
     assert python == "python"  # the venv's, first on PATH
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Probe", (_Probe,), {}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -218,11 +284,60 @@ def test_healthcheck_passes_on_200_and_fails_on_503_or_silence(name):
     assert check(port) != 0  # nothing listens now
 
 
+def test_dockerignore_keeps_out_of_the_context_only_what_no_copy_reads():
+    """Every path the Dockerfile copies from the context is in it; the rest of deploy/ is not."""
+    ignore = [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    sources = [
+        args.split()[0] for stage in STAGES.values() for args in args_of(stage, "COPY") if not args.startswith("--from")
+    ]
+    for source in sources:
+        top = source.split("/")[0]
+        if top in ignore:
+            assert f"!{source}" in ignore, f"{source} is copied but .dockerignore leaves it out"
+        assert (REPO / source).exists(), source
+    assert "deploy" in ignore and "!deploy/docker/install.sh" in ignore
+
+
 # --- install.sh ------------------------------------------------------------------------------------
 
 
-def test_install_sh_is_valid_bash():
-    subprocess.run(["bash", "-n", str(INSTALL_SH)], check=True)
+def test_build_images_passes_the_hosts_pip_settings_as_secrets_and_read_only_mounts(tmp_path):
+    """A local (file://) index, a proxy with a password and a CA bundle, given to pip here as PIP_*
+    variables, become the build's secret pip.conf (the CA as the secret pip-ca) and a read-only
+    mount of the index's folder, whose pages link to files beside `simple/`."""
+    index = tmp_path / "pypi" / "simple"
+    index.mkdir(parents=True)
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env = {
+        **environ,
+        "PIP_CONFIG_FILE": os.devnull,  # pip reads no configuration file: only these variables
+        "PIP_INDEX_URL": f"file://{index}",
+        "PIP_TRUSTED_HOST": "proxy.internal",
+        "PIP_PROXY": "http://user:secret@proxy.internal:3128",
+        "PIP_CERT": str(ca),
+        "PYTHON": sys.executable,
+    }
+    out = subprocess.run(
+        ["bash", str(DOCKER / "build-images.sh"), "--pip-settings"], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    first_flag = next(i for i, line in enumerate(out) if line.startswith("--"))
+    conf, flags = out[:first_flag], out[first_flag:]
+    assert conf == [
+        "[global]",
+        f"index-url = file://{index}",
+        "trusted-host = proxy.internal",
+        "proxy = http://user:secret@proxy.internal:3128",
+        "cert = /run/secrets/pip-ca",
+    ]
+    assert flags[0].startswith("--secret=id=pip.conf,src=")
+    assert flags[1:] == [f"--secret=id=pip-ca,src={ca}", f"-v={tmp_path / 'pypi'}:{tmp_path / 'pypi'}:ro"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
+def test_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
 
 
 def planned(target: str, **env: str) -> list[list[str]]:

