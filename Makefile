@@ -12,7 +12,7 @@ PORT ?= 8080
 MODEL ?= sentence-transformers/all-MiniLM-L6-v2
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev tools serve test lint bench clean
+.PHONY: install install-dev tools serve test lint bench images clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,14 @@ lint: install-dev
 
 bench: install-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/encode_throughput.py
+
+# The container images, built without a Docker daemon: buildah over a Debian base that debootstrap
+# makes (both installed with apt when missing), the host's pip settings passed in as build secrets;
+# tagged localhost/shoal-TARGET:<hash of the inputs> and :latest, rebuilt only when the inputs change.
+# IMAGES='gateway worker worker-cuda' adds the CUDA worker. See docs/deploy.md.
+IMAGES ?= gateway worker
+images:
+	deploy/docker/build-images.sh $(IMAGES)
 
 clean:
 	rm -rf $(VENV) .venv-light .pytest_cache $(TOOLS)
