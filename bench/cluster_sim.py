@@ -119,6 +119,74 @@ class Design:
         return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """bench/cluster.py's device, load and knee, built from its options as its `main_async` does."""
+
+    model_ids: list[str]
+    cost: real.Cost
+    workload: real.Workload
+    resident: int | None  # models a device holds loaded at most (None: all)
+    target_batch_s: float | None
+    bound_s: float  # the queries' p99 at the knee
+    bulk_bound_s: float  # the bulk calls' (inf: no bulk calls)
+    burst: float
+    burst_period_s: float
+    duration_s: float
+    warmup_s: float
+    refine: int
+
+    def preload(self, index: int) -> tuple[str, ...]:
+        """What device `index` has loaded at start: `resident` models, spread evenly (the bench's)."""
+        n, k = len(self.model_ids), self.resident or 0
+        return tuple(self.model_ids[(index * k + j) % n] for j in range(k))
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
+    model_ids = [f"sim/model-{i}" for i in range(args.models)]
+    scale = args.slowdown
+    cost = real.Cost(
+        args.batch_ms / 1000 * scale,
+        args.token_us / 1e6 * scale,
+        args.switch_ms / 1000 * scale,
+        args.max_batch_tokens,
+        args.swap_ms / 1000 * scale,
+    )
+    low, high = (int(n) for n in args.bulk_items.split(","))
+    workload = real.Workload(
+        model_ids,
+        args.zipf,
+        args.timeout_s,
+        bulk_share=args.bulk_share,
+        bulk_items=(low, high),
+        bulk_timeout_s=args.bulk_timeout_s,
+    )
+    target_batch_s = args.target_batch_ms / 1000 * scale if args.target_batch_ms else None
+    waits = [10 * cost.of(round(workload.query_mean_tokens), False)]
+    if args.resident and cost.swap_s:
+        waits.append(cost.swap_s)
+    if args.bulk_share:
+        waits.append(target_batch_s or cost.of(cost.max_batch_tokens, False))
+    largest_s = cost.of(round(high * 46), False) + cost.batch_s * (high * 46 // cost.max_batch_tokens)
+    bulk_bound_s = float("inf")
+    if args.bulk_share:
+        bulk_bound_s = args.bulk_p99_bound_ms / 1000 if args.bulk_p99_bound_ms else 3 * largest_s
+    return Plan(
+        model_ids,
+        cost,
+        workload,
+        args.resident,
+        target_batch_s,
+        args.p99_bound_ms / 1000 if args.p99_bound_ms else sum(waits),
+        bulk_bound_s,
+        args.burst,
+        args.burst_period_s,
+        args.duration_s,
+        args.warmup_s if args.warmup_s is not None else min(1.0, args.duration_s / 4),
+        args.refine,
+    )
+
+
 @dataclass
 class SimStep:
     design: str
@@ -130,7 +198,10 @@ class SimStep:
     p50_ms: float
     p99_ms: float
     failed: int
-    busy: float  # devices' modelled busy time / window, mean over devices
+    busy: float  # devices' modelled useful time (batches, not loads) / window, mean over devices
+    bulk_p99_ms: float
+    bulk_answered: int
+    swaps_per_min: float  # model loads on the whole fleet
     naks_per_s: float
     redelivered: int
     gateway_msgs_per_s: float  # messages a gateway sent and received, mean over gateways
@@ -156,14 +227,14 @@ class SimCluster:
         design: Design,
         costs: Costs,
         device_costs: list[real.Cost],
-        model_ids: list[str],
+        plan: Plan,
         cluster: dict[str, Any],
         catalog: Catalog,
     ) -> None:
         self.design = design
         self.costs = costs
         self.device_costs = device_costs
-        self.model_ids = model_ids
+        self.plan = plan
         self.cluster = cluster
         self.catalog = catalog
         self.workers: list[Worker] = []
@@ -189,11 +260,11 @@ class SimCluster:
             WorkerDirectory.pool_of = staticmethod(_weighted_pool(random.Random(1)))  # type: ignore[method-assign]
         shared = [sj.Server(loop, f"host{i}") for i in range(self.design.host_processes)]
         for i, cost in enumerate(self.device_costs):
-            device = real.SimDevice(f"sim{i}", self.model_ids, cost)
+            device = real.SimDevice(f"sim{i}", self.plan.model_ids, cost, self.plan.resident, self.plan.target_batch_s)
             pool = f"pool{i % self.design.pools}"
             settings = ClusterSettings(nats_url="nats://sim:4222", pool=pool, **self.cluster)
             self.worker_cpus.append(shared[i % len(shared)] if shared else sj.Server(loop, f"w{i}"))
-            worker = Worker([device], settings, devices=[device.name], worker_id=f"w{i}")
+            worker = Worker([device], settings, devices=[device.name], worker_id=f"w{i}", preload=self.plan.preload(i))
             self.devices.append(device)
             self.workers.append(worker)
             self._runs.append(asyncio.create_task(worker.run(self._stop), name=f"worker w{i}"))
@@ -265,6 +336,7 @@ class SimCluster:
             "t": self.bus.loop.time(),
             "wall": time.perf_counter(),
             "busy": np.array([d.busy_s for d in self.devices]),
+            "swaps": sum(d.swaps for d in self.devices),
             "tokens": sum(d.tokens for d in self.devices),
             "counts": dict(self.bus.counts),
             "messages": self.bus.message_count(),
@@ -285,63 +357,73 @@ class SimCluster:
                 return
             await asyncio.sleep(0.1)
 
-    async def step(self, workload: real.Workload, rate: float, bound_s: float, duration_s: float) -> SimStep:
-        """One open-loop Poisson step at `rate`, as bench/cluster.py's `Bench._step` (the same
-        seeded arrivals and calls; the window is the step after its warm-up)."""
+    async def step(self, rate: float) -> SimStep:
+        """One open-loop step at `rate`, as bench/cluster.py's `Bench._step`: the same seeded
+        arrivals (Poisson, with --burst on/off around the rate) and calls; the window is the step
+        after its warm-up."""
         loop = asyncio.get_running_loop()
+        plan, workload = self.plan, self.plan.workload
         await self.until_idle()
-        num_workers = len(self.workers)
-        rng = random.Random(f"{num_workers} {rate:.3f}")
+        rng = random.Random(f"{len(self.workers)} {rate:.3f}")
         workload.rewind()
-        warmup_s = min(1.0, duration_s / 4)
-        records: list[tuple[float, float, bool]] = []
+        records: list[tuple[float, float, bool, bool]] = []  # (scheduled arrival, answered at, ok, bulk)
         arrivals: list[float] = []
-        running: dict[asyncio.Task[None], float] = {}
+        running: dict[asyncio.Task[None], tuple[float, bool]] = {}
         snapshots: dict[str, dict[str, Any]] = {}
 
-        async def one(call: Any, arrival: float) -> None:
+        async def one(call: Any, arrival: float, bulk: bool) -> None:
             try:
                 await self.call(call)
-                records.append((arrival, loop.time(), True))
+                records.append((arrival, loop.time(), True, bulk))
             except ShoalError:
-                records.append((arrival, loop.time(), False))
+                records.append((arrival, loop.time(), False, bulk))
 
         async def snapshot(name: str, at: float) -> None:
             await asyncio.sleep(max(0.0, at - loop.time()))
             snapshots[name] = self._snapshot()
 
         start = loop.time()
-        window = (start + warmup_s, start + duration_s)
+        window = (start + plan.warmup_s, start + plan.duration_s)
         snapping = [asyncio.create_task(snapshot("start", window[0])), asyncio.create_task(snapshot("end", window[1]))]
         arrival = start
         while True:
-            arrival += rng.expovariate(rate)
+            arrival = real.next_arrival(rng, arrival, start, rate, plan.burst, plan.burst_period_s)
             if arrival > window[1]:
                 break
             if arrival > loop.time():
                 await asyncio.sleep(arrival - loop.time())
-            task = asyncio.create_task(one(workload.next(), arrival))
+            call = workload.next()
+            bulk = real.is_bulk(call)
+            task = asyncio.create_task(one(call, arrival, bulk))
             arrivals.append(arrival)
-            running[task] = arrival
+            running[task] = (arrival, bulk)
             task.add_done_callback(lambda t: running.pop(t, None))
         await asyncio.gather(*snapping)
         if running:
-            await asyncio.wait(set(running), timeout=max(2.0, 2 * bound_s))
-        unfinished = sum(1 for a in running.values() if a >= window[0])
+            bulk_s = plan.bulk_bound_s if any(bulk for _, bulk in running.values()) else 0.0
+            await asyncio.wait(set(running), timeout=max(2.0, 2 * plan.bound_s, bulk_s))
+        unfinished = [bulk for arrival, bulk in running.values() if arrival >= window[0]]
         for task in list(running):
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        return self._measure(rate, window, arrivals, records, unfinished, snapshots, bound_s, warmup_s)
+        return self._measure(rate, window, arrivals, records, unfinished, snapshots)
 
-    def _measure(self, rate, window, arrivals, records, unfinished, snapshots, bound_s, warmup_s) -> SimStep:
+    def _measure(self, rate, window, arrivals, records, unfinished, snapshots) -> SimStep:
+        """As bench/cluster.py's `Bench._measure`: queries' latency of the calls that arrived in the
+        window, the bulk calls' apart; throughput of the answers in it against the arrivals of the
+        same span shifted by the median latency."""
+        plan = self.plan
         a, b = snapshots["start"], snapshots["end"]
         span = b["t"] - a["t"]
         in_window = [r for r in records if window[0] <= r[0] <= window[1]]
-        latencies = [done - arrival for arrival, done, _ in in_window] + [float("inf")] * unfinished
+        latencies = [done - arrival for arrival, done, _, bulk in in_window if not bulk]
+        latencies += [float("inf")] * unfinished.count(False)
+        bulk_latencies = [done - arrival for arrival, done, ok, bulk in in_window if bulk and ok]
+        bulk_latencies += [float("inf")] * (unfinished.count(True) + sum(1 for r in in_window if r[3] and not r[2]))
         p50_s = float(np.percentile(latencies, 50, method="higher")) if latencies else float("nan")
-        lead = min(p50_s, warmup_s)
+        lead = min(p50_s, plan.warmup_s)
         offered = sum(1 for t in arrivals if a["t"] - lead <= t <= b["t"] - lead) / span
-        failed = unfinished + sum(1 for r in in_window if not r[2])
+        failed = len(unfinished) + sum(1 for r in in_window if not r[2])
         counts = {k: b["counts"].get(k, 0) - a["counts"].get(k, 0) for k in b["counts"]}
         streams = [b["streams"][k] - a["streams"].get(k, 0.0) for k in b["streams"]]
         consumers = [b["consumers"][k] - a["consumers"].get(k, 0.0) for k in b["consumers"]]
@@ -351,12 +433,17 @@ class SimCluster:
             workers=len(self.workers),
             rate=rate,
             offered=offered,
-            achieved=sum(1 for _, done, ok in records if ok and a["t"] <= done <= b["t"]) / span,
+            achieved=sum(1 for _, done, ok, _ in records if ok and a["t"] <= done <= b["t"]) / span,
             tokens_per_s=(b["tokens"] - a["tokens"]) / span,
             p50_ms=p50_s * 1000,
             p99_ms=float(np.percentile(latencies, 99, method="higher")) * 1000 if latencies else float("nan"),
             failed=failed,
             busy=float(np.mean(b["busy"] - a["busy"])) / span,
+            bulk_p99_ms=float(np.percentile(bulk_latencies, 99, method="higher")) * 1000
+            if bulk_latencies
+            else float("nan"),
+            bulk_answered=sum(1 for r in in_window if r[3] and r[2]),
+            swaps_per_min=(b["swaps"] - a["swaps"]) / span * 60,
             naks_per_s=counts.get("nak", 0) / span,
             redelivered=counts.get("redelivered", 0),
             gateway_msgs_per_s=(b["gateway_msgs"] - a["gateway_msgs"]) / span / len(self.gateways),
@@ -371,7 +458,12 @@ class SimCluster:
             worker_cpu_busy=max((b["worker_cpu"][k] - a["worker_cpu"][k] for k in b["worker_cpu"]), default=0.0) / span,
             wall_s=b["wall"] - a["wall"],
         )
-        step.ok = step.achieved >= 0.95 * offered and step.p99_ms <= bound_s * 1000 and not failed
+        step.ok = (
+            step.achieved >= 0.95 * offered
+            and step.p99_ms <= plan.bound_s * 1000
+            and not step.bulk_p99_ms > plan.bulk_bound_s * 1000  # (nan: no bulk call in the window)
+            and not failed
+        )
         return step
 
 
@@ -401,15 +493,13 @@ def capacity_req_s(design: Design, costs: Costs, num_workers: int, heartbeat_s: 
     return min(gateways, 1.0 / (costs.bus.publish_s * stream), 1.0 / (costs.consumer_call_s() * consumer))
 
 
-async def ramp(
-    cluster: SimCluster, workload: real.Workload, top_req_s: float, bound_s: float, duration_s: float, refine: int
-) -> list[SimStep]:
+async def ramp(cluster: SimCluster, top_req_s: float) -> list[SimStep]:
     """bench/cluster.py's ramp: through RAMP × `top_req_s` until a step fails, then `refine`
     bisections; when the first step fails, halving down to a passing one first."""
     steps: list[SimStep] = []
 
     async def run(rate: float) -> SimStep:
-        steps.append(await cluster.step(workload, rate, bound_s, duration_s))
+        steps.append(await cluster.step(rate))
         print(step_line(steps[-1]), flush=True)
         return steps[-1]
 
@@ -420,7 +510,7 @@ async def ramp(
     while not any(s.ok for s in steps) and rate > 1.0 and len(steps) < 8:
         rate /= 2
         await run(rate)
-    for _ in range(refine):
+    for _ in range(cluster.plan.refine):
         passed = [s.rate for s in steps if s.ok]
         failed = [s.rate for s in steps if not s.ok and s.rate > max(passed, default=0.0)]
         if not passed or not failed:
@@ -492,6 +582,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     ap.add_argument("--gateways", type=int, default=1)
     ap.add_argument("--pools", type=int, default=1)
     ap.add_argument("--partition", choices=PARTITIONS, default="one")
+    ap.add_argument(
+        "--dispatcher", choices=("pull", "pull-any"), default="pull", help="pull-any: without model affinity"
+    )
     ap.add_argument("--pool-choice", choices=POOL_CHOICES, default="most-free", help="how a gateway picks a pool")
     ap.add_argument("--host-processes", type=int, default=0, help="workers share this many event loops (0: own hosts)")
     ap.add_argument(
@@ -516,18 +609,13 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
     logging.getLogger("shoal").setLevel(logging.ERROR)
     random.seed(0)  # the pullers' jitter: every run the same
     costs = Costs.load(ours.costs)
-    model_ids = [f"sim/model-{i}" for i in range(args.models)]
-    scale = args.slowdown
-    cost = real.Cost(
-        args.batch_ms / 1000 * scale, args.token_us / 1e6 * scale, args.switch_ms / 1000 * scale, args.max_batch_tokens
-    )
-    workload = real.Workload(model_ids, args.zipf, args.timeout_s)
-    lone_s = cost.of(round(workload.mean_tokens), False)
-    bound_s = args.p99_bound_ms / 1000 if args.p99_bound_ms else 10 * lone_s
+    plan = plan_of(args)
+    cost, workload = plan.cost, plan.workload
     heartbeat_s = ours.heartbeat_s or (0.5 if ours.mirror else ClusterSettings().heartbeat_s)
     cluster: dict[str, Any] = {"heartbeat_s": heartbeat_s, "worker_ttl_s": max(3.0, 5 * heartbeat_s)}
     if ours.mirror:
         cluster["worker_ttl_s"] = 3.0
+    cluster["model_affinity"] = ours.dispatcher == "pull"
     if args.prefetch_s is not None:
         cluster["prefetch_s"] = args.prefetch_s
     if args.min_inflight_tokens is not None:
@@ -545,10 +633,24 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
         f"gateway: {costs.gateway_call_s() * 1e6:.0f} us a call, {costs.gateway.heartbeat_s * 1e6:.0f} a heartbeat; "
         f"worker: {costs.worker.pulled_s * 1e6:.0f} us a call"
     )
+    resident = (
+        f"{plan.resident} of {args.models} models loaded at most, a load {cost.swap_s * 1000:g} ms"
+        if plan.resident
+        else "every model loaded"
+    )
     print(
         f"device:      {cost.batch_s * 1000:g} ms + {cost.token_s * 1e6:g} us/token a batch, peak "
-        f"{cost.peak_tokens_per_s:,.0f} tokens/s; load: {workload.mean_tokens:.0f} tokens a call over {args.models} models; "
-        f"knee: p99 <= {bound_s * 1000:.0f} ms, >= 95 % answered; {args.duration_s:g} s steps"
+        f"{cost.peak_tokens_per_s:,.0f} tokens/s; {resident}\n"
+        f"load:        {workload.mean_tokens:.0f} tokens a call over {args.models} models"
+        + (f", {args.bulk_share:.1%} bulk" if args.bulk_share else "")
+        + (
+            f", bursts {args.burst:g}x / {2 - args.burst:g}x the rate, {args.burst_period_s:g} s each"
+            if args.burst != 1
+            else ""
+        )
+        + f"\nknee:        queries' p99 <= {plan.bound_s * 1000:.0f} ms"
+        + (f", bulk p99 <= {plan.bulk_bound_s:.0f} s" if args.bulk_share else "")
+        + f", >= 95 % answered, none failed; {args.duration_s:g} s steps; {ours.dispatcher}"
     )
     print(f"design:      {design.label()}; heartbeats every {heartbeat_s:g} s\n", flush=True)
     rows, all_steps = [], []
@@ -570,12 +672,12 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
         )
         started = time.perf_counter()
         ticker = asyncio.create_task(progress(ours.progress_s)) if ours.progress_s else None
-        async with SimCluster(design, costs, costs_list, model_ids, cluster, catalog) as sim:
+        async with SimCluster(design, costs, costs_list, plan, cluster, catalog) as sim:
             print(
                 f"  started: {asyncio.get_running_loop().time():.1f} s of virtual time, {time.perf_counter() - started:.0f} s of wall time",
                 flush=True,
             )
-            steps = await ramp(sim, workload, top, bound_s, args.duration_s, args.refine)
+            steps = await ramp(sim, top)
         if ticker is not None:
             ticker.cancel()
         wall_s = time.perf_counter() - started

@@ -36,6 +36,7 @@ import nats.js.errors
 
 MAX_PAYLOAD = 1024 * 1024
 DUPLICATE_WINDOW_S = 120.0  # shoal's stream's
+PULL_API = "$JS.API.CONSUMER.MSG.NEXT."
 
 
 # --- costs and the queues that charge them ------------------------------------------------------
@@ -116,11 +117,35 @@ class CoreMsg:
 
 @dataclass(eq=False)
 class CoreSub:
+    """A subscription: with a callback, each message runs it (a task); without, messages wait in
+    `pending` for `next_msg` (nats-py's two kinds)."""
+
     conn: Connection
     subject: str
     queue: str
-    cb: Callable[[CoreMsg], Any]
+    cb: Callable[[CoreMsg], Any] | None
     wild: bool
+    pending: collections.deque[Any] = field(default_factory=collections.deque)
+    _waiter: asyncio.Future[None] | None = None
+
+    @property
+    def pending_msgs(self) -> int:
+        return len(self.pending)
+
+    def put(self, msg: Any) -> None:
+        self.pending.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_msg(self, timeout: float | None = 1.0) -> Any:
+        """The next message; nats.errors.TimeoutError when none came within `timeout`."""
+        if not self.pending:
+            self._waiter = self.conn.bus.loop.create_future()
+            try:
+                await asyncio.wait_for(self._waiter, timeout)
+            except asyncio.TimeoutError:
+                raise nats.errors.TimeoutError() from None
+        return self.pending.popleft()
 
     async def unsubscribe(self) -> None:
         self.conn.bus.unsubscribe(self)
@@ -150,7 +175,9 @@ class PullRequest:
     conn: Connection
     batch: int
     expires_at: float
-    future: asyncio.Future[list[Any]]
+    future: asyncio.Future[list[Any]] | None  # fetch's; None: answered to `inbox`
+    inbox: CoreSub | None = None  # a raw pull request's reply subject ($JS.API.CONSUMER.MSG.NEXT)
+    no_wait: bool = False  # answered at once: what is queued now, or 404
     msgs: list[JsMsg] = field(default_factory=list)
     ready_at: float = 0.0  # when the last delivery leaves the server
     timer: asyncio.TimerHandle | None = None
@@ -260,6 +287,15 @@ class Consumer:
             self.refused_s += self.bus.costs.fetch_s + self.bus.costs.status_s
             self._end(request, nats.errors.TimeoutError())  # nats-py's fetch: 409 Exceeded MaxWaiting
             return
+        if request.no_wait:
+            self.waiting.appendleft(request)  # nothing waits while calls are queued: it is served now
+            self.dispatch()
+            if not request.done:
+                self.waiting.popleft()
+                self.bus.counts["404" if not request.msgs else "partial"] += 1
+                request.ready_at = self.server.after(self.bus.loop.time(), self.bus.costs.status_s)
+                self._end(request, None if request.msgs else nats.errors.TimeoutError(), "404")
+            return
         self.waiting.append(request)
         request.timer = self.bus.loop.call_at(request.expires_at, self._expire, request)
         self.dispatch()
@@ -272,8 +308,9 @@ class Consumer:
         request.ready_at = self.server.after(self.bus.loop.time(), self.bus.costs.status_s)
         self._end(request, None if request.msgs else nats.errors.TimeoutError())
 
-    def _end(self, request: PullRequest, error: BaseException | None) -> None:
-        """The request's answer leaves the server: its messages, or a status that fetch raises as `error`."""
+    def _end(self, request: PullRequest, error: BaseException | None, status: str = "408") -> None:
+        """The request's answer leaves the server: its messages, or a status that fetch raises as
+        `error` (a raw request's inbox gets the status message itself)."""
         request.done = True
         if request.timer is not None:
             request.timer.cancel()
@@ -284,7 +321,11 @@ class Consumer:
         else:
             bus.counts["status"] += 1
         request.conn.received += len(request.msgs) if error is None else 1
-        bus.loop.call_at(arrive, _settle, request.future, request.msgs, error)
+        if request.inbox is not None:
+            answer = request.msgs if error is None else [CoreMsg(request.inbox.subject, b"", {"Status": status})]
+            bus.loop.call_at(arrive, _to_inbox, request.inbox, answer)
+        elif request.future is not None:
+            bus.loop.call_at(arrive, _settle, request.future, request.msgs, error)
 
     def _next(self) -> Stored | None:
         for queue in (self.again, self.new):
@@ -397,6 +438,12 @@ class Consumer:
             num_waiting=len(self.waiting),
             delivered=SimpleNamespace(consumer_seq=self.num_delivered, stream_seq=0),
         )
+
+
+def _to_inbox(inbox: CoreSub, msgs: list[Any]) -> None:
+    if not inbox.conn.closed:
+        for msg in msgs:
+            inbox.put(msg)
 
 
 def _settle(future: asyncio.Future[Any], msgs: list[Any], error: BaseException | None) -> None:
@@ -582,6 +629,10 @@ class Connection:
     def jetstream(self, **params: Any) -> JetStream:
         return JetStream(self)
 
+    def new_inbox(self) -> str:
+        self.bus.inboxes += 1
+        return f"_INBOX.sim.{self.bus.inboxes}"
+
     async def subscribe(self, subject: str, queue: str = "", cb: Any = None, **params: Any) -> CoreSub:
         self.check()
         sub = CoreSub(self, subject, queue, cb, "*" in subject or ">" in subject)
@@ -643,6 +694,7 @@ class Bus:
         self.counts: collections.Counter[str] = collections.Counter()
         self.bucket_ttl_s: float | None = None
         self.connections: list[Connection] = []
+        self.inboxes = 0
         # Subscription callbacks in flight (held here: the loop holds tasks weakly).
         self.callbacks: set[asyncio.Task[Any]] = set()
         self._ids: dict[str, int] = {}  # Nats-Msg-Id -> sequence, within the duplicate window
@@ -689,7 +741,12 @@ class Bus:
             sub.conn.subs.remove(sub)
 
     def route(self, sender: Connection, msg: CoreMsg) -> None:
-        """A core message to every matching subscription (one per queue group), a hop each way."""
+        """A core message to every matching subscription (one per queue group), a hop each way; a
+        pull request to JetStream's API (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`) to its
+        consumer."""
+        if msg.subject.startswith(PULL_API):
+            self._raw_pull(sender, msg)
+            return
         subs = self.exact.get(msg.subject, []) + [s for s in self.wild if matches(s.subject, msg.subject)]
         groups: dict[str, list[CoreSub]] = {}
         chosen = []
@@ -708,6 +765,22 @@ class Bus:
             conn = sub.conn
             cost = conn.costs.heartbeat_s if heartbeat else conn.costs.receive_s
             self.loop.call_at(conn.cpu_after(at, cost), _deliver_core, sub, msg)
+
+    def _raw_pull(self, sender: Connection, msg: CoreMsg) -> None:
+        """A pull request sent as a message: its answer goes to the message's reply subject."""
+        consumer = self.consumers.get(msg.subject.rsplit(".", 1)[-1])
+        inbox = next((s for s in self.exact.get(msg.reply, []) if s.conn is sender), None)
+        if consumer is None or inbox is None:
+            return
+        body = json.loads(msg.data or b"{}")
+        self.counts["fetch"] += 1
+        self.counts["raw_pull"] += 1
+        arrive = consumer.server.after(self.loop.time() + self.costs.latency_s, self.costs.fetch_s)
+        expires_s = body.get("expires", 0) / 1e9 or 5.0
+        request = PullRequest(
+            sender, int(body.get("batch", 1)), arrive + expires_s, None, inbox, bool(body.get("no_wait"))
+        )
+        self.loop.call_at(arrive, consumer.on_pull, request)
 
     # JetStream ---------------------------------------------------------------------------------
 
@@ -763,9 +836,12 @@ class Bus:
 
 
 def _deliver_core(sub: CoreSub, msg: CoreMsg) -> None:
-    if sub.conn.closed or sub.cb is None:
+    if sub.conn.closed:
         return
     sub.conn.received += 1
+    if sub.cb is None:
+        sub.put(CoreMsg(msg.subject, msg.data, msg.headers, msg.reply, sub.conn))
+        return
     result = sub.cb(CoreMsg(msg.subject, msg.data, msg.headers, msg.reply, sub.conn))
     if asyncio.iscoroutine(result):
         running = sub.conn.bus.callbacks

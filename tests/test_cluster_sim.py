@@ -126,10 +126,16 @@ def test_an_unacked_call_is_redelivered_after_ack_wait_and_a_nak_after_its_delay
     assert b'"deliveries": 3' in advisory
 
 
-def _cluster(num_workers, device_cost, cluster=None):
+def _plan(cost, resident=None, duration_s=3.0):
+    workload = Workload(MODELS, 1.1, 30.0)
+    return cluster_sim.Plan(MODELS, cost, workload, resident, None, 1.0, float("inf"), 1.0, 5.0, duration_s, 0.75, 0)
+
+
+def _cluster(num_workers, device_cost, cluster=None, resident=None):
     cluster = {"heartbeat_s": 0.5, "worker_ttl_s": 3.0} | (cluster or {})
+    plan = _plan(device_cost, resident)
     return cluster_sim.SimCluster(
-        cluster_sim.Design(), COSTS, [device_cost] * num_workers, MODELS, cluster, Catalog.load()
+        cluster_sim.Design(), COSTS, [device_cost] * num_workers, plan, cluster, Catalog.load()
     )
 
 
@@ -209,10 +215,38 @@ def test_a_ramp_step_measures_the_devices_busy_share_as_bench_cluster_does():
 
     async def main():
         async with _cluster(4, cost) as sim:
-            return await sim.step(workload, half, bound_s=1.0, duration_s=3.0)
+            return await sim.step(half)
 
     step = run_virtual(main())
     assert step.ok and step.failed == 0
     assert step.achieved == pytest.approx(step.offered, rel=0.1)
     assert step.tokens_per_s / (4 * cost.peak_tokens_per_s) <= step.busy < 0.9
     assert step.tokens_per_s == pytest.approx(step.achieved * workload.mean_tokens, rel=0.1)
+
+
+def test_a_model_loaded_nowhere_is_pulled_by_an_idle_worker_with_a_no_wait_pull_and_loaded():
+    """Affinity: two devices hold one model each loaded (sim/a, sim/b); sim/c's calls are taken only
+    by cold pulls (a no_wait pull request to JetStream's API) of idle workers, which load it."""
+    random.seed(0)
+    models = ["sim/a", "sim/b", "sim/c"]
+    calls = [EncodeCall(model="sim/c", items=["word " * 20], timeout_s=60.0) for _ in range(20)]
+    cost = Cost(0.002, 20e-6, 0.0, 8192, swap_s=0.1)
+    plan = cluster_sim.Plan(
+        models, cost, Workload(models, 1.1, 30.0), 1, None, 1.0, float("inf"), 1.0, 5.0, 3.0, 0.75, 0
+    )
+    cluster = {"heartbeat_s": 0.5, "worker_ttl_s": 3.0}
+
+    async def main():
+        async with cluster_sim.SimCluster(
+            cluster_sim.Design(), COSTS, [cost] * 2, plan, cluster, Catalog.load()
+        ) as sim:
+            loaded = [d.resident_models for d in sim.devices]
+            results = await asyncio.gather(*(sim.call(c) for c in calls))
+            after = [d.resident_models for d in sim.devices]
+            return loaded, results, after, sum(d.swaps for d in sim.devices), sim.bus.counts["raw_pull"]
+
+    loaded, results, after, swaps, raw_pulls = run_virtual(main())
+    assert loaded == [["sim/a"], ["sim/b"]]
+    assert len(results) == 20 and all(r.items for r in results)
+    assert ["sim/c"] in after and swaps >= 1
+    assert raw_pulls >= 1
