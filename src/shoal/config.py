@@ -247,13 +247,13 @@ class ClusterSettings:
     model_affinity: bool = setting(
         True,
         "a worker pulls the calls of models its devices have loaded while it has room, and another "
-        "model's only when idle (or when nobody has taken them for a second); false: every model alike",
+        "model's only when idle and they have waited (or, busy, when nobody takes them); false: every model alike",
         commands=_WORKER,
     )
-    cold_pull_idle_s: float = setting(
-        0.02,
-        "with model_affinity, how long a worker stays idle before it pulls a model none of its devices "
-        "has loaded (a worker that has it loaded gets the first pick)",
+    cold_pull_after_s: float = setting(
+        0.2,
+        "with model_affinity, how long calls of a model none of a worker's devices has loaded wait in the "
+        "queue before an idle worker pulls them, paying the load (about a load's time)",
         commands=_WORKER,
     )
     publish_timeout_s: float = setting(

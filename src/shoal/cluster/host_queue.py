@@ -17,8 +17,8 @@ Every count is in the gateway's token estimates. `changed` (one condition) guard
 held tokens, the pullers' reservations and `draining`; whoever changes one notifies it.
 
 A model is resident on the host when a device has it loaded. Pullers of the other models (cold
-ones) wait for `wait_cold`: the host idle (a while), or a probe's turn; and they pull one at a time
-(`cold_lock`), so an idle host takes one model's load, not one per model.
+ones) look at their queue when `wait_cold` says (the host idle, or busy with room, and their time
+come), and pull one at a time (`cold_lock`), so an idle host takes one model's load, not several.
 """
 
 from __future__ import annotations
@@ -137,15 +137,12 @@ class HostQueue:
             self.reserved += reserved
             return reserved
 
-    async def wait_cold(
-        self, model_id: str, polled_at: float, grace_s: float, backoff_s: float, probe_at: float, timeout_s: float
-    ) -> str | None:
-        """A cold puller's turn (times are `time.monotonic()`):
+    async def wait_cold(self, model_id: str, idle_at: float, busy_at: float, timeout_s: float) -> str | None:
+        """A cold puller's turn to look at its model's queue (times are `time.monotonic()`):
 
         - "resident": a device has loaded the model meanwhile (pull it as any other);
-        - "idle": the host has been idle `grace_s` (counted from the later of its going idle and
-          `polled_at`, the puller's last empty pull; after such a pull, `backoff_s` from it);
-        - "probe": the host is busy but has room, and `probe_at` has passed;
+        - "idle": the host is idle and `idle_at` has passed;
+        - "busy": the host is busy but has room, and `busy_at` has passed;
         - None: `timeout_s` passed first, or the worker drains."""
         give_up = time.monotonic() + timeout_s
         async with self.changed:
@@ -155,14 +152,13 @@ class HostQueue:
                 now = time.monotonic()
                 wake = give_up
                 if self.idle_since is not None:
-                    ready = self.idle_since + grace_s if self.idle_since > polled_at else polled_at + backoff_s
-                    if now >= ready:
+                    if now >= idle_at:
                         return "idle"
-                    wake = min(wake, ready)
+                    wake = min(wake, idle_at)
                 elif self.room() - self.reserved > 0:
-                    if now >= probe_at:
-                        return "probe"
-                    wake = min(wake, probe_at)
+                    if now >= busy_at:
+                        return "busy"
+                    wake = min(wake, busy_at)
                 if now >= give_up:
                     return None
                 try:

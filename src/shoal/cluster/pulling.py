@@ -4,9 +4,9 @@ for the calls that fit the host's room, and puts them on the host queue.
     resident (a device has the model loaded), or model_affinity off:
     wait_for_room ─ reserve one call's worth ─ fetch(1, PULL_WAIT_S) ─ unreserve ─ take it ─ more
     cold (no device has it loaded):
-    wait_cold ─ idle: the host idle cold_pull_idle_s ─┬─ a call waiting now? (no_wait) ─ take it ─ more
-              └ probe: busy, with room, every ~COLD_PROBE_S: nobody took its queued calls since the
-                last probe? ──────────────────────┘
+    wait_cold ─ the host idle (looks every cold_pull_after_s while calls are queued, else ≤ 0.5 s),
+              │ or busy with room (every ~COLD_PROBE_S) ─ look at the consumer: calls that have
+              │ waited cold_pull_after_s, undelivered? ─ a call queued now (no_wait) ─ take it ─ more
     more: reserve the room left for k calls of the model's mean size ─ fetch(k, MORE_WAIT_S)
 
 - The tokens asked for are reserved until the pull returns, so the pullers of several models do
@@ -15,12 +15,13 @@ for the calls that fit the host's room, and puts them on the host queue.
 - Affinity: JetStream hands a call to a waiting pull as it arrives. A worker with the model loaded
   keeps a pull waiting while it has room; a cold puller never waits for calls to come: it asks with
   `no_wait` for a call already queued, so it takes only what no worker with the model loaded asked
-  for (calls queued while those are full, or of a model loaded nowhere). It pays the load, then
-  takes a batch's worth (the room) of the model's calls behind it. An idle host polls at
-  `cold_pull_idle_s`, doubling while it finds nothing (≤ COLD_POLL_MAX_S), one cold model at a
-  time. A host that is never idle still serves a model nobody takes: every ~COLD_PROBE_S a cold
-  puller with room looks at its consumer, and when calls waited and none was delivered since its
-  last look, it pulls them (no call waits for ever behind busy workers).
+  for, and only once such calls have waited `cold_pull_after_s` (about a load's time: sooner, the
+  workers that have the model would likely take them before a load ends). It looks at the
+  consumer to tell (pending calls and deliveries: the calls queued at a look that long ago are not
+  all delivered). It pays the load, then takes a batch's worth (the room) of the model's calls
+  behind it. An idle host takes the load; a busy one with room looks only about once a second, so
+  a model nobody takes (loaded nowhere, every worker busy) still gets served: no call waits for
+  ever behind busy workers.
 - A call is taken while the host has any room (as a device takes a call while under its budget),
   so a call a little over the room does not bounce. With no room at all it is `nak`ed with a delay
   doubling from `nak_delay_s` (at most 1 s), so another worker takes it, except from its
@@ -56,9 +57,9 @@ MAX_FETCH = 64
 _FIRST_MEAN_TOKENS = 64.0
 # The longest wait for the answer to a cold pull (no_wait: NATS answers at once, a call or none).
 COLD_WAIT_S = 1.0
-# An idle host's empty cold pulls back off up to this interval.
-COLD_POLL_MAX_S = 0.5
-# How often a busy host with room looks for a cold model's calls that nobody takes (± half, at random).
+# An idle host that finds a cold model's queue empty looks less often, down to once in this long.
+COLD_LOOK_MAX_S = 0.5
+# How often a busy host with room looks at a cold model's queue (± half, at random).
 COLD_PROBE_S = 1.0
 
 
@@ -87,12 +88,13 @@ class Puller:
         self.mean_tokens: float | None = None
         self._sub: Any = None
         self._cold_inbox: Any = None  # where the answers to cold pulls come
-        # Cold pulls (time.monotonic()): the last empty one on an idle host and the back-off after
-        # it, the next probe, and what the last probe saw (calls pending, deliveries).
-        self._polled_at = float("-inf")
-        self._backoff_s = settings.cold_pull_idle_s
-        self._probe_at = time.monotonic() + COLD_PROBE_S * random.uniform(0.5, 1.5)
-        self._probed: tuple[int, int] | None = None
+        # Cold pulls (time.monotonic()): the next look at the queue while the host is idle (and the
+        # interval between them) or busy with room, and the look compared with: (when, calls
+        # queued, deliveries so far).
+        self._idle_look_at = float("-inf")
+        self._idle_interval_s = settings.cold_pull_after_s
+        self._busy_look_at = time.monotonic() + COLD_PROBE_S * random.uniform(0.5, 1.5)
+        self._looked: tuple[float, int, int] | None = None
 
     async def ensure_consumer(self) -> None:
         """The model's durable consumer, made if missing (setup, and after NATS lost its store)."""
@@ -164,33 +166,43 @@ class Puller:
     async def _pull_cold(self, mean: float) -> None:
         """One turn of a model no device of the host has loaded (see the module docstring)."""
         queue = self.queue
-        turn = await queue.wait_cold(
-            self.model_id,
-            self._polled_at,
-            self.settings.cold_pull_idle_s,
-            self._backoff_s,
-            self._probe_at,
-            PULL_WAIT_S,
-        )
+        turn = await queue.wait_cold(self.model_id, self._idle_look_at, self._busy_look_at, PULL_WAIT_S)
         if turn is None or turn == "resident":
             return
-        if turn == "probe":
-            self._probe_at = time.monotonic() + COLD_PROBE_S * random.uniform(0.5, 1.5)
-            if not await self._unserved():
-                return
+        waited, pending = await self._look()
+        now = time.monotonic()
+        after_s = self.settings.cold_pull_after_s
+        if turn == "busy":
+            self._busy_look_at = now + COLD_PROBE_S * random.uniform(0.5, 1.5)
+        elif pending:  # look again when those calls will have waited cold_pull_after_s
+            self._idle_interval_s = after_s
+            self._idle_look_at = max(now + 0.01, self._looked[0] + after_s) if self._looked else now + after_s
+        else:  # nothing queued: look less often the longer the host stays idle
+            self._idle_interval_s = min(COLD_LOOK_MAX_S, 2 * self._idle_interval_s)
+            self._idle_look_at = now + self._idle_interval_s
+        if not waited:
+            return
         async with queue.cold_lock:  # one cold model at a time: an idle host takes one load
-            idle_since = queue.idle_since
-            if turn == "idle" and (idle_since is None or queue.resident(self.model_id)):
+            if turn == "idle" and (queue.idle_since is None or queue.resident(self.model_id)):
                 return  # another cold puller's calls came first, or the model is loaded now
             first = await self._fetch_queued()
             await self._take_all(first)
         if first:
             await self._pull_more(mean)
-        elif turn == "idle":  # nothing: look again later, less often the longer the host stays idle
-            fresh = idle_since is not None and idle_since > self._polled_at
-            grace_s = self.settings.cold_pull_idle_s
-            self._backoff_s = min(COLD_POLL_MAX_S, 2 * (grace_s if fresh else max(self._backoff_s, grace_s)))
-            self._polled_at = time.monotonic()
+
+    async def _look(self) -> tuple[bool, int]:
+        """(whether calls of the model have waited in the queue at least cold_pull_after_s, the
+        calls queued now), from its consumer: the calls queued at a look at least that long ago were
+        not all delivered since (JetStream delivers new calls in order), and some are queued now."""
+        info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
+        now = time.monotonic()
+        pending, delivered = info.num_pending or 0, info.delivered.consumer_seq or 0
+        last = self._looked
+        if last is None or now - last[0] >= self.settings.cold_pull_after_s or not pending:
+            self._looked = (now, pending, delivered)  # else the older look stays the one to compare with
+        if last is None or now - last[0] < self.settings.cold_pull_after_s:
+            return False, pending
+        return (last[1] > 0 and pending > 0 and delivered - last[2] < last[1]), pending
 
     async def _fetch_queued(self) -> list[Any]:
         """The model's next call if one is queued now, undelivered: a pull with `no_wait`, which never
@@ -210,14 +222,6 @@ class Puller:
         except asyncio.TimeoutError:
             pass
         return [msg for msg in found if not (msg.headers and msg.headers.get("Status"))]
-
-    async def _unserved(self) -> bool:
-        """Whether the model's calls wait in the queue and none was delivered (to any worker) since
-        this puller's last look: then nobody is taking them."""
-        info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
-        seen = (info.num_pending or 0, info.delivered.consumer_seq or 0)
-        last, self._probed = self._probed, seen
-        return last is not None and last[0] > 0 and seen[0] > 0 and seen[1] == last[1]
 
     async def _pull_more(self, mean: float) -> None:
         """After a call: as many more as the room left holds, of what is queued now (MORE_WAIT_S)."""
