@@ -95,7 +95,7 @@ echo "install.sh: $target installed into $venv ($(du -sm "$venv" | cut -f1) MB)"
 # binary (only `shoal dev-cluster` runs it), pip itself, and the static symbol tables of torch's
 # libraries (`strip --strip-unneeded`, as Debian strips its own: the dynamic symbols that linking
 # needs stay). Every package shoal imports stays whole, bytecode included: a read-only root
-# filesystem could not cache it again at each start, and importing without it takes ~0.9 s longer.
+# filesystem could not cache it again, and each start would compile it (docs/deploy.md, Stages).
 slim() {
     local site
     site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
