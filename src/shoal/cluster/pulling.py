@@ -18,8 +18,9 @@ for the calls that fit the host's room, and puts them on the host queue.
   for, and only once such calls have waited `cold_pull_after_s` (about a load's time: sooner, the
   workers that have the model would likely take them before a load ends). It looks at the
   consumer to tell (pending calls and deliveries: the calls queued at a look that long ago are not
-  all delivered). It pays the load, then takes a batch's worth (the room) of the model's calls
-  behind it. An idle host takes the load; a busy one with room looks only about once a second, so
+  all delivered); with none queued but some delivered and unacked (handed back, due again with
+  nobody asking), it asks too. It pays the load, then takes a batch's worth (the room) of the
+  model's calls behind it. An idle host takes the load; a busy one with room looks only about once a second, so
   a model nobody takes (loaded nowhere, every worker busy) still gets served: no call waits for
   ever behind busy workers.
 - A call is taken while the host has any room (as a device takes a call while under its budget),
@@ -169,7 +170,7 @@ class Puller:
         turn = await queue.wait_cold(self.model_id, self._idle_look_at, self._busy_look_at, PULL_WAIT_S)
         if turn is None or turn == "resident":
             return
-        waited, pending = await self._look()
+        pull, pending = await self._look()
         now = time.monotonic()
         after_s = self.settings.cold_pull_after_s
         if turn == "busy":
@@ -180,7 +181,7 @@ class Puller:
         else:  # nothing queued: look less often the longer the host stays idle
             self._idle_interval_s = min(COLD_LOOK_MAX_S, 2 * self._idle_interval_s)
             self._idle_look_at = now + self._idle_interval_s
-        if not waited:
+        if not pull:
             return
         async with queue.cold_lock:  # one cold model at a time: an idle host takes one load
             if turn == "idle" and (queue.idle_since is None or queue.resident(self.model_id)):
@@ -191,18 +192,21 @@ class Puller:
             await self._pull_more(mean)
 
     async def _look(self) -> tuple[bool, int]:
-        """(whether calls of the model have waited in the queue at least cold_pull_after_s, the
-        calls queued now), from its consumer: the calls queued at a look at least that long ago were
-        not all delivered since (JetStream delivers new calls in order), and some are queued now."""
+        """(whether to pull: calls of the model have waited in the queue at least cold_pull_after_s,
+        or none is queued but some are delivered and unacked, which may be handed back and due again
+        with nobody asking; the calls queued now), from its consumer. Waited: the calls queued at a
+        look that long ago were not all delivered since (JetStream delivers new calls in order)."""
         info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
         now = time.monotonic()
         pending, delivered = info.num_pending or 0, info.delivered.consumer_seq or 0
         last = self._looked
         if last is None or now - last[0] >= self.settings.cold_pull_after_s or not pending:
             self._looked = (now, pending, delivered)  # else the older look stays the one to compare with
+        if not pending:
+            return bool(info.num_ack_pending), 0
         if last is None or now - last[0] < self.settings.cold_pull_after_s:
             return False, pending
-        return (last[1] > 0 and pending > 0 and delivered - last[2] < last[1]), pending
+        return (last[1] > 0 and delivered - last[2] < last[1]), pending
 
     async def _fetch_queued(self) -> list[Any]:
         """The model's next call if one is queued now, undelivered: a pull with `no_wait`, which never
