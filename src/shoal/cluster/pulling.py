@@ -18,8 +18,8 @@ for the calls that fit the host's room, and puts them on the host queue.
   for, and only once such calls have waited `cold_pull_after_s` (about a load's time: sooner, the
   workers that have the model would likely take them before a load ends). It looks at the
   consumer to tell (pending calls and deliveries: the calls queued at a look that long ago are not
-  all delivered); with none queued but some delivered and unacked (handed back, due again with
-  nobody asking), it asks too. It pays the load, then takes a batch's worth (the room) of the
+  all delivered); with none queued, some unacked and none delivered meanwhile (handed back, due
+  again with nobody asking), it asks too. It pays the load, then takes a batch's worth (the room) of the
   model's calls behind it. An idle host takes the load; a busy one with room looks only about once a second, so
   a model nobody takes (loaded nowhere, every worker busy) still gets served: no call waits for
   ever behind busy workers.
@@ -192,21 +192,23 @@ class Puller:
             await self._pull_more(mean)
 
     async def _look(self) -> tuple[bool, int]:
-        """(whether to pull: calls of the model have waited in the queue at least cold_pull_after_s,
-        or none is queued but some are delivered and unacked, which may be handed back and due again
-        with nobody asking; the calls queued now), from its consumer. Waited: the calls queued at a
-        look that long ago were not all delivered since (JetStream delivers new calls in order)."""
+        """(whether to pull, the calls queued now), from the model's consumer, against a look at
+        least cold_pull_after_s before: pull when the calls queued then were not all delivered since
+        (JetStream delivers new calls in order: they have waited that long), or when none was queued
+        either time, some are unacked and nothing was delivered since (a call handed back and due
+        again, with nobody asking for it)."""
         info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
         now = time.monotonic()
         pending, delivered = info.num_pending or 0, info.delivered.consumer_seq or 0
         last = self._looked
-        if last is None or now - last[0] >= self.settings.cold_pull_after_s or not pending:
+        long_enough = last is not None and now - last[0] >= self.settings.cold_pull_after_s
+        if last is None or long_enough or not pending:
             self._looked = (now, pending, delivered)  # else the older look stays the one to compare with
-        if not pending:
-            return bool(info.num_ack_pending), 0
-        if last is None or now - last[0] < self.settings.cold_pull_after_s:
+        if last is None or not long_enough:
             return False, pending
-        return (last[1] > 0 and delivered - last[2] < last[1]), pending
+        if pending:
+            return (last[1] > 0 and delivered - last[2] < last[1]), pending
+        return (not last[1] and bool(info.num_ack_pending) and delivered == last[2]), 0
 
     async def _fetch_queued(self) -> list[Any]:
         """The model's next call if one is queued now, undelivered: a pull with `no_wait`, which never
