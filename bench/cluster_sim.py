@@ -212,6 +212,8 @@ class SimStep:
     consumer_busy: float  # the busiest consumer's server
     consumer_calls_busy: float  # ... less what it spent refusing pull requests (409)
     nats_cores: float  # nats-server's CPU / window, at the costs under load
+    api_busy: float  # JetStream's API queue
+    api_per_s: float
     gateway_busy: float  # the busiest gateway's event loop
     worker_cpu_busy: float  # the busiest worker event loop
     wall_s: float  # what the step took in real time
@@ -344,6 +346,7 @@ class SimCluster:
             "consumers": {name: c.server.busy_s for name, c in self.bus.consumers.items()},
             "consumers_refused": {name: c.refused_s for name, c in self.bus.consumers.items()},
             "nats_cpu": self.bus.cpu_s(),
+            "api": self.bus.api.busy_s,
             "gateway_cpu": [c.busy_s for c in self.gateway_cpus],
             "worker_cpu": {id(c): c.busy_s for c in self.worker_cpus},
             "gateway_msgs": sum(c.sent + c.received for c in gateway_conns),
@@ -454,6 +457,8 @@ class SimCluster:
             consumer_busy=max(consumers, default=0.0) / span,
             consumer_calls_busy=max((c - r for c, r in zip(consumers, refused)), default=0.0) / span,
             nats_cores=(b["nats_cpu"] - a["nats_cpu"]) / span,
+            api_busy=(b["api"] - a["api"]) / span,
+            api_per_s=counts.get("api", 0) / span,
             gateway_busy=max(np.subtract(b["gateway_cpu"], a["gateway_cpu"]), default=0.0) / span,
             worker_cpu_busy=max((b["worker_cpu"][k] - a["worker_cpu"][k] for k in b["worker_cpu"]), default=0.0) / span,
             wall_s=b["wall"] - a["wall"],
@@ -522,10 +527,12 @@ async def ramp(cluster: SimCluster, top_req_s: float) -> list[SimStep]:
 def step_line(s: SimStep) -> str:
     return (
         f"  {s.workers:>5}w  rate {s.rate:9.1f}  offered {s.offered:9.1f}  achieved {s.achieved:9.1f} req/s  "
-        f"p50 {s.p50_ms:6.0f}  p99 {s.p99_ms:6.0f} ms  busy {s.busy:4.0%}  failed {s.failed:>5}  "
+        f"p50 {s.p50_ms:6.0f}  p99 {s.p99_ms:6.0f} ms"
+        + (f" (bulk {s.bulk_p99_ms / 1000:.1f} s)" if s.bulk_p99_ms == s.bulk_p99_ms else "")
+        + f"  busy {s.busy:4.0%}  loads/min {s.swaps_per_min:5.0f}  failed {s.failed:>5}  "
         f"naks/s {s.naks_per_s:6.0f}  gw {s.gateway_msgs_per_s:8,.0f} msg/s ({s.gateway_busy:4.0%})  bus "
         f"{s.bus_msgs_per_s:9,.0f} msg/s (stream {s.stream_busy:4.0%}, fetch/s {s.fetches_per_s:8,.0f}, "
-        f"409/s {s.conflicts_per_s:6,.0f}, consumer {s.consumer_busy:4.0%} ({s.consumer_calls_busy:4.0%} on calls), {s.nats_cores:.2f} cores)  wall {s.wall_s:5.1f} s  {'ok' if s.ok else '--'}"
+        f"409/s {s.conflicts_per_s:6,.0f}, consumer {s.consumer_busy:4.0%} ({s.consumer_calls_busy:4.0%} on calls), {s.nats_cores:.2f} cores, api/s {s.api_per_s:6,.0f} ({s.api_busy:4.0%}))  wall {s.wall_s:5.1f} s  {'ok' if s.ok else '--'}"
     )
 
 
@@ -537,7 +544,13 @@ def knee(steps: list[SimStep]) -> SimStep | None:
 def limit_of(s: SimStep) -> str:
     """What held the knee back: the busiest of the devices, the gateways' loops, the streams and
     the consumers (their work on calls: a 409 storm fills whatever time they have left)."""
-    loads = {"devices": s.busy, "gateway": s.gateway_busy, "stream": s.stream_busy, "consumer": s.consumer_calls_busy}
+    loads = {
+        "devices": s.busy,
+        "gateway": s.gateway_busy,
+        "stream": s.stream_busy,
+        "consumer": s.consumer_calls_busy,
+        "JetStream API": s.api_busy,
+    }
     name = max(loads, key=loads.__getitem__)
     return f"{name} ({loads[name]:.0%} busy)"
 
@@ -620,6 +633,10 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
         cluster["prefetch_s"] = args.prefetch_s
     if args.min_inflight_tokens is not None:
         cluster["min_inflight_tokens"] = args.min_inflight_tokens
+    if args.cold_pull_after_s is not None:
+        cluster["cold_pull_after_s"] = args.cold_pull_after_s
+    elif args.resident and args.swap_ms:  # as bench/cluster.py: an operator sets it to the load's time
+        cluster["cold_pull_after_s"] = args.swap_ms / 1000 * args.slowdown
     design = Design(
         ours.gateways, ours.pools, ours.partition, 1 if ours.mirror else ours.host_processes, ours.pool_choice
     )

@@ -9,6 +9,7 @@ and worker on this machine (`python bench/cluster_sim.py calibrate`; writes clus
         empty        fetch(1, 5 ms) on an empty consumer, `concurrency` at once: a pull request, its 408
     (Operations one at a time cost nats-server several times more each: it sleeps and wakes
     between them. Under load, which is where a stream saturates, it does not.)
+        api          a consumer info request (JetStream's API), `concurrency` at once
         core         a core message to one subscriber
         latency      half the median round trip of a ping (nc.flush)
     shoal (CPU seconds of its process per call, zero-cost devices, `concurrency` calls in flight):
@@ -147,6 +148,19 @@ async def measure_server(
     out["deliver_s"] = max(0.0, cpu_take / n - out["fetch_s"] / 64)
     out["ack_s"] = cpu_ack / n
     out["deliver_ack_check_s"] = deliver_ack
+
+    # JetStream API requests: consumer info, `concurrency` at a time.
+    async def infos(count: int) -> None:
+        for start in range(0, count, concurrency):
+            await asyncio.gather(
+                *(
+                    js.consumer_info(p.STREAM, p.consumer_name(POOL, MODEL))
+                    for _ in range(min(concurrency, count - start))
+                )
+            )
+
+    cpu_api, _ = await _server_cpu(pid, lambda: infos(n // 4))
+    out["api_s"] = cpu_api / (n // 4)
     # Core messages, and the round trip.
     got = asyncio.Event()
     count = 0
@@ -315,7 +329,7 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     share = client["publish_s"] / max(1e-12, client["publish_s"] + client["receive_s"])
     return {
         "source": f"calibrate, {time.strftime('%Y-%m-%d')}, {machine_line(os.getloadavg(), 'nats-server, gateway and one worker host').split(':', 1)[1].strip()}",
-        "bus": {k: server[k] for k in ("publish_s", "deliver_s", "ack_s", "fetch_s", "core_s", "latency_s")}
+        "bus": {k: server[k] for k in ("publish_s", "deliver_s", "ack_s", "fetch_s", "core_s", "latency_s", "api_s")}
         | {"status_s": max(0.0, server["empty_fetch_s"] - server["fetch_s"])},
         "gateway": {
             "publish_s": shoal["gateway_call_s"] * share,

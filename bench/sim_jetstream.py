@@ -9,6 +9,7 @@
                      pending pull requests served in arrival order (409 past max_waiting),
                      redelivery after ack_wait, naks with a delay, max-deliveries advisories into
                      the dead-letter stream
+      api            JetStream's API requests (consumer info, ...): one FIFO `Server`
     Connection       what `nats.connect` returns (publish, subscribe, jetstream(), ...); a client's
                      own work (the gateway's per call, a worker's per pulled call) is a `Server` too
 
@@ -54,6 +55,7 @@ class BusCosts:
     status_s: float  # end one with a status: expired (408), or refused past max_waiting (409)
     core_s: float  # route one core message to one subscriber
     latency_s: float = 0.0001
+    api_s: float = 0.0  # one JetStream API request (consumer info, ...), on the server's API queue
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,9 @@ class Consumer:
         self.num_ack_pending = 0
         self.num_delivered = 0  # deliveries so far (the consumer sequence)
         self.refused_s = 0.0  # of its server's time: pull requests refused past max_waiting
+        # Handed back (nak) or past ack_wait, not yet delivered again: nats-server keeps them among
+        # the ack-pending ones (num_ack_pending), not the pending ones (num_pending: never delivered).
+        self.to_redeliver: set[int] = set()
 
     def add(self, stored: Stored) -> None:
         stored.consumer = self
@@ -352,6 +357,7 @@ class Consumer:
             now = bus.loop.time()
             stored.num_delivered += 1
             self.num_delivered += 1
+            self.to_redeliver.discard(stored.seq)
             stored.pending = True
             stored.ack_deadline = now + self.ack_wait_s
             self.num_ack_pending += 1
@@ -377,6 +383,7 @@ class Consumer:
         consumer = stored.consumer
         if consumer is not None:
             consumer._settle_pending(stored)
+            consumer.to_redeliver.discard(stored.seq)
         stored.gone = True
         stored.stream.bus.messages.pop(stored.seq, None)
 
@@ -393,6 +400,7 @@ class Consumer:
             return
         if consumer._dead(stored):
             return
+        consumer.to_redeliver.add(stored.seq)
         if delay:
             consumer.bus.loop.call_later(delay, consumer._again, stored)
         else:
@@ -413,6 +421,7 @@ class Consumer:
         self._settle_pending(stored)
         self.bus.counts["redelivered"] += 1
         if not self._dead(stored):
+            self.to_redeliver.add(stored.seq)
             self._again(stored)
 
     def _dead(self, stored: Stored) -> bool:
@@ -433,8 +442,8 @@ class Consumer:
             name=self.name,
             stream_name=self.stream.name,
             config=self.config,
-            num_pending=self.num_pending + len(self.again),
-            num_ack_pending=self.num_ack_pending,
+            num_pending=self.num_pending,
+            num_ack_pending=self.num_ack_pending + len(self.to_redeliver),
             num_waiting=len(self.waiting),
             delivered=SimpleNamespace(consumer_seq=self.num_delivered, stream_seq=0),
         )
@@ -487,12 +496,15 @@ class JetStream:
         self.bus = conn.bus
 
     async def _api(self) -> None:
-        """A JetStream API request's round trip."""
+        """A JetStream API request's round trip, through the server's one API queue."""
         self.conn.check()
-        self.bus.counts["api"] += 1
+        bus = self.bus
+        bus.counts["api"] += 1
         self.conn.sent += 1
         self.conn.received += 1
-        await asyncio.sleep(2 * self.bus.costs.latency_s)
+        now = bus.loop.time()
+        done = bus.api.after(now + bus.costs.latency_s, bus.costs.api_s) + bus.costs.latency_s
+        await asyncio.sleep(done - now)
 
     async def add_stream(self, config: Any = None, **params: Any) -> Any:
         await self._api()
@@ -580,8 +592,9 @@ class JetStream:
         if stored is None:
             raise nats.js.errors.NotFoundError(code=404, err_code=10037, description="no message found")
         stored.gone = True
-        if stored.pending and stored.consumer is not None:
+        if stored.consumer is not None:
             stored.consumer._settle_pending(stored)
+            stored.consumer.to_redeliver.discard(seq)
         return True
 
 
@@ -695,6 +708,7 @@ class Bus:
         self.bucket_ttl_s: float | None = None
         self.connections: list[Connection] = []
         self.inboxes = 0
+        self.api = Server(loop, "$JS.API")  # nats-server answers JetStream API requests in turn
         # Subscription callbacks in flight (held here: the loop holds tasks weakly).
         self.callbacks: set[asyncio.Task[Any]] = set()
         self._ids: dict[str, int] = {}  # Nats-Msg-Id -> sequence, within the duplicate window
@@ -717,7 +731,7 @@ class Bus:
 
     def cpu_s(self) -> float:
         """The server's CPU so far: its streams' and consumers' queues, and core routing."""
-        servers = [s.server for s in self.streams.values()] + [c.server for c in self.consumers.values()]
+        servers = [s.server for s in self.streams.values()] + [c.server for c in self.consumers.values()] + [self.api]
         return sum(s.busy_s for s in servers) + self.costs.core_s * (self.counts["core_in"] + self.counts["core_out"])
 
     def next_seq(self) -> int:

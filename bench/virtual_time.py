@@ -6,7 +6,8 @@
                             `time.time()` (deadlines, heartbeats' ages) while it is active
 
 Nothing may do real I/O on such a loop: its selector never reports a ready file. A loop with no
-ready callback and no timer has deadlocked, and says so.
+ready callback and no timer has deadlocked, and one whose clock stops moving while tasks keep
+waking each other has livelocked: both say so.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+# A livelock: tasks that wake each other for ever at one instant (the clock never moves).
+MAX_TURNS_AT_ONCE = 2_000_000
 EPOCH = 1.8e9  # what the virtual clock's 0 is in unix seconds (headers carry deadlines as unix time)
 
 
@@ -28,6 +31,8 @@ class VirtualSelector(selectors.BaseSelector):
     def __init__(self) -> None:
         self.now = 0.0
         self._keys: dict[Any, selectors.SelectorKey] = {}
+        self.turns_at_now = 0  # loop turns since the clock last moved
+        self.on_stall: Any = None  # called (and raises) once the clock has not moved for MAX_TURNS_AT_ONCE
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         key = selectors.SelectorKey(fileobj, fileobj if isinstance(fileobj, int) else fileobj.fileno(), events, data)
@@ -40,7 +45,13 @@ class VirtualSelector(selectors.BaseSelector):
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if timeout is None:
             raise RuntimeError("virtual loop: nothing ready and no timer: every task waits on another (deadlock)")
-        self.now += max(0.0, timeout)
+        if timeout > 0:
+            self.now += timeout
+            self.turns_at_now = 0
+        else:
+            self.turns_at_now += 1
+            if self.turns_at_now > MAX_TURNS_AT_ONCE and self.on_stall is not None:
+                self.on_stall()
         return []
 
     def get_map(self) -> dict[Any, selectors.SelectorKey]:
@@ -53,6 +64,14 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self._virtual = VirtualSelector()
         super().__init__(selector=self._virtual)
+        self._virtual.on_stall = self._stalled
+
+    def _stalled(self) -> None:
+        ready = [repr(handle) for handle in list(self._ready)[:12]]  # asyncio's own queue of callbacks
+        raise RuntimeError(
+            f"virtual loop: {MAX_TURNS_AT_ONCE:,} turns at t = {self.time():.6f} s without the clock moving "
+            "(a livelock); ready now:\n  " + "\n  ".join(ready)
+        )
 
     def time(self) -> float:
         return self._virtual.now
