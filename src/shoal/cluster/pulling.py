@@ -5,8 +5,9 @@ for the calls that fit the host's room, and puts them on the host queue.
     wait_for_room ─ reserve one call's worth ─ fetch(1, PULL_WAIT_S) ─ unreserve ─ take it ─ more
     cold (no device has it loaded):
     wait_cold ─ the host idle (looks every cold_pull_after_s while calls are queued, else ≤ 0.5 s),
-              │ or busy with room (every ~COLD_PROBE_S) ─ look at the consumer: calls that have
-              │ waited cold_pull_after_s, undelivered? ─ a call queued now (no_wait) ─ take it ─ more
+              │ or busy with room (every ~COLD_PROBE_S) ─ look at the consumer: idle, calls that
+              │ waited cold_pull_after_s? busy, calls nobody took since the last look?
+              │ ─ a call queued now (no_wait) ─ take it ─ more
     more: reserve the room left for k calls of the model's mean size ─ fetch(k, MORE_WAIT_S)
 
 - The tokens asked for are reserved until the pull returns, so the pullers of several models do
@@ -19,10 +20,11 @@ for the calls that fit the host's room, and puts them on the host queue.
   workers that have the model would likely take them before a load ends). It looks at the
   consumer to tell (pending calls and deliveries: the calls queued at a look that long ago are not
   all delivered); with none queued, some unacked and none delivered meanwhile (handed back, due
-  again with nobody asking), it asks too. It pays the load, then takes a batch's worth (the room) of the
-  model's calls behind it. An idle host takes the load; a busy one with room looks only about once a second, so
-  a model nobody takes (loaded nowhere, every worker busy) still gets served: no call waits for
-  ever behind busy workers.
+  again with nobody asking), it asks too. It pays the load, then takes a batch's worth (the room)
+  of the model's calls behind it. Only an idle host takes a load for calls that wait: a busy one
+  with room looks about once a second and pulls only calls nobody takes at all (no delivery since
+  its last look: a model loaded nowhere while every worker is busy), so no call waits for ever,
+  and a fleet that is merely full does not trade loads.
 - A call is taken while the host has any room (as a device takes a call while under its budget),
   so a call a little over the room does not bounce. With no room at all it is `nak`ed with a delay
   doubling from `nak_delay_s` (at most 1 s), so another worker takes it, except from its
@@ -170,7 +172,7 @@ class Puller:
         turn = await queue.wait_cold(self.model_id, self._idle_look_at, self._busy_look_at, PULL_WAIT_S)
         if turn is None or turn == "resident":
             return
-        pull, pending = await self._look()
+        pull, pending = await self._look(busy=turn == "busy")
         now = time.monotonic()
         after_s = self.settings.cold_pull_after_s
         if turn == "busy":
@@ -191,12 +193,13 @@ class Puller:
         if first:
             await self._pull_more(mean)
 
-    async def _look(self) -> tuple[bool, int]:
+    async def _look(self, busy: bool) -> tuple[bool, int]:
         """(whether to pull, the calls queued now), from the model's consumer, against a look at
-        least cold_pull_after_s before: pull when the calls queued then were not all delivered since
-        (JetStream delivers new calls in order: they have waited that long), or when none was queued
-        either time, some are unacked and nothing was delivered since (a call handed back and due
-        again, with nobody asking for it)."""
+        least cold_pull_after_s before. An idle host pulls when the calls queued then were not all
+        delivered since (JetStream delivers new calls in order: they have waited that long); a busy
+        one only when none was delivered since (nobody takes them). Either pulls when none was
+        queued either time, some are unacked and none was delivered since (a call handed back and
+        due again, with nobody asking for it)."""
         info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
         now = time.monotonic()
         pending, delivered = info.num_pending or 0, info.delivered.consumer_seq or 0
@@ -206,8 +209,9 @@ class Puller:
             self._looked = (now, pending, delivered)  # else the older look stays the one to compare with
         if last is None or not long_enough:
             return False, pending
+        undelivered = last[1] - (delivered - last[2])  # of the calls queued at the last look
         if pending:
-            return (last[1] > 0 and delivered - last[2] < last[1]), pending
+            return (last[1] > 0 and (undelivered == last[1] if busy else undelivered > 0)), pending
         return (not last[1] and bool(info.num_ack_pending) and delivered == last[2]), 0
 
     async def _fetch_queued(self) -> list[Any]:
