@@ -606,6 +606,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     ap.add_argument("--heartbeat-s", type=float, help="ClusterSettings.heartbeat_s (default shoal's; --mirror: 0.5)")
     ap.add_argument("--costs", type=Path, default=COSTS_FILE, help="the measured costs (calibrate writes them)")
     ap.add_argument(
+        "--worker-call-us",
+        type=float,
+        help="a worker's CPU per call instead of the costs' (e.g. what a bench/cluster.py run measured: cpu h / req/s)",
+    )
+    ap.add_argument(
         "--top-req-s",
         type=float,
         help="the ramp's 100 %% (default: the lower of the fleet's peak and capacity_req_s x 1.2)",
@@ -622,6 +627,8 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
     logging.getLogger("shoal").setLevel(logging.ERROR)
     random.seed(0)  # the pullers' jitter: every run the same
     costs = Costs.load(ours.costs)
+    if ours.worker_call_us is not None:
+        costs = replace(costs, worker=replace(costs.worker, pulled_s=ours.worker_call_us / 1e6))
     plan = plan_of(args)
     cost, workload = plan.cost, plan.workload
     heartbeat_s = ours.heartbeat_s or (0.5 if ours.mirror else ClusterSettings().heartbeat_s)
