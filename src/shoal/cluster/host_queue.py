@@ -137,11 +137,17 @@ class HostQueue:
             self.reserved += reserved
             return reserved
 
-    async def wait_cold(self, model_id: str, idle_at: float, busy_at: float, timeout_s: float) -> str | None:
+    def idle_for(self, seconds: float) -> bool:
+        """The host has been idle at least this long (not just between a call and the next)."""
+        return self.idle_since is not None and time.monotonic() - self.idle_since >= seconds
+
+    async def wait_cold(
+        self, model_id: str, idle_at: float, busy_at: float, timeout_s: float, idle_s: float = 0.0
+    ) -> str | None:
         """A cold puller's turn to look at its model's queue (times are `time.monotonic()`):
 
         - "resident": a device has loaded the model meanwhile (pull it as any other);
-        - "idle": the host is idle and `idle_at` has passed;
+        - "idle": the host has been idle `idle_s` and `idle_at` has passed;
         - "busy": the host is busy but has room, and `busy_at` has passed;
         - None: `timeout_s` passed first, or the worker drains."""
         give_up = time.monotonic() + timeout_s
@@ -152,9 +158,10 @@ class HostQueue:
                 now = time.monotonic()
                 wake = give_up
                 if self.idle_since is not None:
-                    if now >= idle_at:
+                    ready = max(idle_at, self.idle_since + idle_s)
+                    if now >= ready:
                         return "idle"
-                    wake = min(wake, idle_at)
+                    wake = min(wake, ready)
                 elif self.room() - self.reserved > 0:
                     if now >= busy_at:
                         return "busy"

@@ -4,7 +4,7 @@ for the calls that fit the host's room, and puts them on the host queue.
     resident (a device has the model loaded), or model_affinity off:
     wait_for_room ─ reserve one call's worth ─ fetch(1, PULL_WAIT_S) ─ unreserve ─ take it ─ more
     cold (no device has it loaded):
-    wait_cold ─ the host idle (looks every cold_pull_after_s while calls are queued, else ≤ 0.5 s),
+    wait_cold ─ the host idle ≥ COLD_IDLE_S (looks every cold_pull_after_s while calls are queued),
               │ or busy with room (every ~COLD_PROBE_S) ─ look at the consumer: idle, calls that
               │ waited cold_pull_after_s? busy, calls nobody took since the last look?
               │ ─ a call queued now (no_wait) ─ take it ─ more
@@ -62,6 +62,9 @@ _FIRST_MEAN_TOKENS = 64.0
 COLD_WAIT_S = 1.0
 # An idle host that finds a cold model's queue empty looks less often, down to once in this long.
 COLD_LOOK_MAX_S = 0.5
+# A host is idle for a cold pull once idle this long: between one call and the next of its own
+# models (a waiting pull's answer) it is idle for a few milliseconds.
+COLD_IDLE_S = 0.05
 # How often a busy host with room looks at a cold model's queue (± half, at random).
 COLD_PROBE_S = 1.0
 
@@ -169,7 +172,7 @@ class Puller:
     async def _pull_cold(self, mean: float) -> None:
         """One turn of a model no device of the host has loaded (see the module docstring)."""
         queue = self.queue
-        turn = await queue.wait_cold(self.model_id, self._idle_look_at, self._busy_look_at, PULL_WAIT_S)
+        turn = await queue.wait_cold(self.model_id, self._idle_look_at, self._busy_look_at, PULL_WAIT_S, COLD_IDLE_S)
         if turn is None or turn == "resident":
             return
         pull, pending = await self._look(busy=turn == "busy")
@@ -186,7 +189,7 @@ class Puller:
         if not pull:
             return
         async with queue.cold_lock:  # one cold model at a time: an idle host takes one load
-            if turn == "idle" and (queue.idle_since is None or queue.resident(self.model_id)):
+            if turn == "idle" and (not queue.idle_for(COLD_IDLE_S) or queue.resident(self.model_id)):
                 return  # another cold puller's calls came first, or the model is loaded now
             first = await self._fetch_queued()
             await self._take_all(first)
