@@ -615,6 +615,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         type=float,
         help="the ramp's 100 %% (default: the lower of the fleet's peak and capacity_req_s x 1.2)",
     )
+    ap.add_argument("--rates", help="run these rates (req/s, comma-separated) instead of the ramp")
     ap.add_argument("--out", type=Path, help="write every step as JSON here")
     ap.add_argument("--progress-s", type=float, help="print the simulation's speed every this many virtual seconds")
     ours, rest = ap.parse_known_args(argv)
@@ -701,7 +702,12 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
                 f"  started: {asyncio.get_running_loop().time():.1f} s of virtual time, {time.perf_counter() - started:.0f} s of wall time",
                 flush=True,
             )
-            steps = await ramp(sim, top)
+            if ours.rates:
+                steps = [await sim.step(float(r)) for r in ours.rates.split(",")]
+                for s in steps:
+                    print(step_line(s), flush=True)
+            else:
+                steps = await ramp(sim, top)
         if ticker is not None:
             ticker.cancel()
         wall_s = time.perf_counter() - started

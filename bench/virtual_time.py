@@ -67,7 +67,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._virtual.on_stall = self._stalled
 
     def _stalled(self) -> None:
-        ready = [repr(handle) for handle in list(self._ready)[:12]]  # asyncio's own queue of callbacks
+        ready = []
+        for handle in list(self._ready)[:12]:  # asyncio's own queue of callbacks
+            task = getattr(getattr(handle, "_callback", None), "__self__", None)
+            ready.append(f"{handle!r} {_awaiting(task.get_coro()) if isinstance(task, asyncio.Task) else ''}")
         raise RuntimeError(
             f"virtual loop: {MAX_TURNS_AT_ONCE:,} turns at t = {self.time():.6f} s without the clock moving "
             "(a livelock); ready now:\n  " + "\n  ".join(ready)
@@ -75,6 +78,17 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._virtual.now
+
+    def call_at(self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        """A timer that, when it runs, has the clock at its time at least: asyncio runs timers due
+        within its clock's resolution (1 ns) early, and a real clock then moves on by itself; this
+        one would stay put, and code that waits "until `when`" would wait 1e-16 s for ever."""
+        return super().call_at(when, self._at, when, callback, *args, context=context)
+
+    def _at(self, when: float, callback: Any, *args: Any) -> None:
+        if when > self._virtual.now:
+            self._virtual.now = when
+        callback(*args)
 
 
 def run_virtual(coro: Any) -> Any:
@@ -123,3 +137,13 @@ def virtual_clock(loop: asyncio.AbstractEventLoop, prefix: str = "shoal.") -> It
     finally:
         for module in patched:
             module.time = time  # type: ignore[attr-defined]
+
+
+def _awaiting(coro: Any) -> str:
+    """Where a suspended coroutine waits: its chain of awaits, outermost first."""
+    where = []
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        frame = coro.cr_frame
+        where.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = coro.cr_await
+    return " > ".join(where)
