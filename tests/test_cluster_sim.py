@@ -6,6 +6,7 @@ nothing here reads a wall clock."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import sys
 from pathlib import Path
@@ -50,6 +51,24 @@ def test_virtual_time_jumps_to_each_timer_and_a_wait_for_times_out_on_the_virtua
     after_sleep, after_timeout = run_virtual(main())
     assert after_sleep == pytest.approx(3600.0)
     assert after_timeout == pytest.approx(3605.0)
+
+
+def test_a_timer_due_within_asyncio_clock_resolution_runs_with_the_clock_at_its_time():
+    """asyncio runs a timer due within 1 ns early when other callbacks are ready; the virtual clock
+    must still reach the timer's time, or code that waits "until t" waits 1e-16 s for ever."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(2.95)
+        when = math.nextafter(loop.time(), math.inf)  # one ulp ahead
+        seen = []
+        loop.call_soon(lambda: None)  # something ready at once: select() is not asked to wait
+        loop.call_at(when, lambda: seen.append(loop.time()))
+        await asyncio.sleep(0.001)
+        return when, seen
+
+    when, seen = run_virtual(main())
+    assert seen == [when]
 
 
 def test_a_stream_stores_one_publish_at_a_time_at_its_cost():
