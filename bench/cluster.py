@@ -865,7 +865,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def main_async(args) -> int:
+def fleet_of(args: argparse.Namespace) -> tuple[list[str], Cost, Workload, float | None]:
+    """The models, a device's batch cost (slowdown applied), the load and the target batch time the
+    flags describe (this bench's and bench/cluster_sim.py's)."""
     model_ids = [f"sim/model-{i}" for i in range(args.models)]
     scale = args.slowdown
     cost = Cost(
@@ -885,6 +887,25 @@ async def main_async(args) -> int:
         bulk_timeout_s=args.bulk_timeout_s,
     )
     target_batch_s = args.target_batch_ms / 1000 * scale if args.target_batch_ms else None
+    return model_ids, cost, workload, target_batch_s
+
+
+def device_costs(cost: Cost, num_workers: int, args: argparse.Namespace) -> list[Cost]:
+    """Each device's cost: --slow-share of them --slow-factor times slower (the last ones)."""
+    num_slow = round(num_workers * args.slow_share)
+    slow = replace(
+        cost,
+        batch_s=cost.batch_s * args.slow_factor,
+        token_s=cost.token_s * args.slow_factor,
+        switch_s=cost.switch_s * args.slow_factor,
+    )
+    return [cost] * (num_workers - num_slow) + [slow] * num_slow
+
+
+async def main_async(args) -> int:
+    model_ids, cost, workload, target_batch_s = fleet_of(args)
+    scale = args.slowdown
+    low, high = (int(n) for n in args.bulk_items.split(","))
     lone_s = cost.of(round(workload.query_mean_tokens), False)
     # What one query may wait: ten of its own, a load of its model, one (time-cut) batch of a bulk call.
     waits = [(10 * lone_s, f"10 x {lone_s * 1000:.0f} ms, a lone mean query")]
@@ -962,13 +983,7 @@ async def main_async(args) -> int:
             tables, summary = [], []
             for num_workers in [int(n) for n in args.workers.split(",")]:
                 num_slow = round(num_workers * args.slow_share)
-                slow = replace(
-                    cost,
-                    batch_s=cost.batch_s * args.slow_factor,
-                    token_s=cost.token_s * args.slow_factor,
-                    switch_s=cost.switch_s * args.slow_factor,
-                )
-                costs = [cost] * (num_workers - num_slow) + [slow] * num_slow
+                costs = device_costs(cost, num_workers, args)
                 peak_tokens_per_s = sum(c.peak_tokens_per_s for c in costs)
                 peak_req_s = peak_tokens_per_s / workload.mean_tokens
                 results = {}

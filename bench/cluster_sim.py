@@ -143,25 +143,8 @@ class Plan:
 
 
 def plan_of(args: argparse.Namespace) -> Plan:
-    model_ids = [f"sim/model-{i}" for i in range(args.models)]
-    scale = args.slowdown
-    cost = real.Cost(
-        args.batch_ms / 1000 * scale,
-        args.token_us / 1e6 * scale,
-        args.switch_ms / 1000 * scale,
-        args.max_batch_tokens,
-        args.swap_ms / 1000 * scale,
-    )
-    low, high = (int(n) for n in args.bulk_items.split(","))
-    workload = real.Workload(
-        model_ids,
-        args.zipf,
-        args.timeout_s,
-        bulk_share=args.bulk_share,
-        bulk_items=(low, high),
-        bulk_timeout_s=args.bulk_timeout_s,
-    )
-    target_batch_s = args.target_batch_ms / 1000 * scale if args.target_batch_ms else None
+    model_ids, cost, workload, target_batch_s = real.fleet_of(args)
+    high = int(args.bulk_items.split(",")[1])
     waits = [10 * cost.of(round(workload.query_mean_tokens), False)]
     if args.resident and cost.swap_s:
         waits.append(cost.swap_s)
@@ -680,14 +663,7 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
     print(f"design:      {design.label()}; heartbeats every {heartbeat_s:g} s\n", flush=True)
     rows, all_steps = [], []
     for num_workers in [int(n) for n in args.workers.split(",")]:
-        num_slow = round(num_workers * args.slow_share)
-        slow = replace(
-            cost,
-            batch_s=cost.batch_s * args.slow_factor,
-            token_s=cost.token_s * args.slow_factor,
-            switch_s=cost.switch_s * args.slow_factor,
-        )
-        costs_list = [cost] * (num_workers - num_slow) + [slow] * num_slow
+        costs_list = real.device_costs(cost, num_workers, args)
         peak_req_s = sum(c.peak_tokens_per_s for c in costs_list) / workload.mean_tokens
         cap = capacity_req_s(design, costs, num_workers, heartbeat_s, workload.shares)
         top = ours.top_req_s or min(peak_req_s, 1.2 * cap)

@@ -352,3 +352,16 @@ def live_objects(nats_url: str) -> list[str]:
             await nc.close()
 
     return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    """A real nats-server with JetStream on loopback, one per test module (its streams and consumers
+    stay that module's)."""
+    from shoal.cluster.cli import free_port, start_nats
+
+    port = free_port()
+    process = start_nats(port, tmp_path_factory.mktemp("jetstream"))
+    yield f"nats://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(10)

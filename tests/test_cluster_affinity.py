@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from shoal.calls import EncodeCall
 from shoal.catalog import Catalog
-from shoal.cluster.cli import free_port, start_nats
 from shoal.cluster.gateway import RemoteService
 from shoal.cluster.worker import Worker
 from shoal.config import ClusterSettings, EngineSettings, Settings
@@ -32,15 +31,6 @@ from test_cluster_light import sample, until
 A, B = "standin/dense-16", "standin/dense-8-raw"
 
 pytestmark = [pytest.mark.light, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory):
-    port = free_port()
-    process = start_nats(port, tmp_path_factory.mktemp("jetstream"))
-    yield f"nats://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(10)
 
 
 class Resident(StandIn):

@@ -27,7 +27,7 @@ from shoal import calls
 from shoal.calls import EncodeCall, ScoreCall
 from shoal.catalog import Catalog
 from shoal.cluster import protocol as p
-from shoal.cluster.cli import free_port, start_nats
+from shoal.cluster.cli import free_port
 from shoal.cluster.gateway import RemoteService
 from shoal.cluster.worker import Worker
 from shoal.config import ClusterSettings, EngineSettings, Settings
@@ -39,15 +39,6 @@ from standin import RERANK_MODEL, StandIn
 MODEL = "standin/dense-16"
 
 pytestmark = [pytest.mark.light, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory):
-    port = free_port()
-    process = start_nats(port, tmp_path_factory.mktemp("jetstream"))
-    yield f"nats://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(10)
 
 
 def sample(metrics: Metrics, name: str, **labels) -> float:
