@@ -1009,7 +1009,8 @@ async def main_async(args) -> int:
                         if name != "round-robin"
                     )
                 )
-            print("\n\n".join(tables))
+            if len(tables) > 1:  # each was printed as it came: all of them again, together
+                print("\n\n".join(tables))
             print("\nthroughput at the knee over round-robin's, and the devices' busy share there:")
             print("\n".join(summary))
             pull = knees.get("pull")

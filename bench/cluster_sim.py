@@ -59,11 +59,6 @@ from shoal.config import ClusterSettings, Settings
 from shoal.errors import ShoalError
 from virtual_time import run_virtual, virtual_clock
 
-if not hasattr(p, "estimate_tokens"):  # TEMPORARY: bench/cluster.py still calls the estimate's old home
-    from shoal import verbs
-
-    p.estimate_tokens = lambda call: verbs.estimate_tokens(call, None)  # type: ignore[attr-defined]
-
 COSTS_FILE = Path(__file__).with_name("cluster_sim_costs.json")
 PARTITIONS = ("one", "pool", "model")
 POOL_CHOICES = ("most-free", "weighted")  # shoal's directory.pool_of; a draw weighted by free tokens
@@ -215,8 +210,10 @@ class SimCluster:
         plan: Plan,
         cluster: dict[str, Any],
         catalog: Catalog,
+        seed: int = 0,
     ) -> None:
         self.design = design
+        self.seed = seed
         self.costs = costs
         self.device_costs = device_costs
         self.plan = plan
@@ -350,7 +347,8 @@ class SimCluster:
         loop = asyncio.get_running_loop()
         plan, workload = self.plan, self.plan.workload
         await self.until_idle()
-        rng = random.Random(f"{len(self.workers)} {rate:.3f}")
+        seed = f"{len(self.workers)} {rate:.3f}" + (f" {self.seed}" if self.seed else "")  # 0: bench/cluster.py's arrivals
+        rng = random.Random(seed)
         workload.rewind()
         records: list[tuple[float, float, bool, bool]] = []  # (scheduled arrival, answered at, ok, bulk)
         arrivals: list[float] = []
@@ -599,6 +597,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         help="the ramp's 100 %% (default: the lower of the fleet's peak and capacity_req_s x 1.2)",
     )
     ap.add_argument("--rates", help="run these rates (req/s, comma-separated) instead of the ramp")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the arrivals' and the pullers' jitter's seed (0: bench/cluster.py's arrivals; others show the spread)",
+    )
     ap.add_argument("--out", type=Path, help="write every step as JSON here")
     ap.add_argument("--progress-s", type=float, help="print the simulation's speed every this many virtual seconds")
     ours, rest = ap.parse_known_args(argv)
@@ -609,7 +613,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
 async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
     real.quiet()
     logging.getLogger("shoal").setLevel(logging.ERROR)
-    random.seed(0)  # the pullers' jitter: every run the same
+    random.seed(ours.seed)  # the pullers' jitter: every run with a seed the same
     costs = Costs.load(ours.costs)
     if ours.worker_call_us is not None:
         costs = replace(costs, worker=replace(costs.worker, pulled_s=ours.worker_call_us / 1e6))
@@ -673,7 +677,7 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
         )
         started = time.perf_counter()
         ticker = asyncio.create_task(progress(ours.progress_s)) if ours.progress_s else None
-        async with SimCluster(design, costs, costs_list, plan, cluster, catalog) as sim:
+        async with SimCluster(design, costs, costs_list, plan, cluster, catalog, ours.seed) as sim:
             print(
                 f"  started: {asyncio.get_running_loop().time():.1f} s of virtual time, {time.perf_counter() - started:.0f} s of wall time",
                 flush=True,
