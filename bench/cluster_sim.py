@@ -347,7 +347,9 @@ class SimCluster:
         loop = asyncio.get_running_loop()
         plan, workload = self.plan, self.plan.workload
         await self.until_idle()
-        seed = f"{len(self.workers)} {rate:.3f}" + (f" {self.seed}" if self.seed else "")  # 0: bench/cluster.py's arrivals
+        seed = f"{len(self.workers)} {rate:.3f}" + (
+            f" {self.seed}" if self.seed else ""
+        )  # 0: bench/cluster.py's arrivals
         rng = random.Random(seed)
         workload.rewind()
         records: list[tuple[float, float, bool, bool]] = []  # (scheduled arrival, answered at, ok, bulk)
