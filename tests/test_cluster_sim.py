@@ -9,6 +9,7 @@ import asyncio
 import math
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -241,6 +242,20 @@ def test_a_ramp_step_measures_the_devices_busy_share_as_bench_cluster_does():
     assert step.achieved == pytest.approx(step.offered, rel=0.1)
     assert step.tokens_per_s / (4 * cost.peak_tokens_per_s) <= step.busy < 0.9
     assert step.tokens_per_s == pytest.approx(step.achieved * workload.mean_tokens, rel=0.1)
+
+
+def test_burst_arrivals_from_a_start_whose_phase_ends_round_short_cross_every_phase_to_the_end():
+    """A step starting at a virtual time where `start + 30 - start` is less than 30: the arrivals
+    still cross the phase boundary there (bench/cluster.py's `next_arrival` would redraw the phase
+    before it from its end for ever), stay in the step, and are 3x as dense on (1.5x) as off (0.5x)."""
+    start = 100.55440211167333
+    assert start + 6 * 5.0 - start < 6 * 5.0
+    plan = replace(_plan(Cost(0.002, 20e-6, 0.0, 8192), duration_s=40.0), burst=1.5, burst_period_s=5.0)
+    times = list(cluster_sim.arrival_times(random.Random("16 124.000 3"), 124.0, plan, start, start + 40.0))
+    assert times == sorted(times) and start < times[0] and times[-1] <= start + 40.0
+    on = sum(1 for t in times if int((t - start) // 5.0) % 2 == 0)
+    assert on / (len(times) - on) == pytest.approx(3.0, rel=0.2)
+    assert len(times) / 40.0 == pytest.approx(124.0, rel=0.1)
 
 
 def test_a_model_loaded_nowhere_is_pulled_by_an_idle_worker_with_a_no_wait_pull_and_loaded():
