@@ -670,14 +670,17 @@ def next_arrival(rng: random.Random, after: float, start: float, rate: float, bu
     `period_s` of every two and (2 - b) x `rate` in the second (the mean stays `rate`)."""
     if burst == 1.0:
         return after + rng.expovariate(rate)
+    phase = int((after - start) // period_s)
     while True:
-        phase = int((after - start) // period_s)
         phase_rate = rate * (burst if phase % 2 == 0 else max(1e-9, 2.0 - burst))
         arrival = after + rng.expovariate(phase_rate)
         boundary = start + (phase + 1) * period_s
         if arrival <= boundary:
             return arrival
-        after = boundary  # memoryless: draw again from the phase boundary at the next phase's rate
+        # Memoryless: draw again from the boundary at the next phase's rate. The phase counts on as
+        # an integer: found again from `boundary - start`, which can round below (phase + 1) x period,
+        # it would be this phase again, from its own end, for ever.
+        after, phase = boundary, phase + 1
 
 
 # --- report ---------------------------------------------------------------------------------------

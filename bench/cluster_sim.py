@@ -42,7 +42,6 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -372,7 +371,11 @@ class SimCluster:
         start = loop.time()
         window = (start + plan.warmup_s, start + plan.duration_s)
         snapping = [asyncio.create_task(snapshot("start", window[0])), asyncio.create_task(snapshot("end", window[1]))]
-        for arrival in arrival_times(rng, rate, plan, start, window[1]):
+        arrival = start
+        while True:
+            arrival = real.next_arrival(rng, arrival, start, rate, plan.burst, plan.burst_period_s)
+            if arrival > window[1]:
+                break
             if arrival > loop.time():
                 await asyncio.sleep(arrival - loop.time())
             call = workload.next()
@@ -450,20 +453,6 @@ class SimCluster:
             and not failed
         )
         return step
-
-
-def arrival_times(rng: random.Random, rate: float, plan: Plan, start: float, end: float) -> Iterator[float]:
-    """A step's seeded arrivals from `start` to `end`, as bench/cluster.py draws them. They are drawn
-    as offsets from 0, not from `start`: `real.next_arrival` finds a --burst phase from
-    `(after - start) // period`, and with a virtual `start` such as 100.55440211167333,
-    `start + 6 x 5.0 - start` is 29.999999999999986, so it would redraw phase 5 from its own end for
-    ever; from 0 a phase's end is `k x period`, exact for a period of whole (or binary) seconds."""
-    offset = 0.0
-    while True:
-        offset = real.next_arrival(rng, offset, 0.0, rate, plan.burst, plan.burst_period_s)
-        if start + offset > end:
-            return
-        yield start + offset
 
 
 def _weighted_pool(rng: random.Random) -> Any:

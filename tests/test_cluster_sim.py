@@ -9,7 +9,6 @@ import asyncio
 import math
 import random
 import sys
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -245,14 +244,16 @@ def test_a_ramp_step_measures_the_devices_busy_share_as_bench_cluster_does():
 
 
 def test_burst_arrivals_from_a_start_whose_phase_ends_round_short_cross_every_phase_to_the_end():
-    """A step starting at a virtual time where `start + 30 - start` is less than 30: the arrivals
-    still cross the phase boundary there (bench/cluster.py's `next_arrival` would redraw the phase
-    before it from its end for ever), stay in the step, and are 3x as dense on (1.5x) as off (0.5x)."""
+    """A step starting at a virtual time where `start + 30 - start` is less than 30: bench/cluster.py's
+    `next_arrival` still crosses the phase boundary there (it used to find phase 5 again from that
+    boundary and redraw it for ever), the arrivals stay in order, and are 3x as dense on (1.5x) as
+    off (0.5x)."""
     start = 100.55440211167333
     assert start + 6 * 5.0 - start < 6 * 5.0
-    plan = replace(_plan(Cost(0.002, 20e-6, 0.0, 8192), duration_s=40.0), burst=1.5, burst_period_s=5.0)
-    times = list(cluster_sim.arrival_times(random.Random("16 124.000 3"), 124.0, plan, start, start + 40.0))
-    assert times == sorted(times) and start < times[0] and times[-1] <= start + 40.0
+    rng, times, arrival = random.Random("16 124.000 3"), [], start
+    while (arrival := cluster_sim.real.next_arrival(rng, arrival, start, 124.0, 1.5, 5.0)) <= start + 40.0:
+        times.append(arrival)
+    assert times == sorted(times) and start < times[0]
     on = sum(1 for t in times if int((t - start) // 5.0) % 2 == 0)
     assert on / (len(times) - on) == pytest.approx(3.0, rel=0.2)
     assert len(times) / 40.0 == pytest.approx(124.0, rel=0.1)
