@@ -574,3 +574,43 @@ def test_drain_timeout_flag_takes_seconds_and_refuses_anything_else(capsys):
             parser.parse_args(["worker", "--drain-timeout-s", bad])
         assert exit_info.value.code == 2
         assert "expected seconds (a finite number >= 0)" in capsys.readouterr().err
+
+
+def test_a_gateway_sends_a_model_to_its_freest_pool_and_follows_the_heartbeats_without_walking_workers_per_call(
+    monkeypatch,
+):
+    """WorkerDirectory.pool_for: the pool whose workers serving the model have the most free tokens;
+    worked out once while the served map stands (a call costs no walk over the model's holders,
+    however many), again when a worker's heartbeat changes what it serves; NoWorker for a model
+    nobody serves."""
+    from prometheus_client import CollectorRegistry
+
+    from shoal.cluster.directory import WorkerDirectory
+    from shoal.metrics import GatewayMetrics
+
+    model = StandIn().models()[0]
+    directory = WorkerDirectory(ClusterSettings(), Catalog.load(), GatewayMetrics(CollectorRegistry()))
+
+    def beat(worker: str, pool: str, free: int, models: list) -> None:
+        data = msgspec.msgpack.encode(
+            p.Heartbeat(worker=worker, pool=pool, host="h", devices=("x",), models=models, free_tokens=free)
+        )
+        asyncio.run(directory.on_heartbeat(type("Msg", (), {"data": data, "subject": f"shoal.hb.{worker}"})()))
+
+    beat("a1", "a", 100, [model])
+    beat("a2", "a", 100, [model])
+    beat("b1", "b", 150, [model])
+    assert directory.pool_for(model.id) == "a"  # 2 x 101 over 151
+    walks = []
+    original = WorkerDirectory.pool_of
+    monkeypatch.setattr(
+        WorkerDirectory, "pool_of", staticmethod(lambda holders: walks.append(len(holders)) or original(holders))
+    )
+    directory._served_cache = None  # as a heartbeat with news does
+    assert [directory.pool_for(model.id) for _ in range(50)] == ["a"] * 50
+    assert walks == [3]  # one walk for 50 calls
+    beat("b2", "b", 200, [model])  # a new worker: the served map is rebuilt
+    assert directory.pool_for(model.id) == "b"  # 151 + 201 over 202
+    assert walks == [3, 4]
+    with pytest.raises(NoWorker):
+        directory.pool_for("nobody/serves-this")

@@ -5,7 +5,7 @@ which pool a call goes to.
         live()      heard from within worker_ttl_s and not draining (long silent ones forgotten)
         served()    model id -> [(heartbeat, its status of the model)] (rebuilt at most every 50 ms)
         holders()   the live workers serving a model; NoWorker (503) counts demand when none does
-        pool_of()   the pool with the most free tokens among them
+        pool_of()   the pool with the most free tokens among them (pool_for: cached per model)
 
 Heartbeats travel on core NATS: the subscription comes back by itself after a reconnect, and a
 gateway asks for every heartbeat (`shoal.ping`) when it (re)connects. Nothing is persisted.
@@ -49,6 +49,7 @@ class WorkerDirectory:
         self._workers: dict[str, tuple[float, p.Heartbeat]] = {}  # id -> (monotonic time received, heartbeat)
         self._demand: dict[str, collections.deque[float]] = {}
         self._served_cache: tuple[float, dict[str, Holders]] | None = None
+        self._pools: dict[str, str] = {}  # model id -> pool_of its holders, while _served_cache stands
 
     async def on_heartbeat(self, msg: Any) -> None:
         try:
@@ -79,6 +80,7 @@ class WorkerDirectory:
             for status in beat.models:
                 served.setdefault(status.id, []).append((beat, status))
         self._served_cache = (now, served)
+        self._pools = {}
         return served
 
     def resolve(self, model_id: str, served: dict[str, Holders] | None = None) -> str:
@@ -113,6 +115,16 @@ class WorkerDirectory:
         while times and times[0] < now - _DEMAND_WINDOW_S:
             times.popleft()
         self.gm.demand.labels(model_id).set(len(times))
+
+    def pool_for(self, model_id: str) -> str:
+        """The pool a call of the model goes to: `pool_of` its holders, worked out once per model
+        while the served map stands (not per call: a model held by thousands of workers would cost
+        every call a walk over them); NoWorker as `holders`."""
+        holders = self.holders(model_id)
+        pool = self._pools.get(model_id)
+        if pool is None:
+            pool = self._pools[model_id] = self.pool_of(holders)
+        return pool
 
     @staticmethod
     def pool_of(holders: Holders) -> str:

@@ -206,6 +206,11 @@ class RemoteService:
     def capacity(self) -> Capacity:
         return self.workers.capacity()
 
+    def _pool_for(self, model_id: str) -> str:
+        """The pool a call of the model goes to; QueueUnavailable and NoWorker as `_holders`."""
+        self._holders(model_id)
+        return self.workers.pool_for(model_id)
+
     def _holders(self, model_id: str) -> Holders:
         """The live workers serving the model; QueueUnavailable while NATS is, NoWorker when none does."""
         if not self._connected():
@@ -234,7 +239,7 @@ class RemoteService:
         may_download: bool = True,
     ) -> list[list[Token]]:
         model_id = self.workers.resolve(model_id)
-        pool = self.workers.pool_of(self._holders(model_id))
+        pool = self._pool_for(model_id)
         request = p.RpcRequest(
             model=model_id,
             texts=texts,
@@ -253,7 +258,7 @@ class RemoteService:
         may_download: bool = True,
     ) -> list[str]:
         model_id = self.workers.resolve(model_id)
-        pool = self.workers.pool_of(self._holders(model_id))
+        pool = self._pool_for(model_id)
         request = p.RpcRequest(
             model=model_id, ids=ids, skip_special_tokens=skip_special_tokens, may_download=may_download
         )
@@ -263,7 +268,7 @@ class RemoteService:
 
     async def run(self, call: AnyCall) -> AnyResult:
         model_id = self.workers.resolve(call.model)
-        pool = self.workers.pool_of(self._holders(model_id))
+        pool = self._pool_for(model_id)
         timeout_s = timeout_of(call, self.settings.engine.request_timeout_s)
         deadline = time.monotonic() + timeout_s
         key = uuid.uuid4().hex
