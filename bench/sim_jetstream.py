@@ -104,6 +104,24 @@ def matches(pattern: str, subject: str) -> bool:
     return len(ps) == len(ss)
 
 
+def literal_prefix(pattern: str) -> str:
+    """A wildcard subscription's tokens before its first wildcard (`_INBOX.abc.*` -> `_INBOX.abc`):
+    the wildcard subscriptions are kept by it, so a message is matched only against those whose
+    prefix is one of its subject's (`prefixes`), not against every connection's inbox."""
+    tokens = []
+    for token in pattern.split("."):
+        if token in ("*", ">"):
+            break
+        tokens.append(token)
+    return ".".join(tokens)
+
+
+def prefixes(subject: str) -> list[str]:
+    """Every leading run of a subject's tokens, the empty one first (`a.b` -> ``, `a`, `a.b`)."""
+    tokens = subject.split(".")
+    return [".".join(tokens[:i]) for i in range(len(tokens) + 1)]
+
+
 @dataclass(eq=False)
 class CoreMsg:
     subject: str
@@ -702,7 +720,7 @@ class Bus:
         self.messages: dict[int, Stored] = {}  # every stored message, by its sequence (one space for all)
         self._seq = itertools.count(1)
         self.exact: dict[str, list[CoreSub]] = collections.defaultdict(list)
-        self.wild: list[CoreSub] = []
+        self.wild: dict[str, list[CoreSub]] = collections.defaultdict(list)  # by literal_prefix
         self._rotate = itertools.count()
         self.counts: collections.Counter[str] = collections.Counter()
         self.bucket_ttl_s: float | None = None
@@ -745,12 +763,12 @@ class Bus:
     # core --------------------------------------------------------------------------------------
 
     def subscribe(self, sub: CoreSub) -> None:
-        (self.wild if sub.wild else self.exact[sub.subject]).append(sub)
+        (self.wild[literal_prefix(sub.subject)] if sub.wild else self.exact[sub.subject]).append(sub)
         sub.conn.subs.append(sub)
 
     def unsubscribe(self, sub: CoreSub) -> None:
         with contextlib.suppress(ValueError):
-            (self.wild if sub.wild else self.exact[sub.subject]).remove(sub)
+            (self.wild[literal_prefix(sub.subject)] if sub.wild else self.exact[sub.subject]).remove(sub)
         with contextlib.suppress(ValueError):
             sub.conn.subs.remove(sub)
 
@@ -761,7 +779,9 @@ class Bus:
         if msg.subject.startswith(PULL_API):
             self._raw_pull(sender, msg)
             return
-        subs = self.exact.get(msg.subject, []) + [s for s in self.wild if matches(s.subject, msg.subject)]
+        subs = self.exact.get(msg.subject, []) + [
+            s for prefix in prefixes(msg.subject) for s in self.wild.get(prefix, ()) if matches(s.subject, msg.subject)
+        ]
         groups: dict[str, list[CoreSub]] = {}
         chosen = []
         for sub in subs:
