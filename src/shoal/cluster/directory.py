@@ -59,8 +59,11 @@ class WorkerDirectory:
             return
         previous = self._workers.get(beat.worker)
         self._workers[beat.worker] = (time.monotonic(), beat)
-        if previous is None or previous[1].draining != beat.draining or previous[1].models != beat.models:
-            self._served_cache = None  # a worker came, went or changed what it serves
+        if previous is None or previous[1].draining != beat.draining or _names(previous[1]) != _names(beat):
+            # A worker came, went or changed which models it serves: seen at once. A change of their
+            # states (a load, an eviction) waits for the next rebuild (<= 50 ms): at thousands of
+            # workers some heartbeat has one on every call, and each rebuild walks every worker.
+            self._served_cache = None
 
     def live(self) -> list[p.Heartbeat]:
         horizon = time.monotonic() - self.cluster.worker_ttl_s
@@ -189,3 +192,8 @@ def merge(holders: list[tuple[Any, ModelStatus]]) -> ModelStatus:
     best = min(statuses, key=lambda s: order.get(s.state, 4))
     adapters_loaded = tuple(sorted({a for s in statuses for a in s.adapters_loaded}))
     return msgspec.structs.replace(best, adapters_loaded=adapters_loaded, pinned=any(s.pinned for s in statuses))
+
+
+def _names(beat: p.Heartbeat) -> list[tuple[str, tuple[str, ...]]]:
+    """The models a heartbeat says its worker serves, by the names a request may use."""
+    return [(status.id, status.aliases) for status in beat.models]
