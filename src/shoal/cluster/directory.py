@@ -3,7 +3,7 @@ which pool a call goes to.
 
     shoal.hb.<worker> ─on_heartbeat─▶ workers {id: (received, Heartbeat)}
         live()      heard from within worker_ttl_s and not draining (long silent ones forgotten)
-        served()    model id -> [(heartbeat, its status of the model)] (rebuilt at most every 50 ms)
+        served()    model id -> [(heartbeat, its status of the model)] (rebuilt every 50 ms or more)
         holders()   the live workers serving a model; NoWorker (503) counts demand when none does
         pool_of()   the pool with the most free tokens among them (pool_for: cached per model)
 
@@ -32,8 +32,11 @@ log = logging.getLogger("shoal.gateway")
 
 # The demand gauge counts unserved requests over this window.
 _DEMAND_WINDOW_S = 60.0
-# How long `served()` is reused before it is rebuilt from the heartbeats (every request asks).
+# How long `served()` is reused before it is rebuilt from the heartbeats (every request asks): 50 ms,
+# or 20x what the last rebuild took, whichever is longer (a rebuild walks every worker: at thousands
+# of workers it takes milliseconds, and rebuilding every 50 ms would take a fifth of the gateway).
 _SERVED_REUSE_S = 0.05
+_SERVED_REUSE_PER_REBUILD = 20
 
 Holders = list[tuple[p.Heartbeat, ModelStatus]]
 
@@ -50,6 +53,7 @@ class WorkerDirectory:
         self._demand: dict[str, collections.deque[float]] = {}
         self._served_cache: tuple[float, dict[str, Holders]] | None = None
         self._pools: dict[str, str] = {}  # model id -> pool_of its holders, while _served_cache stands
+        self._served_reuse_s = _SERVED_REUSE_S
 
     async def on_heartbeat(self, msg: Any) -> None:
         try:
@@ -74,16 +78,20 @@ class WorkerDirectory:
 
     def served(self) -> dict[str, Holders]:
         """Model id -> the live workers serving it, with each one's status of the model (rebuilt at
-        most every 50 ms or on news from a worker: every request asks)."""
+        most every 50 ms, longer at thousands of workers, or on news from a worker: every request
+        asks)."""
         now = time.monotonic()
-        if self._served_cache is not None and now - self._served_cache[0] < _SERVED_REUSE_S:
+        if self._served_cache is not None and now - self._served_cache[0] < self._served_reuse_s:
             return self._served_cache[1]
+        started = time.perf_counter()
         served: dict[str, Holders] = {}
         for beat in self.live():
             for status in beat.models:
                 served.setdefault(status.id, []).append((beat, status))
         self._served_cache = (now, served)
         self._pools = {}
+        took_s = time.perf_counter() - started
+        self._served_reuse_s = max(_SERVED_REUSE_S, _SERVED_REUSE_PER_REBUILD * took_s)
         return served
 
     def resolve(self, model_id: str, served: dict[str, Holders] | None = None) -> str:
