@@ -172,6 +172,7 @@ class Puller:
     async def _pull_cold(self, mean: float) -> None:
         """One turn of a model no device of the host has loaded (see the module docstring)."""
         queue = self.queue
+        await self._take_late()
         turn = await queue.wait_cold(self.model_id, self._idle_look_at, self._busy_look_at, PULL_WAIT_S, COLD_IDLE_S)
         if turn is None or turn == "resident":
             return
@@ -195,6 +196,20 @@ class Puller:
             await self._take_all(first)
         if first:
             await self._pull_more(mean)
+
+    async def _take_late(self) -> None:
+        """Calls a pull of this puller's subscription delivered after its fetch gave up (`_pull_more`
+        waits MORE_WAIT_S: a busy host reads the rest late). They wait, delivered and unacked, in the
+        subscription's buffer, and only its next fetch reads them: a cold model's puller never
+        fetches there (it pulls with no_wait through its own inbox, and NATS has nothing to hand it),
+        so they would wait for ack_wait on an idle host. Take them now (or hand them back)."""
+        sub = self._sub
+        late = []
+        while sub is not None and sub.pending_msgs:
+            msg = await sub._sub.next_msg(timeout=COLD_WAIT_S)  # nats-py's buffer of the pull subscription
+            if not (msg.headers and msg.headers.get("Status")):  # not a pull's status (404: no more)
+                late.append(msg)
+        await self._take_all(late)
 
     async def _look(self, busy: bool) -> tuple[bool, int]:
         """(whether to pull, the calls queued now), from the model's consumer, against a look at
