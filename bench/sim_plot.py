@@ -43,8 +43,17 @@ def plot(out: Path, paths: list[Path]) -> None:
     for design, steps in by_design.items():
         for s in steps:
             labels.append(f"{s['workers']}w\n{design.replace(', ', chr(10))}")
-            rows.append([s["busy"], s["gateway_busy"], s["stream_busy"], s["consumer_calls_busy"], s["consumer_busy"]])
-    names = ["devices", "busiest gateway", "busiest stream", "busiest consumer: calls", "... and 409s"]
+            rows.append(
+                [
+                    s["busy"],
+                    s["gateway_busy"],
+                    s["stream_busy"],
+                    s["consumer_calls_busy"],
+                    s["consumer_busy"],
+                    s.get("api_busy", 0.0),
+                ]
+            )
+    names = ["devices", "busiest gateway", "busiest stream", "busiest consumer: calls", "... and 409s", "JetStream API"]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         right.bar([x + i * width for x in range(len(rows))], [min(1.2, r[i]) for r in rows], width, label=name)
