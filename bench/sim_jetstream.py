@@ -487,6 +487,12 @@ class PullSubscription:
         self.conn = conn
         self.consumer = consumer
 
+    @property
+    def pending_msgs(self) -> int:
+        """As nats-py's: deliveries in the client's buffer that no fetch has read. None here: a
+        fetch's deliveries are handed to it whole, never left behind after its wait."""
+        return 0
+
     async def fetch(self, batch: int = 1, timeout: float | None = 5.0, heartbeat: float | None = None) -> list[Any]:
         """As nats-py's: fetch(1) waits for one message; fetch(n) takes what comes until n or the
         timeout (nats-server holds a request with `expires` until then). Raises

@@ -585,9 +585,11 @@ def test_a_gateway_sends_a_model_to_its_freest_pool_and_follows_the_heartbeats_w
     nobody serves."""
     from prometheus_client import CollectorRegistry
 
+    from shoal.cluster import directory as directory_module
     from shoal.cluster.directory import WorkerDirectory
     from shoal.metrics import GatewayMetrics
 
+    monkeypatch.setattr(directory_module, "_SERVED_REUSE_S", 60.0)  # no rebuild by age on a slow machine
     model = StandIn().models()[0]
     directory = WorkerDirectory(ClusterSettings(), Catalog.load(), GatewayMetrics(CollectorRegistry()))
 

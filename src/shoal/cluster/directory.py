@@ -33,10 +33,11 @@ log = logging.getLogger("shoal.gateway")
 # The demand gauge counts unserved requests over this window.
 _DEMAND_WINDOW_S = 60.0
 # How long `served()` is reused before it is rebuilt from the heartbeats (every request asks): 50 ms,
-# or 20x what the last rebuild took, whichever is longer (a rebuild walks every worker: at thousands
-# of workers it takes milliseconds, and rebuilding every 50 ms would take a fifth of the gateway).
+# longer at thousands of workers (40 us per worker: a rebuild walks every worker, ~2 us each, and
+# rebuilding every 50 ms would take a fifth of a gateway at 5,000), never over 0.5 s.
 _SERVED_REUSE_S = 0.05
-_SERVED_REUSE_PER_REBUILD = 20
+_SERVED_REUSE_PER_WORKER_S = 40e-6
+_SERVED_REUSE_MAX_S = 0.5
 
 Holders = list[tuple[p.Heartbeat, ModelStatus]]
 
@@ -62,11 +63,18 @@ class WorkerDirectory:
             log.warning("gateway: an undecodable heartbeat on %s", msg.subject)
             return
         previous = self._workers.get(beat.worker)
-        self._workers[beat.worker] = (time.monotonic(), beat)
-        if previous is None or previous[1].draining != beat.draining or _names(previous[1]) != _names(beat):
-            # A worker came, went or changed which models it serves: seen at once. A change of their
-            # states (a load, an eviction) waits for the next rebuild (<= 50 ms): at thousands of
-            # workers some heartbeat has one on every call, and each rebuild walks every worker.
+        now = time.monotonic()
+        self._workers[beat.worker] = (now, beat)
+        if (
+            previous is None
+            or previous[0] < now - self.cluster.worker_ttl_s  # back after the map left it out
+            or previous[1].draining != beat.draining
+            or _names(previous[1]) != _names(beat)
+        ):
+            # A worker came, came back, went or changed which models it serves: seen at once. A
+            # change of their states (a load, an eviction) waits for the next rebuild (50 ms, up
+            # to 0.5 s): at thousands of workers some heartbeat has one on every call, and each
+            # rebuild walks every worker.
             self._served_cache = None
 
     def live(self) -> list[p.Heartbeat]:
@@ -78,20 +86,20 @@ class WorkerDirectory:
 
     def served(self) -> dict[str, Holders]:
         """Model id -> the live workers serving it, with each one's status of the model (rebuilt at
-        most every 50 ms, longer at thousands of workers, or on news from a worker: every request
-        asks)."""
+        most every 50 ms, up to 0.5 s at thousands of workers, or on news from a worker: every
+        request asks)."""
         now = time.monotonic()
         if self._served_cache is not None and now - self._served_cache[0] < self._served_reuse_s:
             return self._served_cache[1]
-        started = time.perf_counter()
         served: dict[str, Holders] = {}
         for beat in self.live():
             for status in beat.models:
                 served.setdefault(status.id, []).append((beat, status))
         self._served_cache = (now, served)
         self._pools = {}
-        took_s = time.perf_counter() - started
-        self._served_reuse_s = max(_SERVED_REUSE_S, _SERVED_REUSE_PER_REBUILD * took_s)
+        self._served_reuse_s = min(
+            _SERVED_REUSE_MAX_S, max(_SERVED_REUSE_S, _SERVED_REUSE_PER_WORKER_S * len(self._workers))
+        )
         return served
 
     def resolve(self, model_id: str, served: dict[str, Holders] | None = None) -> str:
