@@ -208,16 +208,19 @@ class RemoteService:
 
     def _pool_for(self, model_id: str) -> str:
         """The pool a call of the model goes to; QueueUnavailable and NoWorker as `_holders`."""
-        self._holders(model_id)
+        self._require_queue()
         return self.workers.pool_for(model_id)
 
     def _holders(self, model_id: str) -> Holders:
         """The live workers serving the model; QueueUnavailable while NATS is, NoWorker when none does."""
+        self._require_queue()
+        return self.workers.holders(model_id)
+
+    def _require_queue(self) -> None:
         if not self._connected():
             raise QueueUnavailable(
                 "the cluster's work queue (NATS) is unreachable from this gateway; retry shortly", retry_after_s=2.0
             )
-        return self.workers.holders(model_id)
 
     # --- Service: control (over core NATS request/reply to the workers) --------------------------
 
