@@ -65,8 +65,8 @@ class Resident(StandIn):
 class Fleet:
     """A gateway on its own pool, and workers started one at a time (each with its own settings)."""
 
-    def __init__(self, nats_url: str, pool: str) -> None:
-        self.nats_url, self.pool = nats_url, pool
+    def __init__(self, nats_url: str, pool: str, backlog_s: float = 0.1) -> None:
+        self.nats_url, self.pool, self.backlog_s = nats_url, pool, backlog_s
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.workers: list[Worker] = []
@@ -75,7 +75,14 @@ class Fleet:
         )
 
     def settings(self, **options) -> ClusterSettings:
-        return ClusterSettings(nats_url=self.nats_url, pool=self.pool, heartbeat_s=0.2, worker_ttl_s=2.0, **options)
+        return ClusterSettings(
+            nats_url=self.nats_url,
+            pool=self.pool,
+            heartbeat_s=0.2,
+            worker_ttl_s=2.0,
+            backlog_s=self.backlog_s,
+            **options,
+        )
 
     async def add(self, service: StandIn, **options) -> Worker:
         worker = Worker([service], self.settings(**options), metrics=Metrics())
@@ -100,8 +107,8 @@ class Fleet:
 
 
 @contextlib.asynccontextmanager
-async def fleet(nats_url: str, pool: str):
-    f = Fleet(nats_url, pool)
+async def fleet(nats_url: str, pool: str, backlog_s: float = 0.1):
+    f = Fleet(nats_url, pool, backlog_s)
     await f.gateway.start()
     try:
         yield f
@@ -150,15 +157,68 @@ def test_calls_go_to_the_worker_that_has_their_model_loaded_not_to_a_busy_one_wi
     run(body())
 
 
-def test_an_idle_worker_with_nothing_loaded_takes_a_model_loaded_nowhere_and_loads_it_once(nats_url):
+def looks(worker: Worker, model_id: str) -> dict[str, float]:
+    """The worker's looks at a cold model's queue so far, by source (the gateways' backlog or JetStream)."""
+    return {
+        source: sample(worker.metrics, "shoal_worker_cold_looks_total", model=model_id, source=source)
+        for source in ("backlog", "jetstream")
+    }
+
+
+@pytest.mark.parametrize("backlog_s", [0.1, 0.0], ids=["backlog-feed", "jetstream-looks"])
+def test_an_idle_worker_with_nothing_loaded_takes_a_model_loaded_nowhere_and_loads_it_once(nats_url, backlog_s):
+    """The idle worker's looks at A's queue read the gateway's backlog feed (cluster/backlog.py):
+    past its first look (before the gateway published A's consumer, it asks JetStream), no API
+    request; with the feed off (backlog_s 0), each look asks JetStream."""
+
     async def body():
-        async with fleet(nats_url, "cold-idle") as f:
+        async with fleet(nats_url, f"cold-idle-{backlog_s:g}", backlog_s) as f:
             device = Resident()
             worker = await f.add(device)
+            await asyncio.sleep(0.5)  # several backlog periods: the feed has A's consumer
+            before = looks(worker, A)
             await asyncio.gather(*(f.call(A, f"a{i}") for i in range(10)))
             assert len(device.served(A)) == 10
             assert device.loads == 1 and device.model(A).loaded
             assert sample(worker.metrics, "shoal_worker_naks_total", model=A, reason="over_pulled") == 0
+            after = looks(worker, A)
+            if backlog_s:
+                assert after["backlog"] > before["backlog"] and after["jetstream"] == before["jetstream"]
+            else:
+                assert after["jetstream"] > before["jetstream"] and after["backlog"] == 0
+
+    run(body())
+
+
+def test_the_gateway_publishes_each_models_queue_as_jetstream_counts_it(nats_url):
+    """With no worker, calls of A wait in their pool's queue: the backlog the gateway publishes on
+    shoal.backlog.<pool> says as many are pending as JetStream's consumer info, none delivered."""
+    import msgspec
+    import nats
+
+    from shoal.cluster import backlog
+    from shoal.cluster import protocol as p
+
+    async def body():
+        pool = "backlog-feed"
+        async with fleet(nats_url, pool) as f:
+            nc = await nats.connect(nats_url)
+            got: list[backlog.Backlog] = []
+
+            async def on_backlog(msg):
+                got.append(msgspec.msgpack.decode(msg.data, type=backlog.Backlog))
+
+            await nc.subscribe(backlog.subject(pool), cb=on_backlog)
+            js = nc.jetstream()
+            await p.ensure_consumer(js, f.settings(), pool, A)
+            for i in range(3):  # to the pool's subject, as a gateway would (it sends only to a pool with workers)
+                await js.publish(p.work_subject(pool, A), b"", headers={p.REQUEST_ID: f"a{i}"})
+            info = await js.consumer_info(p.STREAM, p.consumer_name(pool, A))
+            assert info.num_pending == 3
+            await until(lambda: any(b.models.get(A) == backlog.Counts(3, 0, 0) for b in got), "a backlog of 3 calls")
+            assert {b.gateway for b in got} == {f.gateway.id}
+            await js.purge_stream(p.STREAM, subject=p.work_subject(pool, A))
+            await nc.close()
 
     run(body())
 

@@ -256,6 +256,12 @@ class ClusterSettings:
         "queue before an idle worker pulls them, paying the load (about a load's time)",
         commands=_WORKER,
     )
+    # cluster/backlog.py: the cold looks above read this feed, not JetStream's API (one request per look).
+    backlog_s: float = setting(
+        0.1,
+        "how often a gateway publishes each model's queued calls for the workers (about one gateway does); "
+        "0: it does not, and workers ask JetStream",
+    )
     publish_timeout_s: float = setting(
         5.0,
         "longest wait for a publish's ack (while NATS is unreachable a gateway answers 503 at once)",

@@ -234,6 +234,13 @@ class WorkerMetrics:
             registry=r,
         )
         self.host_queue = Gauge("shoal_worker_host_queue_calls", "Calls pulled and waiting for a device", registry=r)
+        self.cold_looks = Counter(
+            "shoal_worker_cold_looks",
+            "Looks at the queue of a model no device of the worker has loaded, by source: backlog (the "
+            "gateways' feed) or jetstream (an API request: no gateway publishes the backlog)",
+            ["model", "source"],
+            registry=r,
+        )
 
     def start_models(self, model_ids: Iterable[str]) -> None:
         """Series at 0 for the models the worker serves (see `Metrics.start_models`)."""

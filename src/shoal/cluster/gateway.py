@@ -18,7 +18,8 @@ Its other jobs each have a module: `publishing` (a call's publish, the wait for 
 abandonment, and the recheck of lost replies after a reconnect), `directory` (the live workers,
 from their heartbeats: what `models()`, `capacity()` and routing read), `rpc` (admin, tokenize and
 detokenize on the workers), `payloads` (the Object Store), `dead_letters` (calls no worker answered),
-`queue_gauges` (the queue as JetStream sees it, on /metrics).
+`queue_gauges` (the queue as JetStream sees it, on /metrics), `backlog` (the same, for the workers'
+cold looks).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..errors import ConfigError, QueueUnavailable
 from ..metrics import GatewayMetrics, Metrics
 from ..service import Capacity, CardProblem, ModelStatus, Token
 from ..verbs import estimate_tokens
-from . import dead_letters, payloads, publishing, queue_gauges, rpc
+from . import backlog, dead_letters, payloads, publishing, queue_gauges, rpc
 from . import protocol as p
 from .directory import Holders, WorkerDirectory
 from .nats_auth import connect_options
@@ -149,6 +150,9 @@ class RemoteService:
             "gateway-dead-letters",
         )
         self._run_task(queue_gauges.watch(self._js, self.gm, self._connected), "gateway-queue-gauges")
+        self._run_task(
+            backlog.publish(nc, self._js, self.id, self.cluster.backlog_s, self._connected), "gateway-backlog"
+        )
 
     async def _setup(self) -> None:
         """Streams and bucket (a NATS that lost its store gets them back), then every heartbeat."""

@@ -41,6 +41,7 @@ DEAD_STREAM = "SHOAL_DEAD"
 DEAD_SUBJECT = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM}.*"
 PAYLOADS = "shoal_payloads"
 HEARTBEAT_PREFIX = "shoal.hb"
+BACKLOG_PREFIX = "shoal.backlog"  # shoal.backlog.<pool>: each model's queued, delivered, unacked calls
 PING_SUBJECT = "shoal.ping"
 CANCEL_SUBJECT = "shoal.cancel"
 RPC_PREFIX = "shoal.rpc"  # shoal.rpc.<action>.<pool>.<model>: (de)tokenize (one worker), admin (each worker)

@@ -46,6 +46,7 @@ from typing import Any
 from ..config import ClusterSettings
 from ..metrics import WorkerMetrics
 from . import protocol as p
+from .backlog import BacklogView
 from .host_queue import HostQueue, Job
 
 log = logging.getLogger("shoal.worker")
@@ -81,6 +82,7 @@ class Puller:
         queue: HostQueue,
         wm: WorkerMetrics,
         cancelled: Mapping[str, float],
+        backlog: BacklogView | None = None,
     ) -> None:
         self.model_id = model_id
         self.settings = settings
@@ -90,6 +92,7 @@ class Puller:
         self._nc = nc
         self._js = js
         self._cancelled = cancelled  # the worker's: call keys whose callers went away
+        self._backlog = backlog  # the model's queue as the gateways publish it (cluster/backlog.py)
         self.max_deliver = settings.max_deliver  # the consumer's, as NATS has it (ensure_consumer reads it)
         self.mean_tokens: float | None = None
         self._sub: Any = None
@@ -212,15 +215,24 @@ class Puller:
         await self._take_all(late)
 
     async def _look(self, busy: bool) -> tuple[bool, int]:
-        """(whether to pull, the calls queued now), from the model's consumer, against a look at
+        """(whether to pull, the calls queued now), from the model's consumer (as the gateways last
+        published it, or asked of JetStream when none did: cluster/backlog.py), against a look at
         least cold_pull_after_s before. An idle host pulls when the calls queued then were not all
         delivered since (JetStream delivers new calls in order: they have waited that long); a busy
         one only when none was delivered since (nobody takes them). Either pulls when none was
         queued either time, some are unacked and none was delivered since (a call handed back and
         due again, with nobody asking for it)."""
-        info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
-        now = time.monotonic()
-        pending, delivered = info.num_pending or 0, info.delivered.consumer_seq or 0
+        seen = self._backlog.latest(self.model_id) if self._backlog is not None else None
+        if seen is not None:  # the counts and when they came
+            now, counts = seen
+            pending, delivered, unacked = counts.pending, counts.delivered, counts.unacked
+            self.wm.cold_looks.labels(self.model_id, "backlog").inc()
+        else:  # no gateway publishes the backlog: one JetStream API request
+            info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
+            now = time.monotonic()
+            pending, delivered = info.num_pending or 0, info.delivered.consumer_seq or 0
+            unacked = info.num_ack_pending or 0
+            self.wm.cold_looks.labels(self.model_id, "jetstream").inc()
         last = self._looked
         long_enough = last is not None and now - last[0] >= self.settings.cold_pull_after_s
         if last is None or long_enough or not pending:
@@ -230,7 +242,7 @@ class Puller:
         undelivered = last[1] - (delivered - last[2])  # of the calls queued at the last look
         if pending:
             return (last[1] > 0 and (undelivered == last[1] if busy else undelivered > 0)), pending
-        return (not last[1] and bool(info.num_ack_pending) and delivered == last[2]), 0
+        return (not last[1] and bool(unacked) and delivered == last[2]), 0
 
     async def _fetch_queued(self) -> list[Any]:
         """The model's next call if one is queued now, undelivered: a pull with `no_wait`, which never

@@ -41,6 +41,7 @@ from ..metrics import Metrics, WorkerMetrics
 from ..service import Service
 from . import payloads
 from . import protocol as p
+from .backlog import BacklogView
 from .host_queue import MIN_BUDGET_TOKENS, Device, HostQueue, Job
 from .nats_auth import connect_options
 from .probes import Heartbeats, health, serve_probes
@@ -82,6 +83,7 @@ class Worker:
         self.preload = preload
         self.queue = HostQueue(self.id, self.devices, settings, self.wm)
         self.beats = Heartbeats(self.id, self.host, settings, self.queue)
+        self.backlog = BacklogView(settings.backlog_s)  # each model's queue, as the gateways publish it
         self._cancelled: dict[str, float] = {}  # call key -> when (insertion order is time order)
         self._running_calls: dict[str, asyncio.Task[Any]] = {}  # call key -> its engine task (to cancel)
         self._background: set[asyncio.Task[None]] = set()
@@ -146,8 +148,11 @@ class Worker:
             quiet=lambda: self._closing,
         )
         self._js = self._nc.jetstream()
+        await self.backlog.subscribe(self._nc, self.settings.pool)
         self.pullers = {
-            model_id: Puller(model_id, self.settings, self._nc, self._js, self.queue, self.wm, self._cancelled)
+            model_id: Puller(
+                model_id, self.settings, self._nc, self._js, self.queue, self.wm, self._cancelled, self.backlog
+            )
             for model_id in self.model_ids
         }
         await self._setup()
