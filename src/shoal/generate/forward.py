@@ -1,0 +1,151 @@
+"""A decoder step over cached sequences: shoal's Llama-family forward (`models/llama.py`: Llama,
+SmolLM2, Qwen2, Qwen3) run on a packed batch of new tokens of several sequences, each with keys and
+values already in its KV cache slot.
+
+    new tokens of each sequence, packed [T]
+      ─ embeddings ─ per layer: norm, qkv, (qk norm), rotary at each token's position
+      ─ keys and values written to each sequence's slot at its positions
+      ─ attention of each new token over its slot up to itself (causal)
+      ─ out projection, the SwiGLU MLP ─ final norm
+      ─ the LM head on each sequence's last new token ─ logits [sequences, vocab]
+
+Attention: when every sequence brings one token (a decode step), one batched call over the
+slots padded to the longest, masked; otherwise (a prefill) one causal call per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from ..layers.rotary import apply_rotary
+from ..models.llama import LlamaLayer, LlamaModel
+from .kv_cache import SlabCache
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where a step's tokens go: per token its slot and position; per segment its slot, first
+    position, token count and end."""
+
+    slots: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    segment_slots: list[int]
+    starts: list[int]
+    counts: list[int]
+    ends: list[int]
+    decode: bool  # one token per segment
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's new tokens in a step: its cache slot, and the tokens' ids."""
+
+    slot: int
+    ids: list[int]
+
+
+class CachedDecoder:
+    """Runs steps of a Llama-family `model` against `cache` (see the module docstring). The LM head
+    is the embeddings (tied, as SmolLM2 and the small Qwen models have it) unless `lm_head` is given."""
+
+    def __init__(self, model: LlamaModel, cache: SlabCache, lm_head: torch.Tensor | None = None) -> None:
+        if not isinstance(model, LlamaModel):
+            raise ConfigError(f"generation runs on Llama-family decoders; this model is a {type(model).__name__}")
+        self.model = model
+        self.cache = cache
+        self.lm_head = model.embed_tokens.weight if lm_head is None else lm_head
+        cfg = model.config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+
+    @torch.inference_mode()
+    def step(self, segments: list[Segment]) -> torch.Tensor:
+        """Adds each segment's tokens to its slot; returns the logits after each segment's last
+        token, `[len(segments), vocab]` (float32)."""
+        cache, model = self.cache, self.model
+        device = cache.k.device
+        starts = [cache.lengths[s.slot] for s in segments]
+        counts = [len(s.ids) for s in segments]
+        for seg, start, n in zip(segments, starts, counts):
+            if n < 1:
+                raise ValueError(f"a segment of slot {seg.slot} has no tokens")
+            if start + n > cache.max_len:
+                raise ValueError(f"slot {seg.slot} would hold {start + n} positions, over {cache.max_len}")
+        ids = torch.tensor([t for s in segments for t in s.ids], dtype=torch.long, device=device)
+        plan = _Plan(
+            slots=torch.tensor([s.slot for s, n in zip(segments, counts) for _ in range(n)], device=device),
+            positions=torch.cat([torch.arange(st, st + n, device=device) for st, n in zip(starts, counts)]),
+            segment_slots=[s.slot for s in segments],
+            starts=starts,
+            counts=counts,
+            ends=[st + n for st, n in zip(starts, counts)],
+            decode=all(n == 1 for n in counts),
+        )
+        x = model.embed_tokens(ids)  # [T, hidden]
+        cos, sin = model.rotary.cos_sin(plan.positions, x.dtype)
+        for index, layer in enumerate(model.layers):
+            assert isinstance(layer, LlamaLayer)
+            x = self._layer(index, layer, x, cos, sin, plan)
+        for slot, end in zip(plan.segment_slots, plan.ends):
+            cache.lengths[slot] = end
+        last = torch.tensor(counts, device=device).cumsum(0) - 1
+        hidden = model.norm(x[last])  # [S, hidden]
+        return F.linear(hidden, self.lm_head).float()
+
+    def _layer(
+        self, index: int, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: _Plan
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = layer.qkv.split(layer.attn_norm(x))
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ck, cv = self.cache.k[index], self.cache.v[index]  # [slots, max_len, Hkv, D]
+        ck[plan.slots, plan.positions] = k
+        cv[plan.slots, plan.positions] = v
+        if plan.decode:
+            a = self._attend_decode(q, ck, cv, plan.segment_slots, plan.ends)
+        else:
+            outs, offset = [], 0
+            for slot, start, n, end in zip(plan.segment_slots, plan.starts, plan.counts, plan.ends):
+                outs.append(self._attend_one(q[offset : offset + n], ck[slot, :end], cv[slot, :end], start))
+                offset += n
+            a = torch.cat(outs)
+        x = x + layer.attn_out(a.reshape(T, H * D))
+        return layer.feed_forward(x)
+
+    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Causal attention of `n` new tokens (positions start..start+n-1) over a slot's first
+        start+n positions: `[n, H, D]`."""
+        n = q.shape[0]
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if start == 0:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n > 1, enable_gqa=True)
+        else:  # token i sees positions 0..start+i
+            allowed = (
+                torch.arange(start + n, device=q.device)[None, :]
+                <= torch.arange(start, start + n, device=q.device)[:, None]
+            )
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def _attend_decode(
+        self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slots: list[int], ends: list[int]
+    ) -> torch.Tensor:
+        """One new token per sequence (q `[S, H, D]`) over its slot, padded to the longest: `[S, H, D]`."""
+        longest = max(ends)
+        index = torch.tensor(slots, device=q.device)
+        k = ck[index, :longest].transpose(1, 2)  # [S, Hkv, L, D]
+        v = cv[index, :longest].transpose(1, 2)
+        allowed = torch.arange(longest, device=q.device)[None, :] < torch.tensor(ends, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None], enable_gqa=True)
+        return out[:, :, 0]

