@@ -7,20 +7,25 @@
                    string, its deadline, or cancel(); its slot is free for the next step
     run(requests) ─ add all, step until none runs (one-at-a-time and batched give the same tokens)
 
-Tokens are ids; `decode` (ids -> text) is needed only for stop strings.
+Tokens are ids; `decode` (ids -> text) is needed only for stop strings. A request with a grammar
+(constraints.Grammars) gets a matcher: its mask of allowed tokens is filled on a thread while the
+step runs and applied to its logits; the sequence stops when the grammar is complete.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..errors import InvalidRequest
 from . import sampling
+from .constraints import Grammars, Masks
 from .forward import CachedDecoder, Segment
 
 
@@ -33,6 +38,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # the text ends before the first of these
     deadline: float = math.inf  # time.monotonic()
+    grammar: str | None = None  # from constraints.Grammars: only what it allows is generated
 
 
 @dataclass
@@ -45,6 +51,12 @@ class Sequence:
     generator: torch.Generator | None = None
     prefilled: bool = False
     cancelled: bool = False
+    matcher: Any = None  # the grammar's, when constrained
+
+    @property
+    def complete(self) -> bool:
+        """Whether a constrained output is whole (the grammar accepts it); True unconstrained."""
+        return self.matcher is None or bool(self.matcher.is_accepting())
 
     @property
     def done(self) -> bool:
@@ -60,6 +72,7 @@ class Generator:
         eos_ids: Iterable[int],
         *,
         decode: Callable[[list[int]], str] | None = None,
+        grammars: Grammars | None = None,
         max_prefill_tokens: int = 4096,
     ) -> None:
         self.decoder = decoder
@@ -67,6 +80,9 @@ class Generator:
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
         self.max_prefill_tokens = max_prefill_tokens
+        self.grammars = grammars
+        self.masks = Masks(decoder.lm_head.shape[0]) if grammars is not None else None
+        self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.running: list[Sequence] = []
 
     def add(self, request: GenerationRequest) -> Sequence:
@@ -77,12 +93,15 @@ class Generator:
         sampling.check(request.temperature, request.top_p)
         if request.stop and self.decode is None:
             raise InvalidRequest("stop strings need the model's tokenizer")
+        if request.grammar is not None and self.grammars is None:
+            raise InvalidRequest("constrained output needs the model's tokenizer")
+        matcher = self.grammars.matcher(request.grammar) if self.grammars and request.grammar is not None else None
         slot = self.cache.alloc(len(request.prompt_ids) + request.max_new_tokens)
         generator = None
         if request.temperature > 0:
             generator = torch.Generator(device=self.cache.k.device)
             generator.manual_seed(request.seed if request.seed is not None else torch.seed())
-        seq = Sequence(request, slot, generator=generator)
+        seq = Sequence(request, slot, generator=generator, matcher=matcher)
         self.running.append(seq)
         return seq
 
@@ -101,12 +120,12 @@ class Generator:
                 budget -= len(seq.request.prompt_ids)
         decoding = [seq for seq in self.running if seq.prefilled]
         if joining:
-            logits = self.decoder.step([Segment(s.slot, list(s.request.prompt_ids)) for s in joining])
+            logits = self._step(joining, [Segment(s.slot, list(s.request.prompt_ids)) for s in joining])
             for seq, row in zip(joining, logits):
                 seq.prefilled = True
                 self._advance(seq, row)
         if decoding:
-            logits = self.decoder.step([Segment(s.slot, [s.tokens[-1]]) for s in decoding])
+            logits = self._step(decoding, [Segment(s.slot, [s.tokens[-1]]) for s in decoding])
             for seq, row in zip(decoding, logits):
                 self._advance(seq, row)
         for seq in list(self.running):
@@ -120,6 +139,24 @@ class Generator:
         while self.running:
             self.step()
         return sequences
+
+    def _step(self, sequences: list[Sequence], segments: list[Segment]) -> torch.Tensor:
+        """The decoder's step, with the constrained sequences' masks filled meanwhile (on a thread:
+        a mask depends only on the tokens so far) and applied to their logits."""
+        constrained = [i for i, seq in enumerate(sequences) if seq.matcher is not None]
+        if not constrained:
+            return self.decoder.step(segments)
+        assert self.masks is not None  # a matcher comes from grammars, which made masks
+        if self._mask_thread is None:
+            self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shoal-masks")
+        masks = self.masks
+        filling = self._mask_thread.submit(masks.fill, [sequences[i].matcher for i in constrained])
+        logits = self.decoder.step(segments).clone()  # out of inference mode: masked in place
+        rows = torch.tensor(constrained)
+        chosen = logits[rows]
+        masks.apply(chosen, filling.result())
+        logits[rows] = chosen
+        return logits
 
     def _retire_early(self) -> list[Sequence]:
         now = time.monotonic()
@@ -139,6 +176,12 @@ class Generator:
         request = seq.request
         token = sampling.next_token(logits, request.temperature, request.top_p, seq.generator)
         seq.tokens.append(token)
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):  # the mask allowed it: a bug, not the caller's
+                raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
+            if seq.matcher.is_stopped():  # nothing more may come (or an end-of-sequence token came)
+                seq.finish_reason = "stop"
+                return
         if token in self.eos_ids:
             seq.finish_reason = "stop"
         elif request.stop:
