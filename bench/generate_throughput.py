@@ -140,13 +140,17 @@ def main(args: argparse.Namespace) -> int:
                 count += ends[0] + 1 if ends else len(row)
             return count / seconds, first
 
-        print(f"SmolLM2-135M-Instruct float32, {args.new_tokens} new tokens, greedy, torch threads {torch.get_num_threads()}")
-        print(f"{'N':>3} {'shoal tok/s':>12} {'hf tok/s':>10} {'ratio':>6} {'shoal ttft ms':>14} {'hf ttft ms':>11} {'json tok/s':>11} {'json cost':>10}")
+        print(
+            f"SmolLM2-135M-Instruct float32, {args.new_tokens} new tokens, greedy, torch threads {torch.get_num_threads()}"
+        )
+        print(
+            f"{'N':>3} {'shoal tok/s':>12} {'hf tok/s':>10} {'ratio':>6} {'shoal ttft ms':>14} {'hf ttft ms':>11} {'json tok/s':>11} {'json cost':>10}"
+        )
         for n in args.concurrency:
             best: dict[str, tuple[float, float]] = {}
             for _ in range(args.rounds):
-                for name, run in (("shoal", lambda: shoal(n)), ("hf", lambda: transformers(n)), ("json", lambda: shoal(n, True))):
-                    rate, first = run()
+                for name in ("shoal", "hf", "json"):
+                    rate, first = transformers(n) if name == "hf" else shoal(n, constrained=name == "json")
                     if name not in best or rate > best[name][0]:
                         best[name] = (rate, first)
             s, h, j = best["shoal"], best["hf"], best["json"]
