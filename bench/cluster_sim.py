@@ -690,6 +690,10 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
                     print(step_line(s), flush=True)
             else:
                 steps = await ramp(sim, top)
+            if ours.out:  # before the fleet stops: thousands of workers draining take long
+                ours.out.write_text(
+                    json.dumps(all_steps + [asdict(s) | {"peak_req_s": peak_req_s} for s in steps], indent=1)
+                )
         if ticker is not None:
             ticker.cancel()
         wall_s = time.perf_counter() - started

@@ -170,3 +170,46 @@ def test_a_cancelled_or_late_sequence_stops_and_frees_its_slot(smollm2, prompts,
         gen.step()
     assert kept.finish_reason == "length" and kept.tokens == expected[long[1]][:4]
     assert gen.cache.in_use == 0
+
+
+def test_a_failed_step_ends_its_sequences_frees_their_slots_and_the_generator_goes_on(smollm2, prompts, expected):
+    """A device error in the third step: the error reaches the caller, the sequences in that step
+    end with "error" and free their slots; the next request runs as if nothing happened."""
+    gen = generator(smollm2, slots=4)
+    real_step, calls = gen.decoder.step, []
+
+    def failing(segments):
+        calls.append(len(segments))
+        if len(calls) == 3:
+            raise RuntimeError("the device fell over")
+        return real_step(segments)
+
+    gen.decoder.step = failing
+    first = gen.add(GenerationRequest(prompts[11], max_new_tokens=NEW_TOKENS))
+    gen.step()
+    second = gen.add(GenerationRequest(prompts[12], max_new_tokens=NEW_TOKENS))
+    with pytest.raises(RuntimeError, match="fell over"):
+        gen.step()  # the second's prefill, then the third call (the first's decode) fails
+    assert first.finish_reason == second.finish_reason == "error"
+    assert gen.cache.in_use == 0 and not gen.running
+    gen.decoder.step = real_step
+    [again] = gen.run([GenerationRequest(prompts[11], max_new_tokens=NEW_TOKENS)])
+    assert again.tokens == expected[11]
+
+
+def test_a_model_with_its_own_lm_head_or_a_cache_of_another_dtype_is_refused(smollm2, smollm2_causal):
+    from shoal.errors import ConfigError
+    from shoal.weights import read_model_config
+
+    directory, _ = smollm2_causal
+    model = smollm2[2]
+    cfg = model.config
+    untied = build_model(directory, None, "cpu", config={**read_model_config(directory), "tie_word_embeddings": False})
+    cache = SlabCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=1, max_len=8)
+    with pytest.raises(ConfigError, match="LM head"):
+        CachedDecoder(untied, cache)
+    half = SlabCache(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=1, max_len=8, dtype=torch.bfloat16
+    )
+    with pytest.raises(ConfigError, match="KV cache"):
+        CachedDecoder(model, half)

@@ -230,4 +230,7 @@ def test_a_schema_is_compiled_once_and_bad_ones_get_clear_errors_taking_no_slot(
         grammars.regex("([a-z]")
     with pytest.raises(InvalidRequest, match="choices"):
         grammars.choice([])
-    assert gen.cache.in_use == 0
+    tokenizer = smollm2[0]
+    with pytest.raises(InvalidRequest, match="constraint"):
+        gen.add(GenerationRequest(prompt(tokenizer, {}, "a"), grammar='{"grammars": [{"lark_grammar": "start: ("}]}'))
+    assert gen.cache.in_use == 0 and not gen.running

@@ -13,8 +13,9 @@ workers over six models the looks alone took half of it (bench/cluster_sim.py). 
 fleet costs JetStream one request per `backlog_s`, whatever its size.
 
 With several gateways, a gateway that heard another's backlog within the last `backlog_s` skips its
-turn, so about one publishes. A worker whose counts are older than `STALE_AFTER` periods (no gateway
-publishes: none runs, or it has `backlog_s` 0) asks JetStream as before.
+turn, so about one publishes. A worker whose counts are older than `STALE_AFTER` periods (its own
+or the publisher's, the longer; no gateway publishes: none runs, or it has `backlog_s` 0) asks
+JetStream as before.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Backlog(msgspec.Struct, frozen=True):
 
     gateway: str
     models: dict[str, Counts]
+    every_s: float = 0.0  # the publisher's period (a worker's counts are stale after STALE_AFTER of it)
 
 
 def subject(pool: str) -> str:
@@ -84,7 +86,7 @@ async def publish(nc: Any, js: Any, gateway_id: str, every_s: float, connected: 
                     info.num_pending or 0, info.delivered.consumer_seq or 0, info.num_ack_pending or 0
                 )
             for pool, models in pools.items():
-                await nc.publish(subject(pool), msgspec.msgpack.encode(Backlog(gateway_id, models)))
+                await nc.publish(subject(pool), msgspec.msgpack.encode(Backlog(gateway_id, models, every_s)))
         except Exception as exc:  # broad: the loop must outlive any failure; workers ask JetStream meanwhile
             p.log_swallowed(log, exc, "gateway: cannot read or publish the queue's backlog")
 
@@ -94,11 +96,11 @@ class BacklogView:
     None when no gateway published it within `STALE_AFTER` periods."""
 
     def __init__(self, every_s: float) -> None:
-        self.max_age_s = STALE_AFTER * every_s
-        self._seen: dict[str, tuple[float, Counts]] = {}
+        self.every_s = every_s  # the worker's setting; a publisher's own period, when longer, counts
+        self._seen: dict[str, tuple[float, Counts, float]] = {}  # model -> (came, counts, max age)
 
     async def subscribe(self, nc: Any, pool: str) -> None:
-        if self.max_age_s > 0:
+        if self.every_s > 0:
             await nc.subscribe(subject(pool), cb=self._on_backlog)
 
     async def _on_backlog(self, msg: Any) -> None:
@@ -108,11 +110,12 @@ class BacklogView:
             log.debug("worker: an unreadable backlog on %s", msg.subject)
             return
         now = time.monotonic()
+        max_age_s = STALE_AFTER * max(self.every_s, backlog.every_s)
         for model_id, counts in backlog.models.items():
-            self._seen[model_id] = (now, counts)
+            self._seen[model_id] = (now, counts, max_age_s)
 
     def latest(self, model_id: str) -> tuple[float, Counts] | None:
         seen = self._seen.get(model_id)
-        if seen is None or time.monotonic() - seen[0] > self.max_age_s:
+        if seen is None or time.monotonic() - seen[0] > seen[2]:
             return None
-        return seen
+        return seen[0], seen[1]

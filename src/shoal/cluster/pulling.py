@@ -104,6 +104,7 @@ class Puller:
         self._idle_interval_s = settings.cold_pull_after_s
         self._busy_look_at = time.monotonic() + COLD_PROBE_S * random.uniform(0.5, 1.5)
         self._looked: tuple[float, int, int] | None = None
+        self._from_feed = False  # whether the last look read the backlog feed
 
     async def ensure_consumer(self) -> None:
         """The model's durable consumer, made if missing (setup, and after NATS lost its store)."""
@@ -186,7 +187,9 @@ class Puller:
             self._busy_look_at = now + COLD_PROBE_S * random.uniform(0.5, 1.5)
         elif pending:  # look again when those calls will have waited cold_pull_after_s
             self._idle_interval_s = after_s
-            self._idle_look_at = max(now + 0.01, self._looked[0] + after_s) if self._looked else now + after_s
+            # Counts from the feed come every backlog_s: no sooner than the next ones.
+            soonest = now + (self.settings.backlog_s / 2 if self._from_feed else 0.01)
+            self._idle_look_at = max(soonest, self._looked[0] + after_s) if self._looked else now + after_s
         else:  # nothing queued: look less often the longer the host stays idle
             self._idle_interval_s = min(COLD_LOOK_MAX_S, 2 * self._idle_interval_s)
             self._idle_look_at = now + self._idle_interval_s
@@ -223,6 +226,7 @@ class Puller:
         queued either time, some are unacked and none was delivered since (a call handed back and
         due again, with nobody asking for it)."""
         seen = self._backlog.latest(self.model_id) if self._backlog is not None else None
+        self._from_feed = seen is not None
         if seen is not None:  # the counts and when they came
             now, counts = seen
             pending, delivered, unacked = counts.pending, counts.delivered, counts.unacked

@@ -46,7 +46,8 @@ class Sequence:
     request: GenerationRequest
     slot: int
     tokens: list[int] = field(default_factory=list)  # generated (an end-of-sequence token included)
-    finish_reason: str | None = None  # "stop" (eos or a stop string), "length", "deadline", "cancelled"
+    # "stop" (eos, a stop string, a complete grammar), "length", "deadline", "cancelled", "error"
+    finish_reason: str | None = None
     text: str | None = None  # with stop strings: the text up to the first
     generator: torch.Generator | None = None
     prefilled: bool = False
@@ -100,7 +101,10 @@ class Generator:
         generator = None
         if request.temperature > 0:
             generator = torch.Generator(device=self.cache.k.device)
-            generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+            if request.seed is not None:
+                generator.manual_seed(request.seed)
+            else:
+                generator.seed()  # a fresh seed of its own (not the process's generator)
         seq = Sequence(request, slot, generator=generator, matcher=matcher)
         self.running.append(seq)
         return seq
@@ -119,6 +123,26 @@ class Generator:
                 joining.append(seq)
                 budget -= len(seq.request.prompt_ids)
         decoding = [seq for seq in self.running if seq.prefilled]
+        try:
+            self._advance_all(joining, decoding)
+        except BaseException:
+            # A failed step (the device, a mask) leaves its sequences' caches half written: they
+            # end with "error" and free their slots, rather than run on from a state no token was
+            # chosen for; the error goes to the caller.
+            for seq in joining + decoding:
+                if not seq.done:
+                    seq.finish_reason = "error"
+            self._leave_done()
+            raise
+        return finished + self._leave_done()
+
+    def _leave_done(self) -> list[Sequence]:
+        done = [seq for seq in self.running if seq.done]
+        for seq in done:
+            self._leave(seq)
+        return done
+
+    def _advance_all(self, joining: list[Sequence], decoding: list[Sequence]) -> None:
         if joining:
             logits = self._step(joining, [Segment(s.slot, list(s.request.prompt_ids)) for s in joining])
             for seq, row in zip(joining, logits):
@@ -128,11 +152,6 @@ class Generator:
             logits = self._step(decoding, [Segment(s.slot, [s.tokens[-1]]) for s in decoding])
             for seq, row in zip(decoding, logits):
                 self._advance(seq, row)
-        for seq in list(self.running):
-            if seq.done:
-                self._leave(seq)
-                finished.append(seq)
-        return finished
 
     def run(self, requests: Iterable[GenerationRequest]) -> list[Sequence]:
         sequences = [self.add(r) for r in requests]

@@ -34,8 +34,8 @@ class Grammars:
         import llguidance
 
         self._ll = llguidance
-        eos = sorted(eos_ids)
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
+        eos = list(eos_ids)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
         self.vocab_size = vocab_size
         self._cache: collections.OrderedDict[str, str] = collections.OrderedDict()
 
@@ -116,4 +116,4 @@ class Masks:
 
     def apply(self, logits: torch.Tensor, bits: torch.Tensor) -> None:
         """Disallowed tokens' logits to -inf, in place (`logits` `[n, vocab]`, float32)."""
-        self._lt.apply_token_bitmask_inplace(logits, bits)
+        self._lt.apply_token_bitmask_inplace(logits, bits.to(logits.device, non_blocking=True))

@@ -55,6 +55,15 @@ class CachedDecoder:
     def __init__(self, model: LlamaModel, cache: SlabCache, lm_head: torch.Tensor | None = None) -> None:
         if not isinstance(model, LlamaModel):
             raise ConfigError(f"generation runs on Llama-family decoders; this model is a {type(model).__name__}")
+        if lm_head is None and not model.config.tie_word_embeddings:
+            raise ConfigError(
+                f"this {model.config.model_type} checkpoint has its own LM head (tie_word_embeddings false), "
+                "which shoal does not load yet: generation runs on models whose head is their embeddings"
+            )
+        if cache.k.dtype != model.embed_tokens.weight.dtype:
+            raise ConfigError(
+                f"the KV cache is {cache.k.dtype}, the model {model.embed_tokens.weight.dtype}: make them one"
+            )
         self.model = model
         self.cache = cache
         self.lm_head = model.embed_tokens.weight if lm_head is None else lm_head

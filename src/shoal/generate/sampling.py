@@ -8,6 +8,9 @@ import torch
 
 from ..errors import InvalidRequest
 
+# Temperatures below this decode greedily.
+MIN_TEMPERATURE = 1e-4
+
 
 def check(temperature: float, top_p: float) -> None:
     if not temperature >= 0:
@@ -18,7 +21,7 @@ def check(temperature: float, top_p: float) -> None:
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """One token from one sequence's logits `[vocab]`."""
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:  # below it the softmax is one-hot anyway (or overflows)
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1:

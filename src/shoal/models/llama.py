@@ -55,6 +55,8 @@ class LlamaConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # The LM head is the embeddings (what generation assumes: an untied head is not loaded).
+    tie_word_embeddings: bool = False
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -97,6 +99,7 @@ class LlamaConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
             rope_llama3=llama3,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             out_bias=False if model_type == "qwen2" else attention_bias,
             mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
