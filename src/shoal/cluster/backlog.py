@@ -3,7 +3,7 @@ consumers every `backlog_s` and publishes, per pool, each model's calls queued, 
 and unacked; a worker reads that instead of asking JetStream itself.
 
     gateway: publish ─ every backlog_s (x1-1.5, at random) ─ consumers_info (one request per 256)
-                      ─▶ shoal.backlog.<pool> (core NATS): {model: (pending, delivered, unacked, waiting)}
+                      ─▶ shoal.backlog.<pool> (core NATS): {model: (pending, delivered, unacked)}
     worker:  BacklogView ─ the latest counts per model of its pool, and when they came
 
 Why: a worker with a model no device of its host has loaded looks at that model's queue before it
@@ -44,7 +44,6 @@ class Counts(msgspec.Struct, frozen=True, array_like=True):
     pending: int  # queued, not yet delivered
     delivered: int  # deliveries so far (the consumer's sequence)
     unacked: int  # delivered, not yet acked
-    waiting: int = 0  # pull requests waiting for calls (workers asking now)
 
 
 class Backlog(msgspec.Struct, frozen=True):
@@ -84,10 +83,7 @@ async def publish(nc: Any, js: Any, gateway_id: str, every_s: float, connected: 
                 if labels is None:
                     continue  # not one of shoal's
                 pools.setdefault(labels[0], {})[labels[1]] = Counts(
-                    info.num_pending or 0,
-                    info.delivered.consumer_seq or 0,
-                    info.num_ack_pending or 0,
-                    info.num_waiting or 0,
+                    info.num_pending or 0, info.delivered.consumer_seq or 0, info.num_ack_pending or 0
                 )
             for pool, models in pools.items():
                 await nc.publish(subject(pool), msgspec.msgpack.encode(Backlog(gateway_id, models, every_s)))

@@ -221,8 +221,7 @@ class Puller:
         """(whether to pull, the calls queued now), from the model's consumer (as the gateways last
         published it, or asked of JetStream when none did: cluster/backlog.py), against a look at
         least cold_pull_after_s before. An idle host pulls when the calls queued then were not all
-        delivered since (JetStream delivers new calls in order: they have waited that long) and no
-        pull of another worker waits for them now (else they are only slow to be delivered); a busy
+        delivered since (JetStream delivers new calls in order: they have waited that long); a busy
         one only when none was delivered since (nobody takes them). Either pulls when none was
         queued either time, some are unacked and none was delivered since (a call handed back and
         due again, with nobody asking for it)."""
@@ -230,13 +229,13 @@ class Puller:
         self._from_feed = seen is not None
         if seen is not None:  # the counts and when they came
             now, counts = seen
-            pending, delivered, unacked, waiting = counts.pending, counts.delivered, counts.unacked, counts.waiting
+            pending, delivered, unacked = counts.pending, counts.delivered, counts.unacked
             self.wm.cold_looks.labels(self.model_id, "backlog").inc()
         else:  # no gateway publishes the backlog: one JetStream API request
             info = await self._js.consumer_info(p.STREAM, p.consumer_name(self.settings.pool, self.model_id))
             now = time.monotonic()
             pending, delivered = info.num_pending or 0, info.delivered.consumer_seq or 0
-            unacked, waiting = info.num_ack_pending or 0, info.num_waiting or 0
+            unacked = info.num_ack_pending or 0
             self.wm.cold_looks.labels(self.model_id, "jetstream").inc()
         last = self._looked
         long_enough = last is not None and now - last[0] >= self.settings.cold_pull_after_s
@@ -246,11 +245,7 @@ class Puller:
             return False, pending
         undelivered = last[1] - (delivered - last[2])  # of the calls queued at the last look
         if pending:
-            if busy:
-                return last[1] > 0 and undelivered == last[1], pending
-            # Calls queued while a worker with the model asks (a pull waiting) are on their way to
-            # it: they wait on the bus, not for a taker (a lagging stream must not set off loads).
-            return last[1] > 0 and undelivered > 0 and not waiting, pending
+            return (last[1] > 0 and (undelivered == last[1] if busy else undelivered > 0)), pending
         return (not last[1] and bool(unacked) and delivered == last[2]), 0
 
     async def _fetch_queued(self) -> list[Any]:
