@@ -115,7 +115,11 @@ class Generator:
 
     def step(self) -> list[Sequence]:
         """One round (see the module docstring); returns the sequences that finished in it."""
-        finished = self._retire_early()
+        now = time.monotonic()
+        for seq in self.running:
+            if seq.cancelled or now > seq.request.deadline:
+                seq.finish_reason = "cancelled" if seq.cancelled else "deadline"
+        finished = self._leave_done()
         joining: list[Sequence] = []
         budget = self.max_prefill_tokens
         for seq in self.running:
@@ -176,16 +180,6 @@ class Generator:
         masks.apply(chosen, filling.result())
         logits[rows] = chosen
         return logits
-
-    def _retire_early(self) -> list[Sequence]:
-        now = time.monotonic()
-        gone = []
-        for seq in list(self.running):
-            if seq.cancelled or now > seq.request.deadline:
-                seq.finish_reason = "cancelled" if seq.cancelled else "deadline"
-                self._leave(seq)
-                gone.append(seq)
-        return gone
 
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)

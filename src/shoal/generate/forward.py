@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..layers.rotary import apply_rotary
 from ..models.llama import LlamaLayer, LlamaModel
 from .kv_cache import SlabCache
 
@@ -67,12 +66,6 @@ class CachedDecoder:
         self.model = model
         self.cache = cache
         self.lm_head = model.embed_tokens.weight if lm_head is None else lm_head
-        cfg = model.config
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
 
     @torch.inference_mode()
     def step(self, segments: list[Segment]) -> torch.Tensor:
@@ -111,13 +104,7 @@ class CachedDecoder:
     def _layer(
         self, index: int, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: _Plan
     ) -> torch.Tensor:
-        T = x.shape[0]
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = layer.qkv.split(layer.attn_norm(x))
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = layer.project(x, cos, sin)
         ck, cv = self.cache.k[index], self.cache.v[index]  # [slots, max_len, Hkv, D]
         ck[plan.slots, plan.positions] = k
         cv[plan.slots, plan.positions] = v
@@ -129,8 +116,7 @@ class CachedDecoder:
                 outs.append(self._attend_one(q[offset : offset + n], ck[slot, :end], cv[slot, :end], start))
                 offset += n
             a = torch.cat(outs)
-        x = x + layer.attn_out(a.reshape(T, H * D))
-        return layer.feed_forward(x)
+        return layer.feed_forward(layer.attended(x, a))
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """Causal attention of `n` new tokens (positions start..start+n-1) over a slot's first

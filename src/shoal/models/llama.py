@@ -150,6 +150,15 @@ class LlamaLayer(nn.Module):
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        a = varlen_attention(q, k, v, meta, causal=True)
+        return in_row_blocks(self.feed_forward, self.attended(x, a), self.gate_up.out_features, meta.row_block_bytes)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `[T, H, D]`, keys and values `[T, Hkv, D]` of tokens `x` `[T, hidden]`, rotated at
+        their positions (generate/forward.py attends them over its KV cache instead)."""
         T = x.shape[0]
         q, k, v = self.qkv.split(self.attn_norm(x))
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
@@ -158,10 +167,11 @@ class LlamaLayer(nn.Module):
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head, before rotary
             assert self.k_norm is not None  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        a = varlen_attention(q, k, v, meta, causal=True).reshape(T, -1)  # [T, H * D]
-        x = x + self.attn_out(a)
-        return in_row_blocks(self.feed_forward, x, self.gate_up.out_features, meta.row_block_bytes)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attended(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The residual after attention: `x` plus the out projection of `a` `[T, H, D]`."""
+        return x + self.attn_out(a.reshape(x.shape[0], -1))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The pre-norm SwiGLU MLP and its residual, per token: `[t, hidden]` -> `[t, hidden]`."""
