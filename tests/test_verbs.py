@@ -11,7 +11,7 @@ import pytest
 
 from shoal import verbs
 from shoal.bench.workloads import glirel_schema
-from shoal.calls import EncodeCall, ExtractCall, Item, ScoreCall
+from shoal.calls import EncodeCall, ExtractCall, GenerateCall, Item, Message, ScoreCall
 from shoal.catalog import Catalog
 from shoal.engine.tasks import task_for
 from shoal.verbs import KINDS, estimate_tokens, kind_of
@@ -38,7 +38,11 @@ def calls_for(card):
             out.append(ScoreCall(card.id, "a photo of a cat", IMAGES))
         if card.score is not None and card.score.kind == "cross_encoder":
             out.append(ScoreCall(card.id, "who wrote it?", TEXTS, window_overlap_tokens=16))
-    if "extract" in card.tasks and card.extract is not None:
+    if "generate" in card.tasks:
+        out.append(GenerateCall(card.id, messages=[Message("user", TEXTS[0])], max_new_tokens=32))
+    if "extract" in card.tasks and card.extract is not None and card.extract.kind == "generate":
+        out.append(ExtractCall(card.id, TEXTS, schema={"type": "object"}, max_new_tokens=32))
+    elif "extract" in card.tasks and card.extract is not None:
         labels = [] if card.extract.kind == "token_class" else LABELS
         items = IMAGES if card.extract.kind == "image_labels" else TEXTS
         schema = glirel_schema(tuple(TEXTS)) if card.extract.kind == "glirel" else None  # entities given
@@ -108,6 +112,7 @@ def test_each_extract_kind_has_its_own_task_and_a_card_that_does_not_serve_a_ver
         "GliclassTask",
         "Gliner2Task",
         "GlirelTask",
+        "ExtractGenerateTask",
     }
     embedder = CATALOG.get("sentence-transformers/all-MiniLM-L6-v2")
     with pytest.raises(InvalidRequest, match="does not extract"):
@@ -158,3 +163,15 @@ def test_every_verb_of_the_registry_has_routes_and_every_routes_verb_is_in_the_r
     assert served == set(verbs.VERB_OF_CALL.values())
     # a route that makes a call reads a body, and a probe makes none
     assert all(route.request is not None for route in ROUTES if route.verb is not None)
+
+
+def test_a_generation_costs_its_prompt_and_the_new_tokens_it_asks_for():
+    smol = CATALOG.get("HuggingFaceTB/SmolLM2-135M-Instruct")
+    chat = [Message("system", "s" * 40), Message("user", "u" * 400)]
+    asked = estimate_tokens(GenerateCall(smol.id, messages=chat, max_new_tokens=32), smol)
+    assert asked == (10 + 8) + (100 + 8) + 32  # each message ~4 characters a token and its template's 8
+    assert estimate_tokens(GenerateCall(smol.id, messages=chat), smol) == asked - 32 + smol.generate.max_new_tokens
+    # Extraction: each text with the card's frame around it, and the new tokens of each record.
+    one = estimate_tokens(ExtractCall(smol.id, ["a" * 400], schema={"type": "object"}, max_new_tokens=32), smol)
+    two = estimate_tokens(ExtractCall(smol.id, ["a" * 400] * 2, schema={"type": "object"}, max_new_tokens=32), smol)
+    assert two == 2 * one and one > 100 + 32

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 import msgspec
@@ -151,6 +152,37 @@ class ExtractCall(Call, frozen=True, tag="extract"):
     # {"entities": [[{"start": int, "end": int, "label": str}, ...], ...]} in character offsets of
     # the item's text (engine/tasks/extract_glirel.py)
     schema: dict[str, Any] | None = None
+    # generate: the JSON Schema each item's record must follow is `schema`; new tokens at most
+    # (None: the card's generate.max_new_tokens)
+    max_new_tokens: int | None = None
+
+
+class Message(msgspec.Struct, frozen=True):
+    """One chat message: who says it ("system", "user", "assistant") and what."""
+
+    role: str
+    content: str
+
+
+class GenerateCall(Call, frozen=True, tag="generate"):
+    """Generate text after `messages` (framed by the model's chat template, the assistant's turn
+    next) or after a raw `prompt` (exactly one of them). The output may be constrained: to JSON
+    that `json_schema` allows, to any JSON object (`json_object`), to a `regex`, or to one of
+    `choice`; unconstrained it runs to an end-of-sequence token, a `stop` string or
+    `max_new_tokens`. `temperature` 0 is greedy; above it, sampling (top-p) from `seed` if given."""
+
+    model: str
+    messages: list[Message] | None = None
+    prompt: str | None = None
+    max_new_tokens: int | None = None  # None: the card's generate.max_new_tokens
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
 
 
 class SparseVector(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -261,14 +293,43 @@ class ExtractedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     structures: dict[str, list[Record]] | None = None
     num_windows: int = 1  # windows the text was read in (long texts: overlapping windows, merged)
     truncated: bool = False  # zero_shot: the text was cut to fit next to the hypothesis
+    # generate: the record the decoder wrote (parsed JSON that the call's schema allows), and why it
+    # stopped ("stop": complete; "length": max_new_tokens came first and `data` is None)
+    data: Any = None
+    finish_reason: str | None = None
 
 
 class ExtractResult(Result, frozen=True, tag="extract"):
     items: list[ExtractedItem]
     num_tokens: int
+    generated_tokens: int = 0  # generate: new tokens written (num_tokens: the prompts')
     tokenize_s: float = 0.0
     queue_s: float = 0.0
     inference_s: float = 0.0
+
+
+class GenerateResult(Result, frozen=True, tag="generate"):
+    text: str
+    # "stop" (an end-of-sequence token, a stop string, a complete constrained output), "length"
+    # (max_new_tokens), "deadline", "cancelled"
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    tokenize_s: float = 0.0
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+    first_token_s: float = 0.0  # from the call's start to its first new token
+
+
+@dataclass
+class Generated:
+    """A generation as far as it has come (what `stream` yields): its new tokens and their text
+    (the text stops before a stop string), and why it ended (None while it runs)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    first_token_at: float | None = None  # time.monotonic() of its first new token
 
 
 class ErrorResult(Result, frozen=True, tag="error"):
@@ -291,8 +352,8 @@ class ErrorResult(Result, frozen=True, tag="error"):
         return error_from_code(self.code, self.message, self.details, self.retry_after_s)
 
 
-AnyCall: TypeAlias = EncodeCall | ScoreCall | ExtractCall
-AnyResult: TypeAlias = EncodeResult | ScoreResult | ExtractResult | ErrorResult
+AnyCall: TypeAlias = EncodeCall | ScoreCall | ExtractCall | GenerateCall
+AnyResult: TypeAlias = EncodeResult | ScoreResult | ExtractResult | GenerateResult | ErrorResult
 
 
 def timeout_of(call: Call, default_s: float) -> float:

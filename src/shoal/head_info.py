@@ -6,10 +6,11 @@ head (a new kind of head adds its own). A head's `describe()` returns one (a dua
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from .engine.tokenizer import TextTokenizer
@@ -126,6 +127,42 @@ class Similarity:
         return 1.0 / (1.0 + math.exp(-logit))
 
 
+@dataclass(frozen=True)
+class ChatFrame:
+    """A decoder's chat template (the Jinja text of its tokenizer config, as transformers reads
+    it) and what generation stops at. `render` frames messages as the template says, with the
+    assistant's turn next, in a sandbox (a template is data from the model's files)."""
+
+    template: str | None
+    bos_token: str
+    eos_token: str
+    eos_ids: tuple[int, ...]
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        from .errors import InvalidRequest
+
+        if self.template is None:
+            raise InvalidRequest("this model has no chat template: send a `prompt` instead of `messages`")
+        rendered = _compiled_template(self.template).render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+        )
+        return str(rendered)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> Any:  # a jinja2.Template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from .errors import InvalidRequest
+
+    def raise_exception(message: str) -> None:
+        raise InvalidRequest(f"the chat template refuses these messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
 HeadInfo = (
     GlinerPrompt
     | Gliner2Prompt
@@ -136,6 +173,7 @@ HeadInfo = (
     | NliLabels
     | LlmFrame
     | Similarity
+    | ChatFrame
 )
 H = TypeVar(
     "H",
@@ -148,4 +186,5 @@ H = TypeVar(
     NliLabels,
     LlmFrame,
     Similarity,
+    ChatFrame,
 )

@@ -11,6 +11,8 @@ serves it, and its cost in tokens. Torch-free: the gateway and the worker read i
     extract:glirel       ExtractCall -> ExtractResult  engine/tasks/extract_glirel.py
     extract:classify     ExtractCall -> ExtractResult  engine/tasks/extract_classify.py
     extract:image_labels ExtractCall -> ExtractResult  engine/tasks/extract_image_labels.py
+    extract:generate     ExtractCall -> ExtractResult  engine/tasks/generate.py
+    generate             GenerateCall -> GenerateResult engine/tasks/generate.py
 
 `estimate_tokens(call, card)` is the one cost function: engine admission, the gateway's token
 header (what workers size their pulls by) and the worker all count a call with it. It runs before
@@ -36,6 +38,8 @@ from .calls import (
     EncodeResult,
     ExtractCall,
     ExtractResult,
+    GenerateCall,
+    GenerateResult,
     Input,
     Result,
     ScoreCall,
@@ -45,7 +49,7 @@ from .calls import (
 from .catalog import ModelCard
 from .errors import InvalidRequest
 
-AnyCallType = type[EncodeCall] | type[ScoreCall] | type[ExtractCall]
+AnyCallType = type[EncodeCall] | type[ScoreCall] | type[ExtractCall] | type[GenerateCall]
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,30 @@ def _image_labels(call: AnyCall, card: ModelCard) -> int:
     return sum(raw_tokens(item, card) for item in call.items) + prompts
 
 
+def _max_new_tokens(call: ExtractCall | GenerateCall, card: ModelCard) -> int:
+    asked = call.max_new_tokens
+    default = card.generate.max_new_tokens if card.generate is not None else 256
+    return asked if isinstance(asked, int) and asked > 0 else default
+
+
+def _generate(call: AnyCall, card: ModelCard) -> int:
+    """The prompt (messages with ~8 tokens of template each) and the new tokens asked for."""
+    assert isinstance(call, GenerateCall)
+    messages = call.messages if isinstance(call.messages, list) else []
+    prompt = sum(len(m.content) // 4 + 8 for m in messages) + len(call.prompt or "") // 4
+    return min(card.max_length, prompt + _max_new_tokens(call, card))
+
+
+def _extract_generate(call: AnyCall, card: ModelCard) -> int:
+    """Per text: the frame around it (the card's system message and prompt), the text, and the new
+    tokens asked for."""
+    assert isinstance(call, ExtractCall)
+    g = card.generate
+    frame = len(g.extract_system + g.extract_prompt) if g is not None else 0
+    new = _max_new_tokens(call, card)
+    return sum(min(card.max_length, raw_tokens(t, card, frame) + 16 + new) for t in call.items)
+
+
 KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
@@ -197,6 +225,8 @@ KINDS: dict[str, Kind] = {
         Kind("extract:gliclass", ExtractCall, ExtractResult, "extract_gliclass:GliclassTask", _gliclass),
         Kind("extract:gliner2", ExtractCall, ExtractResult, "extract_gliner2:Gliner2Task", _gliner),
         Kind("extract:glirel", ExtractCall, ExtractResult, "extract_glirel:GlirelTask", _glirel),
+        Kind("extract:generate", ExtractCall, ExtractResult, "generate:ExtractGenerateTask", _extract_generate),
+        Kind("generate", GenerateCall, GenerateResult, "generate:GenerateTask", _generate),
     )
 }
 
@@ -236,6 +266,9 @@ def estimate_tokens(call: AnyCall, card: ModelCard | None) -> int:
 def _characters(call: AnyCall) -> int:
     if isinstance(call, ScoreCall):
         return _length(call.query) * len(call.documents) + sum(map(_length, call.documents))
+    if isinstance(call, GenerateCall):
+        messages = call.messages if isinstance(call.messages, list) else []
+        return sum(len(m.content) for m in messages) + len(call.prompt or "")
     return sum(map(_length, call.items))
 
 

@@ -113,11 +113,14 @@ def create_app(
                 timings = getattr(result, "timings", None)
                 if isinstance(timings, wire.Timings):
                     timings.total_ms = round((time.perf_counter() - started) * 1000.0, 3)
-                if ctx.result_bytes > _OFF_LOOP_BYTES:
-                    content = await asyncio.to_thread(_encode_large, result, fmt_out)
+                if isinstance(result, Response):  # served as it is (a stream of events)
+                    response = result
                 else:
-                    content = wire.encode(result, fmt_out)
-                response = Response(content, media_type=fmt_out.value)
+                    if ctx.result_bytes > _OFF_LOOP_BYTES:
+                        content = await asyncio.to_thread(_encode_large, result, fmt_out)
+                    else:
+                        content = wire.encode(result, fmt_out)
+                    response = Response(content, media_type=fmt_out.value)
             except ShoalError as exc:
                 response = error_response(exc, fmt_out)
             except ClientDisconnect:

@@ -31,7 +31,7 @@ _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 
 # --- examples -----------------------------------------------------------------------------------
 
-VERBS = ("encode", "score", "extract")
+VERBS = ("encode", "score", "extract", "generate")
 # What an example says in place of a model id, until `with_models` names a served one. No JSON
 # escape touches these characters, so the encoded document holds them as written.
 PLACEHOLDERS = {verb: f"{{{verb} model}}" for verb in VERBS}
@@ -40,9 +40,10 @@ FALLBACK_MODELS = {
     "encode": "sentence-transformers/all-MiniLM-L6-v2",
     "score": "cross-encoder/ms-marco-MiniLM-L-6-v2",
     "extract": "urchade/gliner_small-v2.1",
+    "generate": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
 
-_ENCODER, _SCORER, _EXTRACTOR = (PLACEHOLDERS[verb] for verb in VERBS)
+_ENCODER, _SCORER, _EXTRACTOR, _GENERATOR = (PLACEHOLDERS[verb] for verb in VERBS)
 _TEXTS = ["Shoal serves small models: embedders, rerankers and extractors.", "The quick brown fox jumps."]
 _QUERY = "Which server runs small models?"
 
@@ -56,6 +57,23 @@ EXAMPLES: dict[str, JSONObject] = {
         "labels": ["person", "city"],
     },
     "embeddings": {"model": _ENCODER, "input": _TEXTS, "encoding_format": "float"},
+    "chat_completions": {
+        "model": _GENERATOR,
+        "messages": [{"role": "user", "content": "Ada Lovelace was born in London in 1815. Who is this about?"}],
+        "temperature": 0,
+        "max_completion_tokens": 64,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "person",
+                "schema": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
+                    "required": ["name", "born"],
+                },
+            },
+        },
+    },
     "rerank": {"model": _SCORER, "query": _QUERY, "documents": _TEXTS, "top_n": 2, "return_documents": True},
     "rerank_v2": {"model": _SCORER, "query": _QUERY, "documents": _TEXTS, "top_n": 2},
     "cohere_embed_v1": {"model": _ENCODER, "texts": _TEXTS, "input_type": "search_document"},
@@ -242,6 +260,7 @@ FIELDS: dict[type[object], dict[str, str]] = {
         "function_to_apply": "classify: softmax, sigmoid or none in place of the function the model's config "
         "implies (transformers' text-classification pipeline's argument).",
         "truncate": "classify: false refuses a text longer than the model takes (422) instead of cutting it.",
+        "max_new_tokens": "generate: new tokens per record at most (default: the card's generate.max_new_tokens).",
         "timeout_s": _TIMEOUT,
     },
     wire.EmbeddingsRequest: {

@@ -13,7 +13,18 @@ import msgspec
 from starlette.requests import Request
 
 from .. import wire
-from ..calls import AnyCall, AnyResult, EncodeCall, EncodeResult, ExtractCall, ExtractResult, ScoreCall, ScoreResult
+from ..calls import (
+    AnyCall,
+    AnyResult,
+    EncodeCall,
+    EncodeResult,
+    ExtractCall,
+    ExtractResult,
+    GenerateCall,
+    GenerateResult,
+    ScoreCall,
+    ScoreResult,
+)
 from ..calls import EncodedItem as CallEncodedItem
 from ..errors import InputTooLong, InvalidRequest, UnknownModel
 from ..service import ADMIN_ACTIONS, ModelStatus, Service
@@ -75,6 +86,8 @@ class Context:
     async def run(self, call: ScoreCall) -> ScoreResult: ...
     @overload
     async def run(self, call: ExtractCall) -> ExtractResult: ...
+    @overload
+    async def run(self, call: GenerateCall) -> GenerateResult: ...
 
     async def run(self, call: AnyCall) -> AnyResult:
         """The service's answer, if this caller may use the call's model (the result of the call's

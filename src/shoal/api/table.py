@@ -34,7 +34,7 @@ from starlette.responses import Response
 
 from .. import wire
 from ..service import Token
-from . import peers, plain, routes, tei
+from . import chat, peers, plain, routes, tei
 
 # A verb's handler: the decoded request's answer (a wire Struct, or a bare list as TEI answers).
 Handler: TypeAlias = Callable[[routes.Context], Awaitable[object]]
@@ -50,7 +50,8 @@ OPEN_OBJECT: type[object] = dict[str, Any]
 TAGS: dict[str, str] = {
     "native": "shoal's own verbs: encode (dense, sparse and multi-vector outputs), score (rerank) and extract "
     "(entities, zero-shot labels); in msgpack, arrays travel as their raw little-endian bytes.",
-    "OpenAI": "OpenAI's embeddings API: the `openai` client, LangChain's OpenAIEmbeddings and the like.",
+    "OpenAI": "OpenAI's embeddings and chat completions APIs: the `openai` client, LangChain's OpenAIEmbeddings "
+    "and the like.",
     "Cohere": "Cohere's embed and rerank APIs, v1 and v2 (`/v1/rerank` also reads Jina's rerank request).",
     "TEI": "Hugging Face text-embeddings-inference's routes. Their bodies name no model: `?model=ID` or the "
     "`X-Shoal-Model` header names one, else the server's default model for the verb serves. `/rerank` also "
@@ -80,7 +81,7 @@ class RouteSpec:
     response: Schema | None = None
     media: str = "application/json"
     admin: bool = False
-    verb: Literal["encode", "score", "extract"] | None = None
+    verb: Literal["encode", "score", "extract", "generate"] | None = None
 
     def __post_init__(self) -> None:
         if self.tag not in TAGS:
@@ -128,6 +129,10 @@ ROUTES: tuple[RouteSpec, ...] = (
     # OpenAI (wire/openai.py), Cohere and Jina (wire/cohere.py, wire/cohere_embed.py).
     RouteSpec("/v1/embeddings", "POST", "embeddings", "OpenAI-compatible embeddings", "OpenAI",
               routes.embeddings, request=wire.EmbeddingsRequest, response=wire.EmbeddingsResponse, verb="encode"),
+    RouteSpec("/v1/chat/completions", "POST", "chat_completions", "OpenAI-compatible chat completions on a "
+              "generating model: response_format json_schema / json_object, streamed as server-sent events with "
+              "`stream`", "OpenAI", chat.chat_completions, request=wire.openai_chat.ChatRequest,
+              response=wire.openai_chat.ChatResponse, verb="generate"),
     RouteSpec("/v1/rerank", "POST", "rerank", "Cohere v1 (and Jina) rerank", "Cohere",
               routes.rerank, request=wire.cohere.RerankRequest, response=wire.cohere.RerankResponse, verb="score"),
     RouteSpec("/v2/rerank", "POST", "rerank_v2", "Cohere v2 rerank", "Cohere",

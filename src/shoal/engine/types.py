@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -99,7 +99,21 @@ class ExtractSpec:
     is_query: bool = False
 
 
-Spec = EncodeSpec | ScoreSpec | ExtractSpec
+@dataclass(frozen=True)
+class GenerateSpec:
+    """What one generated sequence asks for (a generating model runs it on its generation loop,
+    engine/generation.py, not in device batches). `constraint`: ("json_schema", schema),
+    ("json_object", None), ("regex", pattern), ("choice", options) or None."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    constraint: tuple[str, Any] | None = None
+
+
+Spec = EncodeSpec | ScoreSpec | ExtractSpec  # a device batch's; a generation has a GenerateSpec
 
 
 @dataclass(frozen=True)

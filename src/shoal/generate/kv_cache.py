@@ -60,17 +60,21 @@ class SlabCache:
 
     def alloc(self, length: int) -> int:
         """A free slot for a sequence that will reach `length` positions."""
+        self.check(length)
+        if not self._free:
+            raise Overloaded(f"all {self.slots} KV cache slots are in use; retry shortly", retry_after_s=1.0)
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def check(self, length: int) -> None:
+        """InvalidRequest if a sequence of `length` positions cannot fit a slot."""
         if length > self.max_len:
             raise InvalidRequest(
                 f"the prompt and max_new_tokens need {length} positions; this model's context holds {self.max_len}: "
                 "shorten the prompt or ask for fewer new tokens",
                 details={"positions": length, "context": self.max_len},
             )
-        if not self._free:
-            raise Overloaded(f"all {self.slots} KV cache slots are in use; retry shortly", retry_after_s=1.0)
-        slot = self._free.pop()
-        self.lengths[slot] = 0
-        return slot
 
     def free(self, slot: int) -> None:
         if slot in self._free:

@@ -5,6 +5,7 @@
     images        an image field, and its reading into the file's bytes (native's and Cohere's)
     models        the model list and model objects (OpenAI's shape, shoal's fields)
     openai        OpenAI's embeddings
+    openai_chat   OpenAI's chat completions (and their SSE chunks)
     cohere        Cohere's (and Jina's) rerank, v1 and v2
     cohere_embed  Cohere's embed, v1 and v2
     tei           Hugging Face text-embeddings-inference's routes
@@ -20,7 +21,7 @@ here. The names below are re-exported so `wire.EncodeRequest`, `wire.decode` and
 
 from __future__ import annotations
 
-from . import codec, cohere, cohere_embed, hf, images, infinity, models, native, openai, tei, vllm
+from . import codec, cohere, cohere_embed, hf, images, infinity, models, native, openai, openai_chat, tei, vllm
 from .codec import (
     JSON,
     MSGPACK,
@@ -110,6 +111,7 @@ __all__ = [
     "models",
     "native",
     "openai",
+    "openai_chat",
     "openai_embedding",
     "tei",
     "vllm",

@@ -42,12 +42,14 @@ TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 class Usage(msgspec.Struct, omit_defaults=True):
     tokens: int
+    generated_tokens: int | None = None  # extract on a generating model: new tokens written
     # What the model computed in (float32, bfloat16, float16, int8); absent where not known.
     precision: str | None = None
 
 
 def usage_of(result: EncodeResult | ScoreResult | ExtractResult) -> Usage:
-    return Usage(tokens=result.num_tokens, precision=result.precision)
+    generated = getattr(result, "generated_tokens", 0) or None
+    return Usage(tokens=result.num_tokens, generated_tokens=generated, precision=result.precision)
 
 
 class Timings(msgspec.Struct):
@@ -203,6 +205,7 @@ class ExtractOptions(msgspec.Struct, forbid_unknown_fields=True):
     # classify: in place of the function the model's config implies (transformers' pipeline's argument)
     function_to_apply: ClassifyFunction | None = None
     truncate: bool | None = None  # classify (default true): false makes an over-long text a 422
+    max_new_tokens: int | None = None  # a generating model: new tokens per record at most (unset: the card's)
     timeout_s: TimeoutS | None = None
 
 
@@ -226,6 +229,10 @@ class ExtractedItem(msgspec.Struct, omit_defaults=True):
     classifications: dict[str, list[LabelScore]] | None = None  # gliner2: labels by classification task
     relations: dict[str, list[Relation]] | None = None  # gliner2: instances (head, tail) by relation type
     structures: dict[str, list[Record]] | None = None  # gliner2: records by structure
+    # a generating model: the record it wrote (JSON that the request's schema allows; null when
+    # max_new_tokens ended it first), and why it stopped ("stop", "length")
+    data: Any = None
+    finish_reason: str | None = None
     num_windows: int = 1
     truncated: bool = False
 
@@ -255,6 +262,7 @@ def extract_call(req: ExtractRequest, request_id: str | None = None) -> ExtractC
         text_pairs=req.text_pairs,
         schema=req.schema,
         truncate=opts.truncate,
+        max_new_tokens=opts.max_new_tokens,
         request_id=request_id,
         timeout_s=opts.timeout_s,
         adapter=req.adapter,
@@ -271,6 +279,8 @@ def extract_response(req: ExtractRequest, result: ExtractResult) -> ExtractRespo
             classifications=out.classifications,
             relations=out.relations,
             structures=out.structures,
+            data=out.data,
+            finish_reason=out.finish_reason,
             num_windows=out.num_windows,
             truncated=out.truncated,
         )

@@ -35,6 +35,7 @@ KIND_OPTIONS = (
     "text_pairs",
     "truncate",
     "schema",
+    "max_new_tokens",
 )
 
 

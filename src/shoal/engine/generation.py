@@ -1,0 +1,363 @@
+"""Generating models: a decoder, its KV cache and its generation loop, beside the device's batches.
+
+    TorchBackend.load(card with a `generate` block) ─▶ GeneratingModel (a LoadedModel)
+        .info          the tokenizer, and a ChatFrame head (chat template, end-of-sequence ids)
+        .generation    GenerationLoop: one thread per model that runs shoal.generate's Generator
+                       step after step while any sequence runs, and sleeps otherwise
+
+    engine ─ submit(prompt ids, GenerateSpec, grammar, on_update) ─▶ waiting (FIFO)
+           ─ a free KV cache slot ─▶ the Generator (prefill packed, then one token a step)
+           ◀ on_update(Generated) after each step that gave it tokens, and once when it ends
+           ─ cancel(entry): the client went away; it leaves before the next step, its slot freed
+
+A call never takes a device lane for its whole generation: encoder batches keep the lanes, and a
+generation's steps run on the model's own thread (on a CPU the two share the cores). Calls beyond
+the cache's slots wait in arrival order (their deadline still runs) rather than fail.
+Constraints are compiled by `compile` off the loop (the engine calls it on a worker thread).
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..calls import Generated
+from ..catalog import ModelCard
+from ..errors import ConfigError, InvalidRequest, ModelLoadError, Overloaded, ShoalError
+from ..generate.batcher import GenerationRequest, Generator, Sequence
+from ..generate.forward import CachedDecoder
+from ..generate.kv_cache import SlabCache
+from ..head_info import ChatFrame
+from ..models.llama import LlamaModel
+from ..weights import build_model
+from .backend import ModelInfo
+from .measure import tensor_bytes
+from .tokenizer import TextTokenizer
+from .tokenizer_files import load_tokenizer
+from .types import Batch, GenerateSpec, Spec
+
+log = logging.getLogger("shoal.engine.generation")
+
+OnUpdate = Callable[[Generated, BaseException | None], None]
+
+
+@dataclass(eq=False)
+class Entry:
+    """One submitted sequence, from the loop's side."""
+
+    request: GenerationRequest
+    on_update: OnUpdate
+    streams: bool  # decode its text after every step (else once, when it ends)
+    seq: Sequence | None = None
+    cancelled: bool = False
+    sent: int = 0  # tokens already reported
+    first_token_at: float | None = None
+    done: bool = field(default=False)
+
+
+class GenerationLoop:
+    """The model's generation thread (see the module docstring)."""
+
+    def __init__(self, generator: Generator, decode: Callable[[list[int]], str], threads: int, name: str) -> None:
+        self.generator = generator
+        self.decode = decode
+        self.threads = threads
+        self._cond = threading.Condition()
+        self._inbox: list[Entry] = []
+        self._waiting: deque[Entry] = deque()
+        self._running: dict[int, Entry] = {}  # id(seq) -> entry
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"shoal-generate-{name}", daemon=True)
+        self._thread.start()
+
+    # --- the engine's side (any thread) ----------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return self.generator.cache.slots
+
+    @property
+    def in_use(self) -> int:
+        """KV cache slots held by running sequences."""
+        return self.generator.cache.in_use
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._inbox) + len(self._waiting)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        spec: GenerateSpec,
+        grammar: str | None,
+        on_update: OnUpdate,
+        *,
+        deadline: float,
+        streams: bool = False,
+    ) -> Entry:
+        request = GenerationRequest(
+            prompt_ids=tuple(prompt_ids),
+            max_new_tokens=spec.max_new_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            seed=spec.seed,
+            stop=spec.stop,
+            deadline=deadline,
+            grammar=grammar,
+        )
+        self.generator.cache.check(len(prompt_ids) + spec.max_new_tokens)
+        entry = Entry(request, on_update, streams)
+        with self._cond:
+            if self._closed:
+                raise Overloaded("the model is being unloaded; retry", retry_after_s=1.0)
+            self._inbox.append(entry)
+            self._cond.notify()
+        return entry
+
+    def cancel(self, entry: Entry) -> None:
+        """The sequence stops before the next step; its slot is freed then."""
+        entry.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)
+        generator = self.generator
+        while True:
+            with self._cond:
+                while not (self._closed or self._inbox or self._waiting or generator.running):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            self._admit()
+            for entry in self._running.values():
+                if entry.cancelled and entry.seq is not None:
+                    generator.cancel(entry.seq)
+            if not generator.running:
+                continue
+            try:
+                generator.step()
+            except Exception as exc:  # a failed step ends its sequences with "error" (batcher)
+                log.exception("a generation step failed")
+                error = exc if isinstance(exc, ShoalError) else ShoalError(f"generation failed: {type(exc).__name__}")
+                self._report(error)
+                continue
+            self._report(None)
+        self._shut_down()
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        cache = self.generator.cache
+        kept: deque[Entry] = deque()
+        while self._waiting:
+            entry = self._waiting.popleft()
+            if entry.cancelled or now > entry.request.deadline:
+                self._finish(entry, Generated([], "", "cancelled" if entry.cancelled else "deadline"), None)
+                continue
+            if cache.in_use >= cache.slots or kept:  # in arrival order: none overtakes a waiting one
+                kept.append(entry)
+                continue
+            try:
+                entry.seq = self.generator.add(entry.request)
+            except ShoalError as exc:
+                self._finish(entry, Generated([], "", "error"), exc)
+                continue
+            self._running[id(entry.seq)] = entry
+        self._waiting = kept
+
+    def _report(self, error: BaseException | None) -> None:
+        """Each running entry's new tokens; the ended ones leave."""
+        now = time.monotonic()
+        for key, entry in list(self._running.items()):
+            seq = entry.seq
+            assert seq is not None
+            if seq.tokens and entry.first_token_at is None:
+                entry.first_token_at = now
+            if seq.done:
+                del self._running[key]
+                failed = error if seq.finish_reason == "error" else None
+                self._finish(entry, self._generated(entry), failed)
+            elif entry.streams and len(seq.tokens) > entry.sent:
+                entry.sent = len(seq.tokens)
+                entry.on_update(self._generated(entry), None)
+
+    def _generated(self, entry: Entry) -> Generated:
+        seq = entry.seq
+        assert seq is not None
+        text = seq.text if seq.text is not None else self.decode(seq.tokens)
+        return Generated(list(seq.tokens), text, seq.finish_reason, entry.first_token_at)
+
+    def _finish(self, entry: Entry, generated: Generated, error: BaseException | None) -> None:
+        entry.done = True
+        try:
+            entry.on_update(generated, error)
+        except Exception:  # the caller's callback: never the loop's end
+            log.exception("a generation callback failed")
+
+    def _shut_down(self) -> None:
+        gone = Overloaded("the model was unloaded during the generation; retry", retry_after_s=1.0)
+        with self._cond:
+            pending = list(self._inbox) + list(self._waiting)
+            self._inbox.clear()
+            self._waiting.clear()
+        for entry in list(self._running.values()) + pending:
+            if entry.seq is not None and not entry.seq.done:
+                self.generator.cancel(entry.seq)
+            self._finish(entry, Generated([], "", "error"), gone)
+        self._running.clear()
+
+
+class GeneratingModel:
+    """A decoder loaded to generate: the backend's LoadedModel for cards with a `generate` block."""
+
+    def __init__(self, card: ModelCard, directory: Path, device: str, threads: int) -> None:
+        if card.generate is None:
+            raise ConfigError(f"model {card.id}: its card has no generate block")
+        if card.quantize is not None:
+            raise ConfigError(f"model {card.id}: generation runs unquantised (drop `quantize`)")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[card.dtype]
+        model = build_model(directory, card.architecture, device, card.dtype)
+        if not isinstance(model, LlamaModel):
+            raise ModelLoadError(
+                f"model {card.id}: generation runs on Llama-family decoders, not {type(model).__name__}",
+                details={"model": card.id},
+            )
+        config = model.config
+        tokenizer = TextTokenizer.from_dir(directory, card.max_length)
+        frame = chat_frame(directory, tokenizer)
+        cache = SlabCache(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            slots=card.generate.slots,
+            max_len=card.max_length,
+            dtype=dtype,
+            device=device,
+        )
+        decoder = CachedDecoder(model, cache)
+        grammars = None
+        try:
+            from ..generate.constraints import Grammars
+
+            grammars = Grammars(load_tokenizer(directory).to_str(), decoder.lm_head.shape[0], frame.eos_ids)
+        except ImportError:  # llguidance (the generate extra) not installed: unconstrained only
+            log.warning("model %s: llguidance is not installed; constrained output is refused", card.id)
+        plain = tokenizer._plain_tokenizer()
+        self.generator = Generator(
+            decoder, frame.eos_ids, decode=lambda ids: plain.decode(ids, skip_special_tokens=True), grammars=grammars
+        )
+        self.grammars = grammars
+        self.model = model
+        self.card = card
+        self.info = ModelInfo(card, tokenizer, ("text",), heads=(frame,))
+        self.num_bytes = tensor_bytes([model]) + cache.nbytes
+        # A prefill of the most tokens a step packs: each layer's widest activations (the MLP's two
+        # intermediate projections) plus the hidden states, a few times over.
+        itemsize = torch.finfo(dtype).bits // 8
+        self.workspace_bytes = (
+            self.generator.max_prefill_tokens * (3 * config.intermediate_size + 8 * config.hidden_size) * itemsize
+        )
+        self.generation = GenerationLoop(
+            self.generator, self.generator.decode or (lambda ids: ""), threads, card.id.split("/")[-1]
+        )
+
+    def compile(self, constraint: tuple[str, Any]) -> str:
+        """The grammar of a GenerateSpec's constraint (cached by shoal.generate.constraints);
+        InvalidRequest if it cannot be used. Call it off the event loop and off the generation loop."""
+        if self.grammars is None:
+            raise InvalidRequest("constrained output needs llguidance on the server (pip install 'shoal[generate]')")
+        kind, value = constraint
+        with _COMPILE_LOCK:
+            if kind == "json_schema":
+                return self.grammars.json_schema(value)
+            if kind == "json_object":
+                return self.grammars.json_schema({"type": "object"})
+            if kind == "regex":
+                return self.grammars.regex(value)
+            if kind == "choice":
+                return self.grammars.choice(value)
+        raise InvalidRequest(f"unknown constraint {kind!r}")
+
+    def forward(self, batch: Batch, specs: collections.abc.Sequence[Spec]) -> list[object]:
+        raise ConfigError(f"model {self.card.id} generates: its calls run on its generation loop, not in batches")
+
+    def add_adapter(self, name: str, directory: Path) -> int:
+        raise InvalidRequest(f"model {self.card.id} generates; LoRA adapters are not served for generation yet")
+
+    def remove_adapter(self, name: str) -> None:
+        return None
+
+    def adapter_slot(self, name: str) -> int | None:
+        return None
+
+    def adapter_bytes(self, name: str) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.generation.close()
+
+
+# Grammars keep an LRU of compiled constraints: one compile at a time.
+_COMPILE_LOCK = threading.Lock()
+
+
+def chat_frame(directory: Path, tokenizer: TextTokenizer) -> ChatFrame:
+    """The folder's chat template (chat_template.jinja, else tokenizer_config.json's
+    `chat_template`) and end-of-sequence ids (generation_config.json's, and the tokenizer's
+    eos_token)."""
+    config = _json(directory / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+    eos_ids: list[int] = []
+    generation = _json(directory / "generation_config.json").get("eos_token_id")
+    for value in generation if isinstance(generation, list) else [generation]:
+        if isinstance(value, int) and value not in eos_ids:
+            eos_ids.append(value)
+    if eos:
+        try:
+            token = tokenizer.token_id(eos)
+        except (KeyError, ValueError, ShoalError):
+            token = None
+        if token is not None and token not in eos_ids:
+            eos_ids.append(token)
+    if not eos_ids:
+        raise ModelLoadError(f"{directory.name}: no end-of-sequence token (generation_config.json, eos_token)")
+    return ChatFrame(template if isinstance(template, str) else None, bos, eos, tuple(eos_ids))
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
