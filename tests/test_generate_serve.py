@@ -338,3 +338,39 @@ def test_models_list_says_the_model_generates(server):
     entry = httpx.get(f"{server}/v1/models/{SMOLLM2_ID}").json()
     assert set(entry["tasks"]) == {"generate", "extract"}
     assert entry["verified"] == "real_weights"
+
+
+def test_a_generation_through_the_gateway_keeps_its_lease_and_equals_the_direct_answer(nats_url, hf):
+    """A worker whose device is a real engine serving SmolLM2, its JetStream lease 1 s: a greedy chat
+    of 48 tokens (several seconds here) comes back through the gateway equal to transformers'
+    answer, computed once (in_progress kept the call; nothing was redelivered)."""
+    import asyncio
+
+    from shoal.calls import GenerateCall, Message
+    from shoal.catalog import Catalog
+    from shoal.config import EngineSettings
+    from shoal.engine import Engine
+    from test_cluster_light import cluster, sample
+
+    messages = [{"role": "user", "content": "Describe a lighthouse at night."}]
+    text, prompt_tokens, new_tokens = reference_answer(hf, messages, 48)
+
+    async def body():
+        engine = Engine(EngineSettings(), Catalog.load().restrict((SMOLLM2_ID,)), allow_download=False)
+        await engine.start()
+        try:
+            async with cluster(nats_url, "generate", [[engine]], ack_wait_s=1.0) as (gateway, [worker]):
+                call = GenerateCall(
+                    SMOLLM2_ID, messages=[Message(**m) for m in messages], max_new_tokens=48, request_id="g"
+                )
+                started = time.monotonic()
+                result = await gateway.run(call)
+                took = time.monotonic() - started
+                redelivered = sample(worker.metrics, "shoal_worker_redelivered_calls_total", model=SMOLLM2_ID)
+                return result, took, redelivered
+        finally:
+            await engine.stop()
+
+    result, took, redelivered = asyncio.run(body())
+    assert (result.text, result.prompt_tokens, result.completion_tokens) == (text, prompt_tokens, new_tokens)
+    assert took > 1.0 and redelivered == 0  # longer than the lease, and kept
