@@ -374,3 +374,58 @@ def test_a_generation_through_the_gateway_keeps_its_lease_and_equals_the_direct_
     result, took, redelivered = asyncio.run(body())
     assert (result.text, result.prompt_tokens, result.completion_tokens) == (text, prompt_tokens, new_tokens)
     assert took > 1.0 and redelivered == 0  # longer than the lease, and kept
+
+
+def test_shoal_bench_chat_measures_tokens_per_second_and_ttft_beside_transformers(server, tmp_path):
+    """`shoal bench MODEL --workload chat --against transformers` on the running server: the first
+    prompt's greedy answer is checked equal to transformers' before any timing, then each level's
+    tokens/s and time to first token, both sides, and their ratio, printed and in the JSON."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "chat.json"
+    shoal = str(Path(sys.executable).with_name("shoal"))
+    argv = ["bench", SMOLLM2_ID, "--url", server, "--workload", "chat", "--levels", "1,3", "--against", "transformers"]
+    proc = subprocess.run(
+        [shoal, *argv, "--json-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equality: the first prompt's greedy answer equals transformers'" in proc.stdout
+    record = json.loads(out.read_text())
+    assert list(record["levels"]) == ["1", "3"]
+    for level in record["levels"].values():
+        for side in ("shoal", "transformers"):
+            assert level[side]["tokens_per_s"] > 0 and level[side]["ttft_ms"] > 0 and level[side]["tokens"] > 0
+        assert level["ratio"]["tokens_per_s"] == pytest.approx(
+            level["shoal"]["tokens_per_s"] / level["transformers"]["tokens_per_s"], rel=0.01
+        )
+    assert record["levels"]["3"]["shoal"]["tokens"] > record["levels"]["1"]["shoal"]["tokens"]
+
+
+def test_langchains_chat_openai_chats_and_fills_a_schema(server):
+    """LangChain's ChatOpenAI against the server: a plain chat, and `with_structured_output` (OpenAI's
+    json_schema response format, strict) giving a dict that validates."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=f"{server}/v1", api_key="x", model=SMOLLM2_ID, temperature=0, max_tokens=40)
+    reply = chat.invoke("What is the capital of France?")
+    assert "Paris" in reply.content
+    structured = chat.with_structured_output(
+        {"title": "city", "description": "A city and its country", **TICKET_CITY}, method="json_schema"
+    )
+    record = structured.invoke("Paris is the capital of France.")
+    jsonschema.validate(record, TICKET_CITY)
+
+
+TICKET_CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}

@@ -81,10 +81,11 @@ def register(sub) -> None:
     bench.add_argument("model")
     bench.add_argument(
         "--workload",
-        choices=WORKLOADS,
+        choices=(*WORKLOADS, "chat"),
         default="queries",
         help="queries (1 sentence), passages (32 docs), bulk (256), rerank, extract (8 tweets, or photos, "
-        "sent as the card's extract kind reads them), images (16 photos; image models) (default queries)",
+        "sent as the card's extract kind reads them), images (16 photos; image models), chat (streamed chat "
+        "completions at 1, 8, 32 at once: tokens/s and time to first token; generating models) (default queries)",
     )
     bench.add_argument("--items", type=_count, help="texts (images) per call (overrides the workload's)")
     bench.add_argument("--url", help="a running shoal server (default: start `shoal serve --preload MODEL`)")
@@ -119,7 +120,7 @@ def register(sub) -> None:
         help="also measure sentence-transformers in-process and/or Infinity on the same texts, and the CPU "
         "runtimes in-process on an ONNX export of the model (ONNX Runtime fp32 fused and dynamic int8, OpenVINO "
         "fp32 and bf16; each checked equal to shoal first; on rerank, a cross-encoder's pairs: the runtimes only); "
-        "images: transformers' CLIPModel in-process on the same photos",
+        "images: transformers' CLIPModel in-process on the same photos; chat: transformers' generate in-process",
     )
     bench.add_argument(
         "--infinity", metavar="PATH", help="the infinity_emb script of a venv with infinity-emb[server,torch]"

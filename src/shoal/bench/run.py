@@ -167,6 +167,10 @@ def run(args) -> int:
 
     catalog = Catalog.load(tuple(Path(d) for d in args.models_dir or ()), strict=False)
     card = catalog.get(args.model)
+    if args.workload == "chat":  # generation: tokens/s and time to first token at fixed concurrency
+        from .generation import run_chat
+
+        return run_chat(args, card)
     # The workload's calls follow the card: an extract call's shape (labels, a schema, photos) is its kind's.
     workload = workloads.build(args.workload, seed=args.seed, items=args.items, extract=workloads.extract_shape(card))
     modality = workload.modality

@@ -348,7 +348,10 @@ class Engine:
                 if getattr(task, "generates", False):
                     specs = cast(list[GenerateSpec], task.specs(plan, seqs))
                     generated_tokens = sum(spec.max_new_tokens for spec in specs)
-                    self._admission.recount(card.id, tokens, tokens + generated_tokens, timeout_s, timed=True)
+                    try:  # its new tokens count in the backlog too
+                        self._admission.recount(card.id, tokens, tokens + generated_tokens, timeout_s, timed=True)
+                    except Overloaded as exc:
+                        self._refuse(card.id, exc)
                     tokens += generated_tokens
                     started = time.perf_counter()
                     outputs = await self._generate(card.id, runner, seqs, specs, deadline, on_update)
