@@ -17,7 +17,7 @@ import torch
 from shoal.errors import InvalidRequest, Overloaded
 from shoal.generate.batcher import GenerationRequest, Generator
 from shoal.generate.forward import CachedDecoder
-from shoal.generate.kv_cache import SlabCache
+from shoal.generate.kv_cache import PagedCache, SlabCache
 from shoal.weights import build_model
 
 QUESTIONS = [
@@ -255,4 +255,99 @@ def test_greedy_decoding_equals_transformers_on_random_qwen2_qwen3_and_llama(tmp
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False, eos_token_id=None
             )
         assert seq.tokens == out[0, len(ids) :].tolist(), family
+    assert cache.in_use == 0
+
+
+def test_a_paged_cache_gives_the_same_tokens_and_holds_sequences_by_their_length(smollm2, prompts, expected):
+    """Blocks of 16 positions: the 20 prompts batched and joining mid-run give the reference's
+    tokens; a pool of 20 x 128 positions holds what 20 slabs of 2,048 would; a sequence waits for
+    blocks (Overloaded naming the free positions) and gets them when another leaves."""
+    tokenizer, _, model, eos = smollm2
+    cfg = model.config
+    cache = PagedCache(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        slots=20,
+        max_len=2048,
+        positions=20 * 128,
+        block_size=16,
+    )
+    gen = Generator(CachedDecoder(model, cache), eos, decode=lambda ids: tokenizer.decode(ids))
+    got = gen.run([GenerationRequest(ids, max_new_tokens=NEW_TOKENS) for ids in prompts])
+    assert [seq.tokens for seq in got] == expected
+    assert cache.in_use == 0 and cache.free_positions == 20 * 128
+    sequences, waiting = {}, list(range(len(prompts)))
+    steps = 0
+    while waiting or gen.running:
+        if waiting and steps % 2 == 0:
+            i = waiting.pop()
+            sequences[i] = gen.add(GenerationRequest(prompts[i], max_new_tokens=NEW_TOKENS))
+        gen.step()
+        steps += 1
+    assert [sequences[i].tokens for i in range(len(prompts))] == expected
+    # 5 blocks of 16 each: the pool's 160 blocks hold 32 such sequences; a 33rd waits for blocks.
+    held = [cache.alloc(80) for _ in range(20)]
+    assert not cache.fits(80)  # every slot taken
+    for slot in held[:4]:
+        cache.free(slot)
+    small = PagedCache(2, 1, 4, slots=4, max_len=64, positions=64, block_size=16)
+    first = small.alloc(40)  # 3 of the 4 blocks
+    assert small.fits(16) and not small.fits(17)
+    with pytest.raises(Overloaded, match="16 of 64 positions free"):
+        small.alloc(20)
+    small.free(first)
+    assert small.fits(64) and small.free_positions == 64
+    with pytest.raises(InvalidRequest, match="context holds 64"):
+        small.check(65)
+    for slot in held[4:]:
+        cache.free(slot)
+    assert cache.in_use == 0 and cache.free_positions == cache.positions
+
+
+def test_the_generation_loop_runs_calls_beyond_its_cache_in_arrival_order(smollm2, prompts, expected):
+    """engine/generation.py's loop over a pool of 3 x 128 positions: 8 calls submitted at once run
+    at most 3 at a time (the rest wait, none refused), each with the reference's tokens, started in
+    the order they came."""
+    import threading
+
+    from shoal.engine.generation import GenerationLoop
+    from shoal.engine.types import GenerateSpec
+
+    tokenizer, _, model, eos = smollm2
+    cfg = model.config
+    cache = PagedCache(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        slots=8,
+        max_len=2048,
+        positions=3 * 128,
+        block_size=128,
+    )
+    gen = Generator(CachedDecoder(model, cache), eos, decode=lambda ids: tokenizer.decode(ids))
+    loop = GenerationLoop(gen, gen.decode, threads=torch.get_num_threads(), name="test")
+    done, results, most = threading.Event(), {}, []
+
+    def on_update(i):
+        def update(generated, error):
+            most.append(cache.in_use)
+            if generated.finish_reason is not None:
+                results[i] = (generated, error, generated.first_token_at)
+                if len(results) == 8:
+                    done.set()
+
+        return update
+
+    try:
+        for i in range(8):
+            loop.submit(list(prompts[i]), GenerateSpec(NEW_TOKENS), None, on_update(i), deadline=time.monotonic() + 300)
+        assert done.wait(300)
+    finally:
+        loop.close()
+    assert all(error is None for _, error, _ in results.values())
+    assert [results[i][0].token_ids for i in range(8)] == expected[:8]
+    assert max(most) <= 3
+    firsts = [results[i][2] for i in range(8)]
+    assert firsts == sorted(firsts)  # none overtook an earlier one
     assert cache.in_use == 0

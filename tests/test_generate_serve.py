@@ -118,8 +118,8 @@ def test_chat_template_renders_as_transformers_renders_it(serve, server, hf):
 
 
 def test_greedy_chat_completions_equal_transformers_generate_side_by_side(chat, hf, loop_of):
-    """Ten chats at once (more than the card's 8 slots: the rest wait their turn, none fails), each
-    equal to transformers' greedy answer alone, with the same token counts."""
+    """Ten chats at once (sharing the KV cache pool), each equal to transformers' greedy answer
+    alone, with the same token counts."""
     messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
     expected = [reference_answer(hf, m) for m in messages]
 

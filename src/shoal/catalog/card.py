@@ -295,6 +295,8 @@ def _check(card: ModelCard, origin: str) -> None:
         g = card.generate
         if g.slots < 1 or g.max_new_tokens < 1:
             fail("generate", "slots and max_new_tokens must be >= 1")
+        if g.cache_positions is not None and g.cache_positions < card.max_length:
+            fail("generate.cache_positions", "must hold at least one sequence of max_length positions")
         if g.extract_prompt.count("{text}") != 1:
             fail("generate.extract_prompt", "must contain {text} exactly once (where the text goes)")
         if g.max_new_tokens >= card.max_length:

@@ -181,13 +181,17 @@ class Extract(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class Generate(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """How a decoder generates (`tasks: [generate]`, or extract kind generate): its KV cache holds
-    `slots` sequences of up to the card's max_length positions (prompt and new tokens), allocated at
-    load and counted in the model's bytes; a call asks for up to `max_new_tokens` new tokens unless
-    it says otherwise. Extraction frames each text as a chat in the tokenizer's template:
-    `extract_system` as the system message, `extract_prompt` (the text where `{text}` is) as the
-    user's; the call's JSON Schema constrains the answer token by token."""
+    up to `slots` sequences at once, each of up to the card's max_length positions (prompt and new
+    tokens), in a pool of `cache_positions` allocated at load and counted in the model's bytes; a
+    call asks for up to `max_new_tokens` new tokens unless it says otherwise. Extraction frames
+    each text as a chat in the tokenizer's template: `extract_system` as the system message,
+    `extract_prompt` (the text where `{text}` is) as the user's; the call's JSON Schema constrains
+    the answer token by token."""
 
     slots: int = 8
+    # Positions the KV cache holds in all, handed out in blocks of 64 as sequences join (each
+    # reserves its prompt and max_new_tokens); None: slots x max_length (every slot the longest).
+    cache_positions: int | None = None
     max_new_tokens: int = 256
     extract_system: str = "You extract structured data from text as JSON."
     extract_prompt: str = "Text: {text}\n\nReturn the JSON record of what the text says."

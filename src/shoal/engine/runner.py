@@ -411,7 +411,7 @@ class TorchBackend:
             chosen = card_for_device(card, self.device, reduced=self.reduced_precision)
             _use_default_threads()
             directory = resolve_weights(chosen, allow_download=self.allow_download)
-            return GeneratingModel(chosen, directory, self.device, _DEFAULT_THREADS)
+            return GeneratingModel(chosen, directory, self.device, _DEFAULT_THREADS, pack=self.pack)
         max_batch_tokens = self._max_batch_tokens_of(card) if self._max_batch_tokens_of else self._max_batch_tokens
         return ModelRunner.load(
             card,
@@ -434,7 +434,8 @@ class TorchBackend:
         head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
         position = 2 * config.get("num_hidden_layers", 0) * config.get("num_key_value_heads", heads) * head_dim
         itemsize = 4 if card.dtype == "float32" else 2
-        return weights + card.generate.slots * card.max_length * position * itemsize  # the KV cache
+        positions = card.generate.cache_positions or card.generate.slots * card.max_length
+        return weights + positions * position * itemsize  # the KV cache
 
 
 def _similarity(model: torch.nn.Module) -> Similarity:

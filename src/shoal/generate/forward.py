@@ -10,33 +10,39 @@ values already in its KV cache slot.
       ─ the LM head on each sequence's last new token ─ logits [sequences, vocab]
 
 Attention: when every sequence brings one token (a decode step), one batched call over the
-slots padded to the longest, masked; otherwise (a prefill) one causal call per sequence.
+sequences' positions padded to the longest, masked; otherwise (a prefill) one causal call per
+sequence. Positions are read and written through the cache's block table (generate/kv_cache.py).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..layers.packed import PackedLinear
 from ..models.llama import LlamaLayer, LlamaModel
-from .kv_cache import SlabCache
+from .kv_cache import PagedCache
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """Where a step's tokens go: per token its slot and position; per segment its slot, first
-    position, token count and end."""
+    """Where a step's tokens go: per token its position and its index in the cache's pools; per
+    segment its slot, first position, token count and end; what attention reads: a prefill
+    segment's indices of its positions so far, a decode step's `[S, longest]` of them."""
 
-    slots: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
+    writes: torch.Tensor  # [T] indices into the pools
     segment_slots: list[int]
     starts: list[int]
     counts: list[int]
     ends: list[int]
     decode: bool  # one token per segment
+    reads: list[torch.Tensor]  # a prefill: each segment's [end] indices; a decode: one [S, longest]
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class CachedDecoder:
     """Runs steps of a Llama-family `model` against `cache` (see the module docstring). The LM head
     is the embeddings (tied, as SmolLM2 and the small Qwen models have it) unless `lm_head` is given."""
 
-    def __init__(self, model: LlamaModel, cache: SlabCache, lm_head: torch.Tensor | None = None) -> None:
+    def __init__(self, model: LlamaModel, cache: PagedCache, lm_head: torch.Tensor | None = None) -> None:
         if not isinstance(model, LlamaModel):
             raise ConfigError(f"generation runs on Llama-family decoders; this model is a {type(model).__name__}")
         if lm_head is None and not model.config.tie_word_embeddings:
@@ -66,6 +72,16 @@ class CachedDecoder:
         self.model = model
         self.cache = cache
         self.lm_head = model.embed_tokens.weight if lm_head is None else lm_head
+        # hidden [S, hidden] -> logits [S, vocab]; `pack_head` swaps in a oneDNN-packed product.
+        self.head: Callable[[torch.Tensor], torch.Tensor] = functools.partial(F.linear, weight=self.lm_head)
+
+    def pack_head(self) -> int:
+        """The LM head as a oneDNN-packed float32 product (layers/packed.py), as the engine packs
+        the decoder's Linears on a CPU; a tied head's packed copy is extra bytes (returned)."""
+        linear = torch.nn.Linear(self.lm_head.shape[1], self.lm_head.shape[0], bias=False)
+        linear.weight = torch.nn.Parameter(self.lm_head, requires_grad=False)
+        self.head = PackedLinear.of(linear)
+        return self.lm_head.numel() * self.lm_head.element_size()
 
     @torch.inference_mode()
     def step(self, segments: list[Segment]) -> torch.Tensor:
@@ -81,15 +97,16 @@ class CachedDecoder:
             if start + n > cache.max_len:
                 raise ValueError(f"slot {seg.slot} would hold {start + n} positions, over {cache.max_len}")
         ids = torch.tensor([t for s in segments for t in s.ids], dtype=torch.long, device=device)
-        plan = _Plan(
-            slots=torch.tensor([s.slot for s, n in zip(segments, counts) for _ in range(n)], device=device),
-            positions=torch.cat([torch.arange(st, st + n, device=device) for st, n in zip(starts, counts)]),
-            segment_slots=[s.slot for s in segments],
-            starts=starts,
-            counts=counts,
-            ends=[st + n for st, n in zip(starts, counts)],
-            decode=all(n == 1 for n in counts),
-        )
+        slots = [s.slot for s in segments]
+        ends = [st + n for st, n in zip(starts, counts)]
+        token_slots = torch.tensor([s.slot for s, n in zip(segments, counts) for _ in range(n)], device=device)
+        positions = torch.cat([torch.arange(st, st + n, device=device) for st, n in zip(starts, counts)])
+        decode = all(n == 1 for n in counts)
+        if decode:
+            reads = [cache.gather_index(slots, max(ends))]
+        else:
+            reads = [cache.gather_index([slot], end)[0] for slot, end in zip(slots, ends)]
+        plan = _Plan(positions, cache.flat(token_slots, positions), slots, starts, counts, ends, decode, reads)
         x = model.embed_tokens(ids)  # [T, hidden]
         cos, sin = model.rotary.cos_sin(plan.positions, x.dtype)
         for index, layer in enumerate(model.layers):
@@ -99,21 +116,21 @@ class CachedDecoder:
             cache.lengths[slot] = end
         last = torch.tensor(counts, device=device).cumsum(0) - 1
         hidden = model.norm(x[last])  # [S, hidden]
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()
 
     def _layer(
         self, index: int, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: _Plan
     ) -> torch.Tensor:
         q, k, v = layer.project(x, cos, sin)
-        ck, cv = self.cache.k[index], self.cache.v[index]  # [slots, max_len, Hkv, D]
-        ck[plan.slots, plan.positions] = k
-        cv[plan.slots, plan.positions] = v
+        ck, cv = self.cache.k[index], self.cache.v[index]  # [positions, Hkv, D]
+        ck[plan.writes] = k
+        cv[plan.writes] = v
         if plan.decode:
-            a = self._attend_decode(q, ck, cv, plan.segment_slots, plan.ends)
+            a = self._attend_decode(q, ck, cv, plan.reads[0], plan.ends)
         else:
             outs, offset = [], 0
-            for slot, start, n, end in zip(plan.segment_slots, plan.starts, plan.counts, plan.ends):
-                outs.append(self._attend_one(q[offset : offset + n], ck[slot, :end], cv[slot, :end], start))
+            for read, start, n in zip(plan.reads, plan.starts, plan.counts):
+                outs.append(self._attend_one(q[offset : offset + n], ck[read], cv[read], start))
                 offset += n
             a = torch.cat(outs)
         return layer.feed_forward(layer.attended(x, a))
@@ -134,13 +151,13 @@ class CachedDecoder:
         return out[0].transpose(0, 1)
 
     def _attend_decode(
-        self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slots: list[int], ends: list[int]
+        self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, read: torch.Tensor, ends: list[int]
     ) -> torch.Tensor:
-        """One new token per sequence (q `[S, H, D]`) over its slot, padded to the longest: `[S, H, D]`."""
-        longest = max(ends)
-        index = torch.tensor(slots, device=q.device)
-        k = ck[index, :longest].transpose(1, 2)  # [S, Hkv, L, D]
-        v = cv[index, :longest].transpose(1, 2)
+        """One new token per sequence (q `[S, H, D]`) over its positions (`read` `[S, longest]`),
+        padded to the longest and masked: `[S, H, D]`."""
+        longest = read.shape[1]
+        k = ck[read].transpose(1, 2)  # [S, Hkv, L, D]
+        v = cv[read].transpose(1, 2)
         allowed = torch.arange(longest, device=q.device)[None, :] < torch.tensor(ends, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None], enable_gqa=True)
         return out[:, :, 0]
