@@ -70,6 +70,7 @@ EXAMPLES: dict[str, JSONObject] = {
                     "type": "object",
                     "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
                     "required": ["name", "born"],
+                    "additionalProperties": False,
                 },
             },
         },
