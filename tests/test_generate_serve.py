@@ -334,6 +334,22 @@ def test_encoder_calls_are_not_held_behind_a_generation(server, loop_of):
     assert rest[-1] == "data: [DONE]"
 
 
+def test_generations_are_counted_in_the_metrics(server):
+    from conftest import metric_total
+
+    page = f"{server}/metrics"
+    tokens, firsts = "shoal_generated_tokens_total", "shoal_time_to_first_token_seconds_count"
+    before = metric_total(page, tokens, model=SMOLLM2_ID), metric_total(page, firsts, model=SMOLLM2_ID)
+    answer = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"model": SMOLLM2_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    ).json()
+    after = metric_total(page, tokens, model=SMOLLM2_ID), metric_total(page, firsts, model=SMOLLM2_ID)
+    assert after[0] - before[0] == answer["usage"]["completion_tokens"] > 0
+    assert after[1] - before[1] == 1
+
+
 def test_models_list_says_the_model_generates(server):
     entry = httpx.get(f"{server}/v1/models/{SMOLLM2_ID}").json()
     assert set(entry["tasks"]) == {"generate", "extract"}

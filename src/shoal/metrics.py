@@ -43,6 +43,16 @@ class Metrics:
             "shoal_tokens", "Tokens run through a model (real tokens, no padding)", ["model"], registry=r
         )
         self.items = Counter("shoal_items", "Items (texts) run through a model", ["model"], registry=r)
+        self.generated_tokens = Counter(
+            "shoal_generated_tokens", "New tokens a generating model wrote", ["model"], registry=r
+        )
+        self.first_token_seconds = Histogram(
+            "shoal_time_to_first_token_seconds",
+            "From a generation call's start to its first new token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.batch_tokens = Histogram(
             "shoal_batch_tokens", "Real tokens per batch", ["model"], buckets=_TOKEN_BUCKETS, registry=r
         )
@@ -125,6 +135,7 @@ class Metrics:
                 self.dropped_items.labels(model, reason)
             self.failed_items.labels(model)
             self.rejected.labels(model)
+            self.generated_tokens.labels(model)
             self.tokens.labels(model)
             self.items.labels(model)
 

@@ -359,6 +359,11 @@ class Engine:
                         tokenize_s=tokenize_s, queue_s=0.0, inference_s=time.perf_counter() - started
                     )
                     self.metrics.phase_seconds.labels("inference", card.id).observe(timings["inference_s"])
+                    self.metrics.generated_tokens.labels(card.id).inc(sum(len(o.token_ids) for o in outputs))
+                    for out in outputs:
+                        if out.first_token_at is not None:
+                            first_token_s = out.first_token_at - (deadline - timeout_s)
+                            self.metrics.first_token_seconds.labels(card.id).observe(first_token_s)
                     result = task.collect(plan, seqs, outputs, timings)
                     if isinstance(result, GenerateResult) and outputs[0].first_token_at is not None:
                         first_token_s = outputs[0].first_token_at - (deadline - timeout_s)
