@@ -151,6 +151,7 @@ def test_streamed_chat_is_the_answer_in_pieces(chat, hf):
         stream_options={"include_usage": True},
     )
     for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
@@ -172,6 +173,28 @@ def test_stop_strings_end_the_answer_before_them(chat, hf):
     )
     assert answer.choices[0].finish_reason == "stop"
     assert answer.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_openais_other_spellings_mean_what_they_mean_there(chat, hf):
+    """A "developer" message is a system message; top_p 0 is greedy; any int64 seed is taken; no
+    max_tokens on a long chat leaves the answer what the context has room for (not a 400)."""
+    question = {"role": "user", "content": "Name a colour."}
+
+    def ask(**options):
+        return chat.chat.completions.create(model=SMOLLM2_ID, max_tokens=16, **options)
+
+    as_system = ask(messages=[{"role": "system", "content": "Answer in French."}, question], temperature=0)
+    as_developer = ask(messages=[{"role": "developer", "content": "Answer in French."}, question], temperature=0)
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+    greedy = reference_answer(hf, [question], 16)[0]
+    assert ask(messages=[question], temperature=1.0, top_p=0).choices[0].message.content == greedy
+    assert ask(messages=[question], temperature=0.7, seed=-5).choices[0].finish_reason in ("stop", "length")
+    long = chat.chat.completions.create(
+        model=SMOLLM2_ID, messages=[{"role": "user", "content": "tree " * 1980 + "Name a colour."}], temperature=0
+    )
+    assert long.usage.prompt_tokens + long.usage.completion_tokens <= 2048
+    assert long.usage.completion_tokens < 256  # the card's default, cut to the context's room
 
 
 def test_every_json_schema_answer_validates(chat, loop_of):

@@ -143,9 +143,14 @@ class ChatFrame:
 
         if self.template is None:
             raise InvalidRequest("this model has no chat template: send a `prompt` instead of `messages`")
-        rendered = _compiled_template(self.template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
-        )
+        from jinja2 import TemplateError
+
+        try:
+            rendered = _compiled_template(self.template).render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+            )
+        except TemplateError as exc:  # the template's own check of these messages, or its limits
+            raise InvalidRequest(f"the model's chat template cannot frame these messages: {exc}") from None
         return str(rendered)
 
 
@@ -158,7 +163,8 @@ def _compiled_template(source: str) -> Any:  # a jinja2.Template
     def raise_exception(message: str) -> None:
         raise InvalidRequest(f"the chat template refuses these messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # As transformers compiles chat templates: trimmed blocks, and {% break %} / {% continue %}.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)
 

@@ -8,6 +8,7 @@ ends. A client that goes away ends its generation (its KV cache slot is freed be
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -19,6 +20,7 @@ from ..calls import Generated, GenerateResult
 from ..errors import InvalidRequest, ShoalError
 from .routes import Context
 
+log = logging.getLogger("shoal.api")
 _HOLD = "\ufffd"  # a token that ends inside a character: its text waits for the next one
 
 
@@ -48,7 +50,7 @@ async def _events(
     request_id: str,
 ) -> AsyncIterator[bytes]:
     ident, created = wire.openai_chat.completion_id(request_id), int(time.time())
-    chunk = wire.openai_chat.ChatChunk
+    chunk = wire.openai_chat.chat_chunk
     choice, delta = wire.openai_chat.ChunkChoice, wire.openai_chat.Delta
     sent = ""
     yield _event(chunk(ident, created, req.model, [choice(0, delta(role="assistant", content=""))]))
@@ -68,6 +70,14 @@ async def _events(
     except ShoalError as exc:
         body = {"error": {"message": exc.message, "type": exc.code, "code": exc.code}}
         yield b"data: " + msgspec.json.encode(body) + b"\n\n"
+    except Exception:  # a bug: the client still gets an error event and the end of the stream
+        log.exception("request %s: the chat stream failed", request_id)
+        message = f"internal error (request id {request_id}); the server log has the traceback"
+        yield (
+            b"data: "
+            + msgspec.json.encode({"error": {"message": message, "type": "internal", "code": "internal"}})
+            + b"\n\n"
+        )
     finally:
         await updates.aclose()  # a client that went away: the generation is cancelled
     yield b"data: [DONE]\n\n"

@@ -161,10 +161,20 @@ class Engine:
         """Refuse new calls, finish the admitted ones, then free the models (never under a batch)."""
         self._stopping = True
         await self.fleet.stop()
+        await self._drain_generations(self.settings.stop_timeout_s)
         finished = await self._device.stop(self.settings.stop_timeout_s)
         self._tokenizers.close()
         if finished:
             self.cache.close()
+
+    async def _drain_generations(self, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) for the generating models' admitted calls to end."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            loops = [getattr(self.cache.runner(s.id), "generation", None) for s in self.fleet.statuses()]
+            if all(loop is None or loop.idle for loop in loops):
+                return
+            await asyncio.sleep(0.05)
 
     @property
     def ready(self) -> bool:

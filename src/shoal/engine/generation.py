@@ -140,39 +140,64 @@ class GenerationLoop:
             self._cond.notify()
 
     def close(self) -> None:
+        """Ends the loop after its current step (not waited for here: the cache calls this on the
+        event loop); what still runs or waits ends with an Overloaded error."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=30)
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not (self._inbox or self._waiting or self._running)
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
-        generator = self.generator
         while True:
             with self._cond:
-                while not (self._closed or self._inbox or self._waiting or generator.running):
+                while not (self._closed or self._inbox or self._waiting or self.generator.running):
                     self._cond.wait()
                 if self._closed:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
-            self._admit()
-            for entry in self._running.values():
-                if entry.cancelled and entry.seq is not None:
-                    generator.cancel(entry.seq)
-            if not generator.running:
-                continue
             try:
-                generator.step()
-            except Exception as exc:  # a failed step ends its sequences with "error" (batcher)
-                log.exception("a generation step failed")
-                error = exc if isinstance(exc, ShoalError) else ShoalError(f"generation failed: {type(exc).__name__}")
-                self._report(error)
-                continue
-            self._report(None)
+                self._turn()
+            except Exception as exc:  # a bug of the loop's own: its sequences end, the loop goes on
+                log.exception("the generation loop failed")
+                self._fail_running(ShoalError(f"generation failed: {type(exc).__name__}"))
         self._shut_down()
+
+    def _turn(self) -> None:
+        """Admit what fits, run a step, report it."""
+        generator = self.generator
+        self._admit()
+        for entry in self._running.values():
+            if entry.cancelled and entry.seq is not None:
+                generator.cancel(entry.seq)
+        if not generator.running:
+            return
+        try:
+            generator.step()
+        except Exception as exc:  # a failed step ends its sequences with "error" (batcher)
+            log.exception("a generation step failed")
+            error = exc if isinstance(exc, ShoalError) else ShoalError(f"generation failed: {type(exc).__name__}")
+            self._report(error)
+            return
+        self._report(None)
+
+    def _fail_running(self, error: ShoalError) -> None:
+        for seq in list(self.generator.running):  # those added but not yet registered too
+            self.generator.cancel(seq)
+        for entry in list(self._running.values()):
+            self._finish(entry, Generated([], "", "error"), error)
+        self._running.clear()
+        try:
+            self.generator.step()  # retires the cancelled sequences and frees their blocks
+        except Exception:
+            log.exception("retiring the failed sequences failed")
 
     def _admit(self) -> None:
         now = time.monotonic()
@@ -207,9 +232,13 @@ class GenerationLoop:
                 del self._running[key]
                 failed = error if seq.finish_reason == "error" else None
                 self._finish(entry, self._generated(entry), failed)
-            elif entry.streams and len(seq.tokens) > entry.sent:
+            elif entry.streams and not entry.cancelled and len(seq.tokens) > entry.sent:
                 entry.sent = len(seq.tokens)
-                entry.on_update(self._generated(entry), None)
+                try:
+                    entry.on_update(self._generated(entry), None)
+                except Exception:  # the caller's callback (its event loop gone): it is cancelled
+                    log.exception("a generation callback failed")
+                    entry.cancelled = True
 
     def _generated(self, entry: Entry) -> Generated:
         seq = entry.seq
@@ -333,6 +362,8 @@ class GeneratingModel:
 
     def close(self) -> None:
         self.generation.close()
+        if self.generator._mask_thread is not None:
+            self.generator._mask_thread.shutdown(wait=False)
 
 
 # Grammars keep an LRU of compiled constraints: one compile at a time.
@@ -364,7 +395,17 @@ def chat_frame(directory: Path, tokenizer: TextTokenizer) -> ChatFrame:
             eos_ids.append(token)
     if not eos_ids:
         raise ModelLoadError(f"{directory.name}: no end-of-sequence token (generation_config.json, eos_token)")
-    return ChatFrame(template if isinstance(template, str) else None, bos, eos, tuple(eos_ids))
+    frame = ChatFrame(template if isinstance(template, str) else None, bos, eos, tuple(eos_ids))
+    if frame.template is not None:
+        from jinja2 import TemplateError
+
+        from ..head_info import _compiled_template
+
+        try:  # a template that does not compile fails the load, not every chat
+            _compiled_template(frame.template)
+        except TemplateError as exc:
+            raise ModelLoadError(f"{directory.name}: its chat template does not compile: {exc}") from None
+    return frame
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -94,8 +94,10 @@ class CachedDecoder:
         for seg, start, n in zip(segments, starts, counts):
             if n < 1:
                 raise ValueError(f"a segment of slot {seg.slot} has no tokens")
-            if start + n > cache.max_len:
-                raise ValueError(f"slot {seg.slot} would hold {start + n} positions, over {cache.max_len}")
+            if start + n > cache.reserved(seg.slot):  # never into another sequence's blocks
+                raise ValueError(
+                    f"slot {seg.slot} would hold {start + n} positions, over its {cache.reserved(seg.slot)}"
+                )
         ids = torch.tensor([t for s in segments for t in s.ids], dtype=torch.long, device=device)
         slots = [s.slot for s in segments]
         ends = [st + n for st, n in zip(starts, counts)]

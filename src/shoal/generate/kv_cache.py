@@ -135,6 +135,10 @@ class PagedCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def reserved(self, slot: int) -> int:
+        """Positions the slot's blocks hold (what it may fill, at most max_len)."""
+        return min(self.max_len, len(self._blocks[slot]) * self.block_size)
+
     def flat(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each (slot, position)'s index into the pools."""
         return self._table[slots, positions // self.block_size] * self.block_size + positions % self.block_size

@@ -114,11 +114,11 @@ class ChunkChoice(msgspec.Struct):
 
 class ChatChunk(msgspec.Struct, omit_defaults=True):
     id: str
+    object: Literal["chat.completion.chunk"]  # no default: omit_defaults would leave it out
     created: int
     model: str
     choices: list[ChunkChoice]
     usage: ChatUsage | None = None
-    object: str = "chat.completion.chunk"
 
 
 def chat_call(req: ChatRequest, request_id: str | None = None) -> GenerateCall:
@@ -172,6 +172,12 @@ def chat_call(req: ChatRequest, request_id: str | None = None) -> GenerateCall:
         request_id=request_id,
         timeout_s=req.timeout_s,
     )
+
+
+def chat_chunk(
+    ident: str, created: int, model: str, choices: list[ChunkChoice], usage: ChatUsage | None = None
+) -> ChatChunk:
+    return ChatChunk(ident, "chat.completion.chunk", created, model, choices, usage)
 
 
 def completion_id(request_id: str | None) -> str:

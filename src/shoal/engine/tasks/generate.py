@@ -13,6 +13,7 @@ one `GenerateSpec` each, not in device batches (`generates`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -87,7 +88,8 @@ class GenerateTask:
         call = plan.call
         frame = model.head(ChatFrame)
         if call.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in call.messages]
+            # OpenAI's "developer" is its newer name for "system" (templates know only the latter).
+            messages = [{"role": _ROLE.get(m.role, m.role), "content": m.content} for m in call.messages]
             text = await pool.map(lambda chunk, _: [frame.render(chunk[0])], [messages])
             prompt = text[0]
         else:
@@ -97,7 +99,7 @@ class GenerateTask:
         return [Encoded(np.asarray(ids, dtype=np.int64))]
 
     def specs(self, plan: GeneratePlan, seqs: list[Encoded]) -> list[GenerateSpec]:
-        return [plan.spec] * len(seqs)
+        return [fitted(plan.spec, plan.card, seq, plan.call.max_new_tokens) for seq in seqs]
 
     def check_size(self, plan: GeneratePlan, seqs: list[Encoded], max_result_bytes: int) -> None:
         return None
@@ -164,7 +166,8 @@ class ExtractGenerateTask:
         return [Encoded(np.asarray(i, dtype=np.int64)) for i in ids]
 
     def specs(self, plan: ExtractPlan, seqs: list[Encoded]) -> list[GenerateSpec]:
-        return [plan.specs[0]] * len(seqs)  # type: ignore[list-item]
+        spec: GenerateSpec = plan.specs[0]  # type: ignore[assignment]
+        return [fitted(spec, plan.card, seq, plan.call.max_new_tokens) for seq in seqs]
 
     def check_size(self, plan: ExtractPlan, seqs: list[Encoded], max_result_bytes: int) -> None:
         return None
@@ -187,6 +190,18 @@ class ExtractGenerateTask:
             request_id=plan.call.request_id,
             **timings,
         )
+
+
+_ROLE = {"developer": "system"}
+
+
+def fitted(spec: GenerateSpec, card: ModelCard, seq: Encoded, asked: object) -> GenerateSpec:
+    """The spec, its default max_new_tokens (the call named none) cut to what the context leaves
+    after the prompt, as OpenAI's API does; a number the call named is kept (too many: a 400)."""
+    if asked is not None:
+        return spec
+    room = max(1, card.max_length - len(seq))
+    return spec if spec.max_new_tokens <= room else dataclasses.replace(spec, max_new_tokens=room)
 
 
 def generate_spec(
@@ -216,10 +231,14 @@ def generate_spec(
         raise InvalidRequest(
             f"temperature must be between 0 and 2, not {temperature!r}", details={"option": "temperature"}
         )
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise InvalidRequest(f"top_p must be in (0, 1], not {top_p!r}", details={"option": "top_p"})
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
-        raise InvalidRequest(f"seed must be an integer >= 0, not {seed!r}", details={"option": "seed"})
+    if not isinstance(top_p, (int, float)) or not 0 <= top_p <= 1:
+        raise InvalidRequest(f"top_p must be between 0 and 1, not {top_p!r}", details={"option": "top_p"})
+    if top_p == 0:  # only the likeliest token: greedy (OpenAI's API takes 0)
+        temperature, top_p = 0.0, 1.0
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise InvalidRequest(f"seed must be an integer, not {seed!r}", details={"option": "seed"})
+    if seed is not None:
+        seed %= 2**63  # any int64, as OpenAI's API takes it
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequest(
             f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings", details={"option": "stop"}
