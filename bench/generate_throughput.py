@@ -28,19 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from shoal.bench.generation import QUESTIONS  # the prompts shoal bench's chat workload sends
 from spawn import machine_line
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUESTIONS = [
-    "Write a short story about a fish.",
-    "Explain how a bicycle works.",
-    "List ten fruits and their colours.",
-    "Describe the water cycle.",
-    "What makes a good cup of tea?",
-    "Summarise the plot of a detective novel.",
-    "Give advice to a new programmer.",
-    "Describe a busy market in the morning.",
-]
 SCHEMA = {
     "type": "object",
     "properties": {
