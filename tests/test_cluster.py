@@ -319,6 +319,17 @@ KIND_CALLS = {
 }
 
 
+def same_but_scores(got, want, tolerance: float = 1e-5) -> bool:
+    """Whether two decoded answers are the same, their floats within `tolerance` of each other."""
+    if isinstance(got, float) and isinstance(want, float):
+        return abs(got - want) <= tolerance
+    if isinstance(got, dict) and isinstance(want, dict):
+        return got.keys() == want.keys() and all(same_but_scores(got[k], want[k], tolerance) for k in got)
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(same_but_scores(g, w, tolerance) for g, w in zip(got, want))
+    return bool(got == want)
+
+
 @pytest.mark.parametrize("kind", list(KIND_CALLS))
 def test_gliclass_and_gliner2_through_the_gateway_equal_shoal_serves_and_carry_the_registrys_estimate(
     cluster, single, lee_documents, kind
@@ -335,7 +346,9 @@ def test_gliclass_and_gliner2_through_the_gateway_equal_shoal_serves_and_carry_t
     got, want = body_of(response, True), body_of(post(single, "/v1/extract", body, True), True)
     for g, w in zip(got["items"], want["items"]):
         for field in ("entities", "labels", "classifications", "relations", "structures"):
-            assert msgspec.json.encode(g.get(field)) == msgspec.json.encode(w.get(field)), field
+            # Equal but for float32's last bits: the two servers may cut the call into batches of
+            # other shapes (their lanes, their load), and a GEMM of another shape sums in another order.
+            assert same_but_scores(g.get(field), w.get(field)), (field, g.get(field), w.get(field))
     assert got["usage"] == want["usage"]
     if kind == "gliner2":
         assert all(set(item["structures"]) == {"event"} for item in got["items"])
