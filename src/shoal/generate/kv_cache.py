@@ -55,18 +55,6 @@ class PagedCache:
         # Each slot's blocks in order, padded with block 0 (what a padded gather reads is masked).
         self._table = torch.zeros((slots, math.ceil(max_len / block_size)), dtype=torch.long, device=device)
 
-    @staticmethod
-    def slots_for(
-        budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, itemsize: int
-    ) -> int:
-        """How many sequences of `max_len` positions fit in `budget_bytes` (keys and values)."""
-        return budget_bytes // (max_len * PagedCache.position_bytes(num_layers, num_kv_heads, head_dim, itemsize))
-
-    @staticmethod
-    def position_bytes(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        """Bytes one position takes in the pools (keys and values, every layer)."""
-        return 2 * num_layers * num_kv_heads * head_dim * itemsize
-
     @property
     def slots(self) -> int:
         return len(self.lengths)
