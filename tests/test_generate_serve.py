@@ -415,10 +415,11 @@ def test_a_generation_through_the_gateway_keeps_its_lease_and_equals_the_direct_
     assert took > 1.0 and redelivered == 0  # longer than the lease, and kept
 
 
-def test_shoal_bench_chat_measures_tokens_per_second_and_ttft_beside_transformers(server, tmp_path):
-    """`shoal bench MODEL --workload chat --against transformers` on the running server: the first
-    prompt's greedy answer is checked equal to transformers' before any timing, then each level's
-    tokens/s and time to first token, both sides, and their ratio, printed and in the JSON."""
+def test_shoal_bench_chat_measures_tokens_per_second_and_ttft_beside_transformers_and_llama_cpp(server, tmp_path):
+    """`shoal bench MODEL --workload chat --against transformers,llama.cpp` on the running server:
+    the first prompt's greedy answer is checked equal to transformers' and picked by llama.cpp on
+    the card's GGUF file (teacher-forced) before any timing, then each level's tokens/s and time to
+    first token, every side, and the ratios, printed and in the JSON."""
     import os
     import subprocess
     import sys
@@ -426,9 +427,9 @@ def test_shoal_bench_chat_measures_tokens_per_second_and_ttft_beside_transformer
 
     out = tmp_path / "chat.json"
     shoal = str(Path(sys.executable).with_name("shoal"))
-    argv = ["bench", SMOLLM2_ID, "--url", server, "--workload", "chat", "--levels", "1,3", "--against", "transformers"]
+    argv = ["bench", SMOLLM2_ID, "--url", server, "--workload", "chat", "--levels", "1,3"]
     proc = subprocess.run(
-        [shoal, *argv, "--json-out", str(out)],
+        [shoal, *argv, "--against", "transformers,llama.cpp", "--json-out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -437,14 +438,18 @@ def test_shoal_bench_chat_measures_tokens_per_second_and_ttft_beside_transformer
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "equality: the first prompt's greedy answer equals transformers'" in proc.stdout
     record = json.loads(out.read_text())
+    agreement = record["agreement"]["llama.cpp"]
+    assert agreement["picked"] >= 0.6 * agreement["of"] > 0, agreement
     assert list(record["levels"]) == ["1", "3"]
     for level in record["levels"].values():
-        for side in ("shoal", "transformers"):
+        for side in ("shoal", "transformers", "llama.cpp"):
             assert level[side]["tokens_per_s"] > 0 and level[side]["ttft_ms"] > 0 and level[side]["tokens"] > 0
-        assert level["ratio"]["tokens_per_s"] == pytest.approx(
-            level["shoal"]["tokens_per_s"] / level["transformers"]["tokens_per_s"], rel=0.01
-        )
+            if side != "shoal":
+                assert level[f"ratio_{side}"]["tokens_per_s"] == pytest.approx(
+                    level["shoal"]["tokens_per_s"] / level[side]["tokens_per_s"], rel=0.01
+                )
     assert record["levels"]["3"]["shoal"]["tokens"] > record["levels"]["1"]["shoal"]["tokens"]
+    assert record["levels"]["3"]["llama.cpp"]["tokens"] > record["levels"]["1"]["llama.cpp"]["tokens"]
 
 
 def test_langchains_chat_openai_chats_and_fills_a_schema(server):

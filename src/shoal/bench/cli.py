@@ -116,11 +116,12 @@ def register(sub) -> None:
     bench.add_argument(
         "--against",
         action="append",
-        metavar="st,infinity,ort,ort-int8,openvino,openvino-bf16|transformers",
+        metavar="st,infinity,ort,ort-int8,openvino,openvino-bf16|transformers,llama.cpp",
         help="also measure sentence-transformers in-process and/or Infinity on the same texts, and the CPU "
         "runtimes in-process on an ONNX export of the model (ONNX Runtime fp32 fused and dynamic int8, OpenVINO "
         "fp32 and bf16; each checked equal to shoal first; on rerank, a cross-encoder's pairs: the runtimes only); "
-        "images: transformers' CLIPModel in-process on the same photos; chat: transformers' generate in-process",
+        "images: transformers' CLIPModel in-process on the same photos; chat: transformers' generate and/or "
+        "llama.cpp (llama-cpp-python, on the card's GGUF file) in-process",
     )
     bench.add_argument(
         "--infinity", metavar="PATH", help="the infinity_emb script of a venv with infinity-emb[server,torch]"

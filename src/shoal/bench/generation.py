@@ -1,5 +1,7 @@
 """`shoal bench MODEL --workload chat`: generation on a served decoder at fixed concurrency, beside
-transformers' `generate` on the same weights in this process (`--against transformers`).
+transformers' `generate` on the same weights in this process (`--against transformers`) and
+llama.cpp on the card's GGUF file (`--against llama.cpp`, llama-cpp-python's bindings; class
+LlamaCpp says how it batches).
 
 At each level N (`--levels`, default 1,8,32 concurrent requests): N streamed chat completions at
 once (`POST /v1/chat/completions`, greedy, `NEW_TOKENS` new tokens, the prompts below in turn),
@@ -11,7 +13,10 @@ server's KV cache slots bound how many run at once (the card's `generate.slots`)
 and their wait is in their time to first token, as a user would see it.
 
 Before timing, the first prompt's greedy answer from the server must equal transformers' (the
-same text), or the run stops: a faster wrong answer is not a result.
+same text), or the run stops: a faster wrong answer is not a result. llama.cpp computes in its own
+quantised arithmetic, so its greedy answer drifts from the server's after a few tokens; fed the
+server's answer token by token, it must pick at least `AGREEMENT` of them itself (the same model,
+tokenized alike), or the run stops. Both counts are printed and in the JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import asyncio
 import json
 import tempfile
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -135,28 +141,151 @@ class Transformers:
         return {"tokens_per_s": tokens / wall, "ttft_ms": 1000 * first, "tokens": tokens}
 
 
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's bindings on the card's GGUF file, in this process: its
+    own arithmetic (the file's quantised weights as they are; llama.cpp quantises activations to
+    8 bits in those dot products), so its answers are not transformers' token for token. N
+    sequences run as llama.cpp's server runs its parallel slots: one batch of every prompt, then
+    one batch a step of the sequences still running, greedy on each sequence's logits. The prompts
+    are the same token ids as transformers' (its tokenizer)."""
+
+    def __init__(self, gguf: Path, tokenizer: Any, threads: int) -> None:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise ConfigError(
+                "--against llama.cpp needs llama-cpp-python (pip install llama-cpp-python: it builds "
+                "llama.cpp from source, a few minutes)"
+            ) from None
+        self.lib = lib = llama_cpp
+        self._quiet = lib.llama_log_callback(lambda *_: None)  # kept: llama.cpp calls it later
+        lib.llama_log_set(self._quiet, None)
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(str(gguf).encode(), lib.llama_model_default_params())
+        if not self.model:
+            raise ConfigError(f"llama.cpp could not load {gguf}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.tokenizer = tokenizer
+        self.threads = threads
+        self.gguf = gguf
+
+    def prompts(self, n: int) -> list[list[int]]:
+        texts = [
+            self.tokenizer.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
+            for i in range(n)
+        ]
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    @contextmanager
+    def _context(self, sequences: int, longest: int, batch_tokens: int) -> Iterator[tuple[Any, Any]]:
+        """A llama.cpp context for `sequences` sequences of up to `longest` tokens each (one KV
+        cache they share), and a batch of up to `batch_tokens` tokens; freed after."""
+        lib = self.lib
+        params = lib.llama_context_default_params()
+        params.n_seq_max, params.n_ctx = sequences, sequences * 256 * -(-longest // 256)
+        params.n_batch, params.n_ubatch = max(512, batch_tokens), 512
+        params.n_threads = params.n_threads_batch = self.threads
+        params.kv_unified = True
+        context = lib.llama_init_from_model(self.model, params)
+        batch = lib.llama_batch_init(params.n_batch, 0, 1)
+        try:
+            yield context, batch
+        finally:
+            lib.llama_batch_free(batch)
+            lib.llama_free(context)
+
+    def _decode(self, context: Any, batch: Any, tokens: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (sequence, token, position, wants its logits) tokens."""
+        for k, (seq, token, pos, logits) in enumerate(tokens):
+            batch.token[k], batch.pos[k], batch.n_seq_id[k] = token, pos, 1
+            batch.seq_id[k][0], batch.logits[k] = seq, logits
+        batch.n_tokens = len(tokens)
+        if self.lib.llama_decode(context, batch) != 0:
+            raise ConfigError("llama.cpp's decode failed (its context is too small?)")
+
+    def _greedy(self, context: Any, row: int) -> int:
+        import numpy as np
+
+        logits = self.lib.llama_get_logits_ith(context, row)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def generate(self, n: int) -> tuple[list[list[int]], float, float]:
+        """(each sequence's new tokens, seconds to the first tokens, seconds in all), greedy."""
+        prompts = self.prompts(n)
+        longest, total = max(map(len, prompts)) + NEW_TOKENS, sum(map(len, prompts))
+        with self._context(n, longest, total) as (context, batch):
+            started = time.perf_counter()
+            tokens = [(seq, t, pos) for seq, ids in enumerate(prompts) for pos, t in enumerate(ids)]
+            new: list[list[int]] = [[] for _ in prompts]
+            positions = [len(ids) for ids in prompts]
+            first = 0.0
+            while tokens:
+                last = {seq: k for k, (seq, _, _) in enumerate(tokens)}  # sequence -> its logits' row
+                self._decode(context, batch, [(s, t, p, last[s] == k) for k, (s, t, p) in enumerate(tokens)])
+                tokens = []
+                for seq, row in last.items():
+                    token = self._greedy(context, row)
+                    new[seq].append(token)
+                    if not self.lib.llama_vocab_is_eog(self.vocab, token) and len(new[seq]) < NEW_TOKENS:
+                        tokens.append((seq, token, positions[seq]))
+                        positions[seq] += 1
+                first = first or time.perf_counter() - started
+            return new, first, time.perf_counter() - started
+
+    def agreement(self, answer: list[int]) -> int:
+        """How many of `answer`'s tokens (an answer to the first prompt from elsewhere) llama.cpp's
+        greedy choice picks too when fed the prompt and the answer up to each one: the same model
+        in other arithmetic picks nearly all of them, another model or tokenizer few."""
+        prompt = self.prompts(1)[0]
+        ids = prompt + answer
+        with self._context(1, len(ids), len(ids)) as (context, batch):
+            self._decode(context, batch, [(0, t, pos, pos >= len(prompt) - 1) for pos, t in enumerate(ids)])
+            rows = range(len(prompt) - 1, len(ids) - 1)
+            return sum(self._greedy(context, row) == ids[row + 1] for row in rows)
+
+    def first_answer(self) -> list[int]:
+        """The greedy answer's token ids for the first prompt."""
+        return self.generate(1)[0][0]
+
+    def level(self, n: int) -> dict[str, float]:
+        new, first, wall = self.generate(n)
+        tokens = sum(map(len, new))  # up to and with each one's end of generation
+        return {"tokens_per_s": tokens / wall, "ttft_ms": 1000 * first, "tokens": tokens}
+
+
 def run_chat(args: Any, card: Any) -> int:
     """The chat workload (see the module docstring)."""
+    import os
+
     from ..catalog import resolve_weights
+    from ..catalog.resolve import packaged_gguf
     from . import machine
 
     if "generate" not in card.tasks:
         raise ConfigError(f"{card.id} serves {', '.join(sorted(card.tasks))}; workload chat needs generate")
     against = [a for spec in args.against or [] for a in spec.split(",") if a]
-    if set(against) - {"transformers"}:
-        raise ConfigError("--against: workload chat is compared with transformers (in-process generate) only")
+    if set(against) - set(BASELINES):
+        raise ConfigError(f"--against: workload chat is compared with {' and '.join(BASELINES)} (in this process)")
     levels = [int(level) for level in args.levels or LEVELS]
-    model_dir = None
+    baselines: dict[str, Any] = {}
     if against:
         try:
             model_dir = resolve_weights(card, allow_download=False)
         except ModelLoadError as exc:
-            raise ConfigError(f"--against transformers needs the model's local folder: {exc.message}") from None
+            raise ConfigError(f"--against {','.join(against)} needs the model's local folder: {exc.message}") from None
+        if "transformers" in against:
+            baselines["transformers"] = Transformers(model_dir)
+        if "llama.cpp" in against:
+            from transformers import AutoTokenizer
+
+            if (gguf := packaged_gguf(card)) is None:
+                raise ConfigError(f"--against llama.cpp needs a GGUF file: {card.id}'s card names none in a package")
+            baselines["llama.cpp"] = LlamaCpp(gguf, AutoTokenizer.from_pretrained(model_dir), os.cpu_count() or 1)
     print(f"shoal bench: {card.id}, workload chat ({NEW_TOKENS} new tokens, greedy, best of {ROUNDS} rounds)")
     load0 = machine.load_average()
     if load0:
         print(f"machine: load avg {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at start; client and server share it")
-    baseline = Transformers(model_dir) if model_dir is not None else None
     record: dict[str, Any] = {"model": card.id, "workload": "chat", "new_tokens": NEW_TOKENS, "levels": {}}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         if args.url:
@@ -166,39 +295,73 @@ def run_chat(args: Any, card: Any) -> int:
 
             serve_args = [a for d in args.models_dir or () for a in ("--models-dir", d)]
             url, _ = stack.enter_context(shoal_serve(card.id, Path(tmp) / "shoal.log", args=serve_args))
-        if baseline is not None:
+        if baselines:
             served = asyncio.run(_first_answer(url, card.id, args.api_key))
-            expected = baseline.first_answer()
-            if served != expected:
-                raise ConfigError(
-                    f"the server's greedy answer differs from transformers': {served[:80]!r} vs {expected[:80]!r}"
-                )
-            print(f"equality: the first prompt's greedy answer equals transformers' ({len(expected)} characters)")
+            record["agreement"] = _check_answers(served, baselines)
         header = f"{'N':>3} {'shoal tok/s':>12} {'ttft ms':>9}"
-        if baseline is not None:
-            header += f" {'transformers tok/s':>19} {'ttft ms':>9} {'ratio':>6}"
+        for name in baselines:
+            header += f" {name + ' tok/s':>19} {'ttft ms':>9} {'ratio':>6}"
         print(header)
         for n in levels:
             best: dict[str, dict[str, float]] = {}
             for _ in range(ROUNDS):
                 runs = {"shoal": asyncio.run(served_level(url, card.id, n, args.api_key))}
-                if baseline is not None:
-                    runs["transformers"] = baseline.level(n)
+                for name, baseline in baselines.items():
+                    runs[name] = baseline.level(n)
                 for name, figures in runs.items():
                     if name not in best or figures["tokens_per_s"] > best[name]["tokens_per_s"]:
                         best[name] = figures
             line = f"{n:>3} {best['shoal']['tokens_per_s']:>12.1f} {best['shoal']['ttft_ms']:>9.0f}"
-            if baseline is not None:
-                ratio = best["shoal"]["tokens_per_s"] / best["transformers"]["tokens_per_s"]
-                best["ratio"] = {"tokens_per_s": ratio}
-                line += f" {best['transformers']['tokens_per_s']:>19.1f} {best['transformers']['ttft_ms']:>9.0f}"
-                line += f" {ratio:>5.2f}x"
+            for name in baselines:
+                ratio = best["shoal"]["tokens_per_s"] / best[name]["tokens_per_s"]
+                best[f"ratio_{name}"] = {"tokens_per_s": ratio}
+                line += f" {best[name]['tokens_per_s']:>19.1f} {best[name]['ttft_ms']:>9.0f} {ratio:>5.2f}x"
             print(line, flush=True)
             record["levels"][str(n)] = {k: {m: round(v, 2) for m, v in f.items()} for k, f in best.items()}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json_out}")
     return 0
+
+
+# What the chat workload is compared with, each in this process on the model's own files.
+BASELINES = {"transformers": Transformers, "llama.cpp": LlamaCpp}
+# Below this share of the server's answer tokens picked by llama.cpp (teacher-forced), it is not
+# the same model: on SmolLM2-135M's Q4_1 file against float32 it picks 0.9 and more (docs/benchmarks.md).
+AGREEMENT = 0.6
+
+
+def _check_answers(served: str, baselines: dict[str, Any]) -> dict[str, Any]:
+    """The first prompt's greedy answers: transformers' must equal the server's (same float32
+    weights: a faster wrong answer is not a result); llama.cpp computes in its own arithmetic, so
+    how far its answer agrees with the server's is reported. Returns what was found."""
+    found: dict[str, Any] = {}
+    if "transformers" in baselines:
+        expected = baselines["transformers"].first_answer()
+        if served != expected:
+            raise ConfigError(
+                f"the server's greedy answer differs from transformers': {served[:80]!r} vs {expected[:80]!r}"
+            )
+        print(f"equality: the first prompt's greedy answer equals transformers' ({len(expected)} characters)")
+        found["transformers"] = "equal"
+    if "llama.cpp" in baselines:
+        llama = baselines["llama.cpp"]
+        theirs = llama.first_answer()
+        ours = list(llama.tokenizer(served, add_special_tokens=False)["input_ids"])
+        same = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        picked = llama.agreement(ours)
+        print(
+            f"agreement: llama.cpp ({llama.gguf.name}, its own quantised arithmetic) answers the first prompt "
+            f"with the server's first {same} tokens of {len(theirs)}; fed the server's answer, it picks "
+            f"{picked} of its {len(ours)} tokens"
+        )
+        if picked < AGREEMENT * len(ours):
+            raise ConfigError(
+                f"llama.cpp picks only {picked} of the server's {len(ours)} answer tokens: {llama.gguf.name} "
+                "is not the served model's weights, or the prompts are not tokenized alike"
+            )
+        found["llama.cpp"] = {"same_prefix": same, "tokens": len(theirs), "picked": picked, "of": len(ours)}
+    return found
 
 
 async def _first_answer(url: str, model: str, token: str | None) -> str:

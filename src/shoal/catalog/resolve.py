@@ -47,8 +47,9 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
         spec = importlib.util.find_spec(module)
         if spec is not None and spec.submodule_search_locations:
             path = Path(list(spec.submodule_search_locations)[0]) / subdir
-            if source.gguf and (path / source.gguf).is_file() and not _is_model_dir(path):
-                return _converted(path / source.gguf, GGUF_CACHE_DIR, _gguf_convert)
+            gguf = packaged_gguf(card)
+            if gguf is not None and not _is_model_dir(path):
+                return _converted(gguf, GGUF_CACHE_DIR, _gguf_convert)
             if _is_model_dir(path):
                 return _from_onnx(path, source.onnx) if source.onnx else path
             tried.append(f"package {module} has no model files under {subdir!r}")
@@ -197,6 +198,19 @@ def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
         convert(path, staging, source_dir=folder)
 
     return _converted(folder / onnx, cache_dir or ONNX_CACHE_DIR, convert, prefix=folder.name + "-")
+
+
+def packaged_gguf(card: ModelCard) -> Path | None:
+    """The card's GGUF file (`source.gguf`) in its installed package, if both are there."""
+    source = card.source
+    if not (source.package and source.gguf):
+        return None
+    module, _, subdir = source.package.partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / subdir / source.gguf
+    return path if path.is_file() else None
 
 
 def _gguf_convert(path: Path, staging: Path) -> None:
