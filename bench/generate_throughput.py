@@ -12,9 +12,8 @@ unconstrained: "json tok/s" over the whole run, and "json cost", the extra time 
 (the decode steps' rate after each sequence's first token, so answers of other lengths do not
 count as cost). shoal's Linears and LM head are oneDNN-packed, as the engine
 loads a generating model on a CPU (`--no-pack`: not). The served path, over HTTP with streaming, is
-`shoal bench MODEL --workload chat --against transformers`. The sides take turns (--rounds), the best round is reported.
-llama.cpp is not in this run: llama-cpp-python has no wheel on PyPI for this machine (it builds
-from source).
+`shoal bench MODEL --workload chat --against transformers,llama.cpp` (llama.cpp on the card's GGUF
+file there). The sides take turns (--rounds), the best round is reported.
 
     python bench/generate_throughput.py --rounds 2
 """

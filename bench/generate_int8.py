@@ -1,0 +1,109 @@
+"""int8 decode, measured and not served (issue 39): would shoal's `quantize: int8` Linears
+(layers/int8.py) bring one sequence's decode near llama.cpp's? SmolLM2-135M-Instruct's weights as
+the engine loads them (the card's GGUF, dequantised to float32), in this process, three ways:
+
+- `float32`: Linears and the tied LM head oneDNN-packed, as a generating model is served on a CPU;
+- `int8`: every Linear int8 (per-row weight scales, per-token activation scales, outlier input
+  channels kept float32 as the float32 model's calibration run shows them: here the chat
+  workload's 8 prompts, 16 greedy tokens each); the LM head packed float32;
+- `int8+head`: the LM head int8 too (no outlier channels: the head's input is the final norm's).
+
+First each one's greedy answers to the 8 prompts at once (64 new tokens) against float32's: the
+length of the prefix each keeps. Then tokens/s at N concurrent sequences (the Generator driven to
+the end: one prefill, then decode steps), best of `--rounds`.
+
+    python bench/generate_int8.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from shoal.bench.generation import QUESTIONS, messages
+from shoal.catalog import Catalog, resolve_weights
+from shoal.generate.batcher import GenerationRequest, Generator
+from shoal.generate.forward import CachedDecoder
+from shoal.generate.kv_cache import PagedCache
+from shoal.layers import packed
+from shoal.layers.int8 import Int8Linear, input_maxima, quantize_linears
+from shoal.weights import build_model
+from spawn import machine_line
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+WAYS = ("float32", "int8", "int8+head")
+
+
+def generator(directory, way: str, prompts: list[tuple[int, ...]], eos: list[int], slots: int) -> Generator:
+    model = build_model(directory, None, "cpu")
+    cfg = model.config
+
+    def cache(n: int) -> PagedCache:
+        return PagedCache(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=n, max_len=512, block_size=16
+        )
+
+    if way == "float32":
+        packed.pack_linears(model)
+    else:  # the float32 model's per-channel input maxima over a calibration run, then int8 Linears
+        calibration = Generator(CachedDecoder(model, cache(len(prompts))), eos)
+        run = lambda: calibration.run([GenerationRequest(p, max_new_tokens=16) for p in prompts])  # noqa: E731
+        quantize_linears(model, input_maxima(model, run))
+    decoder = CachedDecoder(model, cache(slots))
+    if way == "int8+head":
+        head = torch.nn.Linear(decoder.lm_head.shape[1], decoder.lm_head.shape[0], bias=False)
+        head.weight = torch.nn.Parameter(decoder.lm_head, requires_grad=False)
+        decoder.head = Int8Linear.of(head, None)
+    else:
+        decoder.pack_head()
+    return Generator(decoder, eos)
+
+
+def generate(gen: Generator, prompts: list[tuple[int, ...]], n: int, new_tokens: int) -> tuple[float, list[list[int]]]:
+    """(tokens/s, each sequence's tokens) of n sequences run to the end."""
+    started = time.perf_counter()
+    sequences = gen.run(GenerationRequest(prompts[i % len(prompts)], max_new_tokens=new_tokens) for i in range(n))
+    tokens = [list(s.tokens) for s in sequences]
+    return sum(map(len, tokens)) / (time.perf_counter() - started), tokens
+
+
+def main(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    print(machine_line())
+    directory = resolve_weights(Catalog.load().get(MODEL))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    texts = [
+        tokenizer.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
+        for i in range(len(QUESTIONS))
+    ]
+    prompts = [tuple(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    eos = [tokenizer.eos_token_id]
+    gens = {way: generator(directory, way, prompts, eos, max(args.concurrency)) for way in WAYS}
+    reference = generate(gens["float32"], prompts, len(prompts), args.new_tokens)[1]
+    print(f"{MODEL}, {args.new_tokens} new tokens, greedy, torch threads {torch.get_num_threads()}")
+    for way in WAYS[1:]:
+        answers = generate(gens[way], prompts, len(prompts), args.new_tokens)[1]
+        kept = [
+            next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            for ours, theirs in zip(answers, reference)
+        ]
+        print(f"{way}: the greedy answers keep float32's first {kept} tokens (of {args.new_tokens})")
+    print(f"{'N':>3} " + " ".join(f"{way + ' tok/s':>16}" for way in WAYS))
+    for n in args.concurrency:
+        best = {
+            way: max(generate(gens[way], prompts, n, args.new_tokens)[0] for _ in range(args.rounds)) for way in WAYS
+        }
+        print(f"{n:>3} " + " ".join(f"{best[way]:>16.1f}" for way in WAYS), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    sys.exit(main(ap.parse_args()))
