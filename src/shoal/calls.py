@@ -22,8 +22,9 @@ the engine turns it into a deadline at admission and drops work that outlives it
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
@@ -330,6 +331,28 @@ class Generated:
     text: str
     finish_reason: str | None = None
     first_token_at: float | None = None  # time.monotonic() of its first new token
+
+
+async def stream_updates(
+    run: Callable[[Callable[[Generated], None]], Awaitable[Any]],
+) -> AsyncIterator[Generated | GenerateResult]:
+    """A generation as it comes, from `run(on_update)` (the engine's or the cluster gateway's):
+    each `Generated` it reports, then the GenerateResult it returns (or its error, raised). Leaving
+    the iteration early cancels `run` (the generation ends and frees its KV cache slot)."""
+    updates: asyncio.Queue[Any] = asyncio.Queue()
+    end = object()
+    task = asyncio.ensure_future(run(updates.put_nowait))
+    task.add_done_callback(lambda _: updates.put_nowait(end))
+    try:
+        while (item := await updates.get()) is not end:
+            yield item
+        result = task.result()  # raises the call's error
+        if not isinstance(result, GenerateResult):
+            raise TypeError(f"a generation ended in a {type(result).__name__}")
+        yield result
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 class ErrorResult(Result, frozen=True, tag="error"):

@@ -33,7 +33,7 @@ async def chat_completions(ctx: Context) -> wire.openai_chat.ChatResponse | Stre
         return wire.openai_chat.chat_response(req, result, ctx.request_id)
     stream = getattr(ctx.service, "stream", None)
     if stream is None:
-        raise InvalidRequest("this server (a cluster gateway) does not stream generations yet: send stream false")
+        raise InvalidRequest("this server does not stream generations: send stream false")
     ctx.status(call.model)
     updates: AsyncGenerator[Generated | GenerateResult, None] = stream(
         msgspec.structs.replace(call, may_download=ctx.principal.may_download)

@@ -9,7 +9,8 @@ JetStream work queue. It then awaits the worker's reply on its own inbox:
               │                NATS down? ─────────────── 503 queue_unavailable
               ├ larger than the message limit: body to the Object Store, the message names it
               ├ publish (JetStream acks it: stored) ───── no ack in publish_timeout_s: 503
-              ├ await the reply (result, or an error result) until the deadline (+ a grace)
+              ├ await the reply (result, or an error result) until the deadline (+ a grace);
+              │   a streamed generation's updates come to the same inbox before it (`stream`)
               └ finally, unanswered (deadline, client gone): delete the message from the stream
                 (not yet delivered: never computed) and broadcast the request id on shoal.cancel
                 (delivered: the worker drops it); the call's object is deleted in every case
@@ -28,13 +29,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgspec
 
 from .. import calls
-from ..calls import AnyCall, AnyResult, ErrorResult, timeout_of
+from ..calls import AnyCall, AnyResult, ErrorResult, GenerateCall, Generated, GenerateResult, stream_updates, timeout_of
 from ..catalog import Catalog
 from ..config import Settings
 from ..errors import ConfigError, QueueUnavailable
@@ -84,6 +85,7 @@ class RemoteService:
         self._inbox = f"_INBOX.shoal.{self.id}"
         self._pending: dict[str, asyncio.Future[Any]] = {}  # call key -> its reply
         self._sequences: dict[str, int] = {}  # call key -> its stream sequence, once stored
+        self._progress: dict[str, Callable[[Generated], None]] = {}  # call key -> its updates' taker
         self._background: set[asyncio.Task[None]] = set()
         self._nc: Any = None
         self._js: Any = None
@@ -274,6 +276,17 @@ class RemoteService:
     # --- Service: calls -------------------------------------------------------------------------
 
     async def run(self, call: AnyCall) -> AnyResult:
+        return await self._call(call, None)
+
+    def stream(self, call: GenerateCall) -> AsyncIterator[Generated | GenerateResult]:
+        """A generation as its worker sends it: a `Generated` per update (its whole text so far;
+        its token ids stay on the worker), then the GenerateResult. Leaving early abandons the call
+        (the worker cancels the generation), as a client gone does for `run`."""
+        return stream_updates(lambda on_update: self._call(call, on_update))
+
+    async def _call(self, call: AnyCall, on_update: Callable[[Generated], None] | None) -> AnyResult:
+        """`run`; with `on_update`, the worker is asked for the generation's progress, and each
+        update it sends is passed to `on_update` before the answer comes."""
         model_id = self.workers.resolve(call.model)
         pool = self._pool_for(model_id)
         timeout_s = timeout_of(call, self.settings.engine.request_timeout_s)
@@ -289,6 +302,9 @@ class RemoteService:
             p.REPLY: f"{self._inbox}.{key}",
             p.MSG_ID: key,
         }
+        if on_update is not None:
+            headers[p.PROGRESS] = "1"
+            self._progress[key] = on_update
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
         inflight = self.gm.inflight.labels(model_id)
@@ -320,6 +336,7 @@ class RemoteService:
             raise
         finally:
             self._pending.pop(key, None)
+            self._progress.pop(key, None)
             self._sequences.pop(key, None)
             inflight.dec()
             if not answered and (seq is not None or attempted):
@@ -342,6 +359,14 @@ class RemoteService:
 
     async def _on_reply(self, msg: Any) -> None:
         key = msg.subject.rsplit(".", 1)[-1]
+        if msg.headers and msg.headers.get(p.PROGRESS):  # a generation's update, before its answer
+            on_update = self._progress.get(key)
+            if on_update is not None:
+                try:
+                    on_update(p.decode_progress(msg.data))
+                except msgspec.DecodeError as exc:
+                    log.warning("gateway: an unreadable progress message for call %s: %r", key, exc)
+            return
         future = self._pending.get(key)
         if future is not None and not future.done():
             future.set_result(msg)

@@ -28,7 +28,7 @@ import time
 
 import msgspec
 
-from ..calls import ErrorResult
+from ..calls import ErrorResult, Generated
 from ..config import ClusterSettings
 from ..errors import ShoalError
 from ..service import CardProblem, ModelStatus, Token
@@ -53,6 +53,9 @@ TOKENS = "Shoal-Tokens"  # the gateway's estimate of the call's tokens (what pul
 REPLY = "Shoal-Reply"
 OBJECT = "Shoal-Object"  # the body is in the Object Store under this name
 MSG_ID = "Nats-Msg-Id"  # JetStream drops a second publish of the same id (a retried publish)
+# On a generation's call: send its progress to the reply inbox as it comes (a streamed chat). On a
+# message to that inbox: one such update (`encode_progress`), not the answer.
+PROGRESS = "Shoal-Progress"
 
 _KEEP = re.compile(r"[A-Za-z0-9-]")
 
@@ -315,3 +318,14 @@ def error_of(exc: BaseException, request_id: str | None) -> ErrorResult:
         ),
         request_id,
     )
+
+
+def encode_progress(update: Generated) -> bytes:
+    """A generation's progress message: its whole text so far (so a lost message is made up by the
+    next one) and its finish reason; the token ids stay on the worker."""
+    return msgspec.msgpack.encode((update.text, update.finish_reason))
+
+
+def decode_progress(data: bytes) -> Generated:
+    text, finish_reason = msgspec.msgpack.decode(data, type=tuple[str, str | None])
+    return Generated([], text, finish_reason)

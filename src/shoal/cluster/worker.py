@@ -11,6 +11,8 @@ host-local queue they share.
   `in_progress()` sent every `ack_wait_s / 3` while it runs; then the result (or error) is sent to
   the caller's reply subject (through the Object Store when larger than the message limit), and
   only then the message acked. A worker that dies before the ack leaves it to be redelivered.
+  A generation whose gateway streams it (the `Shoal-Progress` header) also sends each update to
+  the reply subject as it comes, before its answer.
 - **SIGTERM drains**: stop pulling, hand back (nak) what is queued on the host, finish and answer
   what runs, ack, say `draining` in a last heartbeat, exit.
 
@@ -300,7 +302,7 @@ class Worker:
             return
         call = msgspec.structs.replace(call, timeout_s=remaining, request_id=job.request_id)
         keep_alive = asyncio.create_task(self._keep_alive(job))
-        task = asyncio.create_task(device.service.run(call))
+        task = asyncio.create_task(self._compute(device.service, call, job))
         self._running_calls[job.key] = task
         try:
             result = await task
@@ -321,6 +323,34 @@ class Worker:
         await self._reply(job, result)
         await job.msg.ack()
         self.wm.calls.labels(job.model_id, outcome).inc()
+
+    def _compute(self, service: Service, call: calls.AnyCall, job: Job) -> Coroutine[Any, Any, calls.AnyResult]:
+        """The call on its device's service; a generation the gateway streams is run as a stream."""
+        stream = getattr(service, "stream", None)
+        wants = job.reply and (job.msg.headers or {}).get(p.PROGRESS) == "1"
+        if not (wants and stream is not None and isinstance(call, calls.GenerateCall)):
+            return service.run(call)
+        return self._streamed(stream(call), job)
+
+    async def _streamed(self, updates: Any, job: Job) -> calls.AnyResult:
+        """Each update of a generation to the reply subject as it comes (core NATS, as the answer:
+        the two arrive in order), then its result, which `_serve` sends as any answer. An update
+        over the message limit is skipped: the next one, or the answer, carries the whole text."""
+        assert job.reply is not None
+        try:
+            async for item in updates:
+                if isinstance(item, calls.GenerateResult):
+                    return item
+                data = p.encode_progress(item)
+                if payloads.over_limit(data, self._nc.max_payload, self.settings.payload_headroom_bytes):
+                    continue
+                try:
+                    await self._nc.publish(job.reply, data, headers={p.PROGRESS: "1"})
+                except Exception as exc:  # broad: progress is best effort; the answer still goes
+                    p.log_swallowed(log, exc, "worker %s: progress of request %s", self.id, job.request_id)
+        finally:
+            await updates.aclose()
+        raise ShoalError(f"the generation of request {job.request_id} ended without its result")
 
     async def _keep_alive(self, job: Job) -> None:
         while True:

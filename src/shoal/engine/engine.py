@@ -34,6 +34,7 @@ from ..calls import (
     GenerateResult,
     ScoreCall,
     ScoreResult,
+    stream_updates,
     timeout_of,
 )
 from ..catalog import Catalog, ModelCard, needs_download
@@ -305,22 +306,11 @@ class Engine:
     async def run(self, call: AnyCall) -> AnyResult:
         return await self._run(call, None)
 
-    async def stream(self, call: GenerateCall) -> AsyncIterator[Generated | GenerateResult]:
+    def stream(self, call: GenerateCall) -> AsyncIterator[Generated | GenerateResult]:
         """A generation as it comes: a `Generated` after each step that gave it tokens (its whole
         text so far), then the call's GenerateResult. Leaving the iteration early (the client went
         away) cancels the generation and frees its KV cache slot."""
-        updates: asyncio.Queue[Generated] = asyncio.Queue()
-        task = asyncio.ensure_future(self._run(call, updates.put_nowait))
-        task.add_done_callback(lambda _: updates.put_nowait(_STREAM_END))
-        try:
-            while (item := await updates.get()) is not _STREAM_END:
-                yield item
-            result = task.result()  # raises the call's error
-            assert isinstance(result, GenerateResult)
-            yield result
-        finally:
-            if not task.done():
-                task.cancel()
+        return stream_updates(lambda on_update: self._run(call, on_update))
 
     async def _run(self, call: AnyCall, on_update: Callable[[Generated], None] | None) -> AnyResult:
         if type(call) not in VERB_OF_CALL:
@@ -602,9 +592,6 @@ async def _within(awaitable: Any, deadline: float, phase: str) -> Any:
             "retry later or with a longer timeout_s",
             details={"phase": phase},
         ) from None
-
-
-_STREAM_END: Any = object()
 
 
 def _constraint_key(spec: GenerateSpec) -> str:
