@@ -338,6 +338,36 @@ def test_a_client_that_goes_away_frees_its_slot(server, loop_of):
     assert time.monotonic() - started < 15  # 400 tokens at this model's ~20/s would take 20 s each
 
 
+def test_a_chat_that_would_wait_past_its_deadline_for_a_slot_is_refused_at_once(server, loop_of):
+    """Every KV cache slot held by a long streamed chat (32 on SmolLM2's card): a chat whose
+    deadline (`timeout_s`) comes before a slot would be free is answered 503 with Retry-After at
+    once, naming the slots, rather than waiting to a 504; the streams run on, and once they are
+    closed the pool is empty again."""
+    import contextlib
+
+    warm = {"model": SMOLLM2_ID, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 48}
+    for _ in range(2):  # the loop's step time and typical answer length are measured
+        assert httpx.post(f"{server}/v1/chat/completions", json=warm, timeout=120).status_code == 200
+    long = {
+        "model": SMOLLM2_ID,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.Client(timeout=120) as client, contextlib.ExitStack() as streams:
+        for _ in range(loop_of.slots):
+            answer = streams.enter_context(client.stream("POST", f"{server}/v1/chat/completions", json=long))
+            assert answer.status_code == 200  # its first token is out
+        assert loop_of.in_use == loop_of.slots
+        refused = client.post(f"{server}/v1/chat/completions", json={**warm, "timeout_s": 0.5})
+        assert refused.status_code == 503, refused.text  # refused, not left to its deadline (504)
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "KV cache slots" in refused.json()["error"]["message"]
+        assert loop_of.in_use == loop_of.slots  # the running streams were not touched
+    wait_idle(loop_of, 30.0)
+
+
 def test_encoder_calls_are_not_held_behind_a_generation(server, loop_of):
     request = {
         "model": SMOLLM2_ID,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -449,16 +450,19 @@ class Engine:
         entries = []
         try:
             for index, (seq, spec) in enumerate(zip(seqs, specs)):
-                entries.append(
-                    generation.submit(
+                try:
+                    entry = generation.submit(
                         [int(i) for i in seq.ids],
                         spec,
                         grammars[_constraint_key(spec)],
                         lambda g, e, i=index: loop.call_soon_threadsafe(deliver, i, g, e),
                         deadline=deadline,
+                        max_wait_s=min(self.settings.max_queue_s or math.inf, deadline - time.monotonic()),
                         streams=on_update is not None,
                     )
-                )
+                except Overloaded as exc:  # its wait for a KV cache slot would be too long
+                    self._refuse(model_id, exc)
+                entries.append(entry)
             outputs = await _within(asyncio.gather(*futures), deadline + _RUNNING_GRACE_S, "generate")
         finally:
             for entry in entries:
@@ -522,7 +526,12 @@ class Engine:
 
     def _rate_of(self, model_id: str) -> float | None:
         """The device's tokens/s for a model: its batches' rate times the lanes busy beside them;
-        before one is measured, the device's over every model."""
+        before one is measured, the device's over every model. None for a generating model: its
+        steps run on its own loop, not the device's lanes, and its calls' wait for a KV cache slot
+        is bounded there (engine/generation.py)."""
+        card = self.catalog.find(model_id)
+        if card is not None and card.generate is not None:
+            return None
         return self._device.device_tokens_per_s_of(model_id) or self._device.tokens_per_s
 
     def _limits_for(self, model_id: str) -> BatchLimits:

@@ -12,15 +12,22 @@
 
 A call never takes a device lane for its whole generation: encoder batches keep the lanes, and a
 generation's steps run on the model's own thread (on a CPU the two share the cores). Calls beyond
-the cache's slots wait in arrival order (their deadline still runs) rather than fail.
+the cache's slots wait in arrival order (their deadline still runs) rather than fail, unless the
+wait for a slot would be longer than the caller may wait (`submit`'s `max_wait_s`): then they are
+refused at once (503, Retry-After) rather than answered 504 at their deadline. The wait is
+estimated from the sequences running and waiting ahead, each holding its slot for its
+max_new_tokens or the typical answer's length, whichever is shorter (one already past that length:
+as long again as it has run), at the recent step time.
 Constraints are compiled by `compile` off the loop (the engine calls it on a worker thread).
 """
 
 from __future__ import annotations
 
 import collections.abc
+import heapq
 import json
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -52,6 +59,8 @@ log = logging.getLogger("shoal.engine.generation")
 OnUpdate = Callable[[Generated, BaseException | None], None]
 # Positions per KV cache block: a sequence reserves whole blocks for its prompt and max_new_tokens.
 BLOCK_SIZE = 64
+# The weight of the newest step (answer) in the loop's moving average of step times (answer lengths).
+_SMOOTHING = 0.2
 
 
 @dataclass(eq=False)
@@ -80,6 +89,9 @@ class GenerationLoop:
         self._waiting: deque[Entry] = deque()
         self._running: dict[int, Entry] = {}  # id(seq) -> entry
         self._closed = False
+        # Recent seconds per step and tokens per finished answer (moving averages), for `wait_s`.
+        self._step_s: float | None = None
+        self._answer_tokens: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"shoal-generate-{name}", daemon=True)
         self._thread.start()
 
@@ -112,8 +124,10 @@ class GenerationLoop:
         on_update: OnUpdate,
         *,
         deadline: float,
+        max_wait_s: float = math.inf,
         streams: bool = False,
     ) -> Entry:
+        """Queue a sequence for a slot; Overloaded if its wait for one would pass `max_wait_s`."""
         request = GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=spec.max_new_tokens,
@@ -129,9 +143,41 @@ class GenerationLoop:
         with self._cond:
             if self._closed:
                 raise Overloaded("the model is being unloaded; retry", retry_after_s=1.0)
+            wait_s = self._wait_s()
+            if wait_s is not None and wait_s > max_wait_s:
+                ahead = len(self._inbox) + len(self._waiting)
+                retry_after_s = float(max(1, math.ceil(wait_s - max_wait_s)))
+                raise Overloaded(
+                    f"the model's {self.slots} KV cache slots are taken and {ahead} generations wait for one: "
+                    f"this one would wait about {wait_s:.0f} s, more than {max_wait_s:.0f} s; retry in "
+                    f"{retry_after_s:.0f} s",
+                    retry_after_s=retry_after_s,
+                    details={"waiting": ahead, "slots": self.slots, "estimated_wait_s": round(wait_s, 1)},
+                )
             self._inbox.append(entry)
             self._cond.notify()
         return entry
+
+    def _wait_s(self) -> float | None:
+        """Seconds until a sequence submitted now gets a slot (call under the lock; see the module
+        docstring); None until a step has been timed."""
+        if self._step_s is None:
+            return None
+        typical = self._answer_tokens or math.inf
+        # Copies (atomic under the GIL): the loop's thread changes these without the lock.
+        running = [entry.seq for entry in tuple(self._running.values()) if entry.seq is not None]
+        free = max(0, self.slots - len(running))
+        # In steps from now; a sequence already past the typical length is expected to run as long again.
+        releases = [0.0] * free + [
+            max(1.0, min(seq.request.max_new_tokens, max(typical, 2 * len(seq.tokens))) - len(seq.tokens))
+            for seq in running
+        ]
+        if not releases:
+            return None
+        heapq.heapify(releases)
+        for entry in (*tuple(self._waiting), *self._inbox):
+            heapq.heappush(releases, heapq.heappop(releases) + min(entry.request.max_new_tokens, typical))
+        return releases[0] * self._step_s
 
     def cancel(self, entry: Entry) -> None:
         """The sequence stops before the next step; its slot is freed then."""
@@ -180,7 +226,10 @@ class GenerationLoop:
         if not generator.running:
             return
         try:
+            started = time.perf_counter()
             generator.step()
+            took = time.perf_counter() - started
+            self._step_s = took if self._step_s is None else (1 - _SMOOTHING) * self._step_s + _SMOOTHING * took
         except Exception as exc:  # a failed step ends its sequences with "error" (batcher)
             log.exception("a generation step failed")
             error = exc if isinstance(exc, ShoalError) else ShoalError(f"generation failed: {type(exc).__name__}")
@@ -230,6 +279,10 @@ class GenerationLoop:
                 entry.first_token_at = now
             if seq.done:
                 del self._running[key]
+                if seq.finish_reason in ("stop", "length"):
+                    n = len(seq.tokens)
+                    typical = self._answer_tokens
+                    self._answer_tokens = n if typical is None else (1 - _SMOOTHING) * typical + _SMOOTHING * n
                 failed = error if seq.finish_reason == "error" else None
                 self._finish(entry, self._generated(entry), failed)
             elif entry.streams and not entry.cancelled and len(seq.tokens) > entry.sent:
