@@ -326,7 +326,7 @@ def test_the_generation_loop_runs_calls_beyond_its_cache_in_arrival_order(smollm
         block_size=128,
     )
     gen = Generator(CachedDecoder(model, cache), eos, decode=lambda ids: tokenizer.decode(ids))
-    loop = GenerationLoop(gen, gen.decode, threads=torch.get_num_threads(), name="test")
+    loop = GenerationLoop(gen, threads=torch.get_num_threads(), name="test")
     done, results, most = threading.Event(), {}, []
 
     def on_update(i):

@@ -359,16 +359,10 @@ class Engine:
                     timings = PhaseSeconds(
                         tokenize_s=tokenize_s, queue_s=0.0, inference_s=time.perf_counter() - started
                     )
-                    self.metrics.phase_seconds.labels("inference", card.id).observe(timings["inference_s"])
-                    self.metrics.generated_tokens.labels(card.id).inc(sum(len(o.token_ids) for o in outputs))
-                    for out in outputs:
-                        if out.first_token_at is not None:
-                            first_token_s = out.first_token_at - (deadline - timeout_s)
-                            self.metrics.first_token_seconds.labels(card.id).observe(first_token_s)
+                    first_token_s = self._count_generated(card.id, outputs, deadline - timeout_s, timings)
                     result = task.collect(plan, seqs, outputs, timings)
-                    if isinstance(result, GenerateResult) and outputs[0].first_token_at is not None:
-                        first_token_s = outputs[0].first_token_at - (deadline - timeout_s)
-                        result = msgspec.structs.replace(result, first_token_s=first_token_s)
+                    if isinstance(result, GenerateResult) and first_token_s[0] is not None:
+                        result = msgspec.structs.replace(result, first_token_s=first_token_s[0])
                     return msgspec.structs.replace(result, precision=runner.info.precision)
                 pending = Pending(
                     card.id,
@@ -408,6 +402,20 @@ class Engine:
         else:
             result = task.collect(plan, seqs, outputs, timings)
         return msgspec.structs.replace(result, precision=runner.info.precision)
+
+    def _count_generated(
+        self, model_id: str, outputs: list[Generated], started: float, timings: PhaseSeconds
+    ) -> list[float | None]:
+        """A generation call's metrics (its time, new tokens, and each sequence's first token since
+        the call `started`, a time.monotonic()); returns those first-token seconds."""
+        m = self.metrics
+        m.phase_seconds.labels("inference", model_id).observe(timings["inference_s"])
+        m.generated_tokens.labels(model_id).inc(sum(len(o.token_ids) for o in outputs))
+        firsts = [None if o.first_token_at is None else o.first_token_at - started for o in outputs]
+        for seconds in firsts:
+            if seconds is not None:
+                m.first_token_seconds.labels(model_id).observe(seconds)
+        return firsts
 
     async def _generate(
         self,

@@ -80,9 +80,8 @@ class Entry:
 class GenerationLoop:
     """The model's generation thread (see the module docstring)."""
 
-    def __init__(self, generator: Generator, decode: Callable[[list[int]], str], threads: int, name: str) -> None:
+    def __init__(self, generator: Generator, threads: int, name: str) -> None:
         self.generator = generator
-        self.decode = decode
         self.threads = threads
         self._cond = threading.Condition()
         self._inbox: list[Entry] = []
@@ -296,7 +295,8 @@ class GenerationLoop:
     def _generated(self, entry: Entry) -> Generated:
         seq = entry.seq
         assert seq is not None
-        text = seq.text if seq.text is not None else self.decode(seq.tokens)
+        decode = self.generator.decode
+        text = seq.text if seq.text is not None else decode(seq.tokens) if decode is not None else ""
         return Generated(list(seq.tokens), text, seq.finish_reason, entry.first_token_at)
 
     def _finish(self, entry: Entry, generated: Generated, error: BaseException | None) -> None:
@@ -377,9 +377,7 @@ class GeneratingModel:
         self.workspace_bytes = (
             self.generator.max_prefill_tokens * (3 * config.intermediate_size + 8 * config.hidden_size) * itemsize
         )
-        self.generation = GenerationLoop(
-            self.generator, self.generator.decode or (lambda ids: ""), threads, card.id.split("/")[-1]
-        )
+        self.generation = GenerationLoop(self.generator, threads, card.id.split("/")[-1])
 
     def compile(self, constraint: tuple[str, Any]) -> str:
         """The grammar of a GenerateSpec's constraint (cached by shoal.generate.constraints);
