@@ -1,12 +1,12 @@
-"""int8 decode, measured and not served (issue 39): would shoal's `quantize: int8` Linears
-(layers/int8.py) bring one sequence's decode near llama.cpp's? SmolLM2-135M-Instruct's weights as
-the engine loads them (the card's GGUF, dequantised to float32), in this process, three ways:
+"""int8 decode (issue 39): how much faster, and how far from float32's answers, is a generating
+card under `quantize: int8` (engine/generation.py; layers/int8.py)? SmolLM2-135M-Instruct's
+weights as the engine loads them (the card's GGUF, dequantised to float32), in this process:
 
 - `float32`: Linears and the tied LM head oneDNN-packed, as a generating model is served on a CPU;
-- `int8`: every Linear int8 (per-row weight scales, per-token activation scales, outlier input
-  channels kept float32 as the float32 model's calibration run shows them: here the chat
-  workload's 8 prompts, 16 greedy tokens each); the LM head packed float32;
-- `int8+head`: the LM head int8 too (no outlier channels: the head's input is the final norm's).
+- `int8`: as a card or tuned overlay with `quantize: int8` is served: every Linear int8 (per-row
+  weight scales, per-token activation scales, outlier input channels kept float32 as the float32
+  model's read of the runner's calibration texts shows them); the LM head packed float32;
+- `int8+head`: the LM head int8 too (not served: no outlier channels for it).
 
 First each one's greedy answers to the 8 prompts at once (64 new tokens) against float32's: the
 length of the prefix each keeps. Then tokens/s at N concurrent sequences (the Generator driven to
@@ -25,11 +25,13 @@ import torch
 
 from shoal.bench.generation import QUESTIONS, messages
 from shoal.catalog import Catalog, resolve_weights
+from shoal.engine.runner import quantize_int8
+from shoal.engine.tokenizer import TextTokenizer
 from shoal.generate.batcher import GenerationRequest, Generator
 from shoal.generate.forward import CachedDecoder
 from shoal.generate.kv_cache import PagedCache
 from shoal.layers import packed
-from shoal.layers.int8 import Int8Linear, input_maxima, quantize_linears
+from shoal.layers.int8 import Int8Linear
 from shoal.weights import build_model
 from spawn import machine_line
 
@@ -37,7 +39,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WAYS = ("float32", "int8", "int8+head")
 
 
-def generator(directory, way: str, prompts: list[tuple[int, ...]], eos: list[int], slots: int) -> Generator:
+def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
     model = build_model(directory, None, "cpu")
     cfg = model.config
 
@@ -48,10 +50,8 @@ def generator(directory, way: str, prompts: list[tuple[int, ...]], eos: list[int
 
     if way == "float32":
         packed.pack_linears(model)
-    else:  # the float32 model's per-channel input maxima over a calibration run, then int8 Linears
-        calibration = Generator(CachedDecoder(model, cache(len(prompts))), eos)
-        run = lambda: calibration.run([GenerationRequest(p, max_new_tokens=16) for p in prompts])  # noqa: E731
-        quantize_linears(model, input_maxima(model, run))
+    else:  # as GeneratingModel does under quantize: int8
+        quantize_int8(model, TextTokenizer.from_dir(directory, 2048))
     decoder = CachedDecoder(model, cache(slots))
     if way == "int8+head":
         head = torch.nn.Linear(decoder.lm_head.shape[1], decoder.lm_head.shape[0], bias=False)
@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     ]
     prompts = [tuple(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     eos = [tokenizer.eos_token_id]
-    gens = {way: generator(directory, way, prompts, eos, max(args.concurrency)) for way in WAYS}
+    gens = {way: generator(directory, way, eos, max(args.concurrency)) for way in WAYS}
     reference = generate(gens["float32"], prompts, len(prompts), args.new_tokens)[1]
     print(f"{MODEL}, {args.new_tokens} new tokens, greedy, torch threads {torch.get_num_threads()}")
     for way in WAYS[1:]:

@@ -351,3 +351,68 @@ def test_the_generation_loop_runs_calls_beyond_its_cache_in_arrival_order(smollm
     firsts = [results[i][2] for i in range(8)]
     assert firsts == sorted(firsts)  # none overtook an earlier one
     assert cache.in_use == 0
+
+
+def test_int8_decoding_keeps_to_float32s_choices(smollm2_causal, prompts):
+    """A generating card with `quantize: int8` (engine/generation.py: its Linears int8, calibrated
+    as an encoder's; the LM head float32): its greedy answers to the 20 prompts, fed back through
+    transformers' float32 model token by token, are float32's own choice at 90 % of their tokens
+    or more (a broken kernel or calibration would pick few); its answers are not float32's token
+    for token, which is why it is opt-in."""
+    import msgspec
+
+    from conftest import SMOLLM2_ID
+    from shoal.catalog import Catalog
+    from shoal.engine.generation import GeneratingModel
+    from shoal.layers.int8 import Int8Linear
+
+    directory, reference = smollm2_causal
+    card = msgspec.structs.replace(Catalog.load().get(SMOLLM2_ID), quantize="int8")
+    loaded = GeneratingModel(card, directory, "cpu", torch.get_num_threads())
+    try:
+        assert all(isinstance(layer.down, Int8Linear) for layer in loaded.model.layers)
+        assert loaded.info.precision == "int8"
+        answers = loaded.generator.run([GenerationRequest(ids, max_new_tokens=NEW_TOKENS) for ids in prompts])
+    finally:
+        loaded.close()
+    picked = total = 0
+    for ids, answer in zip(prompts, answers):
+        tokens = list(answer.tokens)
+        with torch.no_grad():
+            logits = reference(torch.tensor([list(ids) + tokens])).logits[0]
+        choices = logits[len(ids) - 1 : len(ids) - 1 + len(tokens)].argmax(-1).tolist()
+        picked += sum(a == b for a, b in zip(choices, tokens))
+        total += len(tokens)
+    print(f"\nint8: float32 picks {picked} of its {total} tokens ({picked / total:.1%})")
+    assert total > 0 and picked >= 0.9 * total
+
+
+def test_a_tuned_overlay_serves_a_generating_model_in_int8(tmp_path, smollm2_causal):
+    """As a user opts in: a tuned overlay (`quantize: int8` for cpu) in the models directory; the
+    engine loads the generating card in int8 and its answer says so."""
+    import asyncio
+
+    import yaml
+
+    from conftest import SMOLLM2_ID
+    from shoal.calls import GenerateCall, Message
+    from shoal.catalog import Catalog
+    from shoal.config import EngineSettings
+    from shoal.engine import Engine
+
+    (tmp_path / "tuned").mkdir()
+    overlay = {"model": SMOLLM2_ID, "hardware": "cpu", "batching": {"quantize": "int8"}}
+    (tmp_path / "tuned" / "smollm2.yaml").write_text(yaml.safe_dump(overlay))
+
+    async def body():
+        catalog = Catalog.load((tmp_path,)).restrict((SMOLLM2_ID,))
+        engine = Engine(EngineSettings(), catalog, allow_download=False)
+        await engine.start()
+        try:
+            call = GenerateCall(SMOLLM2_ID, messages=[Message("user", QUESTIONS[0])], max_new_tokens=16)
+            return await engine.run(call)
+        finally:
+            await engine.stop()
+
+    result = asyncio.run(body())
+    assert result.precision == "int8" and result.completion_tokens > 0 and result.text

@@ -325,8 +325,12 @@ class GeneratingModel:
     def __init__(self, card: ModelCard, directory: Path, device: str, threads: int, *, pack: bool = True) -> None:
         if card.generate is None:
             raise ConfigError(f"model {card.id}: its card has no generate block")
-        if card.quantize is not None:
-            raise ConfigError(f"model {card.id}: generation runs unquantised (drop `quantize`)")
+        if card.quantize is not None and torch.device(device).type != "cpu":
+            raise ConfigError(
+                f"model {card.id}: quantize {card.quantize} runs on CPUs only (int8 matmuls through oneDNN), "
+                f"not on {device}: drop quantize",
+                details={"model": card.id, "field": "quantize", "device": device},
+            )
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[card.dtype]
         model = build_model(directory, card.architecture, device, card.dtype)
         if not isinstance(model, LlamaModel):
@@ -351,7 +355,14 @@ class GeneratingModel:
         # oneDNN's packed layout for every Linear and the LM head (layers/packed.py), as the engine
         # packs encoders on a CPU: 1.3-1.6x the decode steps' tokens/s here (docs/benchmarks.md).
         packing = pack and torch.device(device).type == "cpu" and dtype == torch.float32 and packed.available()
-        if packing:
+        if card.quantize == "int8":
+            # The Linears int8 as an encoder's (outlier channels from the float32 model's read of the
+            # calibration texts), the LM head float32: not token for token float32's answers, which
+            # the card says (docs/generate.md has how far they agree, and the speed).
+            from .runner import quantize_int8
+
+            quantize_int8(model, tokenizer)
+        elif packing:
             packed.pack_linears(model)
         decoder = CachedDecoder(model, cache)
         head_bytes = decoder.pack_head() if packing else 0  # a tied head's packed copy

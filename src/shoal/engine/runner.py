@@ -239,7 +239,7 @@ class ModelRunner:
                 limits=image_limits,
             )
         if card.quantize == "int8":  # the encoder's Linears; embeddings, norms and heads stay float32
-            _quantize_int8(model, tokenizer)
+            quantize_int8(model, tokenizer)
         elif pack and torch.device(device).type == "cpu" and packed.available():
             packed.pack_linears(model)  # float32 Linears in oneDNN's layout (layers/packed.py)
         runner = cls(card, model, tokenizer, device, directory, max_batch_tokens, image)
@@ -477,8 +477,9 @@ _CALIBRATION_TEXTS = (
 )
 
 
-def _quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
-    """Swap the model's Linears for int8 ones, outlier channels as the calibration texts show them."""
+def quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
+    """Swap the model's Linears for int8 ones, outlier channels as the calibration texts show them
+    (the model's own packed forward reads them; a generating model's too, engine/generation.py)."""
     batch = Batch.pack(tokenizer.encode(list(_CALIBRATION_TEXTS), truncate=True))
     input_ids, position_ids = torch.from_numpy(batch.input_ids), torch.from_numpy(batch.position_ids)  # [T]
     meta = AttentionMeta.build(torch.from_numpy(batch.cu_seqlens), batch.max_seqlen)
