@@ -237,6 +237,16 @@ def test_admission_takes_the_calls_timeout_when_shorter_and_refuses_at_once_what
         admission.admit("m", 1, 500, 2.0)  # 5 s of its own: hopeless even alone
 
 
+def test_a_small_request_with_a_deadline_too_short_is_late_not_too_big():
+    """Under HOPELESS_MIN_S of its own (what a gateway's worker sees of a call with a tiny
+    timeout: the little left of it) it is not a 400 to split it: admitted with nothing ahead (to
+    be answered 504 when its deadline passes), refused 503 with work ahead."""
+    admission = _admission()
+    admission.admit("m", 1, 10, 0.001)  # 0.1 s of its own, 100 x its timeout
+    with pytest.raises(Overloaded):
+        admission.admit("m", 1, 10, 0.001)
+
+
 def test_a_request_longer_than_the_bound_waits_behind_a_quarter_of_it_at_most():
     admission = _admission()
     admission.admit("long", 1, 1500, 300.0)  # 15 s alone, with nothing ahead: admitted

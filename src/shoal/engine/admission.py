@@ -36,9 +36,12 @@ timeline is back to now once the refused have had their turn.
 A request longer than the bound by itself is not refused for ever: it is admitted when the backlog
 ahead of it is under a quarter of the bound. One that could not finish within its own deadline
 even with the device to itself (twice its timeout at the measured rate: the estimate is rough) is
-refused at once with a 400 rather than run to a 504. Until a model's first batch has run there is
-no rate for it (the device-wide rate of other models stands in, if any): admission counts tokens
-only, and the engine checks time again once the request is tokenized.
+refused at once with a 400 rather than run to a 504, if it needs `HOPELESS_MIN_S` or more: a
+request smaller than that is not too big, its deadline is too short (through a gateway the
+worker sees only what is left of it), and it is answered as any late call, 503 or 504. Until a
+model's first batch has run there is no rate for it (the device-wide rate of other models stands
+in, if any): admission counts tokens only, and the engine checks time again once the request is
+tokenized.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ from ..errors import InvalidRequest, Overloaded
 
 # A request longer than the bound may wait behind this share of it.
 LONG_REQUEST_WAIT_SHARE = 0.25
-# Refused at once only when alone it needs more than this many times its timeout.
+# Refused at once only when alone it needs more than this many times its timeout, and this many
+# seconds or more.
 HOPELESS_FACTOR = 2.0
+HOPELESS_MIN_S = 1.0
 # Promised retries are booked this much later and longer than the estimate says: the estimate
 # counts the device's forwards alone and runs short by up to a quarter under a burst, and a client
 # refused again at its told time loses more than one told a little late.
@@ -190,7 +195,7 @@ class Admission:
         own_s = self.seconds(model_id, tokens)
         if self.max_seconds is None or own_s is None:
             return
-        if own_s > HOPELESS_FACTOR * timeout_s:
+        if own_s > HOPELESS_FACTOR * timeout_s and own_s >= HOPELESS_MIN_S:
             raise InvalidRequest(
                 f"this request needs about {own_s:.0f} s of the device at its measured rate, more than "
                 f"its deadline allows ({timeout_s:g} s): split it, or give it a longer timeout_s",
