@@ -334,7 +334,8 @@ AGREEMENT = 0.6
 def _check_answers(served: str, baselines: dict[str, Any]) -> dict[str, Any]:
     """The first prompt's greedy answers: transformers' must equal the server's (same float32
     weights: a faster wrong answer is not a result); llama.cpp computes in its own arithmetic, so
-    how far its answer agrees with the server's is reported. Returns what was found."""
+    its answer is not compared token for token: fed the server's answer, it must pick `AGREEMENT`
+    of its tokens itself. Both counts are printed; returns what was found."""
     found: dict[str, Any] = {}
     if "transformers" in baselines:
         expected = baselines["transformers"].first_answer()

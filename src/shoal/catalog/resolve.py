@@ -44,14 +44,13 @@ def resolve_weights(card: ModelCard, allow_download: bool = True) -> Path:
 
     if source.package:
         module, _, subdir = source.package.partition("/")
-        spec = importlib.util.find_spec(module)
-        if spec is not None and spec.submodule_search_locations:
-            path = Path(list(spec.submodule_search_locations)[0]) / subdir
-            gguf = packaged_gguf(card)
-            if gguf is not None and not _is_model_dir(path):
+        folder = _package_dir(source.package)
+        if folder is not None:
+            gguf = folder / source.gguf if source.gguf else None
+            if gguf is not None and gguf.is_file() and not _is_model_dir(folder):
                 return _converted(gguf, GGUF_CACHE_DIR, _gguf_convert)
-            if _is_model_dir(path):
-                return _from_onnx(path, source.onnx) if source.onnx else path
+            if _is_model_dir(folder):
+                return _from_onnx(folder, source.onnx) if source.onnx else folder
             tried.append(f"package {module} has no model files under {subdir!r}")
         else:
             pip_name = source.package_pip or module.replace("_", "-")
@@ -200,17 +199,21 @@ def _from_onnx(folder: Path, onnx: str, cache_dir: Path | None = None) -> Path:
     return _converted(folder / onnx, cache_dir or ONNX_CACHE_DIR, convert, prefix=folder.name + "-")
 
 
-def packaged_gguf(card: ModelCard) -> Path | None:
-    """The card's GGUF file (`source.gguf`) in its installed package, if both are there."""
-    source = card.source
-    if not (source.package and source.gguf):
-        return None
-    module, _, subdir = source.package.partition("/")
+def _package_dir(package: str) -> Path | None:
+    """`module/subdir` (a card's `source.package`) in the installed module, None if not installed."""
+    module, _, subdir = package.partition("/")
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / subdir / source.gguf
-    return path if path.is_file() else None
+    return Path(list(spec.submodule_search_locations)[0]) / subdir
+
+
+def packaged_gguf(card: ModelCard) -> Path | None:
+    """The card's GGUF file (`source.gguf`) in its installed package, if both are there."""
+    source = card.source
+    folder = _package_dir(source.package) if source.package and source.gguf else None
+    path = folder / source.gguf if folder is not None and source.gguf else None
+    return path if path is not None and path.is_file() else None
 
 
 def _gguf_convert(path: Path, staging: Path) -> None:
