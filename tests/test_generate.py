@@ -387,32 +387,40 @@ def test_int8_decoding_keeps_to_float32s_choices(smollm2_causal, prompts):
     assert total > 0 and picked >= 0.9 * total
 
 
-def test_a_tuned_overlay_serves_a_generating_model_in_int8(tmp_path, smollm2_causal):
-    """As a user opts in: a tuned overlay (`quantize: int8` for cpu) in the models directory; the
-    engine loads the generating card in int8 and its answer says so."""
-    import asyncio
+def test_a_tuned_overlay_serves_a_generating_model_in_int8_and_shoal_bench_checks_it_by_agreement(
+    tmp_path, smollm2_causal
+):
+    """As a user opts in: a tuned overlay (`quantize: int8` for cpu) in the models directory;
+    `shoal serve` loads the generating card in int8 (`/v1/models` says so), and `shoal bench
+    --workload chat --against transformers` on it checks the answer by agreement, not equality:
+    transformers (float32), fed the int8 answer, picks at least 80 % of its tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
     import yaml
 
     from conftest import SMOLLM2_ID
-    from shoal.calls import GenerateCall, Message
-    from shoal.catalog import Catalog
-    from shoal.config import EngineSettings
-    from shoal.engine import Engine
 
     (tmp_path / "tuned").mkdir()
     overlay = {"model": SMOLLM2_ID, "hardware": "cpu", "batching": {"quantize": "int8"}}
     (tmp_path / "tuned" / "smollm2.yaml").write_text(yaml.safe_dump(overlay))
-
-    async def body():
-        catalog = Catalog.load((tmp_path,)).restrict((SMOLLM2_ID,))
-        engine = Engine(EngineSettings(), catalog, allow_download=False)
-        await engine.start()
-        try:
-            call = GenerateCall(SMOLLM2_ID, messages=[Message("user", QUESTIONS[0])], max_new_tokens=16)
-            return await engine.run(call)
-        finally:
-            await engine.stop()
-
-    result = asyncio.run(body())
-    assert result.precision == "int8" and result.completion_tokens > 0 and result.text
+    out = tmp_path / "chat.json"
+    argv = ["bench", SMOLLM2_ID, "--workload", "chat", "--levels", "1", "--models-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("shoal")), *argv, "--against", "transformers", "--json-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    assert record["precision"] == "int8"
+    found = record["agreement"]["transformers"]
+    if found != "equal":  # int8 may keep every token of so short an answer; it need not
+        assert found["picked"] >= 0.8 * found["of"] > 0, found
+        assert "transformers (float32) picks" in proc.stdout
+    assert record["levels"]["1"]["shoal"]["tokens_per_s"] > 0
