@@ -19,6 +19,8 @@ Design options, to see what happens when one stream or one gateway is the limit:
     --gateways G        G gateways, the load spread over them in turn (as a load balancer does)
     --pools P           the workers in P pools (worker i in pool i mod P); the gateways send each
                         call to the pool with the most free tokens (directory.pool_of)
+    --pool-models X     all: every pool serves every model; split: model i only in pool i mod P,
+                        and each pool gets workers in proportion to its models' share of the calls
     --partition X       one: one stream (shoal's SHOAL_WORK); pool: one stream per pool; model: one
                         stream per model (a stream is one server here)
     --host-processes K  the workers share K event loops (bench/cluster.py runs its 16 in one);
@@ -28,6 +30,8 @@ Design options, to see what happens when one stream or one gateway is the limit:
     python bench/cluster_sim.py --workers 16 --mirror          # bench/cluster.py's 16-worker pull run
     python bench/cluster_sim.py --workers 100,1000,5000        # one gateway, one stream
     python bench/cluster_sim.py --workers 5000 --gateways 16 --pools 8 --partition pool
+    python bench/cluster_sim.py --workers 5000 --gateways 16 --pools 8 --partition pool \
+        --pool-models split --models 48
     python bench/cluster_sim.py plot docs/img/cluster_sim.svg RUN.json ...   # from --out's
 
 Other options (the device, the load, the knee) are bench/cluster.py's and mean the same.
@@ -62,6 +66,7 @@ from virtual_time import run_virtual, virtual_clock
 COSTS_FILE = Path(__file__).with_name("cluster_sim_costs.json")
 PARTITIONS = ("one", "pool", "model")
 POOL_CHOICES = ("most-free", "weighted")  # shoal's directory.pool_of; a draw weighted by free tokens
+POOL_MODELS = ("all", "split")
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Design:
     partition: str = "one"
     host_processes: int = 0  # 0: each worker its own host
     pool_choice: str = "most-free"  # how a gateway picks a model's pool (POOL_CHOICES)
+    pool_models: str = "all"  # which models a pool serves (POOL_MODELS)
 
     def label(self) -> str:
         parts = [f"{self.gateways} gateway{'s' if self.gateways > 1 else ''}"]
@@ -107,6 +113,8 @@ class Design:
             if self.partition != "one" or self.pools == 1
             else f"{self.pools} pools, 1 stream"
         )
+        if self.pools > 1 and self.pool_models == "split":
+            parts.append("models split over the pools")
         if self.pools > 1 and self.pool_choice != "most-free":
             parts.append(f"pool by {self.pool_choice}")
         if self.host_processes:
@@ -131,10 +139,39 @@ class Plan:
     warmup_s: float
     refine: int
 
-    def preload(self, index: int) -> tuple[str, ...]:
-        """What device `index` has loaded at start: `resident` models, spread evenly (the bench's)."""
-        n, k = len(self.model_ids), self.resident or 0
-        return tuple(self.model_ids[(index * k + j) % n] for j in range(k))
+    def preload(self, index: int, model_ids: list[str] | None = None) -> tuple[str, ...]:
+        """What device `index` (of those serving `model_ids`, default all) has loaded at start:
+        `resident` models, spread evenly (the bench's)."""
+        model_ids = self.model_ids if model_ids is None else model_ids
+        n, k = len(model_ids), self.resident or 0
+        return tuple(model_ids[(index * k + j) % n] for j in range(min(k, n)))
+
+
+def pools_of(
+    design: Design, model_ids: list[str], shares: list[float], num_workers: int
+) -> tuple[list[int], list[list[str]]]:
+    """(each worker's pool, each pool's models). `all`: worker i in pool i mod P, every pool every
+    model. `split`: model i in pool i mod P only, and the workers dealt out in turn to the pool
+    furthest below its models' share of the calls (so the slow devices, the last ones, spread too);
+    every pool gets one at least."""
+    pools = design.pools
+    if design.pool_models == "all" or pools == 1:
+        return [i % pools for i in range(num_workers)], [list(model_ids)] * pools
+    if pools > len(model_ids) or pools > num_workers:
+        raise SystemExit(f"--pool-models split: {pools} pools need as many models and workers at least")
+    models = [model_ids[j::pools] for j in range(pools)]
+    weight = [sum(shares[j::pools]) for j in range(pools)]
+    counts, order = [0] * pools, []
+    for i in range(num_workers):
+        empty = [j for j in range(pools) if not counts[j]]
+        left = num_workers - i
+        if len(empty) >= left:  # the last workers go to pools still without one
+            j = empty[0]
+        else:
+            j = max(range(pools), key=lambda j: weight[j] * (i + 1) - counts[j])
+        counts[j] += 1
+        order.append(j)
+    return order, models
 
 
 def plan_of(args: argparse.Namespace) -> Plan:
@@ -241,12 +278,17 @@ class SimCluster:
         if self.design.pool_choice == "weighted":
             WorkerDirectory.pool_of = staticmethod(_weighted_pool(random.Random(1)))  # type: ignore[method-assign]
         shared = [sj.Server(loop, f"host{i}") for i in range(self.design.host_processes)]
+        plan = self.plan
+        pool_of, pool_models = pools_of(self.design, plan.model_ids, plan.workload.shares, len(self.device_costs))
+        in_pool = [0] * len(pool_models)
         for i, cost in enumerate(self.device_costs):
-            device = real.SimDevice(f"sim{i}", self.plan.model_ids, cost, self.plan.resident, self.plan.target_batch_s)
-            pool = f"pool{i % self.design.pools}"
-            settings = ClusterSettings(nats_url="nats://sim:4222", pool=pool, **self.cluster)
+            j = pool_of[i]
+            device = real.SimDevice(f"sim{i}", pool_models[j], cost, plan.resident, plan.target_batch_s)
+            preload = plan.preload(i if self.design.pool_models == "all" else in_pool[j], pool_models[j])
+            in_pool[j] += 1
+            settings = ClusterSettings(nats_url="nats://sim:4222", pool=f"pool{j}", **self.cluster)
             self.worker_cpus.append(shared[i % len(shared)] if shared else sj.Server(loop, f"w{i}"))
-            worker = Worker([device], settings, devices=[device.name], worker_id=f"w{i}", preload=self.plan.preload(i))
+            worker = Worker([device], settings, devices=[device.name], worker_id=f"w{i}", preload=preload)
             self.devices.append(device)
             self.workers.append(worker)
             self._runs.append(asyncio.create_task(worker.run(self._stop), name=f"worker w{i}"))
@@ -476,8 +518,10 @@ def capacity_req_s(design: Design, costs: Costs, num_workers: int, heartbeat_s: 
     busiest stream's server (a first guess for the ramp; the simulation says what really holds)."""
     hb_load = num_workers / heartbeat_s * costs.gateway.heartbeat_s  # share of each gateway's loop
     gateways = design.gateways * max(0.0, 1.0 - hb_load) / max(1e-12, costs.gateway_call_s())
-    stream = {"one": 1.0, "pool": 1.0 / design.pools, "model": max(shares)}[design.partition]
-    consumer = max(shares) / design.pools  # a consumer per pool and model
+    split = design.pool_models == "split" and design.pools > 1
+    pool_share = max(sum(shares[j :: design.pools]) for j in range(design.pools)) if split else 1.0 / design.pools
+    stream = {"one": 1.0, "pool": pool_share, "model": max(shares)}[design.partition]
+    consumer = max(shares) / (1 if split else design.pools)  # a consumer per pool and model
     return min(gateways, 1.0 / (costs.bus.publish_s * stream), 1.0 / (costs.consumer_call_s() * consumer))
 
 
@@ -582,6 +626,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         "--dispatcher", choices=("pull", "pull-any"), default="pull", help="pull-any: without model affinity"
     )
     ap.add_argument("--pool-choice", choices=POOL_CHOICES, default="most-free", help="how a gateway picks a pool")
+    ap.add_argument("--pool-models", choices=POOL_MODELS, default="all", help="which models a pool serves")
     ap.add_argument("--host-processes", type=int, default=0, help="workers share this many event loops (0: own hosts)")
     ap.add_argument(
         "--mirror", action="store_true", help="as bench/cluster.py runs: one host process, heartbeats every 0.5 s"
@@ -635,7 +680,12 @@ async def main_async(ours: argparse.Namespace, args: argparse.Namespace) -> int:
     elif args.resident and args.swap_ms:  # as bench/cluster.py: an operator sets it to the load's time
         cluster["cold_pull_after_s"] = args.swap_ms / 1000 * args.slowdown
     design = Design(
-        ours.gateways, ours.pools, ours.partition, 1 if ours.mirror else ours.host_processes, ours.pool_choice
+        ours.gateways,
+        ours.pools,
+        ours.partition,
+        1 if ours.mirror else ours.host_processes,
+        ours.pool_choice,
+        ours.pool_models,
     )
     catalog = Catalog.load()
     print("shoal cluster simulation: real gateways and workers, simulated JetStream and devices, in virtual time")

@@ -289,3 +289,37 @@ def test_a_model_loaded_nowhere_is_pulled_by_an_idle_worker_with_a_no_wait_pull_
     assert ["sim/c"] in after and swaps >= 1
     assert raw_pulls >= 1
     assert not [r.getMessage() for r in caplog.records if r.name == "shoal.worker"]
+
+
+def test_pools_that_split_the_models_get_workers_by_their_share_of_the_calls_and_serve_only_their_own():
+    """`--pool-models split`: model i in pool i mod P only, the workers dealt to the pools by their
+    models' share of the calls (interleaved, so the last, slow devices spread over the pools); the
+    real gateways send each call to the one pool that serves its model, and every call is answered
+    by a device that serves it (a device asked for another model's call would fail it)."""
+    split = cluster_sim.Design(pools=2, partition="pool", pool_models="split")
+    models = ["sim/a", "sim/b", "sim/c", "sim/d"]
+    order, pool_models = cluster_sim.pools_of(split, models, [0.5, 0.25, 0.15, 0.1], 8)
+    assert pool_models == [["sim/a", "sim/c"], ["sim/b", "sim/d"]]
+    assert order.count(0) == 5 and order.count(1) == 3  # 0.65 and 0.35 of 8
+    assert 1 in order[:3] and 0 in order[-3:]  # dealt in turn, not in blocks
+    assert cluster_sim.pools_of(cluster_sim.Design(pools=2), models, [0.25] * 4, 4) == ([0, 1, 0, 1], [models, models])
+
+    random.seed(0)
+    rng = random.Random(0)
+    calls = [EncodeCall(model=rng.choice(models), items=["word " * 20], timeout_s=60.0) for _ in range(80)]
+    cost = Cost(0.002, 20e-6, 0.0, 8192)
+    plan = cluster_sim.Plan(
+        models, cost, Workload(models, 1.1, 30.0), None, None, 1.0, float("inf"), 1.0, 5.0, 3.0, 0.75, 0
+    )
+
+    async def main():
+        cluster = {"heartbeat_s": 0.5, "worker_ttl_s": 3.0}
+        async with cluster_sim.SimCluster(split, COSTS, [cost] * 4, plan, cluster, Catalog.load()) as sim:
+            results = await asyncio.gather(*(sim.call(c) for c in calls), return_exceptions=True)
+            served = [sorted(m.id for m in d.models()) for d in sim.devices]
+            return results, served, sim.bus.counts["redelivered"]
+
+    results, served, redelivered = run_virtual(main())
+    assert [type(r).__name__ for r in results] == ["EncodeResult"] * 80
+    assert sorted(served) == [["sim/a", "sim/c"]] * 3 + [["sim/b", "sim/d"]]  # Zipf 1.1: a and c take 0.65 of the calls
+    assert redelivered == 0
