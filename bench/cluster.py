@@ -843,7 +843,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the knee's p99 bound on queries (default 10x a lone mean query, + a load with --resident, + a "
         "target batch with bulk calls)",
     )
-    ap.add_argument("--prefetch-s", type=float, help="pull: ClusterSettings.prefetch_s (default shoal's, 0.2)")
+    ap.add_argument("--prefetch-s", type=float, help="pull: ClusterSettings.prefetch_s (default shoal's, 0.4)")
     ap.add_argument("--min-inflight-tokens", type=int, help="pull: ClusterSettings.min_inflight_tokens (default 4096)")
     ap.add_argument(
         "--cold-pull-after-s",

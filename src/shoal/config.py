@@ -231,10 +231,12 @@ class ClusterSettings:
     )
     heartbeat_s: float = setting(1.0, "how often a worker announces itself", commands=_WORKER)
     worker_ttl_s: float = setting(5.0, "a worker silent this long serves nothing", commands=_GATEWAY)
-    # Deeper budgets make pulling no better than round-robin pushing (bench/cluster.py): what stays
-    # in the queue goes to whichever device frees up first.
+    # Shallow, so what stays in the queue goes to whichever device frees up first; 0.4 s, not 0.2:
+    # deep enough for batches that amortise a batch's fixed cost (bench/cluster.py --mix --burst 1:
+    # knee 147.0 vs 132.4 req/s, devices 87 % vs 75 % busy); 0.6 s and deeper lose fleets of unequal
+    # devices (bench/cluster_sim.py, docs/benchmarks.md).
     prefetch_s: float = setting(
-        0.2, "seconds of work (at each device's measured tokens/s) a worker keeps pulled per device", commands=_WORKER
+        0.4, "seconds of work (at each device's measured tokens/s) a worker keeps pulled per device", commands=_WORKER
     )
     min_inflight_tokens: int = setting(
         4096, "tokens a worker keeps pulled per device before a rate is measured", commands=_WORKER
