@@ -309,17 +309,20 @@ def test_pools_that_split_the_models_get_workers_by_their_share_of_the_calls_and
     calls = [EncodeCall(model=rng.choice(models), items=["word " * 20], timeout_s=60.0) for _ in range(80)]
     cost = Cost(0.002, 20e-6, 0.0, 8192)
     plan = cluster_sim.Plan(
-        models, cost, Workload(models, 1.1, 30.0), None, None, 1.0, float("inf"), 1.0, 5.0, 3.0, 0.75, 0
+        models, cost, Workload(models, 1.1, 30.0), 1, None, 1.0, float("inf"), 1.0, 5.0, 3.0, 0.75, 0
     )
 
     async def main():
         cluster = {"heartbeat_s": 0.5, "worker_ttl_s": 3.0}
         async with cluster_sim.SimCluster(split, COSTS, [cost] * 4, plan, cluster, Catalog.load()) as sim:
+            loaded = [d.resident_models for d in sim.devices]
             results = await asyncio.gather(*(sim.call(c) for c in calls), return_exceptions=True)
             served = [sorted(m.id for m in d.models()) for d in sim.devices]
-            return results, served, sim.bus.counts["redelivered"]
+            return loaded, results, served, sim.bus.counts["redelivered"]
 
-    results, served, redelivered = run_virtual(main())
+    loaded, results, served, redelivered = run_virtual(main())
+    # One model loaded each at start, spread over each pool's own models in turn.
+    assert sorted(loaded) == [["sim/a"], ["sim/a"], ["sim/b"], ["sim/c"]]
     assert [type(r).__name__ for r in results] == ["EncodeResult"] * 80
     assert sorted(served) == [["sim/a", "sim/c"]] * 3 + [["sim/b", "sim/d"]]  # Zipf 1.1: a and c take 0.65 of the calls
     assert redelivered == 0
