@@ -424,3 +424,11 @@ def test_a_tuned_overlay_serves_a_generating_model_in_int8_and_shoal_bench_check
         assert found["picked"] >= 0.8 * found["of"] > 0, found
         assert "transformers (float32) picks" in proc.stdout
     assert record["levels"]["1"]["shoal"]["tokens_per_s"] > 0
+
+    # The agreement itself: transformers fed its own greedy answer picks every one of its tokens.
+    from shoal.bench.generation import Transformers
+    from shoal.catalog import Catalog, resolve_weights
+
+    reference = Transformers(resolve_weights(Catalog.load().get(SMOLLM2_ID), allow_download=False))
+    picked, of = reference.agreement(reference.first_answer())
+    assert picked == of > 0, (picked, of)

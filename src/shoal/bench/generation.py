@@ -14,8 +14,9 @@ and their wait is in their time to first token, as a user would see it.
 
 Before timing, the first prompt's greedy answer from the server must equal transformers' (the
 same text), or the run stops: a faster wrong answer is not a result. A model the server runs in
-int8 (`quantize: int8`, `precision` in `/v1/models`) drifts from float32 after a few tokens: fed
-its answer, transformers must pick at least `QUANTISED_AGREEMENT` of its tokens. llama.cpp computes in its own
+a lower precision (int8 from `quantize: int8`, or bfloat16/float16: `precision` in `/v1/models`)
+drifts from float32 after a few tokens: fed its answer, transformers must pick at least
+`QUANTISED_AGREEMENT` of its tokens (measured on int8). llama.cpp computes in its own
 quantised arithmetic, so its greedy answer drifts from the server's after a few tokens; fed the
 server's answer token by token, it must pick at least `AGREEMENT` of them itself (the same model,
 tokenized alike), or the run stops. Both counts are printed and in the JSON.
@@ -273,6 +274,7 @@ def run_chat(args: Any, card: Any) -> int:
     from ..catalog import resolve_weights
     from ..catalog.resolve import packaged_gguf
     from . import machine
+    from .run import served_precision
 
     if "generate" not in card.tasks:
         raise ConfigError(f"{card.id} serves {', '.join(sorted(card.tasks))}; workload chat needs generate")
@@ -309,7 +311,7 @@ def run_chat(args: Any, card: Any) -> int:
             url, _ = stack.enter_context(shoal_serve(card.id, Path(tmp) / "shoal.log", args=serve_args))
         if baselines:
             served = asyncio.run(_first_answer(url, card.id, args.api_key))
-            precision = _served_precision(url, card.id, args.api_key)
+            precision = served_precision(url, card.id, args.api_key)
             record["precision"] = precision
             record["agreement"] = _check_answers(served, baselines, precision)
         header = f"{'N':>3} {'shoal tok/s':>12} {'ttft ms':>9}"
@@ -351,8 +353,9 @@ QUANTISED_AGREEMENT = 0.8
 
 def _check_answers(served: str, baselines: dict[str, Any], precision: str | None = None) -> dict[str, Any]:
     """The first prompt's greedy answers: transformers' must equal the server's (same float32
-    weights: a faster wrong answer is not a result), or, where the server computes in `precision`
-    int8, transformers fed the server's answer must pick `QUANTISED_AGREEMENT` of its tokens;
+    weights: a faster wrong answer is not a result), or, where the server computes in a lower
+    `precision` (int8, bfloat16, float16), transformers fed the server's answer must pick
+    `QUANTISED_AGREEMENT` of its tokens (an empty answer fails);
     llama.cpp computes in its own arithmetic, so its answer is not compared token for token: fed
     the server's answer, it must pick `AGREEMENT` of its tokens itself. The counts are printed;
     returns what was found."""
@@ -373,7 +376,7 @@ def _check_answers(served: str, baselines: dict[str, Any], precision: str | None
                 f"agreement: the server computes in {precision}; fed its answer to the first prompt, "
                 f"transformers (float32) picks {picked} of its {of} tokens"
             )
-            if picked < QUANTISED_AGREEMENT * of:
+            if of == 0 or picked < QUANTISED_AGREEMENT * of:
                 raise ConfigError(
                     f"transformers picks only {picked} of the server's {of} answer tokens ({precision}): "
                     f"under {QUANTISED_AGREEMENT:.0%}: the served model is not these weights, or its "
@@ -398,15 +401,6 @@ def _check_answers(served: str, baselines: dict[str, Any], precision: str | None
             )
         found["llama.cpp"] = {"same_prefix": same, "tokens": len(theirs), "picked": picked, "of": len(ours)}
     return found
-
-
-def _served_precision(url: str, model: str, token: str | None) -> str | None:
-    """What the server computes `model` in (`/v1/models/{id}`'s `precision`, once it is loaded)."""
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    answer = httpx.get(f"{url}/v1/models/{model}", headers=headers, timeout=60)
-    answer.raise_for_status()
-    precision = answer.json().get("precision")
-    return str(precision) if precision else None
 
 
 async def _first_answer(url: str, model: str, token: str | None) -> str:

@@ -264,7 +264,7 @@ def run(args) -> int:
                         )
                     )
                 if name in ("shoal", FLOAT32):
-                    precisions[name] = _precision_of(url, card.id, args.api_key if name == "shoal" else None)
+                    precisions[name] = served_precision(url, card.id, args.api_key if name == "shoal" else None)
                     print(f"{name} serves {card.id} in {precisions[name] or 'an unreported precision'}")
                 # The runtimes are checked against shoal's float32 vectors where the run has them.
                 reference = FLOAT32 if FLOAT32 in against else "shoal"
@@ -490,7 +490,7 @@ def _per_core(ramps, precisions, baseline, runtimes, lines) -> dict[str, float]:
     return {name: round(tokens / cores, 1) for name, (tokens, _) in rows.items()}
 
 
-def _precision_of(url: str, model_id: str, token: str | None) -> str | None:
+def served_precision(url: str, model_id: str, token: str | None) -> str | None:
     """What the server says the model computes in (`GET /v1/models/{id}`), or None (an older
     server, a gateway without workers)."""
     headers = {"authorization": f"Bearer {token}"} if token else {}
