@@ -274,7 +274,7 @@ def run_chat(args: Any, card: Any) -> int:
     from ..catalog import resolve_weights
     from ..catalog.resolve import packaged_gguf
     from . import machine
-    from .run import served_precision
+    from .targets import served_precision
 
     if "generate" not in card.tasks:
         raise ConfigError(f"{card.id} serves {', '.join(sorted(card.tasks))}; workload chat needs generate")

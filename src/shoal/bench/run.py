@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
 from ..errors import ConfigError, ModelLoadError
 from . import machine, report, workloads
 from .knee import CLOSED_CLIENTS, OPEN_SHARES, Bounds, knee, probe, ramp
@@ -264,6 +262,8 @@ def run(args) -> int:
                         )
                     )
                 if name in ("shoal", FLOAT32):
+                    from .targets import served_precision
+
                     precisions[name] = served_precision(url, card.id, args.api_key if name == "shoal" else None)
                     print(f"{name} serves {card.id} in {precisions[name] or 'an unreported precision'}")
                 # The runtimes are checked against shoal's float32 vectors where the run has them.
@@ -488,17 +488,6 @@ def _per_core(ramps, precisions, baseline, runtimes, lines) -> dict[str, float]:
     for name, (tokens, how) in rows.items():
         lines.append(f"  {name:22s} {tokens:10,.0f}  {tokens / cores:9,.0f} per core  ({how})")
     return {name: round(tokens / cores, 1) for name, (tokens, _) in rows.items()}
-
-
-def served_precision(url: str, model_id: str, token: str | None) -> str | None:
-    """What the server says the model computes in (`GET /v1/models/{id}`), or None (an older
-    server, a gateway without workers)."""
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    try:
-        answer = httpx.get(f"{url}/v1/models/{model_id}", headers=headers, timeout=30)
-        return answer.json().get("precision") if answer.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
 
 
 def _gemm_probe() -> tuple[float | None, int | None]:

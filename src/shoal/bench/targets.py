@@ -118,6 +118,17 @@ def shoal_serve(
         yield url, pid
 
 
+def served_precision(url: str, model_id: str, token: str | None) -> str | None:
+    """What the server says the model computes in (`GET /v1/models/{id}`), or None (an older
+    server, a gateway without workers)."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = httpx.get(f"{url}/v1/models/{model_id}", headers=headers, timeout=30)
+        return answer.json().get("precision") if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
 @contextlib.contextmanager
 def infinity_serve(
     command: str, model_dir: Path, log_path: Path, *, batch_size: int = 32, served_name: str = "model"
