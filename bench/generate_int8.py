@@ -1,12 +1,16 @@
-"""int8 decode (issue 39): how much faster, and how far from float32's answers, is a generating
-card under `quantize: int8` (engine/generation.py; layers/int8.py)? SmolLM2-135M-Instruct's
-weights as the engine loads them (the card's GGUF, dequantised to float32), in this process:
+"""int8 and int4 decode (issue 39): how much faster, and how far from float32's answers, is a
+generating card under `quantize: int8` or `quantize: int4` (engine/generation.py; layers/int8.py,
+layers/int4.py)? SmolLM2-135M-Instruct's weights as the engine loads them (the card's GGUF,
+dequantised to float32), in this process:
 
 - `float32`: Linears and the tied LM head oneDNN-packed, as a generating model is served on a CPU;
 - `int8`: as a card or tuned overlay with `quantize: int8` is served: every Linear int8 (per-row
   weight scales, per-token activation scales, outlier input channels kept float32 as the float32
   model's read of the runner's calibration texts shows them); the LM head packed float32;
-- `int8+head`: the LM head int8 too (not served: no outlier channels for it).
+- `int8+head`: the LM head int8 too (not served: no outlier channels for it);
+- `int4`: as `quantize: int4` is served: every Linear's weights 4-bit in groups of 32 (the GGUF's
+  own Q4_1 levels), bfloat16 activations at the products; the LM head packed float32;
+- `int4+head`: the LM head (the file's Q8_0 embeddings) 4-bit too (not served).
 
 First each one's greedy answers to the 8 prompts at once (64 new tokens) against float32's: the
 length of the prefix each keeps. Then tokens/s at N concurrent sequences (the Generator driven to
@@ -31,12 +35,13 @@ from shoal.generate.batcher import GenerationRequest, Generator
 from shoal.generate.forward import CachedDecoder
 from shoal.generate.kv_cache import PagedCache
 from shoal.layers import packed
+from shoal.layers.int4 import Int4Linear, Int8WeightLinear, quantize_linears_int4
 from shoal.layers.int8 import Int8Linear
 from shoal.weights import build_model
 from spawn import machine_line
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-WAYS = ("float32", "int8", "int8+head")
+WAYS = ("float32", "int8", "int8+head", "int4", "int4+head", "int4+head8")
 
 
 def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
@@ -50,13 +55,17 @@ def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
 
     if way == "float32":
         packed.pack_linears(model)
+    elif way.startswith("int4"):  # as GeneratingModel does under quantize: int4
+        quantize_linears_int4(model)
     else:  # as GeneratingModel does under quantize: int8
         quantize_int8(model, TextTokenizer.from_dir(directory, 2048))
     decoder = CachedDecoder(model, cache(slots))
-    if way == "int8+head":
+    if way == "int4+head8":
+        decoder.head = Int8WeightLinear.of(decoder.lm_head)
+    elif way.endswith("+head"):
         head = torch.nn.Linear(decoder.lm_head.shape[1], decoder.lm_head.shape[0], bias=False)
         head.weight = torch.nn.Parameter(decoder.lm_head, requires_grad=False)
-        decoder.head = Int8Linear.of(head, None)
+        decoder.head = Int8Linear.of(head, None) if way == "int8+head" else Int4Linear.of(head)
     else:
         decoder.pack_head()
     return Generator(decoder, eos)
@@ -82,22 +91,23 @@ def main(args: argparse.Namespace) -> int:
     ]
     prompts = [tuple(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     eos = [tokenizer.eos_token_id]
-    gens = {way: generator(directory, way, eos, max(args.concurrency)) for way in WAYS}
+    ways = args.ways
+    gens = {way: generator(directory, way, eos, max(args.concurrency)) for way in ways}
     reference = generate(gens["float32"], prompts, len(prompts), args.new_tokens)[1]
     print(f"{MODEL}, {args.new_tokens} new tokens, greedy, torch threads {torch.get_num_threads()}")
-    for way in WAYS[1:]:
+    for way in ways[1:]:
         answers = generate(gens[way], prompts, len(prompts), args.new_tokens)[1]
         kept = [
             next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
             for ours, theirs in zip(answers, reference)
         ]
         print(f"{way}: the greedy answers keep float32's first {kept} tokens (of {args.new_tokens})")
-    print(f"{'N':>3} " + " ".join(f"{way + ' tok/s':>16}" for way in WAYS))
+    print(f"{'N':>3} " + " ".join(f"{way + ' tok/s':>16}" for way in ways))
     for n in args.concurrency:
         best = {
-            way: max(generate(gens[way], prompts, n, args.new_tokens)[0] for _ in range(args.rounds)) for way in WAYS
+            way: max(generate(gens[way], prompts, n, args.new_tokens)[0] for _ in range(args.rounds)) for way in ways
         }
-        print(f"{n:>3} " + " ".join(f"{best[way]:>16.1f}" for way in WAYS), flush=True)
+        print(f"{n:>3} " + " ".join(f"{best[way]:>16.1f}" for way in ways), flush=True)
     return 0
 
 
@@ -106,4 +116,5 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ways", type=lambda s: s.split(","), default=list(WAYS), help="float32 first")
     sys.exit(main(ap.parse_args()))

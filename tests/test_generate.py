@@ -353,9 +353,11 @@ def test_the_generation_loop_runs_calls_beyond_its_cache_in_arrival_order(smollm
     assert cache.in_use == 0
 
 
-def test_int8_decoding_keeps_to_float32s_choices(smollm2_causal, prompts):
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, quantize):
     """A generating card with `quantize: int8` (engine/generation.py: its Linears int8, calibrated
-    as an encoder's; the LM head float32): its greedy answers to the 20 prompts, fed back through
+    as an encoder's; the LM head float32) or `quantize: int4` (4-bit weights in groups of 32, the
+    LM head int8, bfloat16 activations at the products): its greedy answers to the 20 prompts, fed back through
     transformers' float32 model token by token, are float32's own choice at 90 % of their tokens
     or more (a broken kernel or calibration would pick few); its answers are not float32's token
     for token, which is why it is opt-in."""
@@ -364,14 +366,17 @@ def test_int8_decoding_keeps_to_float32s_choices(smollm2_causal, prompts):
     from conftest import SMOLLM2_ID
     from shoal.catalog import Catalog
     from shoal.engine.generation import GeneratingModel
+    from shoal.layers.int4 import Int4Linear, Int8WeightLinear
     from shoal.layers.int8 import Int8Linear
 
     directory, reference = smollm2_causal
-    card = msgspec.structs.replace(Catalog.load().get(SMOLLM2_ID), quantize="int8")
+    card = msgspec.structs.replace(Catalog.load().get(SMOLLM2_ID), quantize=quantize)
     loaded = GeneratingModel(card, directory, "cpu", torch.get_num_threads())
     try:
-        assert all(isinstance(layer.down, Int8Linear) for layer in loaded.model.layers)
-        assert loaded.info.precision == "int8"
+        kind = {"int8": Int8Linear, "int4": Int4Linear}[quantize]
+        assert all(isinstance(layer.down, kind) and isinstance(layer.qkv, kind) for layer in loaded.model.layers)
+        assert loaded.info.precision == quantize
+        assert isinstance(loaded.generator.decoder.head, Int8WeightLinear) == (quantize == "int4")
         answers = loaded.generator.run([GenerationRequest(ids, max_new_tokens=NEW_TOKENS) for ids in prompts])
     finally:
         loaded.close()
@@ -383,7 +388,7 @@ def test_int8_decoding_keeps_to_float32s_choices(smollm2_causal, prompts):
         choices = logits[len(ids) - 1 : len(ids) - 1 + len(tokens)].argmax(-1).tolist()
         picked += sum(a == b for a, b in zip(choices, tokens))
         total += len(tokens)
-    print(f"\nint8: float32 picks {picked} of its {total} tokens ({picked / total:.1%})")
+    print(f"\n{quantize}: float32 picks {picked} of its {total} tokens ({picked / total:.1%})")
     assert total > 0 and picked >= 0.9 * total
 
 

@@ -128,11 +128,17 @@ class Catalog:
                 tuned = load_tuned(path)
                 if tuned.model not in self._cards:
                     raise CardError(f"{path}: tuned overlay for {tuned.model!r}, which no card serves")
-                dtype = self._cards[tuned.model].dtype
-                if tuned.batching.quantize == "int8" and dtype != "float32":
+                card, quantize = self._cards[tuned.model], tuned.batching.quantize
+                if quantize in ("int8", "int4") and card.dtype != "float32":
                     raise CardError(
-                        f"{path}: `quantize` int8 runs with float32 activations, and the card of "
-                        f"{tuned.model!r} has dtype {dtype}: drop quantize from the overlay",
+                        f"{path}: `quantize` {quantize} runs with float32 activations, and the card of "
+                        f"{tuned.model!r} has dtype {card.dtype}: drop quantize from the overlay",
+                        details={"file": str(path), "field": "quantize"},
+                    )
+                if quantize == "int4" and card.generate is None:
+                    raise CardError(
+                        f"{path}: `quantize` int4 is for generating cards, and {tuned.model!r} does not "
+                        "generate: use int8 or drop quantize from the overlay",
                         details={"file": str(path), "field": "quantize"},
                     )
             except CardError as exc:

@@ -53,9 +53,9 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # leaving a core to the HTTP side (event loop, tokenizing, answers) when the work comes as many
     # small requests; 0: off; None: SMALL_BATCH_TOKENS.
     small_batch_tokens: int | None = None
-    # The card's `quantize` on this hardware class (a kernel choice `shoal tune` can make): "int8"
-    # or "none" (float32 Linears); None: the card's own.
-    quantize: Literal["int8", "none"] | None = None
+    # The card's `quantize` on this hardware class (a kernel choice `shoal tune` can make): "int8",
+    # "int4" (generating cards) or "none" (float32 Linears); None: the card's own.
+    quantize: Literal["int8", "int4", "none"] | None = None
     # The CPU path of full attention over unequal lengths (layers/attention.py): "each" sequence on
     # its own, or "padded" length groups; None: each.
     attention: Literal["each", "padded"] | None = None
@@ -125,9 +125,11 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     document_prompt: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     # int8: the encoder's Linears run int8 x int8 on a CPU (layers/int8.py: weights per output row,
-    # activations per token), about a quarter of their float32 bytes; heads stay float32. Needs
-    # dtype float32; a load on a CUDA device is refused.
-    quantize: Literal["int8"] | None = None
+    # activations per token), about a quarter of their float32 bytes; heads stay float32. int4 (cards
+    # with a generate block): the decoder's Linears hold 4-bit weights in groups of 32 (layers/int4.py),
+    # an eighth of their float32 bytes, multiplied with bfloat16 activations. Either needs dtype
+    # float32; a load on a CUDA device is refused.
+    quantize: Literal["int8", "int4"] | None = None
     # Reduced precisions the model passed the quality gate in (tests/test_precision_gate.py, on real
     # text: cosine to float32 >= 0.99 on every item, Lee Spearman within 0.005, score order Kendall
     # tau >= 0.98): a float32 card listing bfloat16 runs bfloat16 on a CPU that has it natively
@@ -176,7 +178,7 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def quantize_for(self, hardware: str) -> ModelCard:
         """This card with the `quantize` its limits for `hardware` choose (`batching_for`), if any."""
         chosen = self.batching_for(hardware).quantize
-        if chosen is None or (chosen == "none") == (self.quantize is None):
+        if chosen is None or chosen == (self.quantize or "none"):
             return self
         return msgspec.structs.replace(self, quantize=None if chosen == "none" else chosen)
 
@@ -316,11 +318,14 @@ def _check(card: ModelCard, origin: str) -> None:
         (f"batching.{hw}.{'quantize' if b.quantize else 'dtype'}", b.quantize or card.quantize, b.dtype or card.dtype)
         for hw, b in card.batching.items()
     ]:
-        if dtype != "float32" and chosen == "int8":
+        if dtype != "float32" and chosen in ("int8", "int4"):
             fail(
                 where,
-                f"int8 runs with float32 activations, not dtype {dtype}: leave dtype unset (float32) or drop quantize",
+                f"{chosen} runs with float32 activations, not dtype {dtype}: "
+                "leave dtype unset (float32) or drop quantize",
             )
+        if chosen == "int4" and card.generate is None:
+            fail(where, "int4 is for generating cards (a decode step's 4-bit weights): use int8 for this model")
     if card.dimensions is not None and card.dimensions < 1:
         fail("dimensions", "must be >= 1")
     if "multivector" in card.outputs and card.multivector is None:
@@ -368,12 +373,13 @@ def _check_batching(hardware: str, limits: Batching, fail: Callable[[str, str], 
             "chooses a CPU's precision: set it for cpu or cpu:<CPU model> (a GPU runs the card's dtype, "
             "or bfloat16 where its `precisions` list it)",
         )
-    if limits.quantize == "int8" and limits.dtype not in (None, "float32"):
-        fail(f"batching.{hardware}.dtype", "int8 runs with float32 activations: drop dtype or quantize")
+    if limits.quantize in ("int8", "int4") and limits.dtype not in (None, "float32"):
+        fail(f"batching.{hardware}.dtype", f"{limits.quantize} runs with float32 activations: drop dtype or quantize")
     if limits.quantize is not None and not hardware.startswith("cpu"):
         fail(
             f"batching.{hardware}.quantize",
-            "int8 runs on CPUs only (int8 matmuls through oneDNN): set quantize for cpu or cpu:<CPU model>",
+            f"{limits.quantize} runs on CPUs only (its products are CPU kernels): "
+            "set quantize for cpu or cpu:<CPU model>",
         )
 
 

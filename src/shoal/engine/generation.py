@@ -45,7 +45,7 @@ from ..generate.batcher import GenerationRequest, Generator, Sequence
 from ..generate.forward import CachedDecoder
 from ..generate.kv_cache import PagedCache
 from ..head_info import ChatFrame
-from ..layers import packed
+from ..layers import int4, packed
 from ..models.llama import LlamaModel
 from ..weights import build_model
 from .backend import ModelInfo
@@ -327,7 +327,7 @@ class GeneratingModel:
             raise ConfigError(f"model {card.id}: its card has no generate block")
         if card.quantize is not None and torch.device(device).type != "cpu":
             raise ConfigError(
-                f"model {card.id}: quantize {card.quantize} runs on CPUs only (int8 matmuls through oneDNN), "
+                f"model {card.id}: quantize {card.quantize} runs on CPUs only (its products are CPU kernels), "
                 f"not on {device}: drop quantize",
                 details={"model": card.id, "field": "quantize", "device": device},
             )
@@ -362,10 +362,24 @@ class GeneratingModel:
             from .runner import quantize_int8
 
             quantize_int8(model, tokenizer)
-        elif packing:
+        elif card.quantize == "int4":
+            # The Linears' weights 4-bit (layers/int4.py; any the kernel does not take packed float32
+            # as below), the LM head int8 (as llama.cpp's files keep it, Q8_0).
+            if not int4.available():
+                raise ConfigError(
+                    f"model {card.id}: quantize int4 needs torch's CPU int4 kernel "
+                    "(_weight_int4pack_mm_for_cpu), which this torch lacks: drop quantize or use int8",
+                    details={"model": card.id, "field": "quantize"},
+                )
+            int4.quantize_linears_int4(model)
+        if packing and card.quantize != "int8":
             packed.pack_linears(model)
         decoder = CachedDecoder(model, cache)
-        head_bytes = decoder.pack_head() if packing else 0  # a tied head's packed copy
+        if card.quantize == "int4":
+            head = int4.Int8WeightLinear.of(decoder.lm_head)
+            decoder.head, head_bytes = head, head.weight.nbytes + head.scale.nbytes
+        else:
+            head_bytes = decoder.pack_head() if packing else 0  # a tied head's packed copy
         grammars = None
         try:
             from ..generate.constraints import Grammars

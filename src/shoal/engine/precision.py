@@ -69,5 +69,6 @@ def cuda_bf16(device: str) -> bool:
 
 
 def precision_of(card: ModelCard) -> str:
-    """What a loaded card computes in: "int8" (int8 Linears over float32 activations) or its dtype."""
-    return "int8" if card.quantize == "int8" else card.dtype
+    """What a loaded card computes in: "int8" (int8 Linears over float32 activations), "int4"
+    (4-bit Linear weights) or its dtype."""
+    return card.quantize or card.dtype

@@ -1,0 +1,127 @@
+"""`quantize: int4` (layers/int4.py): a generating card's Linears with 4-bit weights on a CPU.
+
+The weights here are built on a 4-bit grid the way llama.cpp's Q4_1 blocks store them (each block
+of 32: d * q + min, q in 0..15, its smallest at 0 and its largest at 15), so the levels int4 finds
+are known; the reference product is torch's own float32 one over the same weights and the
+bfloat16-rounded inputs. Greedy answers on SmolLM2's real weights against transformers' float32
+model: tests/test_generate.py. Speed: bench/generate_int8.py.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from shoal.catalog import Catalog, parse_card
+from shoal.catalog.card import Batching
+from shoal.errors import CardError
+from shoal.layers import FusedLinear
+from shoal.layers.int4 import (
+    GROUP,
+    Int4FusedLinear,
+    Int4Linear,
+    Int8WeightLinear,
+    available,
+    fits,
+    quantize_groups,
+    quantize_linears_int4,
+)
+
+pytestmark = pytest.mark.skipif(not available(), reason="this torch lacks the CPU int4 kernel")
+
+
+def q4_1_weight(rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight `[rows, width]` float32 on a 4-bit grid per block of GROUP, its levels `[rows, width]`)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = width // GROUP
+    d = torch.rand(rows, blocks, generator=g) * 0.02 + 0.001
+    low = -torch.rand(rows, blocks, generator=g) * 0.1
+    q = torch.randint(0, 16, (rows, blocks, GROUP), generator=g)
+    q[..., 3], q[..., 17] = 0, 15  # each block spans its full range, as Q4_1's quantiser makes it
+    return (q * d[..., None] + low[..., None]).reshape(rows, width), q.reshape(rows, width)
+
+
+def test_int4_finds_a_4_bit_checkpoints_own_levels_and_multiplies_within_bfloat16_rounding():
+    weight, levels = q4_1_weight(96, 128)
+    found, scales_and_zeros = quantize_groups(weight)
+    assert torch.equal(found, levels.to(torch.int32))
+    assert scales_and_zeros.shape == (128 // GROUP, 96, 2) and scales_and_zeros.dtype == torch.bfloat16
+
+    linear = nn.Linear(128, 96)
+    linear.weight = nn.Parameter(weight)
+    int4 = Int4Linear.of(linear)
+    x = torch.randn(2, 5, 128)
+    expected = torch.nn.functional.linear(x.bfloat16().float(), weight, linear.bias)
+    got = int4(x)
+    assert got.shape == (2, 5, 96) and got.dtype == torch.float32
+    # bfloat16's rounding of the inputs, of each block's scale and zero (a zero's error is shared by
+    # its 32 weights) and of the result: within a hundredth of the largest output (a wrong layout or
+    # block order is off by the outputs' own size)
+    assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
+    # The packed weights are an eighth of float32's bytes (plus a scale and a zero per 32 weights).
+    assert int4.packed.numel() * int4.packed.element_size() == weight.numel() // 2
+
+
+def test_a_fused_linear_keeps_its_shards_and_shapes_the_kernel_cannot_take_stay_float32():
+    weight, _ = q4_1_weight(64 + 32, 64, seed=1)
+    fused = FusedLinear(64, (64, 32), bias=False)
+    fused.weight = nn.Parameter(weight)
+    model = nn.ModuleDict({"qkv": fused, "odd": nn.Linear(64, 20), "narrow": nn.Linear(48, 32)})
+    assert not fits(model["odd"]) and not fits(model["narrow"])
+    assert quantize_linears_int4(model) == ("qkv",)
+    assert isinstance(model["qkv"], Int4FusedLinear) and type(model["odd"]) is nn.Linear
+    x = torch.randn(3, 64)
+    a, b = model["qkv"].split(x)
+    full = torch.nn.functional.linear(x.bfloat16().float(), weight)
+    assert a.shape == (3, 64) and b.shape == (3, 32)
+    assert torch.allclose(torch.cat([a, b], -1), full, rtol=0, atol=1e-2 * full.abs().max().item())
+    with pytest.raises(ValueError, match="multiple of"):
+        Int4Linear.of(model["odd"])
+
+
+def test_the_int8_head_multiplies_within_its_rounding():
+    """The LM head under int4 (int8 weights per row, bfloat16 activations) against torch's float32
+    product with the float weights."""
+    weight = torch.randn(1000, 64)
+    head = Int8WeightLinear.of(weight)
+    assert head.weight.dtype == torch.int8 and head.weight.shape == (1000, 64)
+    x = torch.randn(3, 64)
+    expected = torch.nn.functional.linear(x, weight)
+    got = head(x)
+    assert got.shape == (3, 1000) and got.dtype == torch.float32
+    assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+def test_int4_is_for_generating_float32_cards_on_cpus_and_a_tuned_limit_chooses_it(tmp_path):
+    encoder = "id: test/enc\nsource: {hub: org/model}\nmax_length: 128\npooling: mean\ndimensions: 8\n"
+    with pytest.raises(CardError, match="generating cards") as info:
+        parse_card(yaml.safe_load(encoder + "quantize: int4\n"), "enc.yaml")
+    assert info.value.details["field"] == "quantize"
+    with pytest.raises(CardError, match="generating cards"):
+        parse_card(yaml.safe_load(encoder + "batching: {cpu: {quantize: int4}}\n"), "enc.yaml")
+
+    card = Catalog.load().get("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert card.generate is not None and card.quantize is None
+    fields = msgspec.to_builtins(card)
+    assert parse_card({**fields, "quantize": "int4"}, "smollm2.yaml").quantize == "int4"
+    with pytest.raises(CardError, match="float32"):
+        parse_card({**fields, "quantize": "int4", "dtype": "bfloat16"}, "smollm2.yaml")
+    with pytest.raises(CardError, match="CPUs only"):
+        parse_card({**fields, "batching": {"cuda": {"quantize": "int4"}}}, "smollm2.yaml")
+    # A limit picks int4 over the card's int8, int8 over its int4, and "none" drops either.
+    int8 = msgspec.structs.replace(card, quantize="int8", batching={"cpu": Batching(quantize="int4")})
+    assert int8.quantize_for("cpu").quantize == "int4"
+    int4 = msgspec.structs.replace(card, quantize="int4", batching={"cpu": Batching(quantize="int8")})
+    assert int4.quantize_for("cpu").quantize == "int8"
+    none = msgspec.structs.replace(card, quantize="int4", batching={"cpu": Batching(quantize="none")})
+    assert none.quantize_for("cpu").quantize is None
+
+    # A tuned overlay asking int4 of an encoder is refused with the file named.
+    (tmp_path / "tuned").mkdir()
+    overlay = dict(model="sentence-transformers/all-MiniLM-L6-v2", hardware="cpu", batching={"quantize": "int4"})
+    (tmp_path / "tuned" / "minilm.yaml").write_text(yaml.safe_dump(overlay))
+    with pytest.raises(CardError, match="minilm.yaml.*generating cards"):
+        Catalog.load((tmp_path,))
