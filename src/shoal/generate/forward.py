@@ -10,8 +10,14 @@ values already in its KV cache slot.
       ─ the LM head on each sequence's last new token ─ logits [sequences, vocab]
 
 Attention: when every sequence brings one token (a decode step), one batched call over the
-sequences' positions padded to the longest, masked; otherwise (a prefill) one causal call per
-sequence. Positions are read and written through the cache's block table (generate/kv_cache.py).
+sequences' positions padded to the longest, masked (no mask when they are equally long);
+otherwise (a prefill) one causal call per sequence. Positions are read and written through the
+cache's block table (generate/kv_cache.py); a decode step of one sequence whose blocks are
+consecutive reads its keys and values as one slice of the pools, not a gather.
+
+One token's step is bound by the count of small ops more than their size (docs/benchmarks.md):
+queries and keys are rotated in one call, the cache written with `index_copy_` and gathered with
+`index_select` (faster than indexing), which is why these differ from the encoder's layer.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..layers.packed import PackedLinear
+from ..layers.rotary import apply_rotary
 from ..models.llama import LlamaLayer, LlamaModel
 from .kv_cache import PagedCache
 
@@ -33,7 +40,8 @@ from .kv_cache import PagedCache
 class _Plan:
     """Where a step's tokens go: per token its position and its index in the cache's pools; per
     segment its slot, first position, token count and end; what attention reads: a prefill
-    segment's indices of its positions so far, a decode step's `[S, longest]` of them."""
+    segment's indices of its positions so far, a decode step's `[S, longest]` of them, or, for a
+    decode of one sequence whose blocks are consecutive, the pool index its positions start at."""
 
     positions: torch.Tensor  # [T]
     writes: torch.Tensor  # [T] indices into the pools
@@ -42,7 +50,8 @@ class _Plan:
     counts: list[int]
     ends: list[int]
     decode: bool  # one token per segment
-    reads: list[torch.Tensor]  # a prefill: each segment's [end] indices; a decode: one [S, longest]
+    reads: list[torch.Tensor]  # a prefill: each segment's [end] indices; a decode: one [S, longest] (or none: span)
+    span: int | None = None  # a decode of one sequence whose positions lie side by side: the first's index
 
 
 @dataclass(frozen=True)
@@ -104,11 +113,14 @@ class CachedDecoder:
         token_slots = torch.tensor([s.slot for s, n in zip(segments, counts) for _ in range(n)], device=device)
         positions = torch.cat([torch.arange(st, st + n, device=device) for st, n in zip(starts, counts)])
         decode = all(n == 1 for n in counts)
-        if decode:
+        span = cache.span(slots[0], ends[0]) if decode and len(slots) == 1 else None
+        if span is not None:  # read as one slice
+            reads = []
+        elif decode:
             reads = [cache.gather_index(slots, max(ends))]
         else:
             reads = [cache.gather_index([slot], end)[0] for slot, end in zip(slots, ends)]
-        plan = _Plan(positions, cache.flat(token_slots, positions), slots, starts, counts, ends, decode, reads)
+        plan = _Plan(positions, cache.flat(token_slots, positions), slots, starts, counts, ends, decode, reads, span)
         x = model.embed_tokens(ids)  # [T, hidden]
         cos, sin = model.rotary.cos_sin(plan.positions, x.dtype)
         for index, layer in enumerate(model.layers):
@@ -123,19 +135,35 @@ class CachedDecoder:
     def _layer(
         self, index: int, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: _Plan
     ) -> torch.Tensor:
-        q, k, v = layer.project(x, cos, sin)
+        q, k, v = self._project(layer, x, cos, sin)
         ck, cv = self.cache.k[index], self.cache.v[index]  # [positions, Hkv, D]
-        ck[plan.writes] = k
-        cv[plan.writes] = v
+        ck.index_copy_(0, plan.writes, k)
+        cv.index_copy_(0, plan.writes, v)
         if plan.decode:
-            a = self._attend_decode(q, ck, cv, plan.reads[0], plan.ends)
+            a = self._attend_decode(q, ck, cv, plan)
         else:
             outs, offset = [], 0
             for read, start, n in zip(plan.reads, plan.starts, plan.counts):
-                outs.append(self._attend_one(q[offset : offset + n], ck[read], cv[read], start))
+                outs.append(
+                    self._attend_one(q[offset : offset + n], ck.index_select(0, read), cv.index_select(0, read), start)
+                )
                 offset += n
             a = torch.cat(outs)
         return layer.feed_forward(layer.attended(x, a))
+
+    @staticmethod
+    def _project(
+        layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`layer.project`, with the queries and keys rotated in one call where no per-head norm
+        comes between (they sit side by side in the fused projection's output): a decode step of one
+        token is bound by the count of small ops, not their size."""
+        if layer.q_norm is not None:
+            return layer.project(x, cos, sin)
+        T, H, Hkv, D = x.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+        qkv = layer.qkv(layer.attn_norm(x))  # [T, (H + 2 Hkv) D]
+        qk = apply_rotary(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """Causal attention of `n` new tokens (positions start..start+n-1) over a slot's first
@@ -152,14 +180,21 @@ class CachedDecoder:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=True)
         return out[0].transpose(0, 1)
 
-    def _attend_decode(
-        self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, read: torch.Tensor, ends: list[int]
-    ) -> torch.Tensor:
-        """One new token per sequence (q `[S, H, D]`) over its positions (`read` `[S, longest]`),
-        padded to the longest and masked: `[S, H, D]`."""
-        longest = read.shape[1]
-        k = ck[read].transpose(1, 2)  # [S, Hkv, L, D]
-        v = cv[read].transpose(1, 2)
-        allowed = torch.arange(longest, device=q.device)[None, :] < torch.tensor(ends, device=q.device)[:, None]
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None], enable_gqa=True)
+    def _attend_decode(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """One new token per sequence (q `[S, H, D]`) over its positions (the plan's `[S, longest]`
+        reads, padded to the longest and masked; one sequence's `span`, a slice): `[S, H, D]`."""
+        ends = plan.ends
+        S, longest = len(ends), max(ends)
+        if plan.span is not None:
+            k = ck[plan.span : plan.span + longest].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
+            v = cv[plan.span : plan.span + longest].unsqueeze(0).transpose(1, 2)
+        else:
+            flat = plan.reads[0].view(-1)
+            k = ck.index_select(0, flat).view(S, longest, *ck.shape[1:]).transpose(1, 2)  # [S, Hkv, L, D]
+            v = cv.index_select(0, flat).view(S, longest, *cv.shape[1:]).transpose(1, 2)
+        allowed = None
+        if min(ends) < longest:  # shorter sequences mask what the padded gather read past their end
+            allowed = torch.arange(longest, device=q.device)[None, :] < torch.tensor(ends, device=q.device)[:, None]
+            allowed = allowed[:, None, None]
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed, enable_gqa=True)
         return out[:, :, 0]

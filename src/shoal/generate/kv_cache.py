@@ -138,6 +138,15 @@ class PagedCache:
         rows = self._table[torch.tensor(slots, device=self._table.device)]
         return rows[:, positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def span(self, slot: int, length: int) -> int | None:
+        """The pool index of the slot's position 0 when its first `length` positions lie side by
+        side in the pools (its blocks consecutive: what a sequence gets from an unfragmented pool),
+        so they can be read as one slice instead of gathered; else None."""
+        blocks = self._blocks[slot][: self._blocks_for(length)]
+        if not blocks or blocks[-1] - blocks[0] != len(blocks) - 1 or blocks != sorted(blocks):
+            return None
+        return blocks[0] * self.block_size
+
     def _blocks_for(self, length: int) -> int:
         return max(1, math.ceil(length / self.block_size))
 
