@@ -9,14 +9,17 @@ dequantised to float32), in this process:
   model's read of the runner's calibration texts shows them); the LM head packed float32;
 - `int8+head`: the LM head int8 too (not served: no outlier channels for it);
 - `int4`: as `quantize: int4` is served: every Linear's weights 4-bit in groups of 32 (the GGUF's
-  own Q4_1 levels), bfloat16 activations at the products; the LM head packed float32;
-- `int4+head`: the LM head (the file's Q8_0 embeddings) 4-bit too (not served).
+  own Q4_1 levels), the LM head (the file's Q8_0 embeddings) int8 per row, bfloat16 activations
+  at the products;
+- `int4+head4`: the LM head 4-bit too; `int4+head32`: the LM head packed float32 (neither served).
 
 First each one's greedy answers to the 8 prompts at once (64 new tokens) against float32's: the
 length of the prefix each keeps. Then tokens/s at N concurrent sequences (the Generator driven to
-the end: one prefill, then decode steps), best of `--rounds`.
+the end: one prefill, then decode steps), best of `--rounds`. `--step`: first, one sequence's
+decode step in ms ((the time to its new tokens - the time to its first) / the rest, best of 3
+each; the first prompt's answer runs to 64).
 
-    python bench/generate_int8.py --rounds 2
+    python bench/generate_int8.py --rounds 2 [--step]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from shoal.weights import build_model
 from spawn import machine_line
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-WAYS = ("float32", "int8", "int8+head", "int4", "int4+head", "int4+head8")
+WAYS = ("float32", "int8", "int8+head", "int4", "int4+head4", "int4+head32")
 
 
 def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
@@ -60,9 +63,9 @@ def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
     else:  # as GeneratingModel does under quantize: int8
         quantize_int8(model, TextTokenizer.from_dir(directory, 2048))
     decoder = CachedDecoder(model, cache(slots))
-    if way == "int4+head8":
+    if way == "int4":  # as GeneratingModel does under quantize: int4
         decoder.head = Int8WeightLinear.of(decoder.lm_head)
-    elif way.endswith("+head"):
+    elif way in ("int8+head", "int4+head4"):
         head = torch.nn.Linear(decoder.lm_head.shape[1], decoder.lm_head.shape[0], bias=False)
         head.weight = torch.nn.Parameter(decoder.lm_head, requires_grad=False)
         decoder.head = Int8Linear.of(head, None) if way == "int8+head" else Int4Linear.of(head)
@@ -79,6 +82,13 @@ def generate(gen: Generator, prompts: list[tuple[int, ...]], n: int, new_tokens:
     return sum(map(len, tokens)) / (time.perf_counter() - started), tokens
 
 
+def _timed(gen: Generator, prompt: tuple[int, ...], new_tokens: int) -> tuple[float, int]:
+    """(seconds, tokens) of one sequence run to `new_tokens` or its end."""
+    started = time.perf_counter()
+    (done,) = gen.run([GenerationRequest(prompt, max_new_tokens=new_tokens)])
+    return time.perf_counter() - started, len(done.tokens)
+
+
 def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -92,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     prompts = [tuple(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     eos = [tokenizer.eos_token_id]
     ways = args.ways
-    gens = {way: generator(directory, way, eos, max(args.concurrency)) for way in ways}
+    gens = {way: generator(directory, way, eos, max([*args.concurrency, len(prompts)])) for way in ways}
     reference = generate(gens["float32"], prompts, len(prompts), args.new_tokens)[1]
     print(f"{MODEL}, {args.new_tokens} new tokens, greedy, torch threads {torch.get_num_threads()}")
     for way in ways[1:]:
@@ -102,6 +112,11 @@ def main(args: argparse.Namespace) -> int:
             for ours, theirs in zip(answers, reference)
         ]
         print(f"{way}: the greedy answers keep float32's first {kept} tokens (of {args.new_tokens})")
+    if args.step:  # one sequence's decode step: (all its new tokens - the first) / the rest, best of 3 each
+        for way in ways:
+            one = min(_timed(gens[way], prompts[0], 1) for _ in range(3))[0]
+            full, n = min(_timed(gens[way], prompts[0], args.new_tokens) for _ in range(3))
+            print(f"{way}: one sequence's decode step {(full - one) / (n - 1) * 1e3:.2f} ms ({n} tokens)", flush=True)
     print(f"{'N':>3} " + " ".join(f"{way + ' tok/s':>16}" for way in ways))
     for n in args.concurrency:
         best = {
@@ -116,5 +131,6 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--step", action="store_true", help="also time one sequence's decode step")
     ap.add_argument("--ways", type=lambda s: s.split(","), default=list(WAYS), help="float32 first")
     sys.exit(main(ap.parse_args()))

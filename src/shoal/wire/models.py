@@ -18,7 +18,7 @@ class _ModelEntryIfSet(TypedDict, total=False):
     extract: str  # an extraction model's kind: gliner, token_class or zero_shot
     error: str  # why its last load failed, as a client may see it
     weights: str  # local, downloadable or unavailable (where a load would find them; a gateway omits it)
-    precision: str  # float32, bfloat16, float16 or int8: what it runs in (loaded) or would run in here
+    precision: str  # float32, bfloat16, float16, int8 or int4: what it runs in (loaded) or would run in here
 
 
 class ModelEntry(_ModelEntryIfSet):
