@@ -102,6 +102,8 @@ def main(args: argparse.Namespace) -> int:
     prompts = [tuple(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     eos = [tokenizer.eos_token_id]
     ways = args.ways
+    if ways[0] != "float32" or set(ways) - set(WAYS):
+        raise SystemExit(f"--ways: float32 first, then any of {', '.join(WAYS[1:])}")
     gens = {way: generator(directory, way, eos, max([*args.concurrency, len(prompts)])) for way in ways}
     reference = generate(gens["float32"], prompts, len(prompts), args.new_tokens)[1]
     print(f"{MODEL}, {args.new_tokens} new tokens, greedy, torch threads {torch.get_num_threads()}")
@@ -116,7 +118,8 @@ def main(args: argparse.Namespace) -> int:
         for way in ways:
             one = min(_timed(gens[way], prompts[0], 1) for _ in range(3))[0]
             full, n = min(_timed(gens[way], prompts[0], args.new_tokens) for _ in range(3))
-            print(f"{way}: one sequence's decode step {(full - one) / (n - 1) * 1e3:.2f} ms ({n} tokens)", flush=True)
+            step = f"{(full - one) / (n - 1) * 1e3:.2f} ms" if n > 1 else "(its answer is one token)"
+            print(f"{way}: one sequence's decode step {step} ({n} tokens)", flush=True)
     print(f"{'N':>3} " + " ".join(f"{way + ' tok/s':>16}" for way in ways))
     for n in args.concurrency:
         best = {

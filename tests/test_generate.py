@@ -18,6 +18,7 @@ from shoal.errors import InvalidRequest, Overloaded
 from shoal.generate.batcher import GenerationRequest, Generator
 from shoal.generate.forward import CachedDecoder
 from shoal.generate.kv_cache import PagedCache, SlabCache
+from shoal.layers.int4 import available as int4_available
 from shoal.weights import build_model
 
 QUESTIONS = [
@@ -103,10 +104,26 @@ def test_sequences_joining_mid_run_get_the_same_tokens_as_alone(smollm2, prompts
         gen.step()
         steps += 1
     assert [sequences[i].tokens for i in range(len(prompts))] == expected
-    for i in (0, 7, 13):
+    for i in (0, 7, 13):  # alone: one sequence's decode reads its slot as a slice
         [alone] = gen.run([GenerationRequest(prompts[i], max_new_tokens=NEW_TOKENS)])
         assert alone.tokens == expected[i]
+    twice = gen.run([GenerationRequest(prompts[0], max_new_tokens=NEW_TOKENS)] * 2)  # equally long: no mask
+    assert [seq.tokens for seq in twice] == [expected[0]] * 2
     assert gen.cache.in_use == 0
+
+
+def test_a_slot_whose_blocks_are_consecutive_is_read_as_a_slice_and_one_whose_are_not_is_gathered():
+    """`PagedCache.span`: where a slot's first positions lie side by side in the pools, the slice
+    it names holds the same positions `gather_index` gathers; blocks out of order give None."""
+    cache = PagedCache(2, 1, 4, slots=3, max_len=64, positions=64, block_size=8)
+    a, b = cache.alloc(20), cache.alloc(10)  # blocks 0-2, then 3-4
+    for slot, n in ((a, 20), (b, 10), (a, 5)):
+        start = cache.span(slot, n)
+        assert start is not None and cache.gather_index([slot], n)[0].tolist() == list(range(start, start + n))
+    assert cache.span(b, 10) == 24
+    cache.free(a)
+    c = cache.alloc(40)  # blocks 0, 1, 2 (freed), then 5, 6
+    assert cache.span(c, 24) == 0 and cache.span(c, 25) is None and cache.span(c, 40) is None
 
 
 def test_seeded_sampling_gives_the_same_tokens_alone_and_batched(smollm2, prompts):
@@ -353,7 +370,10 @@ def test_the_generation_loop_runs_calls_beyond_its_cache_in_arrival_order(smollm
     assert cache.in_use == 0
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "quantize",
+    ["int8", pytest.param("int4", marks=pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel"))],
+)
 def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, quantize):
     """A generating card with `quantize: int8` (engine/generation.py: its Linears int8, calibrated
     as an encoder's; the LM head float32) or `quantize: int4` (4-bit weights in groups of 32, the

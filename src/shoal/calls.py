@@ -204,7 +204,7 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class Result(msgspec.Struct, kw_only=True, frozen=True, tag_field="verb"):
     request_id: str | None = None
-    # What the model computed in: float32, bfloat16, float16 or int8 (engine/precision.py chose it).
+    # What the model computed in: float32, bfloat16, float16, int8 or int4 (engine/precision.py chose it).
     precision: str | None = None
 
 

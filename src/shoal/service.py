@@ -48,7 +48,7 @@ class ModelStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     # A text classifier's own labels by logit index (config.json's id2label), known while it is
     # loaded; TEI's `/info` reports them.
     labels: tuple[str, ...] = ()
-    # What the model computes in (float32, bfloat16, float16, int8): the loaded model's, else what a
+    # What the model computes in (float32, bfloat16, float16, int8, int4): the loaded model's, else what a
     # load on this server's device would choose (engine/precision.py); None where not known.
     precision: str | None = None
 

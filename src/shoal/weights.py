@@ -267,7 +267,9 @@ def estimate_bytes(
     """Bytes the weights take once loaded in `dtype`: from safetensors headers, or from the shapes
     of memory-mapped torch pickles (the files of the folder's layout). With `quantize` "int8", the
     encoder's Linear weights (of `architecture`, default the config's) take one byte per element
-    plus a float32 scale per output row, as layers/int8.py stores them."""
+    plus a float32 scale per output row, as layers/int8.py stores them; with "int4", the decoder's
+    Linears half a byte per element plus a bfloat16 scale and zero per 32 (layers/int4.py), and
+    its tied LM head a second, int8 copy of the embeddings (a byte each plus a scale per row)."""
     itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
     total = 0
     for path in _checkpoint_files(directory):
@@ -279,6 +281,16 @@ def estimate_bytes(
     if quantize == "int8":
         linears = [m for m in _meta_model(directory, architecture).modules() if isinstance(m, nn.Linear)]
         total -= sum(m.weight.numel() * (itemsize - 1) - m.out_features * 4 for m in linears)
+    elif quantize == "int4":
+        from .layers.int4 import GROUP, fits
+
+        model = _meta_model(directory, architecture)
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and fits(m)]
+        total -= sum(
+            m.weight.numel() * itemsize - m.weight.numel() // 2 - m.weight.numel() // GROUP * 4 for m in linears
+        )
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        total += sum(m.weight.numel() + m.num_embeddings * 2 for m in embeddings[:1])  # the int8 head
     return total
 
 

@@ -354,7 +354,7 @@ QUANTISED_AGREEMENT = 0.8
 def _check_answers(served: str, baselines: dict[str, Any], precision: str | None = None) -> dict[str, Any]:
     """The first prompt's greedy answers: transformers' must equal the server's (same float32
     weights: a faster wrong answer is not a result), or, where the server computes in a lower
-    `precision` (int8, bfloat16, float16), transformers fed the server's answer must pick
+    `precision` (int8, int4, bfloat16, float16), transformers fed the server's answer must pick
     `QUANTISED_AGREEMENT` of its tokens (an empty answer fails);
     llama.cpp computes in its own arithmetic, so its answer is not compared token for token: fed
     the server's answer, it must pick `AGREEMENT` of its tokens itself. The counts are printed;

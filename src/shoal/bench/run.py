@@ -236,7 +236,7 @@ def run(args) -> int:
     results: dict[str, dict] = {}
     ramps: dict[str, tuple[list[Step], Step | None]] = {}
     served: list = []  # shoal's vectors (or raw scores) for the first call, for a baseline to equal
-    # What each shoal target's model computes in, as /v1/models says (float32, bfloat16, int8).
+    # What each shoal target's model computes in, as /v1/models says (float32, bfloat16, int8, int4).
     precisions: dict[str, str | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         targets = ["shoal"] + [FLOAT32] * (FLOAT32 in against) + ["infinity"] * ("infinity" in against)

@@ -66,7 +66,7 @@ class ModelInfo:
 
     @property
     def precision(self) -> str:
-        """What the model computes in ("float32", "bfloat16", "float16", or "int8" Linears): the
+        """What the model computes in ("float32", "bfloat16", "float16", or "int8" / "int4" Linears): the
         loaded card is the one `engine/precision.py` chose for the device."""
         return precision_of(self.card)
 

@@ -325,12 +325,9 @@ class GeneratingModel:
     def __init__(self, card: ModelCard, directory: Path, device: str, threads: int, *, pack: bool = True) -> None:
         if card.generate is None:
             raise ConfigError(f"model {card.id}: its card has no generate block")
-        if card.quantize is not None and torch.device(device).type != "cpu":
-            raise ConfigError(
-                f"model {card.id}: quantize {card.quantize} runs on CPUs only (its products are CPU kernels), "
-                f"not on {device}: drop quantize",
-                details={"model": card.id, "field": "quantize", "device": device},
-            )
+        from .runner import _check_quantize
+
+        _check_quantize(card, device)  # CPUs only, float32 activations
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[card.dtype]
         model = build_model(directory, card.architecture, device, card.dtype)
         if not isinstance(model, LlamaModel):

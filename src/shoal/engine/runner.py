@@ -488,13 +488,20 @@ def quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
 
 
 def _check_quantize(card: ModelCard, device: str) -> None:
-    """`quantize: int8` is a CPU backend over float32 activations; the card's own check covers the
-    dtype, but a card built in code (msgspec.structs.replace) skips that check."""
+    """`quantize` (int8; int4 for generating cards) is a CPU backend over float32 activations; the
+    card's own check covers the dtype, but a card built in code (msgspec.structs.replace), or one
+    whose limits for two hardware classes combine (a dtype from one, quantize from another), skips
+    that check. Both the encoder runner and GeneratingModel call this at load."""
     if card.quantize is None:
         return
+    if card.quantize == "int4" and card.generate is None:
+        raise ConfigError(
+            f"{card.id}: quantize int4 is for generating cards (a decode step's 4-bit weights): use int8",
+            details={"model": card.id, "field": "quantize"},
+        )
     if torch.device(device).type != "cpu":
         raise ConfigError(
-            f"{card.id}: quantize {card.quantize} runs on CPUs only (int8 matmuls through oneDNN), "
+            f"{card.id}: quantize {card.quantize} runs on CPUs only (its products are CPU kernels), "
             f"not on {device}: serve it on a CPU, or drop quantize and use dtype float16 or bfloat16",
             details={"model": card.id, "field": "quantize", "device": device},
         )

@@ -43,7 +43,7 @@ TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 class Usage(msgspec.Struct, omit_defaults=True):
     tokens: int
     generated_tokens: int | None = None  # extract on a generating model: new tokens written
-    # What the model computed in (float32, bfloat16, float16, int8); absent where not known.
+    # What the model computed in (float32, bfloat16, float16, int8, int4); absent where not known.
     precision: str | None = None
 
 
