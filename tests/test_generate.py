@@ -370,6 +370,43 @@ def test_the_generation_loop_runs_calls_beyond_its_cache_in_arrival_order(smollm
     assert cache.in_use == 0
 
 
+def test_a_call_that_would_wait_for_cache_positions_past_its_bound_is_refused_though_a_slot_is_free(smollm2, prompts):
+    """A paged cache of 4 slots in 128 positions: one long sequence takes all the positions, three
+    slots stay free. A call that may wait 10 ms is refused at once (Overloaded, the wait named): it
+    needs positions the long one frees only when it ends, not just a free slot."""
+    from shoal.engine.generation import GenerationLoop
+    from shoal.engine.types import GenerateSpec
+
+    tokenizer, _, model, eos = smollm2
+    cfg = model.config
+    cache = PagedCache(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=4, max_len=512, positions=128, block_size=16
+    )
+    loop = GenerationLoop(Generator(CachedDecoder(model, cache), eos), threads=torch.get_num_threads(), name="test")
+    long = list(prompts[0])
+    try:
+        entry = loop.submit(
+            long, GenerateSpec(128 - len(long)), None, lambda g, e: None, deadline=time.monotonic() + 300
+        )
+        waited = time.monotonic()
+        while loop._step_s is None and time.monotonic() - waited < 60:  # a step timed: estimates start
+            time.sleep(0.01)
+        assert cache.in_use == 1 and cache.free_positions == 0 and loop.slots - cache.in_use == 3
+        with pytest.raises(Overloaded, match="would wait about"):
+            loop.submit(
+                list(prompts[1]),
+                GenerateSpec(8),
+                None,
+                lambda g, e: None,
+                deadline=time.monotonic() + 300,
+                max_wait_s=0.01,
+            )
+        loop.cancel(entry)
+    finally:
+        loop.close()
+        loop._thread.join(30)  # its step ends before the process may
+
+
 @pytest.mark.parametrize(
     "quantize",
     ["int8", pytest.param("int4", marks=pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel"))],

@@ -15,9 +15,10 @@ generation's steps run on the model's own thread (on a CPU the two share the cor
 the cache's slots wait in arrival order (their deadline still runs) rather than fail, unless the
 wait for a slot would be longer than the caller may wait (`submit`'s `max_wait_s`): then they are
 refused at once (503, Retry-After) rather than answered 504 at their deadline. The wait is
-estimated from the sequences running and waiting ahead, each holding its slot for its
-max_new_tokens or the typical answer's length, whichever is shorter (one already past that length:
-as long again as it has run), at the recent step time.
+estimated from the sequences running and waiting ahead, each holding its slot and its cache
+positions for its max_new_tokens or the typical answer's length, whichever is shorter (one already
+past that length: as long again as it has run), at the recent step time; a sequence starts once a
+slot and the positions it needs are both free (a paged cache can have the one without the other).
 Constraints are compiled by `compile` off the loop (the engine calls it on a worker thread).
 """
 
@@ -142,7 +143,7 @@ class GenerationLoop:
         with self._cond:
             if self._closed:
                 raise Overloaded("the model is being unloaded; retry", retry_after_s=1.0)
-            wait_s = self._wait_s()
+            wait_s = self._wait_s(len(prompt_ids) + spec.max_new_tokens)
             if wait_s is not None and wait_s > max_wait_s:
                 ahead = len(self._inbox) + len(self._waiting)
                 retry_after_s = float(max(1, math.ceil(wait_s - max_wait_s)))
@@ -157,26 +158,43 @@ class GenerationLoop:
             self._cond.notify()
         return entry
 
-    def _wait_s(self) -> float | None:
-        """Seconds until a sequence submitted now gets a slot (call under the lock; see the module
-        docstring); None until a step has been timed."""
+    def _wait_s(self, length: int) -> float | None:
+        """Seconds until a sequence of `length` positions submitted now gets a slot and the cache
+        positions it needs (call under the lock; see the module docstring); None until a step has
+        been timed."""
         if self._step_s is None:
             return None
         typical = self._answer_tokens or math.inf
+        cache = self.generator.cache
         # Copies (atomic under the GIL): the loop's thread changes these without the lock.
         running = [entry.seq for entry in tuple(self._running.values()) if entry.seq is not None]
-        free = max(0, self.slots - len(running))
-        # In steps from now; a sequence already past the typical length is expected to run as long again.
-        releases = [0.0] * free + [
-            max(1.0, min(seq.request.max_new_tokens, max(typical, 2 * len(seq.tokens))) - len(seq.tokens))
+        slots, positions = max(0, self.slots - len(running)), cache.free_positions
+        # (steps from now, positions freed) per running sequence; one already past the typical
+        # length is expected to run as long again.
+        releases = [
+            (
+                max(1.0, min(seq.request.max_new_tokens, max(typical, 2 * len(seq.tokens))) - len(seq.tokens)),
+                cache.held(seq.slot),
+            )
             for seq in running
         ]
-        if not releases:
-            return None
         heapq.heapify(releases)
-        for entry in (*tuple(self._waiting), *self._inbox):
-            heapq.heappush(releases, heapq.heappop(releases) + min(entry.request.max_new_tokens, typical))
-        return releases[0] * self._step_s
+        # Those ahead start in arrival order (none overtakes), each once a slot and its positions are free.
+        ahead = [
+            (len(e.request.prompt_ids) + e.request.max_new_tokens, e.request.max_new_tokens)
+            for e in (*tuple(self._waiting), *self._inbox)
+        ]
+        now = 0.0
+        for need, new_tokens in (*ahead, (length, 0)):
+            held = cache.positions_for(need)
+            while slots < 1 or positions < held:
+                if not releases:
+                    return None  # nothing will free what it needs (cache.check refuses what never fits)
+                at, freed = heapq.heappop(releases)
+                now, slots, positions = max(now, at), slots + 1, positions + freed
+            slots, positions = slots - 1, positions - held
+            heapq.heappush(releases, (now + min(new_tokens, typical), held))
+        return now * self._step_s
 
     def cancel(self, entry: Entry) -> None:
         """The sequence stops before the next step; its slot is freed then."""

@@ -138,6 +138,14 @@ class PagedCache:
         rows = self._table[torch.tensor(slots, device=self._table.device)]
         return rows[:, positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def held(self, slot: int) -> int:
+        """Positions the slot's blocks take from the pools (what freeing it gives back)."""
+        return len(self._blocks[slot]) * self.block_size
+
+    def positions_for(self, length: int) -> int:
+        """Positions a sequence that will reach `length` takes from the pools (whole blocks)."""
+        return self._blocks_for(length) * self.block_size
+
     def span(self, slot: int, length: int) -> int | None:
         """The pool index of the slot's position 0 when its first `length` positions lie side by
         side in the pools (its blocks consecutive: what a sequence gets from an unfragmented pool),
