@@ -51,6 +51,7 @@ from ..models.llama import LlamaModel
 from ..weights import build_model
 from .backend import ModelInfo
 from .measure import tensor_bytes
+from .precision import check_quantize
 from .tokenizer import TextTokenizer
 from .tokenizer_files import load_tokenizer
 from .types import Batch, GenerateSpec, Spec
@@ -343,9 +344,7 @@ class GeneratingModel:
     def __init__(self, card: ModelCard, directory: Path, device: str, threads: int, *, pack: bool = True) -> None:
         if card.generate is None:
             raise ConfigError(f"model {card.id}: its card has no generate block")
-        from .runner import _check_quantize
-
-        _check_quantize(card, device)  # CPUs only, float32 activations
+        check_quantize(card, device)  # CPUs only, float32 activations
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[card.dtype]
         model = build_model(directory, card.architecture, device, card.dtype)
         if not isinstance(model, LlamaModel):
@@ -392,7 +391,7 @@ class GeneratingModel:
         decoder = CachedDecoder(model, cache)
         if card.quantize == "int4":
             head = int4.Int8WeightLinear.of(decoder.lm_head)
-            decoder.head, head_bytes = head, head.weight.nbytes + head.scale.nbytes
+            decoder.head, head_bytes = head, head.num_bytes
         else:
             head_bytes = decoder.pack_head() if packing else 0  # a tied head's packed copy
         grammars = None

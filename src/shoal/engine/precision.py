@@ -21,6 +21,7 @@ import msgspec
 
 from ..catalog import ModelCard
 from ..cpuinfo import cpu_flags
+from ..errors import ConfigError
 from .hardware import hardware_class
 
 # /proc/cpuinfo flags of the CPUs whose bf16 matmuls run natively (oneDNN's AMX and AVX512-BF16 kernels).
@@ -43,7 +44,7 @@ def card_for_device(
     """`card` as it runs on `device` (see the module docstring): its limits' `quantize` and `dtype`
     for the hardware class, else bfloat16 where `reduced` allows, the card lists it and the CPU has
     it natively. `hardware` and `flags` default to this machine's."""
-    if not device.startswith("cpu"):  # int8 is refused there (runner._check_quantize)
+    if not device.startswith("cpu"):  # int8 is refused there (check_quantize)
         gated = reduced and _gated_bf16(card)
         return msgspec.structs.replace(card, dtype="bfloat16") if gated and cuda_bf16(device) else card
     hardware = hardware or hardware_class(device)
@@ -72,3 +73,29 @@ def precision_of(card: ModelCard) -> str:
     """What a loaded card computes in: "int8" (int8 Linears over float32 activations), "int4"
     (4-bit Linear weights) or its dtype."""
     return card.quantize or card.dtype
+
+
+def check_quantize(card: ModelCard, device: str) -> None:
+    """`quantize` (int8; int4 for generating cards) is a CPU backend over float32 activations; the
+    card's own check covers the dtype, but a card built in code (msgspec.structs.replace), or one
+    whose limits for two hardware classes combine (a dtype from one, quantize from another), skips
+    that check. Both the encoder runner and GeneratingModel call this at load."""
+    if card.quantize is None:
+        return
+    if card.quantize == "int4" and card.generate is None:
+        raise ConfigError(
+            f"{card.id}: quantize int4 is for generating cards (a decode step's 4-bit weights): use int8",
+            details={"model": card.id, "field": "quantize"},
+        )
+    if not device.startswith("cpu"):
+        raise ConfigError(
+            f"{card.id}: quantize {card.quantize} runs on CPUs only (its products are CPU kernels), "
+            f"not on {device}: serve it on a CPU, or drop quantize and use dtype float16 or bfloat16",
+            details={"model": card.id, "field": "quantize", "device": device},
+        )
+    if card.dtype != "float32":
+        raise ConfigError(
+            f"{card.id}: quantize {card.quantize} runs with float32 activations, not dtype "
+            f"{card.dtype}: leave dtype unset (float32) or drop quantize",
+            details={"model": card.id, "field": "quantize", "dtype": card.dtype},
+        )

@@ -19,7 +19,7 @@ import torch
 from ..calls import EncodedItem
 from ..catalog import ModelCard, resolve_weights
 from ..catalog.card import ROW_BLOCK_BYTES
-from ..errors import ConfigError, ModelLoadError
+from ..errors import ModelLoadError
 from ..head_info import Similarity
 from ..heads import BuildContext, Hidden, build_heads
 from ..layers import AttentionMeta, PackedInputs, input_maxima, packed, quantize_linears
@@ -30,7 +30,7 @@ from .graphs import Capture, Graphs, cuda_capture, cuda_pool
 from .hardware import hardware_class
 from .lora import AdapterTable, read_adapter
 from .measure import tensor_bytes, workspace_bytes
-from .precision import card_for_device
+from .precision import card_for_device, check_quantize
 from .streams import LaneStream, LaneStreams
 from .threads import lane_threads, lanes_of_this_thread
 from .tokenizer import TextTokenizer
@@ -206,7 +206,7 @@ class ModelRunner:
         `graphs`: on a CUDA device, its forwards replay captured graphs per token bucket
         (engine/graphs.py)."""
         card = card_for_device(card, device, reduced=reduced)
-        _check_quantize(card, device)
+        check_quantize(card, device)
         _use_default_threads()
         wrapped = _WRAPPED_BACKBONES.get(card.extract.kind) if card.extract is not None else None
         if wrapped is not None:
@@ -485,32 +485,6 @@ def quantize_int8(model: torch.nn.Module, tokenizer: TextTokenizer) -> None:
     meta = AttentionMeta.build(torch.from_numpy(batch.cu_seqlens), batch.max_seqlen)
     inputs = PackedInputs(input_ids, position_ids, meta)
     quantize_linears(model, input_maxima(model, lambda: model(inputs)))
-
-
-def _check_quantize(card: ModelCard, device: str) -> None:
-    """`quantize` (int8; int4 for generating cards) is a CPU backend over float32 activations; the
-    card's own check covers the dtype, but a card built in code (msgspec.structs.replace), or one
-    whose limits for two hardware classes combine (a dtype from one, quantize from another), skips
-    that check. Both the encoder runner and GeneratingModel call this at load."""
-    if card.quantize is None:
-        return
-    if card.quantize == "int4" and card.generate is None:
-        raise ConfigError(
-            f"{card.id}: quantize int4 is for generating cards (a decode step's 4-bit weights): use int8",
-            details={"model": card.id, "field": "quantize"},
-        )
-    if torch.device(device).type != "cpu":
-        raise ConfigError(
-            f"{card.id}: quantize {card.quantize} runs on CPUs only (its products are CPU kernels), "
-            f"not on {device}: serve it on a CPU, or drop quantize and use dtype float16 or bfloat16",
-            details={"model": card.id, "field": "quantize", "device": device},
-        )
-    if card.dtype != "float32":
-        raise ConfigError(
-            f"{card.id}: quantize {card.quantize} runs with float32 activations, not dtype "
-            f"{card.dtype}: leave dtype unset (float32) or drop quantize",
-            details={"model": card.id, "field": "quantize", "dtype": card.dtype},
-        )
 
 
 def _tiled_inputs(

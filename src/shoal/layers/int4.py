@@ -29,7 +29,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from .linear import FusedLinear
+from .linear import FusedLinear, Shards
 
 GROUP = 32  # input channels per scale and zero (llama.cpp's Q4_0/Q4_1 block)
 N_TILE = 16  # the packed layout's output rows per tile
@@ -126,24 +126,8 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int4FusedLinear(Int4Linear):
+class Int4FusedLinear(Shards, Int4Linear):
     """A `FusedLinear` in int4: one product for the shards, `split` cuts the output as it did."""
-
-    def __init__(
-        self,
-        packed: torch.Tensor,
-        scales_and_zeros: torch.Tensor,
-        bias: torch.Tensor | None,
-        in_features: int,
-        out_features: int,
-        shard_sizes: tuple[int, ...],
-    ) -> None:
-        super().__init__(packed, scales_and_zeros, bias, in_features, out_features)
-        self.shard_sizes = shard_sizes
-
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # torch.split takes any sequence of sizes; its stub says list
-        return torch.split(self(x), cast("list[int]", self.shard_sizes), dim=-1)
 
 
 class Int8WeightLinear(nn.Module):
@@ -174,6 +158,11 @@ class Int8WeightLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale).float()
         return y.view(*lead, self.out_features)
+
+    @property
+    def num_bytes(self) -> int:
+        """Its weights' and scales' bytes (it stands apart from the model's modules: the decoder's head)."""
+        return self.weight.nbytes + self.scale.nbytes
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

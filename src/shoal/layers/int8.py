@@ -48,13 +48,13 @@ from __future__ import annotations
 import functools
 import platform
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 import torch
 from torch import nn
 
 from ..cpuinfo import cpu_flags
-from .linear import FusedLinear
+from .linear import FusedLinear, Shards
 
 _TINY = 1e-12  # an all-zero row gets a scale, not a division by zero
 OUTLIER_RATIO = 5.0  # an input channel this many times the median channel's max stays float32
@@ -198,16 +198,8 @@ class Int8Linear(nn.Module):
         )
 
 
-class Int8FusedLinear(Int8Linear):
+class Int8FusedLinear(Shards, Int8Linear):
     """A `FusedLinear` in int8: one matmul for the shards, `split` cuts the output as it did."""
-
-    def __init__(self, *parts: Any, shard_sizes: tuple[int, ...]) -> None:
-        super().__init__(*parts)
-        self.shard_sizes = shard_sizes
-
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # torch.split takes any sequence of sizes; its stub says list
-        return torch.split(self(x), cast("list[int]", self.shard_sizes), dim=-1)
 
 
 def quantize_rows(x: torch.Tensor, overwrite: bool = False, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

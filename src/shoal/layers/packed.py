@@ -13,12 +13,10 @@ A LoRA adapter's forward hook (layers/lora.py) sees this module as it sees any L
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch import nn
 
-from .linear import FusedLinear
+from .linear import FusedLinear, Shards
 
 # The batch size oneDNN picks the packed layout for (any batch runs; this is the common one).
 _PACK_FOR_TOKENS = 4096
@@ -50,7 +48,9 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_FOR_TOKENS)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if isinstance(linear, FusedLinear):
-            return PackedFusedLinear(packed, bias, linear.in_features, linear.out_features, linear.shard_sizes)
+            return PackedFusedLinear(
+                packed, bias, linear.in_features, linear.out_features, shard_sizes=linear.shard_sizes
+            )
         return cls(packed, bias, linear.in_features, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,23 +64,8 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class PackedFusedLinear(PackedLinear):
+class PackedFusedLinear(Shards, PackedLinear):
     """A `FusedLinear` packed: one product for the shards, `split` cuts the output as it did."""
-
-    def __init__(
-        self,
-        packed: torch.Tensor,
-        bias: torch.Tensor | None,
-        in_features: int,
-        out_features: int,
-        shard_sizes: tuple[int, ...],
-    ) -> None:
-        super().__init__(packed, bias, in_features, out_features)
-        self.shard_sizes = shard_sizes
-
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # torch.split takes any sequence of sizes; its stub says list
-        return torch.split(self(x), cast("list[int]", self.shard_sizes), dim=-1)
 
 
 def pack_linears(model: nn.Module) -> int:
