@@ -10,7 +10,9 @@ dequantised to float32), in this process:
 - `int8+head`: the LM head int8 too (not served: no outlier channels for it);
 - `int4`: as `quantize: int4` is served: every Linear's weights 4-bit in groups of 32 (the GGUF's
   own Q4_1 levels), the LM head (the file's Q8_0 embeddings) int8 per row, bfloat16 activations
-  at the products;
+  at the products, and one sequence's decode steps through the torch.compile'd layer
+  (generate/forward.py `compile_span`, as the card's `generate.compile` defaults);
+- `int4-eager`: the same, its steps eager (`generate.compile: false`);
 - `int4+head4`: the LM head 4-bit too; `int4+head32`: the LM head packed float32 (neither served).
 
 First each one's greedy answers to the 8 prompts at once (64 new tokens) against float32's: the
@@ -44,7 +46,7 @@ from shoal.weights import build_model
 from spawn import machine_line
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-WAYS = ("float32", "int8", "int8+head", "int4", "int4+head4", "int4+head32")
+WAYS = ("float32", "int8", "int8+head", "int4", "int4-eager", "int4+head4", "int4+head32")
 
 
 def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
@@ -63,8 +65,11 @@ def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
     else:  # as GeneratingModel does under quantize: int8
         quantize_int8(model, TextTokenizer.from_dir(directory, 2048))
     decoder = CachedDecoder(model, cache(slots))
-    if way == "int4":  # as GeneratingModel does under quantize: int4
+    if way in ("int4", "int4-eager"):  # as GeneratingModel does under quantize: int4
         decoder.head = Int8WeightLinear.of(decoder.lm_head)
+        why = decoder.compile_span() if way == "int4" else None
+        if why is not None:
+            raise SystemExit(f"int4: the decode layer did not compile: {why}")
     elif way in ("int8+head", "int4+head4"):
         head = torch.nn.Linear(decoder.lm_head.shape[1], decoder.lm_head.shape[0], bias=False)
         head.weight = torch.nn.Parameter(decoder.lm_head, requires_grad=False)

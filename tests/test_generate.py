@@ -407,17 +407,22 @@ def test_a_call_that_would_wait_for_cache_positions_past_its_bound_is_refused_th
         loop._thread.join(30)  # its step ends before the process may
 
 
+_INT4 = pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel")
+
+
 @pytest.mark.parametrize(
-    "quantize",
-    ["int8", pytest.param("int4", marks=pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel"))],
+    "quantize, alone",
+    [("int8", False), pytest.param("int4", False, marks=_INT4), pytest.param("int4", True, marks=_INT4)],
+    ids=["int8", "int4", "int4-alone"],
 )
-def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, quantize):
+def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, quantize, alone):
     """A generating card with `quantize: int8` (engine/generation.py: its Linears int8, calibrated
     as an encoder's; the LM head float32) or `quantize: int4` (4-bit weights in groups of 32, the
     LM head int8, bfloat16 activations at the products): its greedy answers to the 20 prompts, fed back through
     transformers' float32 model token by token, are float32's own choice at 90 % of their tokens
     or more (a broken kernel or calibration would pick few); its answers are not float32's token
-    for token, which is why it is opt-in."""
+    for token, which is why it is opt-in. `alone`: each prompt on its own, so every decode step is
+    one sequence's, which under int4 runs the torch.compile'd layer (forward.py `compile_span`)."""
     import msgspec
 
     from conftest import SMOLLM2_ID
@@ -434,7 +439,12 @@ def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, q
         assert all(isinstance(layer.down, kind) and isinstance(layer.qkv, kind) for layer in loaded.model.layers)
         assert loaded.info.precision == quantize
         assert isinstance(loaded.generator.decoder.head, Int8WeightLinear) == (quantize == "int4")
-        answers = loaded.generator.run([GenerationRequest(ids, max_new_tokens=NEW_TOKENS) for ids in prompts])
+        assert loaded.generator.decoder.compiled == (quantize == "int4")  # the card's generate.compile: true
+        requests = [GenerationRequest(ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
+        if alone:
+            answers = [answer for request in requests for answer in loaded.generator.run([request])]
+        else:
+            answers = loaded.generator.run(requests)
     finally:
         loaded.close()
     picked = total = 0
@@ -445,7 +455,7 @@ def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, q
         choices = logits[len(ids) - 1 : len(ids) - 1 + len(tokens)].argmax(-1).tolist()
         picked += sum(a == b for a, b in zip(choices, tokens))
         total += len(tokens)
-    print(f"\n{quantize}: float32 picks {picked} of its {total} tokens ({picked / total:.1%})")
+    print(f"\n{quantize}{' alone' * alone}: float32 picks {picked} of its {total} tokens ({picked / total:.1%})")
     assert total > 0 and picked >= 0.9 * total
 
 

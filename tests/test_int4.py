@@ -146,3 +146,94 @@ def test_int4_is_for_generating_float32_cards_on_cpus_and_a_tuned_limit_chooses_
     (tmp_path / "tuned" / "minilm.yaml").write_text(yaml.safe_dump(overlay))
     with pytest.raises(CardError, match="minilm.yaml.*generating cards"):
         Catalog.load((tmp_path,))
+
+
+def _random_decoder(tmp_path, family: str, eps: float = 1e-6):
+    """A random 2-layer Qwen3 (per-head norms) or Llama decoder with int4 Linears, and its cache."""
+    import transformers
+
+    from shoal.generate.forward import CachedDecoder
+    from shoal.generate.kv_cache import PagedCache
+    from shoal.weights import build_model
+
+    config_class, model_class = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[family]
+    torch.manual_seed(0)
+    width = {"qwen3": 128, "llama": 64}[family]
+    config = config_class(
+        vocab_size=300,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        hidden_size=width,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=2 * width,
+        rms_norm_eps=eps,
+    )
+    model_class(config).eval().save_pretrained(tmp_path / f"{family}-{eps}")
+    model = build_model(tmp_path / f"{family}-{eps}", None, "cpu")
+    quantize_linears_int4(model)
+    assert all(isinstance(layer.qkv, Int4Linear) for layer in model.layers)
+    cfg = model.config
+    cache = PagedCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=2, max_len=96, block_size=16)
+    return CachedDecoder(model, cache)
+
+
+@kernel
+def test_a_compiled_decode_layer_gives_the_eager_steps_logits_for_two_families_in_one_process(tmp_path):
+    """`CachedDecoder.compile_span` (torch.compile of one sequence's decode layer, its guards the
+    tensors' only, one copy of the code per decoder): teacher-forced over the same 40 tokens, each
+    step's logits are the eager decoder's within bfloat16 rounding, for a Qwen3 decoder (per-head
+    norms) and two Llama ones of another width compiled in the same process, the two alike in every
+    tensor's shape but not in their norms' epsilon (a constant in the compiled code, which only the
+    dropped guards would tell apart: without a copy of the code each, the second would run the
+    first's); the steps took the compiled layer (one slot's consecutive blocks)."""
+    from shoal.generate.forward import Segment
+
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 300, (9,), generator=generator).tolist()
+    forced = torch.randint(0, 300, (40,), generator=generator).tolist()
+
+    def run(decoder) -> list[torch.Tensor]:
+        slot = decoder.cache.alloc(len(prompt) + len(forced))
+        try:
+            out = [decoder.step([Segment(slot, prompt)])]
+            out += [decoder.step([Segment(slot, [token])]) for token in forced]
+        finally:
+            decoder.cache.free(slot)
+        return out
+
+    decoders = {
+        "qwen3": _random_decoder(tmp_path, "qwen3"),
+        "llama": _random_decoder(tmp_path, "llama"),
+        "llama eps 0.5": _random_decoder(tmp_path, "llama", eps=0.5),
+    }
+    eager = {family: run(decoder) for family, decoder in decoders.items()}
+    for decoder in decoders.values():
+        assert decoder.compile_span() is None and decoder.compiled
+    for family, decoder in decoders.items():
+        calls = []
+        layer = decoder._span_layer
+        decoder._span_layer = lambda *args, layer=layer: calls.append(1) or layer(*args)
+        got = run(decoder)
+        assert len(calls) == len(forced) * decoder.model.config.num_hidden_layers, family
+        for want, have in zip(eager[family], got):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() <= 2e-2 * want.abs().max(), family
+
+
+@kernel
+def test_a_decoder_whose_layers_differ_stays_eager(tmp_path):
+    """A Linear the int4 kernel refused stays packed float32 (`quantize_linears_int4`), which
+    inductor does not lower: `compile_span` says why and changes nothing."""
+    from shoal.layers.packed import PackedLinear
+
+    decoder = _random_decoder(tmp_path, "llama")
+    first = decoder.model.layers[0]
+    first.down = PackedLinear.of(nn.Linear(first.down.in_features, first.down.out_features, bias=False))
+    assert decoder.compile_span() == "its layers differ in their Linears"
+    assert not decoder.compiled

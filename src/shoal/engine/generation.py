@@ -392,6 +392,10 @@ class GeneratingModel:
         if card.quantize == "int4":
             head = int4.Int8WeightLinear.of(decoder.lm_head)
             decoder.head, head_bytes = head, head.num_bytes
+            if card.generate.compile:
+                why = decoder.compile_span()
+                if why is not None:
+                    log.warning("model %s: one sequence's int4 decode steps stay eager: %s", card.id, why)
         else:
             head_bytes = decoder.pack_head() if packing else 0  # a tied head's packed copy
         grammars = None

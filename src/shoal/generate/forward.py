@@ -23,8 +23,10 @@ queries and keys are rotated in one call, the cache written with `index_copy_` a
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,10 @@ class CachedDecoder:
         self.lm_head = model.embed_tokens.weight if lm_head is None else lm_head
         # hidden [S, hidden] -> logits [S, vocab]; `pack_head` swaps in a oneDNN-packed product.
         self.head: Callable[[torch.Tensor], torch.Tensor] = functools.partial(F.linear, weight=self.lm_head)
+        # A layer of one sequence's decode step over a slice of the pools; `compile_span` may swap in
+        # a compiled one.
+        self._span_layer: Callable[..., torch.Tensor] = _span_layer
+        self.compiled = False
 
     def pack_head(self) -> int:
         """The LM head as a oneDNN-packed float32 product (layers/packed.py), as the engine packs
@@ -91,6 +97,51 @@ class CachedDecoder:
         linear.weight = torch.nn.Parameter(self.lm_head, requires_grad=False)
         self.head = PackedLinear.of(linear)
         return self.lm_head.numel() * self.lm_head.element_size()
+
+    @torch.inference_mode()
+    def compile_span(self) -> str | None:
+        """Compiles the layer of one sequence's decode step (`_span_layer`) with torch.compile
+        (inductor's C++ kernels fuse the norms, rotary, casts and residuals around the products;
+        sizes symbolic, so one compile serves every layer and length; cached on disk by torch), and
+        checks it against the eager layer on a scratch slot. Returns None once compiled, else why the
+        steps stay eager (nothing changed). For models whose every layer has the same Linears (the
+        guards kept are the tensors' only: one decoder's layers share the compiled code, and each
+        decoder gets its own copy of it, so no other model's layer can match its entries)."""
+        layers = [cast(LlamaLayer, layer) for layer in self.model.layers]
+        kinds = {tuple(type(m).__name__ for m in layer.modules()) for layer in layers}
+        if len(kinds) != 1:
+            return "its layers differ in their Linears"
+        cache = self.cache
+        fn = types.FunctionType(_span_layer.__code__.replace(), _span_layer.__globals__, "_span_layer_compiled")
+        try:
+            compiled = torch.compile(
+                fn, dynamic=True, options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+            )
+            slot = cache.alloc(3)
+        except Exception as e:  # no compiler, or no room: eager steps
+            return f"{type(e).__name__}: {e}"
+        try:
+            layer, ck, cv = layers[0], cache.k[0], cache.v[0]
+            hidden = self.model.embed_tokens.weight.shape[1]
+            for end in (2, 3):  # two lengths: a size that is neither 0 nor 1 stays symbolic
+                start = cache.span(slot, end)
+                if start is None:
+                    return "the scratch slot's blocks are not consecutive"
+                position = torch.tensor([end - 1], device=ck.device)
+                x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(end)).to(ck)
+                cos, sin = self.model.rotary.cos_sin(position, x.dtype)
+                writes = cache.flat(torch.tensor([slot], device=ck.device), position)
+                want = _span_layer(layer, x, cos, sin, ck, cv, writes, start, end)
+                got = compiled(layer, x, cos, sin, ck, cv, writes, start, end)
+                if not torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max())):
+                    return f"the compiled layer differs from the eager one by {float((got - want).abs().max()):.3g}"
+        except Exception as e:  # inductor could not build it here: eager steps
+            return f"{type(e).__name__}: {e}"
+        finally:
+            cache.free(slot)
+        self._span_layer = compiled
+        self.compiled = True
+        return None
 
     @torch.inference_mode()
     def step(self, segments: list[Segment]) -> torch.Tensor:
@@ -110,17 +161,22 @@ class CachedDecoder:
         ids = torch.tensor([t for s in segments for t in s.ids], dtype=torch.long, device=device)
         slots = [s.slot for s in segments]
         ends = [st + n for st, n in zip(starts, counts)]
-        token_slots = torch.tensor([s.slot for s, n in zip(segments, counts) for _ in range(n)], device=device)
-        positions = torch.cat([torch.arange(st, st + n, device=device) for st, n in zip(starts, counts)])
         decode = all(n == 1 for n in counts)
-        span = cache.span(slots[0], ends[0]) if decode and len(slots) == 1 else None
-        if span is not None:  # read as one slice
-            reads = []
-        elif decode:
-            reads = [cache.gather_index(slots, max(ends))]
+        if decode:  # each token at its sequence's next position
+            positions = torch.tensor(starts, device=device)
         else:
-            reads = [cache.gather_index([slot], end)[0] for slot, end in zip(slots, ends)]
-        plan = _Plan(positions, cache.flat(token_slots, positions), slots, starts, counts, ends, decode, reads, span)
+            positions = torch.cat([torch.arange(st, st + n, device=device) for st, n in zip(starts, counts)])
+        span = cache.span(slots[0], ends[0]) if decode and len(slots) == 1 else None
+        if span is not None:  # read as one slice, written at the slice's next index
+            reads, writes = [], torch.tensor([span + starts[0]], device=device)
+        else:
+            token_slots = torch.tensor([s.slot for s, n in zip(segments, counts) for _ in range(n)], device=device)
+            writes = cache.flat(token_slots, positions)
+            if decode:
+                reads = [cache.gather_index(slots, max(ends))]
+            else:
+                reads = [cache.gather_index([slot], end)[0] for slot, end in zip(slots, ends)]
+        plan = _Plan(positions, writes, slots, starts, counts, ends, decode, reads, span)
         x = model.embed_tokens(ids)  # [T, hidden]
         cos, sin = model.rotary.cos_sin(plan.positions, x.dtype)
         for index, layer in enumerate(model.layers):
@@ -128,15 +184,18 @@ class CachedDecoder:
             x = self._layer(index, layer, x, cos, sin, plan)
         for slot, end in zip(plan.segment_slots, plan.ends):
             cache.lengths[slot] = end
-        last = torch.tensor(counts, device=device).cumsum(0) - 1
-        hidden = model.norm(x[last])  # [S, hidden]
+        if not decode:  # each segment's last token
+            x = x[torch.tensor(counts, device=device).cumsum(0) - 1]
+        hidden = model.norm(x)  # [S, hidden]
         return self.head(hidden).float()
 
     def _layer(
         self, index: int, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: _Plan
     ) -> torch.Tensor:
-        q, k, v = self._project(layer, x, cos, sin)
         ck, cv = self.cache.k[index], self.cache.v[index]  # [positions, Hkv, D]
+        if plan.span is not None:
+            return self._span_layer(layer, x, cos, sin, ck, cv, plan.writes, plan.span, plan.ends[0])
+        q, k, v = _project(layer, x, cos, sin)
         ck.index_copy_(0, plan.writes, k)
         cv.index_copy_(0, plan.writes, v)
         if plan.decode:
@@ -150,20 +209,6 @@ class CachedDecoder:
                 offset += n
             a = torch.cat(outs)
         return layer.feed_forward(layer.attended(x, a))
-
-    @staticmethod
-    def _project(
-        layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`layer.project`, with the queries and keys rotated in one call where no per-head norm
-        comes between (they sit side by side in the fused projection's output): a decode step of one
-        token is bound by the count of small ops, not their size."""
-        if layer.q_norm is not None:
-            return layer.project(x, cos, sin)
-        T, H, Hkv, D = x.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
-        qkv = layer.qkv(layer.attn_norm(x))  # [T, (H + 2 Hkv) D]
-        qk = apply_rotary(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)
-        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """Causal attention of `n` new tokens (positions start..start+n-1) over a slot's first
@@ -182,19 +227,53 @@ class CachedDecoder:
 
     def _attend_decode(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """One new token per sequence (q `[S, H, D]`) over its positions (the plan's `[S, longest]`
-        reads, padded to the longest and masked; one sequence's `span`, a slice): `[S, H, D]`."""
+        reads, padded to the longest and masked): `[S, H, D]`."""
         ends = plan.ends
         S, longest = len(ends), max(ends)
-        if plan.span is not None:
-            k = ck[plan.span : plan.span + longest].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
-            v = cv[plan.span : plan.span + longest].unsqueeze(0).transpose(1, 2)
-        else:
-            flat = plan.reads[0].view(-1)
-            k = ck.index_select(0, flat).view(S, longest, *ck.shape[1:]).transpose(1, 2)  # [S, Hkv, L, D]
-            v = cv.index_select(0, flat).view(S, longest, *cv.shape[1:]).transpose(1, 2)
+        flat = plan.reads[0].view(-1)
+        k = ck.index_select(0, flat).view(S, longest, *ck.shape[1:]).transpose(1, 2)  # [S, Hkv, L, D]
+        v = cv.index_select(0, flat).view(S, longest, *cv.shape[1:]).transpose(1, 2)
         allowed = None
         if min(ends) < longest:  # shorter sequences mask what the padded gather read past their end
             allowed = torch.arange(longest, device=q.device)[None, :] < torch.tensor(ends, device=q.device)[:, None]
             allowed = allowed[:, None, None]
         out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed, enable_gqa=True)
         return out[:, :, 0]
+
+
+def _project(
+    layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`layer.project`, with the queries and keys rotated in one call where no per-head norm
+    comes between (they sit side by side in the fused projection's output): a decode step of one
+    token is bound by the count of small ops, not their size."""
+    if layer.q_norm is not None:
+        return layer.project(x, cos, sin)
+    T, H, Hkv, D = x.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+    qkv = layer.qkv(layer.attn_norm(x))  # [T, (H + 2 Hkv) D]
+    qk = apply_rotary(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)
+    return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+
+
+def _span_layer(
+    layer: LlamaLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    writes: torch.Tensor,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """A layer of one sequence's decode step whose positions lie side by side in the pools from
+    index `start` (`PagedCache.span`): its token `x` `[1, hidden]` written at `writes`, attending
+    over the slice `ck[start : start + end]` (no gather, no mask). What `CachedDecoder.compile_span`
+    compiles."""
+    q, k, v = _project(layer, x, cos, sin)
+    ck.index_copy_(0, writes, k)
+    cv.index_copy_(0, writes, v)
+    keys = ck[start : start + end].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
+    values = cv[start : start + end].unsqueeze(0).transpose(1, 2)
+    a = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]  # [1, H, D]
+    return layer.feed_forward(layer.attended(x, a))
