@@ -216,9 +216,9 @@ def test_a_compiled_decode_layer_gives_the_eager_steps_logits_for_two_families_i
     for decoder in decoders.values():
         assert decoder.compile_span() is None and decoder.compiled
     for family, decoder in decoders.items():
-        calls = []
+        calls: list[int] = []
         layer = decoder._span_layer
-        decoder._span_layer = lambda *args, layer=layer: calls.append(1) or layer(*args)
+        decoder._span_layer = lambda *args, layer=layer, calls=calls: calls.append(1) or layer(*args)
         got = run(decoder)
         assert len(calls) == len(forced) * decoder.model.config.num_hidden_layers, family
         for want, have in zip(eager[family], got):
