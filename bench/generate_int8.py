@@ -13,7 +13,9 @@ dequantised to float32), in this process:
   at the products, and one sequence's decode steps through the torch.compile'd layer
   (generate/forward.py `compile_span`, as the card's `generate.compile` defaults);
 - `int4-eager`: the same, its steps eager (`generate.compile: false`);
-- `int4+head4`: the LM head 4-bit too; `int4+head32`: the LM head packed float32 (neither served).
+- `int4+head4`: the LM head 4-bit too; `int4+head32`: the LM head packed float32 (neither served);
+- `bfloat16`: as a card with `dtype: bfloat16` is served: weights, activations and KV cache in
+  bfloat16 (oneDNN's bf16 products; native on CPUs with AVX512-BF16 or AMX).
 
 First each one's greedy answers to the 8 prompts at once (64 new tokens) against float32's: the
 length of the prefix each keeps. Then tokens/s at N concurrent sequences (the Generator driven to
@@ -46,18 +48,27 @@ from shoal.weights import build_model
 from spawn import machine_line
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-WAYS = ("float32", "int8", "int8+head", "int4", "int4-eager", "int4+head4", "int4+head32")
+WAYS = ("float32", "int8", "int8+head", "int4", "int4-eager", "int4+head4", "int4+head32", "bfloat16")
 
 
 def generator(directory, way: str, eos: list[int], slots: int) -> Generator:
-    model = build_model(directory, None, "cpu")
+    dtype = "bfloat16" if way == "bfloat16" else "float32"
+    model = build_model(directory, None, "cpu", dtype)
     cfg = model.config
 
     def cache(n: int) -> PagedCache:
         return PagedCache(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=n, max_len=512, block_size=16
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            slots=n,
+            max_len=512,
+            block_size=16,
+            dtype=getattr(torch, dtype),
         )
 
+    if way == "bfloat16":  # as a card with dtype bfloat16 is served: plain Linears, nothing packed
+        return Generator(CachedDecoder(model, cache(slots)), eos)
     if way == "float32":
         packed.pack_linears(model)
     elif way.startswith("int4"):  # as GeneratingModel does under quantize: int4

@@ -214,7 +214,7 @@ def test_a_failed_step_ends_its_sequences_frees_their_slots_and_the_generator_go
     assert again.tokens == expected[11]
 
 
-def test_a_model_with_its_own_lm_head_or_a_cache_of_another_dtype_is_refused(smollm2, smollm2_causal):
+def test_a_model_with_its_own_lm_head_but_none_given_or_a_cache_of_another_dtype_is_refused(smollm2, smollm2_causal):
     from shoal.errors import ConfigError
     from shoal.weights import read_model_config
 
@@ -223,8 +223,10 @@ def test_a_model_with_its_own_lm_head_or_a_cache_of_another_dtype_is_refused(smo
     cfg = model.config
     untied = build_model(directory, None, "cpu", config={**read_model_config(directory), "tie_word_embeddings": False})
     cache = SlabCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=1, max_len=8)
-    with pytest.raises(ConfigError, match="LM head"):
-        CachedDecoder(untied, cache)
+    with pytest.raises(ConfigError, match="its own LM head"):
+        CachedDecoder(untied, cache)  # and no lm_head given
+    with pytest.raises(ConfigError, match="LM head is"):
+        CachedDecoder(untied, cache, lm_head=model.embed_tokens.weight[:, :8])
     half = SlabCache(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=1, max_len=8, dtype=torch.bfloat16
     )
@@ -241,27 +243,36 @@ def test_a_model_with_its_own_lm_head_or_a_cache_of_another_dtype_is_refused(smo
             dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=32, intermediate_size=96),
         ),
         ("llama", dict(num_attention_heads=4, num_key_value_heads=1, hidden_size=64, intermediate_size=128)),
+        ("qwen2 untied", dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128)),
     ],
 )
 def test_greedy_decoding_equals_transformers_on_random_qwen2_qwen3_and_llama(tmp_path, family, shape):
     """The families the Qwen2.5 / Qwen3 / SmolLM2 cards name, random-initialised (tied LM heads, as
-    those checkpoints have them): 6 prompts of 3-40 tokens batched, 24 greedy tokens each, equal
-    to transformers' `generate` one prompt at a time."""
+    those checkpoints have them, and a Qwen2 with its own head, as the larger ones have it, read by
+    `lm_head_of` as GeneratingModel reads it): 6 prompts of 3-40 tokens batched, 24 greedy tokens
+    each, equal to transformers' `generate` one prompt at a time."""
     import transformers
+
+    from shoal.generate.forward import lm_head_of
 
     config_class, model_class = {
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    }[family]
+    }[family.split()[0]]
     torch.manual_seed(0)
-    config = config_class(vocab_size=300, num_hidden_layers=2, tie_word_embeddings=True, initializer_range=0.2, **shape)
+    tied = "untied" not in family
+    config = config_class(vocab_size=300, num_hidden_layers=2, tie_word_embeddings=tied, initializer_range=0.2, **shape)
     reference = model_class(config).eval()
     reference.save_pretrained(tmp_path)
     model = build_model(tmp_path, None, "cpu")
+    head = lm_head_of(tmp_path, model)
+    assert (head is None) == tied
+    if head is not None:  # its own weights, not the embeddings'
+        assert not torch.equal(head, model.embed_tokens.weight)
     cfg = model.config
     cache = SlabCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=6, max_len=80)
-    gen = Generator(CachedDecoder(model, cache), eos_ids=[])
+    gen = Generator(CachedDecoder(model, cache, lm_head=head), eos_ids=[])
     generator = torch.Generator().manual_seed(1)
     prompts = [tuple(torch.randint(0, 300, (n,), generator=generator).tolist()) for n in (3, 7, 12, 20, 33, 40)]
     got = gen.run([GenerationRequest(p, max_new_tokens=24) for p in prompts])
@@ -412,8 +423,13 @@ _INT4 = pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel")
 
 @pytest.mark.parametrize(
     "quantize, alone",
-    [("int8", False), pytest.param("int4", False, marks=_INT4), pytest.param("int4", True, marks=_INT4)],
-    ids=["int8", "int4", "int4-alone"],
+    [
+        ("int8", False),
+        pytest.param("int4", False, marks=_INT4),
+        pytest.param("int4", True, marks=_INT4),
+        ("bfloat16", False),
+    ],
+    ids=["int8", "int4", "int4-alone", "bfloat16"],
 )
 def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, quantize, alone):
     """A generating card with `quantize: int8` (engine/generation.py: its Linears int8, calibrated
@@ -422,7 +438,8 @@ def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, q
     transformers' float32 model token by token, are float32's own choice at 90 % of their tokens
     or more (a broken kernel or calibration would pick few); its answers are not float32's token
     for token, which is why it is opt-in. `alone`: each prompt on its own, so every decode step is
-    one sequence's, which under int4 runs the torch.compile'd layer (forward.py `compile_span`)."""
+    one sequence's, which under int4 runs the torch.compile'd layer (forward.py `compile_span`).
+    `dtype: bfloat16` (weights, activations and the KV cache; no quantize) is held to the same."""
     import msgspec
 
     from conftest import SMOLLM2_ID
@@ -432,11 +449,17 @@ def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, q
     from shoal.layers.int8 import Int8Linear
 
     directory, reference = smollm2_causal
-    card = msgspec.structs.replace(Catalog.load().get(SMOLLM2_ID), quantize=quantize)
+    card = Catalog.load().get(SMOLLM2_ID)
+    if quantize == "bfloat16":
+        card = msgspec.structs.replace(card, dtype="bfloat16")
+    else:
+        card = msgspec.structs.replace(card, quantize=quantize)
     loaded = GeneratingModel(card, directory, "cpu", torch.get_num_threads())
     try:
-        kind = {"int8": Int8Linear, "int4": Int4Linear}[quantize]
+        kind = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": torch.nn.Linear}[quantize]
         assert all(isinstance(layer.down, kind) and isinstance(layer.qkv, kind) for layer in loaded.model.layers)
+        if quantize == "bfloat16":  # the weights and the KV cache
+            assert loaded.model.layers[0].down.weight.dtype == loaded.generator.decoder.cache.k.dtype == torch.bfloat16
         assert loaded.info.precision == quantize
         assert isinstance(loaded.generator.decoder.head, Int8WeightLinear) == (quantize == "int4")
         assert loaded.generator.decoder.compiled == (quantize == "int4")  # the card's generate.compile: true

@@ -43,7 +43,7 @@ from ..calls import Generated
 from ..catalog import ModelCard
 from ..errors import ConfigError, InvalidRequest, ModelLoadError, Overloaded, ShoalError
 from ..generate.batcher import GenerationRequest, Generator, Sequence
-from ..generate.forward import CachedDecoder
+from ..generate.forward import CachedDecoder, lm_head_of
 from ..generate.kv_cache import PagedCache
 from ..head_info import ChatFrame
 from ..layers import int4, packed
@@ -388,7 +388,8 @@ class GeneratingModel:
             int4.quantize_linears_int4(model)
         if packing and card.quantize != "int8":
             packed.pack_linears(model)
-        decoder = CachedDecoder(model, cache)
+        own_head = lm_head_of(directory, model)  # None: tied to the embeddings
+        decoder = CachedDecoder(model, cache, lm_head=own_head)
         if card.quantize == "int4":
             head = int4.Int8WeightLinear.of(decoder.lm_head)
             decoder.head, head_bytes = head, head.num_bytes
@@ -413,6 +414,8 @@ class GeneratingModel:
         self.model = model
         self.card = card
         self.info = ModelInfo(card, tokenizer, ("text",), heads=(frame,))
+        if own_head is not None:  # beside the model's tensors
+            head_bytes += own_head.numel() * own_head.element_size()
         self.num_bytes = tensor_bytes([model]) + packed.packed_bytes(model) + head_bytes + cache.nbytes
         # A prefill of the most tokens a step packs: each layer's widest activations (the MLP's two
         # intermediate projections) plus the hidden states, a few times over.

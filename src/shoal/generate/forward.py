@@ -26,6 +26,7 @@ import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -35,6 +36,7 @@ from ..errors import ConfigError
 from ..layers.packed import PackedLinear
 from ..layers.rotary import apply_rotary
 from ..models.llama import LlamaLayer, LlamaModel
+from ..weights import load_tensors
 from .kv_cache import PagedCache
 
 
@@ -66,15 +68,21 @@ class Segment:
 
 class CachedDecoder:
     """Runs steps of a Llama-family `model` against `cache` (see the module docstring). The LM head
-    is the embeddings (tied, as SmolLM2 and the small Qwen models have it) unless `lm_head` is given."""
+    is the embeddings (tied, as SmolLM2 and the small Qwen models have it) unless `lm_head` is given
+    (a checkpoint's own, `lm_head_of`)."""
 
     def __init__(self, model: LlamaModel, cache: PagedCache, lm_head: torch.Tensor | None = None) -> None:
         if not isinstance(model, LlamaModel):
             raise ConfigError(f"generation runs on Llama-family decoders; this model is a {type(model).__name__}")
         if lm_head is None and not model.config.tie_word_embeddings:
             raise ConfigError(
-                f"this {model.config.model_type} checkpoint has its own LM head (tie_word_embeddings false), "
-                "which shoal does not load yet: generation runs on models whose head is their embeddings"
+                f"this {model.config.model_type} checkpoint has its own LM head (tie_word_embeddings false): "
+                "pass it as lm_head (`lm_head_of` reads it from the checkpoint)"
+            )
+        if lm_head is not None and lm_head.shape != model.embed_tokens.weight.shape:
+            raise ConfigError(
+                f"the LM head is {tuple(lm_head.shape)}, the embeddings {tuple(model.embed_tokens.weight.shape)}: "
+                "a head of [vocab, hidden] is needed"
             )
         if cache.k.dtype != model.embed_tokens.weight.dtype:
             raise ConfigError(
@@ -277,3 +285,13 @@ def _span_layer(
     values = cv[start : start + end].unsqueeze(0).transpose(1, 2)
     a = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]  # [1, H, D]
     return layer.feed_forward(layer.attended(x, a))
+
+
+def lm_head_of(directory: Path, model: LlamaModel) -> torch.Tensor | None:
+    """The checkpoint's own LM head (`lm_head.weight`, `[vocab, hidden]`) in the embeddings' dtype
+    and device where its config does not tie the head to the embeddings; None where it does."""
+    if model.config.tie_word_embeddings:
+        return None
+    weight = load_tensors(directory, ["lm_head.weight"], prefixes=())["lm_head.weight"]
+    embeddings = model.embed_tokens.weight
+    return weight.to(device=embeddings.device, dtype=embeddings.dtype)
