@@ -179,7 +179,7 @@ def _random_decoder(tmp_path, family: str, eps: float = 1e-6):
     quantize_linears_int4(model)
     assert all(isinstance(layer.qkv, Int4Linear) for layer in model.layers)
     cfg = model.config
-    cache = PagedCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=2, max_len=96, block_size=16)
+    cache = PagedCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=2, max_len=96, block_size=64)
     return CachedDecoder(model, cache)
 
 
@@ -191,20 +191,29 @@ def test_a_compiled_decode_layer_gives_the_eager_steps_logits_for_two_families_i
     norms) and two Llama ones of another width compiled in the same process, the two alike in every
     tensor's shape but not in their norms' epsilon (a constant in the compiled code, which only the
     dropped guards would tell apart: without a copy of the code each, the second would run the
-    first's); the steps took the compiled layer (one slot's consecutive blocks)."""
+    first's); the steps took the compiled layer (one slot's consecutive blocks) at several places
+    in the pools (the slot alone, and after another)."""
     from shoal.generate.forward import Segment
 
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 300, (9,), generator=generator).tolist()
     forced = torch.randint(0, 300, (40,), generator=generator).tolist()
 
-    def run(decoder) -> list[torch.Tensor]:
+    starts: set[int] = set()
+
+    def run(decoder, after: int) -> list[torch.Tensor]:
+        """Logits of the forced steps in a slot allocated after another holding `after` positions."""
+        held = [decoder.cache.alloc(after)] if after else []
         slot = decoder.cache.alloc(len(prompt) + len(forced))
+        start = decoder.cache.span(slot, 2)
+        assert start is not None  # read as a slice
+        starts.add(start)
         try:
             out = [decoder.step([Segment(slot, prompt)])]
             out += [decoder.step([Segment(slot, [token])]) for token in forced]
         finally:
-            decoder.cache.free(slot)
+            for used in [slot, *held]:
+                decoder.cache.free(used)
         return out
 
     decoders = {
@@ -212,18 +221,22 @@ def test_a_compiled_decode_layer_gives_the_eager_steps_logits_for_two_families_i
         "llama": _random_decoder(tmp_path, "llama"),
         "llama eps 0.5": _random_decoder(tmp_path, "llama", eps=0.5),
     }
-    eager = {family: run(decoder) for family, decoder in decoders.items()}
+    eager = {(family, after): run(decoder, after) for family, decoder in decoders.items() for after in (0, 32)}
     for decoder in decoders.values():
         assert decoder.compile_span() is None and decoder.compiled
+    starts.clear()
     for family, decoder in decoders.items():
-        calls: list[int] = []
-        layer = decoder._span_layer
-        decoder._span_layer = lambda *args, layer=layer, calls=calls: calls.append(1) or layer(*args)
-        got = run(decoder)
-        assert len(calls) == len(forced) * decoder.model.config.num_hidden_layers, family
-        for want, have in zip(eager[family], got):
-            assert have.shape == want.shape
-            assert (have - want).abs().max() <= 2e-2 * want.abs().max(), family
+        for after in (0, 32):  # the slot's positions first in the pools, and after another's
+            calls: list[int] = []
+            layer = decoder._span_layer
+            decoder._span_layer = lambda *args, layer=layer, calls=calls: calls.append(1) or layer(*args)
+            got = run(decoder, after)
+            decoder._span_layer = layer
+            assert len(calls) == len(forced) * decoder.model.config.num_hidden_layers, family
+            for want, have in zip(eager[family, after], got):
+                assert have.shape == want.shape
+                assert (have - want).abs().max() <= 2e-2 * want.abs().max(), (family, after)
+    assert len(starts) >= 2  # the compiled steps read slices at several places in the pools
 
 
 @kernel

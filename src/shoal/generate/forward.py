@@ -111,7 +111,7 @@ class CachedDecoder:
         """Compiles the layer of one sequence's decode step (`_span_layer`) with torch.compile
         (inductor's C++ kernels fuse the norms, rotary, casts and residuals around the products;
         sizes symbolic, so one compile serves every layer and length; cached on disk by torch), and
-        checks it against the eager layer on a scratch slot. Returns None once compiled, else why the
+        checks it against the eager layer on two scratch slots. Returns None once compiled, else why the
         steps stay eager (nothing changed). For models whose every layer has the same Linears (the
         guards kept are the tensors' only: one decoder's layers share the compiled code, and each
         decoder gets its own copy of it, so no other model's layer can match its entries)."""
@@ -121,20 +121,26 @@ class CachedDecoder:
             return "its layers differ in their Linears"
         cache = self.cache
         fn = types.FunctionType(_span_layer.__code__.replace(), _span_layer.__globals__, "_span_layer_compiled")
+        slots: list[int] = []
         try:
             compiled = torch.compile(
                 fn, dynamic=True, options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
             )
-            slot = cache.alloc(3)
+            slots = [cache.alloc(3), cache.alloc(7)]  # two scratch slots, at two places in the pools
         except Exception as e:  # no compiler, or no room: eager steps
+            for slot in slots:
+                cache.free(slot)
             return f"{type(e).__name__}: {e}"
         try:
             layer, ck, cv = layers[0], cache.k[0], cache.v[0]
             hidden = self.model.embed_tokens.weight.shape[1]
-            for end in (2, 3):  # two lengths: a size that is neither 0 nor 1 stays symbolic
+            # Compiled at the first slot's lengths 2 and 3 (neither 0 nor 1, so they stay symbolic),
+            # then checked at another start and length: with the guards dropped, code specialised
+            # to the first values would show here rather than in an answer.
+            for slot, end in ((slots[0], 2), (slots[0], 3), (slots[1], 7)):
                 start = cache.span(slot, end)
                 if start is None:
-                    return "the scratch slot's blocks are not consecutive"
+                    return "a scratch slot's blocks are not consecutive"
                 position = torch.tensor([end - 1], device=ck.device)
                 x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(end)).to(ck)
                 cos, sin = self.model.rotary.cos_sin(position, x.dtype)
@@ -146,7 +152,8 @@ class CachedDecoder:
         except Exception as e:  # inductor could not build it here: eager steps
             return f"{type(e).__name__}: {e}"
         finally:
-            cache.free(slot)
+            for slot in slots:
+                cache.free(slot)
         self._span_layer = compiled
         self.compiled = True
         return None
