@@ -18,6 +18,7 @@ from shoal.errors import InvalidRequest, Overloaded
 from shoal.generate.batcher import GenerationRequest, Generator
 from shoal.generate.forward import CachedDecoder
 from shoal.generate.kv_cache import PagedCache, SlabCache
+from shoal.layers import packed
 from shoal.layers.int4 import available as int4_available
 from shoal.weights import build_model
 
@@ -272,7 +273,12 @@ def test_greedy_decoding_equals_transformers_on_random_qwen2_qwen3_and_llama(tmp
         assert not torch.equal(head, model.embed_tokens.weight)
     cfg = model.config
     cache = SlabCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=6, max_len=80)
-    gen = Generator(CachedDecoder(model, cache, lm_head=head), eos_ids=[])
+    decoder = CachedDecoder(model, cache, lm_head=head)
+    if head is not None and packed.available():  # as GeneratingModel serves it on a CPU: held once, packed
+        decoder.pack_head()
+        decoder.drop_own_head()
+        assert decoder.lm_head.numel() == 0 and decoder.vocab_size == 300
+    gen = Generator(decoder, eos_ids=[])
     generator = torch.Generator().manual_seed(1)
     prompts = [tuple(torch.randint(0, 300, (n,), generator=generator).tolist()) for n in (3, 7, 12, 20, 33, 40)]
     got = gen.run([GenerationRequest(p, max_new_tokens=24) for p in prompts])
@@ -482,13 +488,15 @@ def test_quantised_decoding_keeps_to_float32s_choices(smollm2_causal, prompts, q
     assert total > 0 and picked >= 0.9 * total
 
 
-def test_a_tuned_overlay_serves_a_generating_model_in_int8_and_shoal_bench_checks_it_by_agreement(
-    tmp_path, smollm2_causal
+@pytest.mark.parametrize("quantize", ["int8", pytest.param("int4", marks=_INT4)])
+def test_a_tuned_overlay_serves_a_generating_model_quantised_and_shoal_bench_checks_it_by_agreement(
+    tmp_path, smollm2_causal, quantize
 ):
-    """As a user opts in: a tuned overlay (`quantize: int8` for cpu) in the models directory;
-    `shoal serve` loads the generating card in int8 (`/v1/models` says so), and `shoal bench
+    """As a user opts in: a tuned overlay (`quantize: int8` or `int4` for cpu) in the models
+    directory; `shoal serve` loads the generating card so (`/v1/models` says so), and `shoal bench
     --workload chat --against transformers` on it checks the answer by agreement, not equality:
-    transformers (float32), fed the int8 answer, picks at least 80 % of its tokens."""
+    transformers (float32), fed the answer, picks at least 80 % of its tokens (under int4 through
+    the served loop, whose one chat's steps run the decode layer compile_span compiled at load)."""
     import json
     import os
     import subprocess
@@ -500,7 +508,7 @@ def test_a_tuned_overlay_serves_a_generating_model_in_int8_and_shoal_bench_check
     from conftest import SMOLLM2_ID
 
     (tmp_path / "tuned").mkdir()
-    overlay = {"model": SMOLLM2_ID, "hardware": "cpu", "batching": {"quantize": "int8"}}
+    overlay = {"model": SMOLLM2_ID, "hardware": "cpu", "batching": {"quantize": quantize}}
     (tmp_path / "tuned" / "smollm2.yaml").write_text(yaml.safe_dump(overlay))
     out = tmp_path / "chat.json"
     argv = ["bench", SMOLLM2_ID, "--workload", "chat", "--levels", "1", "--models-dir", str(tmp_path)]
@@ -513,9 +521,9 @@ def test_a_tuned_overlay_serves_a_generating_model_in_int8_and_shoal_bench_check
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads(out.read_text())
-    assert record["precision"] == "int8"
+    assert record["precision"] == quantize
     found = record["agreement"]["transformers"]
-    if found != "equal":  # int8 may keep every token of so short an answer; it need not
+    if found != "equal":  # it may keep every token of so short an answer; it need not
         assert found["picked"] >= 0.8 * found["of"] > 0, found
         assert "transformers (float32) picks" in proc.stdout
     assert record["levels"]["1"]["shoal"]["tokens_per_s"] > 0

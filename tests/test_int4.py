@@ -9,6 +9,8 @@ model: tests/test_generate.py. Speed: bench/generate_int8.py.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import msgspec
 import pytest
 import torch
@@ -148,7 +150,7 @@ def test_int4_is_for_generating_float32_cards_on_cpus_and_a_tuned_limit_chooses_
         Catalog.load((tmp_path,))
 
 
-def _random_decoder(tmp_path, family: str, eps: float = 1e-6):
+def _random_decoder(tmp_path, family: str, eps: float = 1e-6, slots: int = 2):
     """A random 2-layer Qwen3 (per-head norms) or Llama decoder with int4 Linears, and its cache."""
     import transformers
 
@@ -179,7 +181,9 @@ def _random_decoder(tmp_path, family: str, eps: float = 1e-6):
     quantize_linears_int4(model)
     assert all(isinstance(layer.qkv, Int4Linear) for layer in model.layers)
     cfg = model.config
-    cache = PagedCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=2, max_len=96, block_size=64)
+    cache = PagedCache(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots=slots, max_len=96, block_size=64
+    )
     return CachedDecoder(model, cache)
 
 
@@ -192,7 +196,7 @@ def test_a_compiled_decode_layer_gives_the_eager_steps_logits_for_two_families_i
     tensor's shape but not in their norms' epsilon (a constant in the compiled code, which only the
     dropped guards would tell apart: without a copy of the code each, the second would run the
     first's); the steps took the compiled layer (one slot's consecutive blocks) at several places
-    in the pools (the slot alone, and after another)."""
+    in the pools (the slot alone, and after another, then on another thread)."""
     from shoal.generate.forward import Segment
 
     generator = torch.Generator().manual_seed(1)
@@ -230,7 +234,11 @@ def test_a_compiled_decode_layer_gives_the_eager_steps_logits_for_two_families_i
             calls: list[int] = []
             layer = decoder._span_layer
             decoder._span_layer = lambda *args, layer=layer, calls=calls: calls.append(1) or layer(*args)
-            got = run(decoder, after)
+            if after:  # on another thread than the one that compiled it, as the served loop runs it
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    got = pool.submit(run, decoder, after).result()
+            else:
+                got = run(decoder, after)
             decoder._span_layer = layer
             assert len(calls) == len(forced) * decoder.model.config.num_hidden_layers, family
             for want, have in zip(eager[family, after], got):
@@ -250,3 +258,13 @@ def test_a_decoder_whose_layers_differ_stays_eager(tmp_path):
     first.down = PackedLinear.of(nn.Linear(first.down.in_features, first.down.out_features, bias=False))
     assert decoder.compile_span() == "its layers differ in their Linears"
     assert not decoder.compiled
+
+
+@kernel
+def test_without_room_for_two_scratch_slots_the_steps_stay_eager_and_no_slot_is_kept(tmp_path):
+    """A cache of one slot: `compile_span` cannot take its second scratch slot, says so, and gives
+    the first back (a slot kept would leave the model unable to take a call)."""
+    decoder = _random_decoder(tmp_path, "llama", slots=1)
+    why = decoder.compile_span()
+    assert why is not None and "slots" in why
+    assert not decoder.compiled and decoder.cache.in_use == 0

@@ -269,7 +269,7 @@ def estimate_bytes(
     encoder's Linear weights (of `architecture`, default the config's) take one byte per element
     plus a float32 scale per output row, as layers/int8.py stores them; with "int4", the decoder's
     Linears half a byte per element plus a bfloat16 scale and zero per 32 (layers/int4.py), and
-    its tied LM head a second, int8 copy of the embeddings (a byte each plus a scale per row)."""
+    its LM head an int8 copy of the embeddings or of its own head (a byte each plus a scale per row)."""
     itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
     total = 0
     for path in _checkpoint_files(directory):

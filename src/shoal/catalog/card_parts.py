@@ -194,8 +194,9 @@ class Generate(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cache_positions: int | None = None
     max_new_tokens: int = 256
     # Under `quantize: int4`, one sequence's decode step runs a torch.compile'd layer (C++ built at
-    # load, a few seconds, then cached on disk; ~1.5x its steps' speed); false keeps it eager. The
-    # other precisions' steps are eager (inductor does not lower their packed float32 products).
+    # load, a few seconds, then cached on disk; ~1.35x its steps' speed); false keeps it eager. The
+    # other precisions' steps are eager (inductor does not lower float32's packed products; bfloat16
+    # gained nothing from it here).
     compile: bool = True
     extract_system: str = "You extract structured data from text as JSON."
     extract_prompt: str = "Text: {text}\n\nReturn the JSON record of what the text says."

@@ -398,12 +398,18 @@ class GeneratingModel:
                 if why is not None:
                     log.warning("model %s: one sequence's int4 decode steps stay eager: %s", card.id, why)
         else:
-            head_bytes = decoder.pack_head() if packing else 0  # a tied head's packed copy
+            head_bytes = decoder.pack_head() if packing else 0  # the head's packed copy
+        if own_head is not None:  # a checkpoint's own head: held once, in what multiplies with it
+            if card.quantize == "int4" or packing:
+                decoder.drop_own_head()
+            else:
+                head_bytes += own_head.numel() * own_head.element_size()
+            del own_head
         grammars = None
         try:
             from ..generate.constraints import Grammars
 
-            grammars = Grammars(load_tokenizer(directory).to_str(), decoder.lm_head.shape[0], frame.eos_ids)
+            grammars = Grammars(load_tokenizer(directory).to_str(), decoder.vocab_size, frame.eos_ids)
         except ImportError:  # llguidance (the generate extra) not installed: unconstrained only
             log.warning("model %s: llguidance is not installed; constrained output is refused", card.id)
         plain = tokenizer._plain_tokenizer()
@@ -414,8 +420,6 @@ class GeneratingModel:
         self.model = model
         self.card = card
         self.info = ModelInfo(card, tokenizer, ("text",), heads=(frame,))
-        if own_head is not None:  # beside the model's tensors
-            head_bytes += own_head.numel() * own_head.element_size()
         self.num_bytes = tensor_bytes([model]) + packed.packed_bytes(model) + head_bytes + cache.nbytes
         # A prefill of the most tokens a step packs: each layer's widest activations (the MLP's two
         # intermediate projections) plus the hidden states, a few times over.

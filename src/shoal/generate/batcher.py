@@ -82,7 +82,7 @@ class Generator:
         self.decode = decode
         self.max_prefill_tokens = max_prefill_tokens
         self.grammars = grammars
-        self.masks = Masks(decoder.lm_head.shape[0]) if grammars is not None else None
+        self.masks = Masks(decoder.vocab_size) if grammars is not None else None
         self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.running: list[Sequence] = []
 

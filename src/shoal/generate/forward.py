@@ -23,6 +23,7 @@ queries and keys are rotated in one call, the cache written with `index_copy_` a
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from ..layers.rotary import apply_rotary
 from ..models.llama import LlamaLayer, LlamaModel
 from ..weights import load_tensors
 from .kv_cache import PagedCache
+
+_COMPILE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class CachedDecoder:
         self.model = model
         self.cache = cache
         self.lm_head = model.embed_tokens.weight if lm_head is None else lm_head
+        self.vocab_size = self.lm_head.shape[0]
         # hidden [S, hidden] -> logits [S, vocab]; `pack_head` swaps in a oneDNN-packed product.
         self.head: Callable[[torch.Tensor], torch.Tensor] = functools.partial(F.linear, weight=self.lm_head)
         # A layer of one sequence's decode step over a slice of the pools; `compile_span` may swap in
@@ -106,6 +110,12 @@ class CachedDecoder:
         self.head = PackedLinear.of(linear)
         return self.lm_head.numel() * self.lm_head.element_size()
 
+    def drop_own_head(self) -> None:
+        """Forget the float tensor of a checkpoint's own LM head once `head` multiplies with a copy
+        of it (packed or int8), so the head is held once; a tied head is the embeddings and stays."""
+        if self.lm_head is not self.model.embed_tokens.weight:
+            self.lm_head = self.lm_head.new_empty((self.vocab_size, 0))  # keeps only its vocabulary size
+
     @torch.inference_mode()
     def compile_span(self) -> str | None:
         """Compiles the layer of one sequence's decode step (`_span_layer`) with torch.compile
@@ -119,6 +129,10 @@ class CachedDecoder:
         kinds = {tuple(type(m).__name__ for m in layer.modules()) for layer in layers}
         if len(kinds) != 1:
             return "its layers differ in their Linears"
+        with _COMPILE_LOCK:  # one compile at a time (models load on threads; dynamo's state is shared)
+            return self._compile_span(layers)
+
+    def _compile_span(self, layers: list[LlamaLayer]) -> str | None:
         cache = self.cache
         fn = types.FunctionType(_span_layer.__code__.replace(), _span_layer.__globals__, "_span_layer_compiled")
         slots: list[int] = []
@@ -126,8 +140,9 @@ class CachedDecoder:
             compiled = torch.compile(
                 fn, dynamic=True, options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
             )
-            slots = [cache.alloc(3), cache.alloc(7)]  # two scratch slots, at two places in the pools
-        except Exception as e:  # no compiler, or no room: eager steps
+            for length in (3, 7):  # two scratch slots, at two places in the pools
+                slots.append(cache.alloc(length))
+        except Exception as e:  # no compiler, or no room for two slots: eager steps
             for slot in slots:
                 cache.free(slot)
             return f"{type(e).__name__}: {e}"
@@ -135,9 +150,9 @@ class CachedDecoder:
             layer, ck, cv = layers[0], cache.k[0], cache.v[0]
             hidden = self.model.embed_tokens.weight.shape[1]
             # Compiled at the first slot's lengths 2 and 3 (neither 0 nor 1, so they stay symbolic),
-            # then checked at another start and length: with the guards dropped, code specialised
-            # to the first values would show here rather than in an answer.
-            for slot, end in ((slots[0], 2), (slots[0], 3), (slots[1], 7)):
+            # then checked at another start and lengths (1: a one-token prompt): with the guards
+            # dropped, code specialised to the first values would show here rather than in an answer.
+            for slot, end in ((slots[0], 2), (slots[0], 3), (slots[1], 7), (slots[1], 1)):
                 start = cache.span(slot, end)
                 if start is None:
                     return "a scratch slot's blocks are not consecutive"

@@ -55,7 +55,7 @@ class LlamaConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # The LM head is the embeddings (what generation assumes: an untied head is not loaded).
+    # The LM head is the embeddings; false: the checkpoint's own lm_head.weight (generate/forward.py lm_head_of).
     tie_word_embeddings: bool = False
 
     @classmethod
